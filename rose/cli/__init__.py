@@ -1,0 +1,57 @@
+"""The `rose` command line.
+
+Each module in this package adds its commands with `register(app)`; heavy imports
+(torch, confluent_kafka) happen inside the commands, so `rose --help` is instant and
+the control plane runs without the rollout extra installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import typer
+
+from rose.config import ConfigError, load_config
+from rose.events import InvalidEvent
+
+app = typer.Typer(
+    name="rose",
+    help="ROSE: lend idle serving-GPU capacity to agentic-RL rollout without costing serving its SLO.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_state: dict = {"config_path": None}
+
+
+@app.callback()
+def _main(
+    config: str = typer.Option(None, "--config-file", envvar="ROSE_CONFIG", help="TOML config file."),
+) -> None:
+    _state["config_path"] = config
+
+
+def cli_config():
+    """The config for a command: file from --config-file/$ROSE_CONFIG, then environment."""
+    return load_config(_state["config_path"])
+
+
+def fail(message: str, code: int = 2) -> "typer.Exit":
+    """Print one clear line to stderr and exit; for errors the user can fix."""
+    typer.echo(f"rose: {message}", err=True)
+    raise typer.Exit(code)
+
+
+for _mod in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_mod.name}").register(app)
+
+
+def main() -> None:
+    try:
+        app()
+    except (ConfigError, InvalidEvent) as e:
+        typer.echo(f"rose: {e}", err=True)
+        sys.exit(2)

@@ -1,0 +1,37 @@
+"""Bytes <-> events. One JSON object per Kafka value, encoded with orjson."""
+
+from __future__ import annotations
+
+import orjson
+
+from rose.events import EVENT_TYPES, Event, InvalidEvent
+
+MAX_VALUE_BYTES = 1 << 20  # 1 MiB: a telemetry or command value is < 1 KiB; more is hostile
+
+
+def encode(event: Event) -> bytes:
+    return orjson.dumps(event.to_dict())
+
+
+def decode(value: bytes | None, expect: type | None = None) -> Event:
+    """Decode one message value; raises InvalidEvent naming what is wrong.
+
+    `expect` pins the type (a topic carries one schema); without it the `schema`
+    field chooses.
+    """
+    if value is None:
+        raise InvalidEvent("$", "empty value (tombstone)")
+    if len(value) > MAX_VALUE_BYTES:
+        raise InvalidEvent("$", f"value of {len(value)} bytes exceeds {MAX_VALUE_BYTES}")
+    try:
+        d = orjson.loads(value)
+    except orjson.JSONDecodeError as e:
+        raise InvalidEvent("$", f"invalid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
+    if expect is None:
+        schema = d.get("schema")
+        expect = EVENT_TYPES.get(schema) if isinstance(schema, str) else None
+        if expect is None:
+            raise InvalidEvent("schema", f"unknown schema {schema!r}")
+    return expect.from_dict(d)

@@ -1,0 +1,226 @@
+"""One configuration object: defaults, then a TOML file, then ROSE_* environment variables.
+
+Sections map to frozen dataclasses. Any key in `[kafka.librdkafka]` is passed to
+librdkafka untouched (security.protocol, sasl.*, ssl.*, ...), so ROSE joins an existing,
+secured cluster without code changes. Environment variables override the file:
+`ROSE_KAFKA_BOOTSTRAP`, `ROSE_REDIS_URL` (the contract's two), and generally
+`ROSE_<SECTION>__<FIELD>` (e.g. `ROSE_POLICY__TTL_S=8`); `ROSE_LIBRDKAFKA__<NAME>` adds a
+librdkafka property with dots written as underscores (`ROSE_LIBRDKAFKA__SASL_MECHANISM`).
+Secrets (passwords, HMAC keys) may be given as `*_file` paths and are never logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    bootstrap: str = "127.0.0.1:9092"
+    topic_prefix: str = "rose."
+    partitions: int = 8
+    replication: int = 1
+    librdkafka: Mapping[str, str] = field(default_factory=dict)
+
+    def topic(self, name: str) -> str:
+        """Full topic name for a contract name such as 'telemetry' or 'lease-state'."""
+        return f"{self.topic_prefix}{name}"
+
+    @property
+    def telemetry_topic(self) -> str:
+        return self.topic("telemetry")
+
+    @property
+    def commands_topic(self) -> str:
+        return self.topic("commands")
+
+    @property
+    def lease_state_topic(self) -> str:
+        return self.topic("lease-state")
+
+    @property
+    def dlq_topic(self) -> str:
+        return self.topic("dlq")
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "rose:"
+
+    def key(self, *parts: str) -> str:
+        return self.key_prefix + ":".join(parts)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Thresholds of the lease policy (CONTRACT §3 defaults)."""
+
+    grant_headroom: float = 0.30  # every SLO metric: p99 <= (1 - this) * SLO to grant
+    grant_streak: int = 3  # ... for this many consecutive telemetry events of the GPU
+    revoke_headroom: float = 0.10  # any metric below this headroom revokes at once
+    mem_margin_frac: float = 0.10  # safety margin of total memory never lent
+    min_lease_bytes: int = 2 * GiB
+    ttl_s: float = 5.0
+    renew_before_s: float = 2.5  # renew a lease once it has less than this left
+    cooldown_s: float = 10.0
+    cooldown_backoff: float = 2.0  # cooldown multiplies by this on each revoke in a row
+    cooldown_max_s: float = 300.0
+    cooldown_reset_s: float = 120.0  # a lease that lived this long resets the backoff
+    max_compute_share: float = 0.5
+    trend_horizon_s: float = 0.5  # predict p99 this far ahead (one sampling period)
+    kv_growth_revoke_frac: float = 0.5  # serving memory growth eating this much of the margin per period revokes
+    max_ts_skew_s: float = 300.0  # event ts vs Kafka record ts beyond this goes to the dlq
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    period_s: float = 0.5
+    pool: str = "serving"
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    exporter: str = "none"  # none | console | otlp | memory
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "rose"
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    command_hmac_key: str = ""  # when set, commands are signed and executors refuse unsigned ones
+    weights_hmac_key: str = ""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """The local development stack (`rose stack up`)."""
+
+    data_dir: str = ".rose-stack"
+    kafka_version: str = "4.1.1"
+    kafka_port: int = 9092
+    controller_port: int = 9093
+    redis_port: int = 6379
+    kafka_heap: str = "512m"
+
+
+@dataclass(frozen=True)
+class Config:
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    stack: StackConfig = field(default_factory=StackConfig)
+
+    def redacted(self) -> dict:
+        """The config as a dict with secrets replaced, safe to log."""
+        d = dataclasses.asdict(self)
+        for k in list(d["kafka"]["librdkafka"]):
+            if any(s in k for s in ("password", "secret", "key")):
+                d["kafka"]["librdkafka"][k] = "***"
+        for k, v in d["security"].items():
+            if v:
+                d["security"][k] = "***"
+        return d
+
+
+_SECRET_FILE_SUFFIX = "_file"
+
+
+def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:
+    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    name = f"{section}.{f.name}"
+    try:
+        if typ == "int":
+            if isinstance(raw, bool):
+                raise ValueError
+            return int(raw)
+        if typ == "float":
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if typ == "str":
+            return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {typ}, got {raw!r}") from None
+    return raw
+
+
+def _apply(obj: Any, section: str, values: Mapping[str, Any]) -> Any:
+    known = {f.name: f for f in fields(obj)}
+    changes: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key.endswith(_SECRET_FILE_SUFFIX) and key[: -len(_SECRET_FILE_SUFFIX)] in known:
+            target = key[: -len(_SECRET_FILE_SUFFIX)]
+            try:
+                changes[target] = Path(raw).read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"{section}.{key}: cannot read {raw}: {e.strerror}") from None
+            continue
+        if key not in known:
+            raise ConfigError(f"{section}.{key}: unknown setting (known: {', '.join(sorted(known))})")
+        if key == "librdkafka":
+            if not isinstance(raw, Mapping):
+                raise ConfigError(f"{section}.librdkafka: expected a table")
+            changes[key] = {**getattr(obj, key), **{str(k): str(v) for k, v in raw.items()}}
+        else:
+            changes[key] = _coerce(section, known[key], raw)
+    return replace(obj, **changes) if changes else obj
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Defaults < TOML file (`path` or $ROSE_CONFIG) < environment."""
+    env = os.environ if env is None else env
+    path = path or env.get("ROSE_CONFIG")
+    sections: dict[str, dict[str, Any]] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        for k, v in doc.items():
+            if not isinstance(v, dict):
+                raise ConfigError(f"{k}: expected a [section] table")
+            sections[k] = dict(v)
+
+    def put(section: str, key: str, value: Any) -> None:
+        sections.setdefault(section, {})[key] = value
+
+    if "ROSE_KAFKA_BOOTSTRAP" in env:
+        put("kafka", "bootstrap", env["ROSE_KAFKA_BOOTSTRAP"])
+    if "ROSE_REDIS_URL" in env:
+        put("redis", "url", env["ROSE_REDIS_URL"])
+    for k, v in env.items():
+        if not k.startswith("ROSE_") or "__" not in k:
+            continue
+        section, _, key = k[5:].partition("__")
+        section, key = section.lower(), key.lower()
+        if section == "librdkafka":
+            sections.setdefault("kafka", {}).setdefault("librdkafka", {})[key.replace("_", ".")] = v
+        else:
+            put(section, key, v)
+
+    cfg = Config()
+    known = {f.name for f in fields(cfg)}
+    changes = {}
+    for section, values in sections.items():
+        if section not in known:
+            raise ConfigError(f"[{section}]: unknown section (known: {', '.join(sorted(known))})")
+        changes[section] = _apply(getattr(cfg, section), section, values)
+    return replace(cfg, **changes)

@@ -1,0 +1,254 @@
+"""The three event types of the contract, as typed values, with strict decoding.
+
+schemas/*.json is the single source of truth; these types mirror it and
+tests/test_schemas.py proves that they agree. Decoding is hand-written rather than
+run through a JSON Schema validator because it sits on the scheduler's hot path
+(≥ 100k events/s); it checks everything the schema checks, plus the cross-field rules
+a schema cannot express (used ≤ total, rollout ≤ used).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+TELEMETRY_SCHEMA = "rose.telemetry.v1"
+COMMAND_SCHEMA = "rose.command.v1"
+LEASE_STATE_SCHEMA = "rose.lease_state.v1"
+
+COMMAND_KINDS = ("grant", "renew", "revoke")
+LEASE_STATES = ("active", "revoking", "revoked", "expired", "rejected")
+
+MAX_ID_LEN = 256
+MAX_REASON_LEN = 1024
+MAX_BYTES = 1 << 50  # 1 PiB: no GPU of this decade holds more; larger is corrupt input
+MAX_TS = 1e11  # year ~5138; a larger event time is garbage, not a clock
+MAX_QUEUE = 1 << 31
+MAX_RPS = 1e9
+MAX_MS = 1e9
+
+
+class InvalidEvent(ValueError):
+    """A message that does not satisfy its schema; `field` names what is wrong."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def _get(d: dict, key: str, path: str = "") -> Any:
+    try:
+        return d[key]
+    except KeyError:
+        raise InvalidEvent(path + key, "missing required field") from None
+
+
+def _str(d: dict, key: str, max_len: int = MAX_ID_LEN, path: str = "") -> str:
+    v = _get(d, key, path)
+    if not isinstance(v, str):
+        raise InvalidEvent(path + key, f"expected string, got {type(v).__name__}")
+    if not v:
+        raise InvalidEvent(path + key, "must not be empty")
+    if len(v) > max_len:
+        raise InvalidEvent(path + key, f"longer than {max_len} characters ({len(v)})")
+    return v
+
+
+def _num(d: dict, key: str, lo: float, hi: float, path: str = "", lo_open: bool = False) -> float:
+    v = _get(d, key, path)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidEvent(path + key, f"expected number, got {type(v).__name__}")
+    if not math.isfinite(v):
+        raise InvalidEvent(path + key, "must be finite")
+    if v < lo or v > hi or (lo_open and v == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise InvalidEvent(path + key, f"{v} outside {bound}")
+    return float(v)
+
+
+def _int(d: dict, key: str, lo: int, hi: int, path: str = "") -> int:
+    v = _get(d, key, path)
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise InvalidEvent(path + key, f"expected integer, got {type(v).__name__}")
+    if v < lo or v > hi:
+        raise InvalidEvent(path + key, f"{v} outside [{lo}, {hi}]")
+    return v
+
+
+def _schema(d: dict, expected: str) -> None:
+    s = _get(d, "schema")
+    if s != expected:
+        raise InvalidEvent("schema", f"expected {expected!r}, got {s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """p99 serving latencies of one window, in milliseconds."""
+
+    ttft_p99: float
+    tpot_p99: float
+
+    METRICS: ClassVar[tuple[str, ...]] = ("ttft_p99", "tpot_p99")
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str, positive: bool) -> "Latency":
+        if not isinstance(d, dict):
+            raise InvalidEvent(path.rstrip("."), f"expected object, got {type(d).__name__}")
+        return cls(
+            ttft_p99=_num(d, "ttft_p99", 0.0, MAX_MS, path, lo_open=positive),
+            tpot_p99=_num(d, "tpot_p99", 0.0, MAX_MS, path, lo_open=positive),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """rose.telemetry.v1: one window of one serving GPU."""
+
+    event_id: str
+    ts: float
+    node: str
+    gpu: str
+    pool: str
+    gpu_util: float
+    mem_total_bytes: int
+    mem_used_bytes: int
+    rollout_mem_bytes: int
+    latency_ms: Latency
+    slo_ms: Latency
+    rps: float
+    queue_depth: int
+
+    schema: ClassVar[str] = TELEMETRY_SCHEMA
+
+    @property
+    def key(self) -> str:
+        return self.gpu
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {"schema": TELEMETRY_SCHEMA, **d}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Telemetry":
+        if not isinstance(d, dict):
+            raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
+        _schema(d, TELEMETRY_SCHEMA)
+        total = _int(d, "mem_total_bytes", 0, MAX_BYTES)
+        used = _int(d, "mem_used_bytes", 0, MAX_BYTES)
+        rollout = _int(d, "rollout_mem_bytes", 0, MAX_BYTES)
+        if used > total:
+            raise InvalidEvent("mem_used_bytes", f"{used} exceeds mem_total_bytes {total}")
+        if rollout > used:
+            raise InvalidEvent("rollout_mem_bytes", f"{rollout} exceeds mem_used_bytes {used}")
+        return cls(
+            event_id=_str(d, "event_id"),
+            ts=_num(d, "ts", 0.0, MAX_TS),
+            node=_str(d, "node"),
+            gpu=_str(d, "gpu"),
+            pool=_str(d, "pool"),
+            gpu_util=_num(d, "gpu_util", 0.0, 1.0),
+            mem_total_bytes=total,
+            mem_used_bytes=used,
+            rollout_mem_bytes=rollout,
+            latency_ms=Latency.from_dict(_get(d, "latency_ms"), "latency_ms.", positive=False),
+            slo_ms=Latency.from_dict(_get(d, "slo_ms"), "slo_ms.", positive=True),
+            rps=_num(d, "rps", 0.0, MAX_RPS),
+            queue_depth=_int(d, "queue_depth", 0, MAX_QUEUE),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """rose.command.v1: what the scheduler tells one GPU's executor."""
+
+    command_id: str
+    ts: float
+    kind: str
+    gpu: str
+    lease_id: str
+    epoch: int
+    mem_bytes: int
+    compute_share: float
+    expires_at: float
+    reason: str
+    cause_event_id: str
+
+    schema: ClassVar[str] = COMMAND_SCHEMA
+
+    @property
+    def key(self) -> str:
+        return self.gpu
+
+    def to_dict(self) -> dict:
+        return {"schema": COMMAND_SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Command":
+        if not isinstance(d, dict):
+            raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
+        _schema(d, COMMAND_SCHEMA)
+        kind = _str(d, "kind")
+        if kind not in COMMAND_KINDS:
+            raise InvalidEvent("kind", f"expected one of {COMMAND_KINDS}, got {kind!r}")
+        return cls(
+            command_id=_str(d, "command_id"),
+            ts=_num(d, "ts", 0.0, MAX_TS),
+            kind=kind,
+            gpu=_str(d, "gpu"),
+            lease_id=_str(d, "lease_id"),
+            epoch=_int(d, "epoch", 0, 1 << 62),
+            mem_bytes=_int(d, "mem_bytes", 0, MAX_BYTES),
+            compute_share=_num(d, "compute_share", 0.0, 1.0),
+            expires_at=_num(d, "expires_at", 0.0, MAX_TS),
+            reason=_str(d, "reason", MAX_REASON_LEN),
+            cause_event_id=_str(d, "cause_event_id"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseState:
+    """rose.lease_state.v1: the executor's word on one GPU's lease (compacted by gpu)."""
+
+    gpu: str
+    lease_id: str
+    epoch: int
+    state: str
+    ts: float
+    rollout_mem_bytes: int
+    command_id: str
+
+    schema: ClassVar[str] = LEASE_STATE_SCHEMA
+
+    @property
+    def key(self) -> str:
+        return self.gpu
+
+    def to_dict(self) -> dict:
+        return {"schema": LEASE_STATE_SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "LeaseState":
+        if not isinstance(d, dict):
+            raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
+        _schema(d, LEASE_STATE_SCHEMA)
+        state = _str(d, "state")
+        if state not in LEASE_STATES:
+            raise InvalidEvent("state", f"expected one of {LEASE_STATES}, got {state!r}")
+        return cls(
+            gpu=_str(d, "gpu"),
+            lease_id=_str(d, "lease_id"),
+            epoch=_int(d, "epoch", 0, 1 << 62),
+            state=state,
+            ts=_num(d, "ts", 0.0, MAX_TS),
+            rollout_mem_bytes=_int(d, "rollout_mem_bytes", 0, MAX_BYTES),
+            command_id=_str(d, "command_id"),
+        )
+
+
+Event = Telemetry | Command | LeaseState
+EVENT_TYPES: dict[str, type] = {t.schema: t for t in (Telemetry, Command, LeaseState)}

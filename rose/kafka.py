@@ -1,0 +1,198 @@
+"""Thin adapters over confluent-kafka: config pass-through, retries on a full queue,
+flush on exit, and the dead-letter topic. Policy lives elsewhere; these add nothing else.
+
+librdkafka properties from the config (`[kafka.librdkafka]`) pass through untouched, so
+`security.protocol`, `sasl.*` and `ssl.*` reach every client ROSE builds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Sequence
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from rose.codec import encode
+from rose.config import KafkaConfig
+from rose.events import Event
+
+Headers = list[tuple[str, bytes]]
+
+# Latency-first producer defaults for control messages; every one can be overridden.
+LOW_LATENCY = {"linger.ms": 2, "batch.num.messages": 10000}
+
+
+def client_conf(kcfg: KafkaConfig, **overrides) -> dict:
+    """bootstrap + the user's librdkafka pass-through + the caller's overrides."""
+    conf = {"bootstrap.servers": kcfg.bootstrap, **kcfg.librdkafka}
+    conf.update({k.replace("_", "."): v for k, v in overrides.items()})
+    return conf
+
+
+def make_producer(kcfg: KafkaConfig, **overrides) -> Producer:
+    """An idempotent producer (acks=all, ordered per partition) with low-latency batching."""
+    conf = {"enable.idempotence": True, **LOW_LATENCY}
+    conf.update(client_conf(kcfg, **overrides))
+    return Producer(conf)
+
+
+def make_consumer(kcfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
+    """A consumer with manual commits and read_committed isolation (sees only committed
+    transactional output)."""
+    conf = {
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "enable.partition.eof": False,
+    }
+    conf.update(client_conf(kcfg, **overrides))
+    return Consumer(conf)
+
+
+def make_admin(kcfg: KafkaConfig, **overrides) -> AdminClient:
+    return AdminClient(client_conf(kcfg, **overrides))
+
+
+def produce(producer: Producer, topic: str, value: bytes | None, key: str | bytes | None,
+            headers: Headers | None = None, partition: int | None = None) -> None:
+    """Produce without blocking on a healthy broker; when librdkafka's queue is full,
+    serve delivery reports and retry (back-pressure instead of an exception)."""
+    kwargs = {"headers": headers} if headers else {}
+    if partition is not None:
+        kwargs["partition"] = partition
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, **kwargs)
+            return
+        except BufferError:
+            producer.poll(0.05)
+
+
+def produce_event(producer: Producer, topic: str, event: Event, headers: Headers | None = None) -> None:
+    produce(producer, topic, encode(event), event.key, headers)
+
+
+def dead_letter(producer: Producer, dlq_topic: str, msg: Message, reason: str, field: str = "$",
+                consumer: str = "rose") -> None:
+    """Send a message ROSE could not use to the dead-letter topic: the original key and
+    value bytes unchanged, the reason and the source position in headers (the Kafka
+    Connect convention), so nothing is lost and it can be re-driven later."""
+    headers: Headers = [
+        ("rose.dlq.reason", reason.encode()[:4096]),
+        ("rose.dlq.field", field.encode()[:256]),
+        ("rose.dlq.consumer", consumer.encode()),
+        ("rose.dlq.topic", (msg.topic() or "").encode()),
+        ("rose.dlq.partition", str(msg.partition()).encode()),
+        ("rose.dlq.offset", str(msg.offset()).encode()),
+    ]
+    for k, v in msg.headers() or []:
+        if not k.startswith("rose.dlq."):
+            headers.append((k, v if isinstance(v, bytes) else (v or b"")))
+    produce(producer, dlq_topic, msg.value(), msg.key(), headers)
+
+
+def header(msg_or_headers, name: str) -> bytes | None:
+    """First value of a header, from a Message or a header list."""
+    hs = msg_or_headers.headers() if hasattr(msg_or_headers, "headers") else msg_or_headers
+    for k, v in hs or []:
+        if k == name:
+            return v
+    return None
+
+
+def wait_for_broker(kcfg: KafkaConfig, timeout_s: float = 30.0) -> None:
+    """Block until the cluster answers a metadata request, or raise with the last error."""
+    admin = make_admin(kcfg)
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            md = admin.list_topics(timeout=2)
+            if md.brokers:
+                return
+        except KafkaException as e:
+            last = e
+        time.sleep(0.2)
+    raise TimeoutError(f"Kafka at {kcfg.bootstrap} did not answer within {timeout_s}s ({last})")
+
+
+def end_offsets(consumer: Consumer, topic: str, timeout: float = 10.0) -> list[TopicPartition]:
+    """High watermarks of every partition of a topic."""
+    md = consumer.list_topics(topic, timeout=timeout)
+    parts = md.topics[topic].partitions
+    out = []
+    for p in sorted(parts):
+        lo, hi = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
+        out.append(TopicPartition(topic, p, hi))
+    return out
+
+
+def read_all(kcfg: KafkaConfig, topics: Sequence[str], timeout_s: float = 30.0,
+             isolation: str = "read_committed", **overrides) -> list[Message]:
+    """Every message currently in `topics` (up to their end offsets at call time),
+    in partition order. For record, audits and tests."""
+    consumer = make_consumer(kcfg, group_id=f"rose-reader-{time.monotonic_ns()}",
+                             **{"isolation.level": isolation, **overrides})
+    try:
+        ends: dict[tuple[str, int], int] = {}
+        assign = []
+        for t in topics:
+            for tp in end_offsets(consumer, t):
+                lo, _ = consumer.get_watermark_offsets(TopicPartition(t, tp.partition), timeout=10)
+                if tp.offset > lo:
+                    ends[(t, tp.partition)] = tp.offset
+                    assign.append(TopicPartition(t, tp.partition, lo))
+        consumer.assign(assign)
+        out: list[Message] = []
+        deadline = time.monotonic() + timeout_s
+        remaining = dict(ends)
+        while remaining and time.monotonic() < deadline:
+            for m in consumer.consume(1000, timeout=0.5):
+                if m.error():
+                    if m.error().code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise KafkaException(m.error())
+                tp = (m.topic(), m.partition())
+                out.append(m)
+                if tp in remaining and m.offset() + 1 >= remaining[tp]:
+                    del remaining[tp]
+            # transaction markers occupy offsets: a partition whose position reached its end is done
+            if remaining:
+                for tp in consumer.position([TopicPartition(t, p) for (t, p) in remaining]):
+                    if tp.offset >= remaining.get((tp.topic, tp.partition), 1 << 62):
+                        del remaining[(tp.topic, tp.partition)]
+        if remaining:
+            raise TimeoutError(f"could not read {sorted(remaining)} to their end in {timeout_s}s")
+        return out
+    finally:
+        consumer.close()
+
+
+def message_record(m: Message) -> dict:
+    """A Kafka message as one NDJSON-able dict (the `rose record` line format)."""
+    ts_type, ts_ms = m.timestamp()
+    value = m.value()
+    try:
+        decoded = orjson.loads(value) if value is not None else None
+    except orjson.JSONDecodeError:
+        decoded = None
+    rec = {
+        "topic": m.topic(),
+        "partition": m.partition(),
+        "offset": m.offset(),
+        "timestamp_ms": ts_ms,
+        "key": m.key().decode("utf-8", "replace") if m.key() is not None else None,
+        "headers": {k: (v or b"").decode("utf-8", "replace") for k, v in (m.headers() or [])},
+    }
+    if decoded is not None or value is None:
+        rec["value"] = decoded
+    else:
+        rec["value_raw"] = value.decode("utf-8", "replace")
+    return rec
+
+
+def iter_headers(headers: Iterable[tuple[str, bytes]] | None) -> dict[str, str]:
+    return {k: (v or b"").decode("utf-8", "replace") for k, v in (headers or [])}

@@ -1,0 +1,35 @@
+"""Structured JSON logs (structlog) that carry the current trace_id/span_id."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+from rose.tracing import trace_ids
+
+
+def _add_trace_ids(_logger, _name, event_dict):
+    event_dict.update(trace_ids())
+    return event_dict
+
+
+def setup_logging(level: str = "INFO", json: bool = True) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _add_trace_ids,
+            structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def get_logger(name: str = "rose", **bind):
+    return structlog.get_logger(name).bind(**bind)

@@ -1,0 +1,86 @@
+"""OpenTelemetry set-up and W3C trace context in Kafka headers.
+
+Every Kafka message ROSE produces carries `traceparent` (and `tracestate`) so a lease
+decision, the telemetry that caused it and the executor that obeyed it share one trace.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from rose.config import TracingConfig
+
+_propagator = TraceContextTextMapPropagator()
+_memory_exporter: InMemorySpanExporter | None = None
+
+
+def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProvider:
+    """Install a tracer provider with the configured exporter (none, console, otlp, memory)."""
+    global _memory_exporter
+    provider = TracerProvider(resource=Resource.create({"service.name": service or tcfg.service_name}))
+    if tcfg.exporter == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    elif tcfg.exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=tcfg.otlp_endpoint)))
+    elif tcfg.exporter == "memory":
+        _memory_exporter = _memory_exporter or InMemorySpanExporter()
+        provider.add_span_processor(SimpleSpanProcessor(_memory_exporter))
+    elif tcfg.exporter != "none":
+        from rose.config import ConfigError
+
+        raise ConfigError(f"tracing.exporter: unknown exporter {tcfg.exporter!r} (none|console|otlp|memory)")
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def memory_exporter() -> InMemorySpanExporter | None:
+    """The in-memory exporter installed by setup_tracing(exporter='memory'), for tests."""
+    return _memory_exporter
+
+
+def tracer(name: str = "rose") -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+class _HeaderGetter:
+    def get(self, carrier, key):
+        for k, v in carrier or []:
+            if k == key:
+                return [v.decode("latin-1") if isinstance(v, bytes) else str(v)]
+        return None
+
+    def keys(self, carrier):
+        return [k for k, _ in carrier or []]
+
+
+_getter = _HeaderGetter()
+
+
+def extract_context(headers) -> otel_context.Context:
+    """The trace context carried in a Kafka message's headers (empty if none)."""
+    return _propagator.extract(headers or [], getter=_getter)
+
+
+def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, bytes]]:
+    """traceparent/tracestate headers for the current (or given) span context."""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=ctx)
+    return [(k, v.encode()) for k, v in carrier.items()]
+
+
+def trace_ids() -> dict[str, str]:
+    """trace_id/span_id of the current span as hex, for log lines."""
+    sc = trace.get_current_span().get_span_context()
+    if not sc.is_valid:
+        return {}
+    return {"trace_id": format(sc.trace_id, "032x"), "span_id": format(sc.span_id, "016x")}
