@@ -1,0 +1,51 @@
+"""The contract's topics, created idempotently (already-exists is success)."""
+
+from __future__ import annotations
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import NewTopic
+
+from rose.config import KafkaConfig
+from rose.kafka import make_admin
+
+# Compaction keeps the newest lease state per GPU forever: the scheduler's rebuild source.
+COMPACTED = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": "600000"}
+LARGE = {"max.message.bytes": str(16 << 20)}
+
+
+def topic_specs(kcfg: KafkaConfig) -> dict[str, dict[str, str]]:
+    """Topic name -> topic config, for every topic ROSE uses."""
+    return {
+        kcfg.telemetry_topic: {"retention.ms": str(24 * 3600 * 1000), **LARGE},
+        kcfg.commands_topic: {"retention.ms": str(7 * 24 * 3600 * 1000), **LARGE},
+        kcfg.lease_state_topic: {**COMPACTED, **LARGE},
+        kcfg.topic("scheduler-state"): {**COMPACTED, **LARGE},
+        kcfg.dlq_topic: {"retention.ms": str(14 * 24 * 3600 * 1000), **LARGE},
+    }
+
+
+def create_topics(kcfg: KafkaConfig, timeout_s: float = 30.0) -> dict[str, str]:
+    """Create every topic; returns name -> 'created' | 'exists'. Raises on other errors."""
+    admin = make_admin(kcfg)
+    new = [NewTopic(name, num_partitions=kcfg.partitions, replication_factor=kcfg.replication, config=conf)
+           for name, conf in topic_specs(kcfg).items()]
+    result = {}
+    for name, fut in admin.create_topics(new, request_timeout=timeout_s).items():
+        try:
+            fut.result(timeout=timeout_s)
+            result[name] = "created"
+        except KafkaException as e:
+            if e.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                result[name] = "exists"
+            else:
+                raise
+    return result
+
+
+def delete_topics(kcfg: KafkaConfig, names: list[str], timeout_s: float = 30.0) -> None:
+    admin = make_admin(kcfg)
+    for fut in admin.delete_topics(names, request_timeout=timeout_s).values():
+        try:
+            fut.result(timeout=timeout_s)
+        except KafkaException:
+            pass

@@ -1,0 +1,85 @@
+"""Shared fixtures. Tests of Kafka and Redis behaviour use the real local stack
+(`rose stack up`); each test gets its own topic and key prefix so runs never collide."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rose.config import Config, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+TRACES = Path(os.environ.get("ROSE_TRACES", REPO.parent / "shared" / "traces"))
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    slow = os.environ.get("ROSE_SLOW") == "1"
+    for item in items:
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "slow" in item.keywords and not slow:
+            item.add_marker(pytest.mark.skip(reason="long variant; set ROSE_SLOW=1"))
+
+
+@pytest.fixture(scope="session")
+def base_cfg() -> Config:
+    return load_config()
+
+
+@pytest.fixture(scope="session")
+def stack(base_cfg):
+    """The real local Kafka + Redis; started here if `make test` did not start it."""
+    from rose.stack import LocalStack
+
+    s = LocalStack.from_config(base_cfg)
+    st = s.status()
+    started = not all(st.values())
+    if started:
+        s.up()
+    yield s
+    if started and os.environ.get("ROSE_KEEP_STACK") != "1":
+        s.down()
+
+
+@pytest.fixture
+def cfg(stack, base_cfg) -> Config:
+    """A Config with a unique topic prefix and Redis key prefix, topics created."""
+    from rose.topics import create_topics, delete_topics, topic_specs
+
+    tag = uuid.uuid4().hex[:10]
+    kafka = dataclasses.replace(base_cfg.kafka, bootstrap=stack.kafka_bootstrap,
+                                topic_prefix=f"t{tag}.", partitions=4)
+    redis = dataclasses.replace(base_cfg.redis, url=stack.redis_url, key_prefix=f"t{tag}:")
+    c = dataclasses.replace(base_cfg, kafka=kafka, redis=redis)
+    create_topics(c.kafka)
+    yield c
+    delete_topics(c.kafka, list(topic_specs(c.kafka)))
+
+
+@pytest.fixture
+def redis_client(cfg):
+    import redis
+
+    r = redis.Redis.from_url(cfg.redis.url)
+    yield r
+    keys = list(r.scan_iter(match=f"{cfg.redis.key_prefix}*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def traces_dir() -> Path:
+    if not TRACES.is_dir():
+        pytest.fail(f"traces not found at {TRACES}; set ROSE_TRACES to the shared traces folder")
+    return TRACES
