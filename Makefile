@@ -1,0 +1,41 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Each installs what it needs.
+PY ?= python3
+PIP ?= $(PY) -m pip
+STAMP := .rose-stack/.installed
+DEMO_DURATION ?= 180
+DEMO_REPORT ?= reports/demo
+
+.PHONY: install test test-fast demo stack-up stack-down bench clean
+
+$(STAMP): pyproject.toml
+	@command -v java >/dev/null || (echo "installing Java 17 ..." && apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless)
+	@command -v mvn >/dev/null || (echo "installing Maven ..." && apt-get update -qq && apt-get install -y -qq maven)
+	@command -v redis-server >/dev/null || (echo "installing redis-server ..." && apt-get update -qq && apt-get install -y -qq redis-server)
+	$(PIP) install -q --disable-pip-version-check -e ".[all]"
+	@mkdir -p .rose-stack && touch $(STAMP)
+
+install: $(STAMP)
+
+stack-up: install
+	rose stack up
+
+stack-down:
+	-rose stack down
+
+# Starts the real Kafka and Redis, runs every test against them, stops them (also on failure).
+test: install
+	rose stack up
+	ROSE_KEEP_STACK=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; rose stack down; exit $$rc
+
+# The whole system end to end on the local stack, with a live view and a report.
+demo: install
+	rose stack up
+	rose demo --duration $(DEMO_DURATION) --report $(DEMO_REPORT)
+	@echo "report: $(DEMO_REPORT)/report.md"
+
+bench: install
+	rose stack up
+	@for b in $$(rose bench list | cut -d' ' -f1); do rose bench $$b --json; done
+
+clean: stack-down
+	rm -rf .rose-stack reports

@@ -1,0 +1,184 @@
+"""schemas/ is the single source of truth: the Python types must agree with it.
+
+Agreement is checked three ways: the field sets match; every instance generated from a
+schema decodes (modulo the documented cross-field rules); and for single-field mutations
+of a valid event, the decoder rejects exactly when the reference validator does.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import jsonschema
+import orjson
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from rose.codec import MAX_VALUE_BYTES, decode, encode
+from rose.events import Command, InvalidEvent, LeaseState, Telemetry
+from tests.examples import command_example, lease_state_example, telemetry_example
+
+SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
+TYPES = {"rose.telemetry.v1": Telemetry, "rose.command.v1": Command, "rose.lease_state.v1": LeaseState}
+EXAMPLES = {Telemetry: telemetry_example, Command: command_example, LeaseState: lease_state_example}
+
+
+def load(name):
+    return json.loads((SCHEMAS / f"{name}.json").read_text())
+
+
+def from_schema(schema: dict):
+    """Instances of the small JSON Schema subset schemas/ uses (object, string, number,
+    integer, enum, const, bounds)."""
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    t = schema["type"]
+    if t == "object":
+        return st.fixed_dictionaries({k: from_schema(v) for k, v in schema["properties"].items()})
+    if t == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 20), 20))
+    if t == "integer":
+        return st.integers(schema.get("minimum"), schema.get("maximum"))
+    lo = schema.get("minimum", schema.get("exclusiveMinimum"))
+    return st.floats(lo, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema,
+                     allow_nan=False, allow_infinity=False) | st.integers(
+        int(lo) + ("exclusiveMinimum" in schema), int(schema.get("maximum", 2**53)))
+
+
+def cross_field_ok(d) -> bool:
+    if d.get("schema") != "rose.telemetry.v1":
+        return True
+    return d["mem_used_bytes"] <= d["mem_total_bytes"] and d["rollout_mem_bytes"] <= d["mem_used_bytes"]
+
+
+@pytest.mark.parametrize("name,typ", TYPES.items())
+def test_schema_fields_match_type(name, typ):
+    schema = load(name)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    fields = set(typ.__dataclass_fields__) | {"schema"}
+    assert set(schema["required"]) == fields
+    assert set(schema["properties"]) == fields
+    assert schema["properties"]["schema"]["const"] == typ.schema
+
+
+@pytest.mark.parametrize("name,typ", TYPES.items())
+def test_examples_validate_against_schema_and_round_trip(name, typ):
+    ev = EXAMPLES[typ]()
+    jsonschema.validate(orjson.loads(encode(ev)), load(name))
+    assert decode(encode(ev)) == ev
+    assert decode(encode(ev), typ) == ev
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_every_schema_instance_decodes(name, data):
+    d = data.draw(from_schema(load(name)))
+    assume(cross_field_ok(d))
+    ev = decode(orjson.dumps(d))
+    assert isinstance(ev, TYPES[name])
+    # what decodes re-encodes to an instance the schema still accepts
+    jsonschema.validate(orjson.loads(encode(ev)), load(name))
+
+
+BAD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=5), st.just(""), st.lists(st.integers(-9, 9), max_size=2), st.just({}),
+)
+
+
+def _paths(d, prefix=()):
+    for k, v in d.items():
+        yield prefix + (k,)
+        if isinstance(v, dict):
+            yield from _paths(v, prefix + (k,))
+
+
+@pytest.mark.parametrize("name,typ", TYPES.items())
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_decoder_rejects_exactly_what_the_schema_rejects(name, typ, data):
+    d = orjson.loads(encode(EXAMPLES[typ]()))
+    path = data.draw(st.sampled_from(sorted(_paths(d))))
+    target = d
+    for k in path[:-1]:
+        target = target[k]
+    if data.draw(st.booleans()):
+        target[path[-1]] = data.draw(BAD_VALUES)
+    else:
+        del target[path[-1]]
+    assume(cross_field_ok(d) if all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool)
+                                    for k in ("mem_used_bytes", "mem_total_bytes", "rollout_mem_bytes")) else True)
+    schema_ok = jsonschema.Draft202012Validator(load(name)).is_valid(d)
+    try:
+        decode(orjson.dumps(d), typ)
+        decoded_ok = True
+    except InvalidEvent as e:
+        decoded_ok = False
+        assert e.field == "$" or e.field.split(".")[0] == path[0] or e.field in ("mem_used_bytes", "rollout_mem_bytes"), (e.field, path)
+    assert decoded_ok == schema_ok, (path, d)
+
+
+INVALID = [
+    (b"not json", "$"),
+    (b"[1,2]", "$"),
+    (b'{"schema":"rose.telemetry.v9"}', "schema"),
+    (b'{"ts": NaN}', "$"),
+    (b'{"ts": Infinity}', "$"),
+    (b"", "$"),
+]
+
+
+@pytest.mark.parametrize("raw,field", INVALID)
+def test_invalid_bytes_name_the_problem(raw, field):
+    with pytest.raises(InvalidEvent) as ei:
+        decode(raw)
+    assert ei.value.field == field
+    assert str(ei.value)
+
+
+def test_specific_reasons():
+    base = orjson.loads(encode(telemetry_example()))
+    cases = {
+        "mem_used_bytes": ({**base, "mem_used_bytes": base["mem_total_bytes"] + 1}, "exceeds mem_total_bytes"),
+        "rollout_mem_bytes": ({**base, "rollout_mem_bytes": base["mem_used_bytes"] + 1}, "exceeds mem_used_bytes"),
+        "gpu_util": ({**base, "gpu_util": 1.5}, "outside"),
+        "latency_ms.tpot_p99": ({**base, "latency_ms": {"ttft_p99": 1, "tpot_p99": "x"}}, "expected number"),
+        "slo_ms.ttft_p99": ({**base, "slo_ms": {"ttft_p99": 0, "tpot_p99": 1}}, "outside"),
+        "gpu": ({**base, "gpu": "x" * 10_000}, "longer than"),
+        "mem_total_bytes": ({**base, "mem_total_bytes": -1}, "outside"),
+    }
+    for field, (d, reason) in cases.items():
+        with pytest.raises(InvalidEvent) as ei:
+            decode(orjson.dumps(d))
+        assert ei.value.field == field and reason in ei.value.reason, (field, ei.value)
+
+
+def test_huge_value_rejected_before_parsing():
+    with pytest.raises(InvalidEvent, match="exceeds"):
+        decode(b" " * (MAX_VALUE_BYTES + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
+def test_decoder_raises_only_invalid_event(raw):
+    try:
+        decode(raw)
+    except InvalidEvent:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=8) | st.integers(-(2**63), 2**63 - 1),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                    max_leaves=20))
+def test_decoder_on_arbitrary_json(obj):
+    for typ in (None, Telemetry, Command, LeaseState):
+        try:
+            ev = decode(orjson.dumps(obj), typ)
+            assert all(math.isfinite(v) for v in (ev.ts,))
+        except InvalidEvent:
+            pass
