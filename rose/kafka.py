@@ -119,47 +119,36 @@ def wait_for_broker(kcfg: KafkaConfig, timeout_s: float = 30.0) -> None:
     raise TimeoutError(f"Kafka at {kcfg.bootstrap} did not answer within {timeout_s}s ({last})")
 
 
-def end_offsets(consumer: Consumer, topic: str, timeout: float = 10.0) -> list[TopicPartition]:
-    """High watermarks of every partition of a topic."""
-    md = consumer.list_topics(topic, timeout=timeout)
-    parts = md.topics[topic].partitions
-    out = []
-    for p in sorted(parts):
-        lo, hi = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
-        out.append(TopicPartition(topic, p, hi))
-    return out
-
-
-def read_all(kcfg: KafkaConfig, topics: Sequence[str], timeout_s: float = 30.0,
-             isolation: str = "read_committed", **overrides) -> list[Message]:
-    """Every message currently in `topics` (up to their end offsets at call time),
-    in partition order. For record, audits and tests."""
+def read_partitions(kcfg: KafkaConfig, partitions: Sequence[tuple[str, int]], timeout_s: float = 30.0,
+                    isolation: str = "read_committed", **overrides) -> list[Message]:
+    """Every message now in the given (topic, partition)s, from their start up to their end
+    offsets at call time, in partition order. For rebuilding state, record, audits and tests."""
     consumer = make_consumer(kcfg, group_id=f"rose-reader-{time.monotonic_ns()}",
                              **{"isolation.level": isolation, **overrides})
     try:
-        ends: dict[tuple[str, int], int] = {}
+        remaining: dict[tuple[str, int], int] = {}
         assign = []
-        for t in topics:
-            for tp in end_offsets(consumer, t):
-                lo, _ = consumer.get_watermark_offsets(TopicPartition(t, tp.partition), timeout=10)
-                if tp.offset > lo:
-                    ends[(t, tp.partition)] = tp.offset
-                    assign.append(TopicPartition(t, tp.partition, lo))
+        for t, p in partitions:
+            lo, hi = consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)
+            if hi > lo:
+                remaining[(t, p)] = hi
+                assign.append(TopicPartition(t, p, lo))
+        if not assign:
+            return []
         consumer.assign(assign)
         out: list[Message] = []
         deadline = time.monotonic() + timeout_s
-        remaining = dict(ends)
         while remaining and time.monotonic() < deadline:
-            for m in consumer.consume(1000, timeout=0.5):
+            for m in consumer.consume(1000, timeout=0.2):
                 if m.error():
                     if m.error().code() == KafkaError._PARTITION_EOF:
                         continue
                     raise KafkaException(m.error())
-                tp = (m.topic(), m.partition())
                 out.append(m)
+                tp = (m.topic(), m.partition())
                 if tp in remaining and m.offset() + 1 >= remaining[tp]:
                     del remaining[tp]
-            # transaction markers occupy offsets: a partition whose position reached its end is done
+            # transaction markers and aborted records occupy offsets: done once the position is at the end
             if remaining:
                 for tp in consumer.position([TopicPartition(t, p) for (t, p) in remaining]):
                     if tp.offset >= remaining.get((tp.topic, tp.partition), 1 << 62):
@@ -169,6 +158,21 @@ def read_all(kcfg: KafkaConfig, topics: Sequence[str], timeout_s: float = 30.0,
         return out
     finally:
         consumer.close()
+
+
+def partitions_of(kcfg: KafkaConfig, topic: str, timeout_s: float = 10.0) -> list[int]:
+    md = make_admin(kcfg).list_topics(topic, timeout=timeout_s)
+    t = md.topics.get(topic)
+    if t is None or t.error is not None:
+        raise KafkaException(t.error if t is not None else KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+    return sorted(t.partitions)
+
+
+def read_all(kcfg: KafkaConfig, topics: Sequence[str], timeout_s: float = 30.0,
+             isolation: str = "read_committed", **overrides) -> list[Message]:
+    """Every message currently in `topics` (up to their end offsets at call time)."""
+    parts = [(t, p) for t in topics for p in partitions_of(kcfg, t)]
+    return read_partitions(kcfg, parts, timeout_s, isolation, **overrides)
 
 
 def message_record(m: Message) -> dict:
