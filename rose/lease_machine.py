@@ -1,0 +1,318 @@
+"""The executor's lease state machine for one GPU: a pure step `(state, input, now) -> (state', actions)`.
+
+No I/O and no clock: `now` is the executor's monotonic clock, passed in. The imperative shell
+(consumers/executor.py) turns actions into process signals and Kafka messages, and turns process
+exits, guard trips and the passage of time into inputs. Because it is pure, the safety rules are
+property-tested (tests/test_lease_machine.py) over arbitrary command and time sequences:
+
+- the one rollout worker of a GPU is started only inside a lease and with that lease's
+  `mem_bytes` / `compute_share`; a resize or an ended lease stops it before anything new starts;
+- fencing: a command whose epoch is below the highest seen for the GPU is ignored and answered
+  `rejected`; a command id seen before is a no-op;
+- a lease ends on revoke, on expiry (TTL = expires_at - ts, counted from receipt on the monotonic
+  clock, less the command's transit age), on a newer grant, or on shutdown; its worker is paused at
+  once, asked to stop, killed at the deadline, and only after it is gone is the terminal state
+  (`revoked` | `expired`) published: a published terminal state means the memory is back.
+
+Compaction keeps only the newest lease state per GPU, so whenever a step publishes a record that
+is not the GPU's current truth (a `rejected` answer, an older lease's terminal state), the truth is
+published again after it: the newest record per key is always the executor's current word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Union
+
+from rose.events import Command
+
+SEEN_MAX = 256  # command ids remembered per GPU for duplicate detection (epochs fence older ones)
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    revoke_deadline_s: float = 2.0  # STOP -> SIGKILL
+    restart_backoff_s: float = 1.0  # a worker that died inside a lease is restarted after this
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    epoch: int
+    mem_bytes: int
+    compute_share: float
+    expires_at: float  # monotonic
+    command_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """The GPU's rollout worker as the machine believes it to be (until the shell reports its exit)."""
+
+    mem_bytes: int
+    compute_share: float
+    stopping: bool = False
+    kill_at: float = float("inf")
+    killed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A lease state to publish (the shell adds ts and the measured rollout memory)."""
+
+    lease_id: str
+    epoch: int
+    state: str
+    command_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuLease:
+    gpu: str
+    highest_epoch: int = -1
+    lease: Lease | None = None
+    worker: Worker | None = None
+    ended: tuple[Record, ...] = ()  # terminal states waiting for the worker to be gone
+    truth: Record | None = None  # the newest word on the GPU's highest epoch
+    seen: tuple[str, ...] = ()
+    guard_paused: bool = False
+    restart_at: float = 0.0
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    command: Command
+    age_s: float = 0.0  # time the command spent in transit before receipt (>= 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExited:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class GuardTrip:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class GuardClear:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+Input = Union[Received, Tick, WorkerExited, GuardTrip, GuardClear, Shutdown]
+
+
+# ---- actions ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    gpu: str
+    lease_id: str
+    epoch: int
+    mem_bytes: int
+    compute_share: float
+    paused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    gpu: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    gpu: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    gpu: str
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    gpu: str
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    gpu: str
+    record: Record
+
+
+Action = Union[Start, Pause, Resume, Stop, Kill, Publish]
+
+TERMINAL = ("revoked", "expired")
+
+
+# ---- the step -----------------------------------------------------------------------------------
+
+def initial(gpu: str) -> GpuLease:
+    return GpuLease(gpu=gpu)
+
+
+def restore(gpu: str, last: Record | None) -> tuple[GpuLease, tuple[Action, ...]]:
+    """State after a restart, from the GPU's newest record on the compacted lease-state topic.
+    A lease that was active or revoking when the executor died has no worker now (workers die
+    with their executor): it is declared `expired`, and the scheduler grants a new epoch."""
+    s = GpuLease(gpu=gpu)
+    if last is None:
+        return s, ()
+    s = replace(s, highest_epoch=last.epoch, truth=last)
+    if last.state in ("active", "revoking"):
+        rec = Record(last.lease_id, last.epoch, "expired", last.command_id)
+        return replace(s, truth=rec), (Publish(gpu, rec),)
+    return s, ()
+
+
+def step(s: GpuLease, inp: Input, now: float, p: Params = Params()) -> tuple[GpuLease, tuple[Action, ...]]:
+    out: list[Action] = []
+    if isinstance(inp, Received):
+        s = _command(s, inp, now, out)
+    elif isinstance(inp, Tick):
+        if s.lease is not None and now >= s.lease.expires_at:
+            s = _end(s, "expired", out)
+    elif isinstance(inp, WorkerExited):
+        crashed = s.worker is not None and not s.worker.stopping
+        s = replace(s, worker=None)
+        if crashed and s.lease is not None:
+            s = replace(s, restart_at=now + p.restart_backoff_s)
+    elif isinstance(inp, GuardTrip):
+        s = replace(s, guard_paused=True)
+        if s.worker is not None and not s.worker.stopping:
+            out.append(Pause(s.gpu))
+    elif isinstance(inp, GuardClear):
+        s = replace(s, guard_paused=False)
+        if s.worker is not None and not s.worker.stopping:
+            out.append(Resume(s.gpu))
+    elif isinstance(inp, Shutdown):
+        if s.lease is not None:
+            s = _end(s, "revoked", out)
+    else:  # pragma: no cover - a bug in the shell
+        raise TypeError(f"unknown input {inp!r}")
+    s = _reconcile(s, now, p, out)
+    return s, _with_truth(s, out)
+
+
+def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLease:
+    c = inp.command
+    if c.gpu != s.gpu:
+        raise ValueError(f"command for {c.gpu} routed to {s.gpu}")
+    if c.command_id in s.seen:
+        return s  # duplicate delivery: already applied
+    s = replace(s, seen=(s.seen + (c.command_id,))[-SEEN_MAX:])
+    if c.epoch < s.highest_epoch:
+        out.append(Publish(s.gpu, Record(c.lease_id, c.epoch, "rejected", c.command_id)))
+        return s
+    ttl_left = (c.expires_at - c.ts) - max(0.0, inp.age_s)
+    held = s.lease is not None and s.lease.epoch == c.epoch
+    if c.kind == "revoke":
+        if held:
+            return _end(s, "revoked", out, c.command_id)
+        if c.epoch > s.highest_epoch:  # a lease we never saw is over: fence it, end anything older
+            if s.lease is not None:
+                s = _end(s, "revoked", out, c.command_id)
+            return _ended_unheld(s, Record(c.lease_id, c.epoch, "revoked", c.command_id))
+        return s  # revoke of a lease that already ended: nothing to do
+    # grant or renew: both state the desired lease (level-triggered)
+    if held:
+        lease = s.lease
+        resized = (lease.mem_bytes, lease.compute_share) != (c.mem_bytes, c.compute_share)
+        s = replace(s, lease=replace(lease, expires_at=max(lease.expires_at, now + ttl_left),
+                                     mem_bytes=c.mem_bytes, compute_share=c.compute_share))
+        if resized:
+            rec = Record(lease.lease_id, lease.epoch, "active", c.command_id)
+            out.append(Publish(s.gpu, rec))
+            s = replace(s, truth=rec)
+        return s
+    if c.epoch == s.highest_epoch:  # this epoch's lease already ended (or was never held): fenced
+        out.append(Publish(s.gpu, Record(c.lease_id, c.epoch, "rejected", c.command_id)))
+        return s
+    # a newer epoch: it supersedes whatever lease is held
+    if s.lease is not None:
+        s = _end(s, "revoked", out, c.command_id)
+    s = replace(s, highest_epoch=c.epoch)
+    if ttl_left <= 0:
+        return _ended_unheld(s, Record(c.lease_id, c.epoch, "expired", c.command_id))
+    lease = Lease(c.lease_id, c.epoch, c.mem_bytes, c.compute_share, now + ttl_left, c.command_id)
+    rec = Record(c.lease_id, c.epoch, "active", c.command_id)
+    out.append(Publish(s.gpu, rec))
+    return replace(s, lease=lease, truth=rec, restart_at=now)
+
+
+def _ended_unheld(s: GpuLease, rec: Record) -> GpuLease:
+    """A lease of a newer epoch that never ran here is over. Its terminal word waits, like any
+    other, until an older lease's worker is gone: a terminal state always means memory is back."""
+    return replace(s, highest_epoch=rec.epoch, ended=s.ended + (rec,))
+
+
+def _end(s: GpuLease, state: str, out: list[Action], command_id: str | None = None) -> GpuLease:
+    """End the held lease: pause at once; the terminal state waits until the worker is gone."""
+    lease = s.lease
+    assert lease is not None and state in TERMINAL
+    cid = command_id or lease.command_id
+    if s.worker is not None and not s.worker.stopping:
+        out.append(Pause(s.gpu))
+    if s.worker is not None:
+        rec = Record(lease.lease_id, lease.epoch, "revoking", cid)
+        out.append(Publish(s.gpu, rec))
+        if lease.epoch >= s.highest_epoch:
+            s = replace(s, truth=rec)
+    return replace(s, lease=None, ended=s.ended + (Record(lease.lease_id, lease.epoch, state, cid),))
+
+
+def _reconcile(s: GpuLease, now: float, p: Params, out: list[Action]) -> GpuLease:
+    w, want = s.worker, s.lease
+    if w is not None and not w.stopping and (
+            want is None or (w.mem_bytes, w.compute_share) != (want.mem_bytes, want.compute_share)):
+        if not any(isinstance(a, Pause) for a in out):
+            out.append(Pause(s.gpu))
+        out.append(Stop(s.gpu, p.revoke_deadline_s))
+        w = replace(w, stopping=True, kill_at=now + p.revoke_deadline_s)
+    if w is not None and w.stopping and not w.killed and now >= w.kill_at:
+        out.append(Kill(s.gpu))
+        w = replace(w, killed=True)
+    s = replace(s, worker=w)
+    if w is None and s.ended:
+        for rec in s.ended:
+            out.append(Publish(s.gpu, rec))
+            if rec.epoch >= s.highest_epoch:
+                s = replace(s, truth=rec)
+        s = replace(s, ended=())
+    if w is None and want is not None and now >= s.restart_at:
+        out.append(Start(s.gpu, want.lease_id, want.epoch, want.mem_bytes, want.compute_share, s.guard_paused))
+        s = replace(s, worker=Worker(want.mem_bytes, want.compute_share))
+    return s
+
+
+def _with_truth(s: GpuLease, out: list[Action]) -> tuple[Action, ...]:
+    pubs = [a for a in out if isinstance(a, Publish)]
+    if pubs and s.truth is not None and pubs[-1].record != s.truth:
+        out.append(Publish(s.gpu, s.truth))
+    return tuple(out)
+
+
+def rollout_cap_bytes(s: GpuLease) -> int:
+    """Memory the GPU's rollout side may hold now by the machine's own account."""
+    return s.worker.mem_bytes if s.worker is not None else 0
+
+
+__all__ = [
+    "Params", "Lease", "Worker", "Record", "GpuLease", "Received", "Tick", "WorkerExited", "GuardTrip",
+    "GuardClear", "Shutdown", "Start", "Pause", "Resume", "Stop", "Kill", "Publish", "initial", "restore",
+    "step", "rollout_cap_bytes", "TERMINAL",
+]
