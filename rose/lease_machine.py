@@ -82,40 +82,47 @@ class GpuLease:
 # ---- inputs -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
+class _Event:
+    """An input with no payload (time passed, the worker exited, the guard tripped or cleared, shutdown)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Received:
     command: Command
     age_s: float = 0.0  # time the command spent in transit before receipt (>= 0)
 
 
-@dataclass(frozen=True, slots=True)
-class Tick:
-    pass
+class Tick(_Event):
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerExited:
-    pass
+class WorkerExited(_Event):
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class GuardTrip:
-    pass
+class GuardTrip(_Event):
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class GuardClear:
-    pass
+class GuardClear(_Event):
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Shutdown:
-    pass
+class Shutdown(_Event):
+    __slots__ = ()
 
 
 Input = Union[Received, Tick, WorkerExited, GuardTrip, GuardClear, Shutdown]
 
 
 # ---- actions ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _OnWorker:
+    """A signal to the GPU's worker (pause, resume, kill)."""
+
+    gpu: str
+
 
 @dataclass(frozen=True, slots=True)
 class Start:
@@ -127,14 +134,12 @@ class Start:
     paused: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Pause:
-    gpu: str
+class Pause(_OnWorker):
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Resume:
-    gpu: str
+class Resume(_OnWorker):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +148,8 @@ class Stop:
     deadline_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class Kill:
-    gpu: str
+class Kill(_OnWorker):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
