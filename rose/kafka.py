@@ -32,10 +32,39 @@ def client_conf(kcfg: KafkaConfig, **overrides) -> dict:
 
 
 def make_producer(kcfg: KafkaConfig, **overrides) -> Producer:
-    """An idempotent producer (acks=all, ordered per partition) with low-latency batching."""
-    conf = {"enable.idempotence": True, **LOW_LATENCY}
+    """An idempotent producer (acks=all, ordered per partition) with low-latency batching.
+    Keys are partitioned with murmur2 (the Java client's default, not librdkafka's CRC32) so
+    that a consumer can compute which partition holds a key: see `partition_for`."""
+    conf = {"enable.idempotence": True, "partitioner": "murmur2_random", **LOW_LATENCY}
     conf.update(client_conf(kcfg, **overrides))
     return Producer(conf)
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 hash (seed 0x9747b28c), as the Java client and librdkafka compute it."""
+    m, h = 0x5BD1E995, (0x9747B28C ^ len(data)) & 0xFFFFFFFF
+    n4 = len(data) & ~3
+    for i in range(0, n4, 4):
+        k = int.from_bytes(data[i:i + 4], "little")
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> 24
+        h = ((h * m) & 0xFFFFFFFF) ^ ((k * m) & 0xFFFFFFFF)
+    rest = len(data) - n4
+    if rest == 3:
+        h ^= data[n4 + 2] << 16
+    if rest >= 2:
+        h ^= data[n4 + 1] << 8
+    if rest >= 1:
+        h = ((h ^ data[n4]) * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    return h ^ (h >> 15)
+
+
+def partition_for(key: str | bytes, partitions: int) -> int:
+    """The partition `make_producer` sends `key` to (murmur2, positive, modulo the count)."""
+    data = key.encode() if isinstance(key, str) else key
+    return (murmur2(data) & 0x7FFFFFFF) % partitions
 
 
 def make_consumer(kcfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
