@@ -104,6 +104,22 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class ExecutorConfig:
+    """The executor on each serving node (`rose executor`)."""
+
+    revoke_deadline_s: float = 2.0  # PAUSE+STOP at revoke; SIGKILL if the worker has not exited by then
+    restart_backoff_s: float = 1.0  # a worker that died inside a lease is restarted after this
+    tick_s: float = 0.005  # main loop period: expiry, kill deadlines, worker exits
+    lookback_s: float = 30.0  # first start (no committed offset): read commands from this far back
+    latency_dir: str = ""  # the local guard's latency files; "" = /dev/shm/rose-latency
+    guard_period_s: float = 0.0005  # the local guard's poll period; 0 turns the guard off
+    worker_nice: int = 19  # OS priority of rollout workers on a serving node (CPU protection)
+    job: str = "default"  # the rollout job whose task queue workers serve
+    model: str = "reference"  # the rollout policy the workers load
+    metrics_port: int = 0  # Prometheus /metrics and /healthz; 0 = off
+
+
+@dataclass(frozen=True)
 class StackConfig:
     """The local development stack (`rose stack up`)."""
 
@@ -123,6 +139,7 @@ class Config:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     stack: StackConfig = field(default_factory=StackConfig)
 
     def redacted(self) -> dict:
