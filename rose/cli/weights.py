@@ -1,0 +1,184 @@
+"""`rose weights diff|patch|publish|follow`: weight deltas as files and through Redis."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import orjson
+import typer
+
+weights_app = typer.Typer(help="Sparse, bit-exact weight deltas: files and the Redis weight stream.", no_args_is_help=True)
+
+
+def _load(path: Path):
+    from rose.cli import fail
+    from rose.weights.checkpoint import CheckpointError, load
+
+    try:
+        return load(path)
+    except CheckpointError as e:
+        fail(str(e))
+
+
+def _flat(ck, shard_bytes: int):
+    from rose.weights.layout import flatten, make_layout
+
+    layout = make_layout(ck.specs, shard_bytes)
+    return layout, flatten(layout, ck.arrays)
+
+
+def _out_format(path: Path) -> str:
+    return "safetensors" if path.suffix == ".safetensors" else "torch"
+
+
+@weights_app.command("diff")
+def diff(
+    base: Path = typer.Argument(..., help="The checkpoint the receiver has (.safetensors, .pt, .bin)."),
+    target: Path = typer.Argument(..., help="The checkpoint to reach."),
+    out: Path = typer.Option(..., "--out", help="Delta file to write."),
+    json_out: bool = typer.Option(False, "--json", help="Print the figures as one JSON object."),
+    shard_mib: int = typer.Option(8, "--shard-mib", help="Shard size in MiB."),
+) -> None:
+    """Write the lossless delta from BASE to TARGET."""
+    from rose.cli import fail
+    from rose.weights import codec, delta_file
+    from rose.weights.layout import LayoutError
+
+    t0 = time.perf_counter()
+    b, t = _load(base), _load(target)
+    layout, bflat = _flat(b, shard_mib << 20)
+    tlayout, tflat = _flat(t, shard_mib << 20)
+    try:
+        layout.check_same(tlayout)
+    except LayoutError as e:
+        fail(f"layout mismatch between {base} and {target}: {e}")
+    base_sum = codec.checksum(bflat)
+    patches, _ = codec.encode_state(layout, bflat, tflat, workers=2)
+    size = delta_file.write(out, delta_file.DeltaFile(layout, patches, base_sum, codec.checksum(tflat), t.format, t.metadata))
+    units = layout.shard_units()
+    total_units = sum(int(e - s) // int(units[i]) for i, (s, e) in enumerate(map(layout.shard_range, range(layout.num_shards))))
+    changed = sum(p.changed for p in patches)
+    report = {
+        "params": sum(x.nbytes // max(1, _itemsize(x.dtype)) for x in layout.tensors),
+        "tensors": len(layout.tensors),
+        "changed_fraction": changed / total_units if total_units else 0.0,
+        "shards_changed": len(patches),
+        "shards_total": layout.num_shards,
+        "bytes_full": sum(x.nbytes for x in layout.tensors),
+        "bytes_delta": size,
+        "delta_ratio": size / max(1, sum(x.nbytes for x in layout.tensors)),
+        "seconds": round(time.perf_counter() - t0, 4),
+    }
+    if json_out:
+        typer.echo(orjson.dumps(report).decode())
+    else:
+        typer.echo(f"{out}: {size} bytes ({report['delta_ratio']:.4f} of {report['bytes_full']}), "
+                   f"{report['changed_fraction']:.4%} of elements changed")
+
+
+def _itemsize(dtype: str) -> int:
+    from rose.weights.layout import ITEMSIZE
+
+    return ITEMSIZE[dtype]
+
+
+@weights_app.command("patch")
+def patch(
+    base: Path = typer.Argument(..., help="The checkpoint the delta was made from."),
+    delta: Path = typer.Argument(..., help="A file written by `rose weights diff`."),
+    out: Path = typer.Option(..., "--out", help="Where to write the result (.safetensors or torch)."),
+) -> None:
+    """Apply DELTA to BASE; OUT equals the diff's TARGET bit for bit."""
+    from rose.cli import fail
+    from rose.weights import codec, delta_file
+    from rose.weights.checkpoint import save
+    from rose.weights.layout import LayoutError
+
+    if not delta.is_file():
+        fail(f"{delta}: no such file")
+    try:
+        d = delta_file.read(delta)
+    except delta_file.DeltaFileError as e:
+        fail(str(e))
+    b = _load(base)
+    layout, flat = _flat(b, d.layout.shard_bytes)
+    try:
+        d.layout.check_same(layout)
+    except LayoutError as e:
+        fail(f"layout mismatch between {base} and the delta's base: {e}")
+    if codec.checksum(flat) != d.base_checksum:
+        fail(f"{base} is not the checkpoint {delta} was made from (checksum differs)")
+    try:
+        for p in d.patches:
+            codec.apply_patch(layout, flat, p)
+    except (codec.ChecksumMismatch, codec.CorruptPayload) as e:
+        fail(f"{delta}: {e}")
+    if codec.checksum(flat) != d.target_checksum:
+        fail(f"{delta}: result differs from the target (corrupt delta)")
+    fmt = _out_format(out)
+    save(out, layout, flat, fmt, d.metadata if fmt == "safetensors" and d.format == "safetensors" else None)
+
+
+@weights_app.command("publish")
+def publish(
+    checkpoints: list[Path] = typer.Argument(..., help="Checkpoints, published as consecutive versions."),
+    model: str = typer.Option(..., "--model", help="Model name: the stream is rose:weights:{model}."),
+    keyframe_every: int = typer.Option(50, "--keyframe-every", help="A full snapshot every K versions."),
+    codec_name: str = typer.Option("xor", "--codec", help="xor (lossless), topk or int8 (lossy, error feedback)."),
+    interval_s: float = typer.Option(0.0, "--interval", help="Seconds between versions."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per version."),
+) -> None:
+    """Publish checkpoints as versions of the weight stream."""
+    import redis
+
+    from rose.cli import cli_config, fail
+    from rose.weights.stream import WeightPublisher
+
+    if codec_name not in ("xor", "topk", "int8"):
+        fail(f"--codec: unknown codec {codec_name!r} (xor, topk, int8)")
+    cfg = cli_config()
+    r = redis.Redis.from_url(cfg.redis.url)
+    pub = WeightPublisher(r, cfg.redis, model, keyframe_every=keyframe_every, codec=codec_name,
+                          hmac_key=cfg.security.weights_hmac_key)
+    for i, path in enumerate(checkpoints):
+        ck = _load(path)
+        try:
+            stats = pub.publish_raw(ck.specs, ck.arrays)
+        except redis.ConnectionError as e:
+            fail(f"redis at {cfg.redis.url}: {e}")
+        if json_out:
+            typer.echo(orjson.dumps({"checkpoint": str(path), **stats.__dict__}).decode())
+        else:
+            typer.echo(f"{path}: version {stats.version}, {'keyframe' if stats.keyframe else 'delta'}, "
+                       f"{stats.bytes_sent} of {stats.bytes_full} bytes")
+        if interval_s and i + 1 < len(checkpoints):
+            time.sleep(interval_s)
+
+
+@weights_app.command("follow")
+def follow(
+    model: str = typer.Option(..., "--model", help="Model name: the stream is rose:weights:{model}."),
+    out: Path = typer.Option(..., "--out", help="Directory for weights.safetensors (state + applied seq)."),
+    until_version: int = typer.Option(None, "--until-version", help="Exit once this version is applied."),
+    idle_s: float = typer.Option(None, "--idle-exit", help="Exit after this many seconds without a new version."),
+) -> None:
+    """Apply the weight stream exactly once; keep OUT/weights.safetensors at the newest version."""
+    import redis
+
+    from rose.cli import cli_config
+    from rose.logs import setup_logging
+    from rose.weights.follower import FileStateStore, WeightFollower
+
+    setup_logging()
+    cfg = cli_config()
+    r = redis.Redis.from_url(cfg.redis.url)
+    f = WeightFollower(r, cfg.redis, model, FileStateStore(out), hmac_key=cfg.security.weights_hmac_key)
+    f.follow(until_version=until_version, idle_s=idle_s)
+    snap = f.receiver.visible()
+    typer.echo(orjson.dumps({"version": snap.version if snap else None, **{
+        k: v for k, v in f.stats.__dict__.items() if k != "applied_versions"}}).decode())
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(weights_app, name="weights")

@@ -1,0 +1,144 @@
+"""State dicts and checkpoint files <-> raw tensor bytes (safetensors and torch .pt/.bin).
+
+Safetensors files are read by parsing their header and mapping the data (no torch, no
+copy); they are written with the safetensors library, as are the files we compare with.
+torch is imported only where a torch tensor or a torch file is involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from rose.weights.layout import ITEMSIZE, Layout
+
+_ST_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
+    "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
+    "C64": "complex64",
+}
+_NP_DTYPES = {"bool", "uint8", "int8", "int16", "uint16", "float16", "int32", "uint32", "float32",
+              "int64", "uint64", "float64", "complex64"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as a flat mapping of tensors."""
+
+
+@dataclass
+class Checkpoint:
+    specs: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+    arrays: dict[str, np.ndarray]  # name -> raw bytes (uint8, C order)
+    format: str  # "safetensors" | "torch"
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def tensor_bytes(value: Any) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """(dtype, shape, raw uint8 bytes) of a torch tensor or numpy array; a view when possible."""
+    if isinstance(value, np.ndarray):
+        name = value.dtype.name
+        if name not in _NP_DTYPES:
+            raise CheckpointError(f"unsupported numpy dtype {name}")
+        return name, value.shape, np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"expected a tensor, got {type(value).__name__}")
+    dtype = str(value.dtype).removeprefix("torch.")
+    if dtype not in ITEMSIZE:
+        raise CheckpointError(f"unsupported tensor dtype {dtype}")
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return dtype, tuple(value.shape), t.view(torch.uint8).numpy()
+
+
+def from_state_dict(state: Mapping[str, Any]) -> tuple[dict, dict]:
+    """(specs, arrays) of a state dict of torch tensors or numpy arrays."""
+    specs, arrays = {}, {}
+    for name, value in state.items():
+        try:
+            dtype, shape, raw = tensor_bytes(value)
+        except CheckpointError as e:
+            raise CheckpointError(f"tensor {name!r}: {e}") from None
+        specs[name], arrays[name] = (dtype, shape), raw
+    return specs, arrays
+
+
+def to_tensors(layout: Layout, flat: np.ndarray) -> dict:
+    """torch tensors viewing the flat buffer (no copy)."""
+    import torch
+
+    out = {}
+    for t in layout.tensors:
+        raw = torch.from_numpy(flat[t.offset : t.offset + t.nbytes])
+        out[t.name] = raw.view(getattr(torch, t.dtype)).reshape(t.shape)
+    return out
+
+
+def _read_safetensors(path: Path) -> Checkpoint:
+    try:
+        with open(path, "rb") as fh:
+            (hlen,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(hlen))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + hlen) if path.stat().st_size > 8 + hlen else np.zeros(0, np.uint8)
+    meta = header.pop("__metadata__", None) or {}
+    specs, arrays = {}, {}
+    for name, info in header.items():
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
+        b, e = info["data_offsets"]
+        specs[name] = (dtype, tuple(info["shape"]))
+        arrays[name] = data[b:e]
+    return Checkpoint(specs, arrays, "safetensors", dict(meta))
+
+
+def load(path: str | os.PathLike) -> Checkpoint:
+    """Read a .safetensors or torch checkpoint (a flat mapping of name -> tensor)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        head = fh.read(16)
+    if path.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{"):
+        return _read_safetensors(path)
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad file
+        raise CheckpointError(f"{path}: cannot read as a torch checkpoint ({str(e).splitlines()[0]})") from None
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path}: expected a flat mapping of name -> tensor")
+    specs, arrays = from_state_dict(obj)
+    return Checkpoint(specs, arrays, "torch")
+
+
+def save(path: str | os.PathLike, layout: Layout, flat: np.ndarray, fmt: str, metadata: Mapping[str, str] | None = None) -> None:
+    """Write the state in `flat` as a checkpoint, atomically (temp file + rename)."""
+    path = Path(path)
+    tensors = to_tensors(layout, flat)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp), metadata=dict(metadata) if metadata else None)
+    else:
+        import torch
+
+        with open(tmp, "wb") as fh:  # a file object: the archive name does not depend on the path
+            torch.save(tensors, fh)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,99 @@
+"""The Redis stream entry of the weight stream (CONTRACT §4), and its HMAC.
+
+Fields (all bytes): seq, version, kind (full | delta | commit), shard, part, parts, codec,
+raw (bytes of the whole shard), size (bytes of this part's payload), sum (hex blake2b-16 of
+the shard after applying), layout (layout digest), vstart (seq of the version's first
+entry), epoch (the publisher lineage), payload, optionally layout_json (the first entry of a
+keyframe version) and sig (hex HMAC-SHA256 over every other field, length-prefixed, sorted).
+The stream entry id is `0-{seq}`, so Redis itself refuses a second entry with the same seq.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+KINDS = ("full", "delta", "commit")
+_INT_FIELDS = ("seq", "version", "shard", "part", "parts", "raw", "size", "vstart")
+
+
+class InvalidEntry(ValueError):
+    """An entry that must not be applied; `refused` marks a missing or wrong signature."""
+
+    def __init__(self, reason: str, refused: bool = False):
+        super().__init__(reason)
+        self.refused = refused
+
+
+@dataclass(frozen=True)
+class Entry:
+    seq: int
+    version: int
+    kind: str
+    shard: int
+    part: int
+    parts: int
+    codec: str
+    raw: int
+    checksum: str
+    layout: str
+    vstart: int
+    epoch: str
+    payload: bytes
+    layout_json: bytes = b""
+
+    @property
+    def stream_id(self) -> str:
+        return f"0-{self.seq}"
+
+
+def signature(fields: dict[bytes, bytes], key: bytes) -> str:
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for k in sorted(fields):
+        if k == b"sig":
+            continue
+        v = fields[k]
+        mac.update(struct.pack("<I", len(k)) + k + struct.pack("<Q", len(v)))
+        mac.update(v)
+    return mac.hexdigest()
+
+
+def to_fields(e: Entry, key: bytes = b"") -> dict[bytes, bytes]:
+    f = {
+        b"seq": b"%d" % e.seq, b"version": b"%d" % e.version, b"kind": e.kind.encode(),
+        b"shard": b"%d" % e.shard, b"part": b"%d" % e.part, b"parts": b"%d" % e.parts,
+        b"codec": e.codec.encode(), b"raw": b"%d" % e.raw, b"size": b"%d" % len(e.payload),
+        b"sum": e.checksum.encode(), b"layout": e.layout.encode(), b"vstart": b"%d" % e.vstart,
+        b"epoch": e.epoch.encode(), b"payload": e.payload,
+    }
+    if e.layout_json:
+        f[b"layout_json"] = e.layout_json
+    if key:
+        f[b"sig"] = signature(f, key).encode()
+    return f
+
+
+def from_fields(fields: dict, key: bytes = b"") -> Entry:
+    """Decode a stream entry; with a key, verify its signature first (InvalidEntry(refused=True))."""
+    f = {(k.encode() if isinstance(k, str) else k): (v.encode() if isinstance(v, str) else v) for k, v in fields.items()}
+    if key:
+        sig = f.get(b"sig")
+        if sig is None:
+            raise InvalidEntry("unsigned entry", refused=True)
+        if not hmac.compare_digest(sig, signature(f, key).encode()):
+            raise InvalidEntry("wrong signature", refused=True)
+    try:
+        ints = {n: int(f[n.encode()]) for n in _INT_FIELDS}
+        kind = f[b"kind"].decode()
+        e = Entry(
+            kind=kind, codec=f[b"codec"].decode(), checksum=f[b"sum"].decode(), layout=f[b"layout"].decode(),
+            epoch=f[b"epoch"].decode(), payload=f[b"payload"], layout_json=f.get(b"layout_json", b""),
+            **{n: ints[n] for n in _INT_FIELDS if n != "size"},
+        )
+    except (KeyError, ValueError, UnicodeDecodeError) as err:
+        raise InvalidEntry(f"malformed entry ({err!r})") from None
+    if kind not in KINDS or ints["size"] != len(e.payload) or not 0 <= e.part < e.parts:
+        raise InvalidEntry(f"malformed entry seq {e.seq}: kind {kind!r}, part {e.part}/{e.parts}")
+    return e

@@ -1,0 +1,327 @@
+"""The receiving side of the weight stream: apply every entry exactly once, in order.
+
+`Receiver` is the pure state machine (no I/O): it takes decoded stream entries one by one.
+- An entry whose seq is at or below the last applied seq is a duplicate and is skipped.
+- A seq beyond the next one (a gap: trimmed, lost or reordered entries), a checksum mismatch,
+  a corrupt payload or a new publisher epoch drops the staging buffer and waits for the first
+  entry of a keyframe version (`needs_resync` tells the reader to go back to the newest one).
+- A version is built in a staging buffer (a copy of the last committed state, or zeros for a
+  keyframe) and becomes visible only at its commit entry: one reference swap under a lock,
+  all shards at once. Arrays handed out by `current()` are never written again, so a reader
+  never sees a half-updated policy; after a resync, versions older than the visible one are
+  rebuilt silently and not shown.
+- With an HMAC key, unsigned or wrongly signed entries are refused (logged and counted) and
+  never applied.
+
+Exactly once across restarts: the applied seq is part of the committed snapshot
+(version, seq, epoch, state) and a `FileStateStore` writes all of it in one file that
+replaces the old one by an atomic rename, so after a kill -9 the file holds a state together
+with the seq it corresponds to, and the follower resumes reading right after that seq.
+`WeightFollower` is the Redis adapter around a Receiver (XREAD from the last seq).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from rose.config import RedisConfig
+from rose.logs import get_logger
+from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
+from rose.weights.entries import Entry, InvalidEntry, from_fields
+from rose.weights.layout import Layout, layout_from_json
+from rose.weights.stream import meta_key
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    seq: int
+    epoch: str
+    layout: Layout
+    flat: np.ndarray  # never written after it is committed
+
+
+@dataclass
+class ReceiverStats:
+    applied_entries: int = 0
+    versions: int = 0
+    duplicates: int = 0
+    skipped: int = 0  # entries passed over while waiting for a keyframe
+    gaps: int = 0
+    checksum_errors: int = 0
+    refused: int = 0
+    invalid: int = 0
+    resyncs: int = 0
+    applied_versions: list[int] = field(default_factory=list)  # versions made visible, in order
+
+
+class _Diverged(Exception):
+    pass
+
+
+class Receiver:
+    def __init__(self, hmac_key: str = "", log=None):
+        self.key = hmac_key.encode()
+        self.log = log or get_logger("rose.weights.receiver")
+        self.stats = ReceiverStats()
+        self._lock = threading.Lock()
+        self._base: Snapshot | None = None  # last committed state (the base of the next delta)
+        self._visible: Snapshot | None = None
+        self.epoch = ""
+        self.last_seq = 0
+        self.needs_resync = True  # nothing yet: start from a keyframe
+        self._reset_staging()
+
+    # -- restore / read -----------------------------------------------------------------
+
+    def restore(self, snap: Snapshot, applied_versions: list[int] | None = None) -> None:
+        with self._lock:
+            self._base = self._visible = snap
+        self.epoch, self.last_seq, self.needs_resync = snap.epoch, snap.seq, False
+        self.stats.applied_versions = list(applied_versions or [])
+
+    def visible(self) -> Snapshot | None:
+        with self._lock:
+            return self._visible
+
+    # -- the state machine ----------------------------------------------------------------
+
+    def _reset_staging(self) -> None:
+        self._staging: np.ndarray | None = None
+        self._staging_layout: Layout | None = None
+        self._staging_version = -1
+        self._staged: dict[int, str] = {}
+        self._parts: list[bytes] = []
+
+    def _resync(self, reason: str) -> None:
+        if not self.needs_resync:
+            self.stats.resyncs += 1
+            self.log.warning("weights_resync", reason=reason, last_seq=self.last_seq)
+        self.needs_resync = True
+        self._reset_staging()
+
+    def offer(self, fields: dict) -> int | None:
+        """Take one stream entry (its field dict); returns a version that just became visible."""
+        try:
+            e = from_fields(fields, self.key)
+        except InvalidEntry as err:
+            if err.refused:
+                self.stats.refused += 1
+                self.log.error("weights_entry_refused", reason=str(err), seq=fields.get(b"seq", fields.get("seq")))
+            else:
+                self.stats.invalid += 1
+                self.log.error("weights_entry_invalid", reason=str(err))
+            return None
+        return self.offer_entry(e)
+
+    def offer_entry(self, e: Entry) -> int | None:
+        keyframe_start = e.kind == "full" and e.seq == e.vstart and e.part == 0 and bool(e.layout_json)
+        if e.epoch != self.epoch and not self.needs_resync:
+            self._resync(f"new publisher epoch {e.epoch}")
+        if self.needs_resync:
+            if not keyframe_start:
+                self.stats.skipped += 1
+                return None
+            self.epoch, self.last_seq, self.needs_resync = e.epoch, e.seq - 1, False
+        if e.seq <= self.last_seq:
+            self.stats.duplicates += 1
+            return None
+        if e.seq != self.last_seq + 1:
+            self.stats.gaps += 1
+            self._resync(f"gap: seq {e.seq} after {self.last_seq}")
+            return self.offer_entry(e) if keyframe_start else None
+        try:
+            visible = self._apply(e, keyframe_start)
+        except (ChecksumMismatch, CorruptPayload, _Diverged, ValueError) as err:
+            if isinstance(err, ChecksumMismatch):
+                self.stats.checksum_errors += 1
+            self._resync(f"seq {e.seq}: {err}")
+            return None
+        self.last_seq = e.seq
+        self.stats.applied_entries += 1
+        return visible
+
+    def _apply(self, e: Entry, keyframe_start: bool) -> int | None:
+        if e.seq == e.vstart:
+            self._begin_version(e, keyframe_start)
+        elif e.version != self._staging_version:
+            raise _Diverged(f"entry of version {e.version} inside version {self._staging_version}")
+        if e.kind == "commit":
+            return self._commit(e)
+        if e.part != len(self._parts):
+            raise _Diverged(f"part {e.part} of shard {e.shard} out of order")
+        self._parts.append(e.payload)
+        if e.part + 1 < e.parts:
+            return None
+        payload, self._parts = b"".join(self._parts), []
+        if self._staging is None:  # first changed shard of a delta version: copy the base once
+            self._staging = self._base.flat.copy()
+        apply_patch(self._staging_layout, self._staging, ShardPatch(e.shard, e.kind, e.codec, payload, e.checksum))
+        self._staged[e.shard] = e.checksum
+        return None
+
+    def _begin_version(self, e: Entry, keyframe_start: bool) -> None:
+        self._reset_staging()
+        self._staging_version = e.version
+        if keyframe_start:
+            self._staging_layout = layout_from_json(e.layout_json)
+            if self._staging_layout.digest != e.layout:
+                raise _Diverged("layout digest does not match its description")
+            self._staging = np.zeros(self._staging_layout.total, dtype=np.uint8)
+        elif e.kind == "full":
+            raise _Diverged("keyframe version without its layout")
+        else:
+            if self._base is None or self._base.layout.digest != e.layout or self._base.epoch != e.epoch:
+                raise _Diverged("delta on a state this receiver does not have")
+            self._staging_layout = self._base.layout
+
+    def _commit(self, e: Entry) -> int | None:
+        body = orjson.loads(e.payload)
+        listed = {int(i): c for i, c in body["shards"]}
+        if listed != self._staged:
+            raise _Diverged(f"commit lists {len(listed)} shards, {len(self._staged)} applied or checksums differ")
+        layout = self._staging_layout
+        if body.get("keyframe") and len(listed) != layout.num_shards:
+            raise _Diverged("keyframe commit without every shard")
+        flat = self._staging if self._staging is not None else self._base.flat
+        snap = Snapshot(e.version, e.seq, e.epoch, layout, flat)
+        shown = None
+        with self._lock:
+            self._base = snap
+            v = self._visible
+            if v is None or v.epoch != snap.epoch or snap.version > v.version:
+                self._visible, shown = snap, snap.version
+        self._reset_staging()
+        if shown is not None:
+            self.stats.versions += 1
+            self.stats.applied_versions.append(shown)
+        return shown
+
+
+class FileStateStore:
+    """The follower's state as one safetensors file, metadata carrying version, seq, epoch."""
+
+    def __init__(self, directory: str | Path, name: str = "weights.safetensors"):
+        self.path = Path(directory) / name
+
+    def load(self) -> tuple[Snapshot, list[int]] | None:
+        if not self.path.exists():
+            return None
+        from rose.weights.checkpoint import load
+        from rose.weights.layout import flatten
+
+        ck = load(self.path)
+        m = ck.metadata
+        layout = layout_from_json(m["rose.layout"])
+        flat = flatten(layout, ck.arrays)
+        snap = Snapshot(int(m["rose.version"]), int(m["rose.seq"]), m["rose.epoch"], layout, flat)
+        return snap, orjson.loads(m.get("rose.applied", "[]"))
+
+    def save(self, snap: Snapshot, applied_versions: list[int]) -> None:
+        from rose.weights.checkpoint import save
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "rose.version": str(snap.version), "rose.seq": str(snap.seq), "rose.epoch": snap.epoch,
+            "rose.layout": snap.layout.to_json().decode(), "rose.applied": orjson.dumps(applied_versions).decode(),
+        }
+        save(self.path, snap.layout, snap.flat, "safetensors", meta)
+
+
+class WeightFollower:
+    """Follow `rose:weights:{model}`; `poll()` between decode steps, `current()` for the policy."""
+
+    def __init__(self, redis: Any, rcfg: RedisConfig, model: str, state_store: FileStateStore | None = None,
+                 *, hmac_key: str = "", batch: int = 16):
+        self.redis = redis
+        self.stream = rcfg.key("weights", model)
+        self.meta = meta_key(self.stream)
+        self.store = state_store
+        self.batch = batch
+        self.log = get_logger("rose.weights.follower", model=model)
+        self.receiver = Receiver(hmac_key, self.log)
+        self._cursor = "0-0"
+        self._saved_seq = -1
+        if state_store is not None and (loaded := state_store.load()) is not None:
+            snap, applied = loaded
+            self.receiver.restore(snap, applied)
+            self._cursor = f"0-{snap.seq}"
+            self._saved_seq = snap.seq
+
+    @property
+    def stats(self) -> ReceiverStats:
+        return self.receiver.stats
+
+    def _seek_keyframe(self) -> None:
+        kseq = self.redis.hget(self.meta, "keyframe_seq")
+        if kseq is not None:
+            self._cursor = f"0-{int(kseq) - 1}"
+
+    def poll(self, block_ms: int | None = None) -> int | None:
+        """Read and apply what is there (waiting up to block_ms for the first entry); the newest
+        version that became visible, or None."""
+        if self.receiver.needs_resync:
+            self._seek_keyframe()
+        shown = None
+        deadline = None
+        while True:
+            reply = self.redis.xread({self.stream: self._cursor}, count=self.batch,
+                                     block=block_ms if shown is None and deadline is None else None)
+            deadline = True
+            if not reply:
+                break
+            for entry_id, fields in reply[0][1]:
+                self._cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                v = self.receiver.offer(fields)
+                if v is not None:
+                    shown = v
+                if self.receiver.needs_resync:
+                    before = self._cursor
+                    self._seek_keyframe()
+                    if self._cursor != before:
+                        break
+        if shown is not None:
+            self._persist()
+        return shown
+
+    def _persist(self) -> None:
+        snap = self.receiver.visible()
+        if self.store is not None and snap is not None and snap.seq != self._saved_seq:
+            self.store.save(snap, self.receiver.stats.applied_versions)
+            self._saved_seq = snap.seq
+
+    def current(self) -> tuple[int, dict] | tuple[None, dict]:
+        """(version, state dict of torch tensors) of the visible version; never half-updated."""
+        snap = self.receiver.visible()
+        if snap is None:
+            return None, {}
+        from rose.weights.checkpoint import to_tensors
+
+        return snap.version, to_tensors(snap.layout, snap.flat)
+
+    def follow(self, until_version: int | None = None, idle_s: float | None = None, block_ms: int = 1000) -> None:
+        """Poll until `until_version` is visible, or nothing arrived for `idle_s` seconds."""
+        last = time.monotonic()
+        while True:
+            try:
+                v = self.poll(block_ms)
+            except Exception as e:  # redis.ConnectionError and friends: Redis restarts
+                if "Connection" not in type(e).__name__ and "Timeout" not in type(e).__name__:
+                    raise
+                self.log.warning("weights_redis_unavailable", error=str(e))
+                time.sleep(0.5)
+                continue
+            snap = self.receiver.visible()
+            if v is not None:
+                last = time.monotonic()
+            if until_version is not None and snap is not None and snap.version >= until_version:
+                return
+            if idle_s is not None and time.monotonic() - last >= idle_s:
+                return
