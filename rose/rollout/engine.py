@@ -1,0 +1,244 @@
+"""The rollout engine interface, and the torch engine that runs the reference policy.
+
+`RolloutEngine` is what a worker needs from an inference engine, and nothing more:
+
+- `generate(requests, max_new_tokens, pause_check) -> list[list[int]]`: for each request,
+  append `request.tokens` to the sequence `request.seq_id` (a new id starts a sequence; the
+  engine keeps its cache), then sample up to `max_new_tokens` tokens. `pause_check()` is
+  called before every decode step; when it returns True the engine launches nothing more
+  and returns what it has (possibly fewer tokens). Called with `max_new_tokens=1` on every
+  loop iteration it gives continuous batching: sequences join and leave between steps.
+- `release(seq_id)` drops a sequence's cache; `free_slots()` says how many more fit.
+- `load_weights(version, state_dict)` swaps the policy between two `generate` calls; the
+  engine is single-threaded, so no step ever runs on a half-updated policy.
+
+vLLM or SGLang plug in behind the same methods: `generate` maps to a request with
+`max_tokens` (prefix caching keeps the sequence's KV blocks; `release` is an abort or a
+cache eviction hint), `pause_check` to aborting or pausing the scheduler between steps
+(vLLM's sleep/pause APIs), and `load_weights` to their in-place weight update
+(`collective_rpc("update_weights")` / `update_weights_from_tensor`).
+
+The torch engine also enforces the worker's memory budget (`MemoryBudget`): the slot count
+comes from it, and every forward is sized so that its activations fit what is left.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from rose.rollout.policy_model import ModelSpec, PolicyModel
+
+
+@dataclass
+class GenRequest:
+    seq_id: str
+    tokens: list[int] = field(default_factory=list)  # appended to the sequence before sampling
+    seed: int | None = None  # reseeds the sequence's sampler (set at the start of a turn)
+
+
+class RolloutEngine(Protocol):
+    version: int
+
+    def generate(self, requests: Sequence[GenRequest], max_new_tokens: int,
+                 pause_check: Callable[[], bool] = lambda: False) -> list[list[int]]: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+    def free_slots(self) -> int: ...
+
+    def load_weights(self, version: int, state_dict: dict) -> None: ...
+
+
+class BudgetError(RuntimeError):
+    """The memory budget cannot hold the model plus one sequence."""
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes the rollout side may hold, split into model, KV cache and activations.
+
+    Pure arithmetic on the model's shape: the CPU budget is enforced by never allocating
+    more than this estimate allows; on CUDA the allocator's per-process fraction backs it.
+    """
+
+    limit_bytes: int
+    spec: ModelSpec
+    dtype_bytes: int = 4
+
+    @property
+    def model_bytes(self) -> int:
+        return self.spec.param_count() * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        s = self.spec
+        return 2 * s.n_layers * s.max_seq * s.d_model * self.dtype_bytes
+
+    def activation_bytes(self, batch: int, new_tokens: int, ctx: int) -> int:
+        """Peak bytes of one forward: residual/MLP activations, attention scores, logits,
+        and the gathered keys/values of the batch (the cache is indexed, so copied)."""
+        s = self.spec
+        bt = batch * new_tokens
+        acts = bt * (6 * s.d_model + 2 * s.d_ff + s.vocab)
+        scores = batch * s.n_heads * new_tokens * ctx * 2
+        kv = 2 * batch * ctx * s.d_model
+        return (acts + scores + kv) * self.dtype_bytes
+
+    def min_activation_bytes(self) -> int:
+        return self.activation_bytes(1, 1, self.spec.max_seq)
+
+    def slots(self, max_batch: int) -> int:
+        """How many sequences fit; raises BudgetError when not even one does."""
+        if self.model_bytes > self.limit_bytes:
+            raise BudgetError(f"mem_bytes {self.limit_bytes} is below the model's {self.model_bytes} bytes")
+        free = self.limit_bytes - self.model_bytes - self.min_activation_bytes()
+        n = free // self.kv_bytes_per_slot if free > 0 else 0
+        if n < 1:
+            need = self.model_bytes + self.min_activation_bytes() + self.kv_bytes_per_slot
+            raise BudgetError(f"mem_bytes {self.limit_bytes} cannot hold the model and one sequence ({need} bytes)")
+        return int(min(n, max_batch))
+
+    def max_batch_for(self, slots: int, new_tokens: int, ctx: int) -> int:
+        """Largest batch of this shape whose activations fit beside model and cache."""
+        free = self.limit_bytes - self.model_bytes - slots * self.kv_bytes_per_slot
+        per = self.activation_bytes(1, new_tokens, ctx)
+        return max(1, free // per) if per else slots
+
+    def max_chunk_for(self, slots: int, ctx: int) -> int:
+        """Longest prefill chunk (tokens) of one sequence that fits."""
+        t = self.spec.max_seq
+        free = self.limit_bytes - self.model_bytes - slots * self.kv_bytes_per_slot
+        while t > 1 and self.activation_bytes(1, t, ctx) > free:
+            t //= 2
+        return t
+
+
+@dataclass
+class _Seq:
+    slot: int
+    length: int = 0  # tokens in the cache
+    pending: list[int] = field(default_factory=list)  # to feed before the next sample
+    gen: torch.Generator | None = None
+
+
+class TorchEngine:
+    """Continuous-batching engine over `PolicyModel`; one instance per worker process."""
+
+    def __init__(self, spec: ModelSpec, budget: MemoryBudget, max_batch: int = 32,
+                 device: str = "cpu", stream: "torch.cuda.Stream | None" = None,
+                 temperature: float = 1.0):
+        self.spec = spec
+        self.budget = budget
+        self.device = torch.device(device)
+        self.n_slots = budget.slots(max_batch)
+        self.stream = stream
+        self.temperature = temperature
+        self.model = PolicyModel(spec).to(self.device).eval()
+        self.cache = self.model.new_cache(self.n_slots)
+        self.version = -1
+        self._seqs: dict[str, _Seq] = {}
+        self._free = list(range(self.n_slots - 1, -1, -1))
+        self.steps = 0
+        self.peak_activation_bytes = 0
+
+    # weights ---------------------------------------------------------------------------
+    def load_weights(self, version: int, state_dict: dict) -> None:
+        self.model.load_state_dict(state_dict, strict=True)
+        self.version = version
+
+    # sequences -------------------------------------------------------------------------
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def length(self, seq_id: str) -> int:
+        s = self._seqs.get(seq_id)
+        return 0 if s is None else s.length + len(s.pending)
+
+    def release(self, seq_id: str) -> None:
+        s = self._seqs.pop(seq_id, None)
+        if s is not None:
+            self._free.append(s.slot)
+
+    def _seq(self, r: GenRequest) -> _Seq:
+        s = self._seqs.get(r.seq_id)
+        if s is None:
+            if not self._free:
+                raise RuntimeError("no free slot: check free_slots() before admitting a sequence")
+            s = self._seqs[r.seq_id] = _Seq(slot=self._free.pop())
+        if r.seed is not None:
+            s.gen = torch.Generator().manual_seed(r.seed)
+        if s.gen is None:
+            s.gen = torch.Generator().manual_seed(0)
+        s.pending.extend(r.tokens)
+        if s.length + len(s.pending) > self.spec.max_seq:
+            raise ValueError(f"sequence {r.seq_id}: {s.length + len(s.pending)} tokens > max_seq {self.spec.max_seq}")
+        return s
+
+    # generation ------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenRequest], max_new_tokens: int,
+                 pause_check: Callable[[], bool] = lambda: False) -> list[list[int]]:
+        seqs = [self._seq(r) for r in requests]
+        out: list[list[int]] = [[] for _ in seqs]
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            for _ in range(max_new_tokens):
+                if pause_check():
+                    break
+                logits = self._step(seqs)
+                for i, (s, lg) in enumerate(zip(seqs, logits)):
+                    tok = self._sample(lg, s.gen)
+                    s.pending.append(tok)
+                    out[i].append(tok)
+                self.steps += 1
+        return out
+
+    def _step(self, seqs: list[_Seq]) -> list[torch.Tensor]:
+        """Feed every sequence's pending tokens; return each one's last logits."""
+        last: dict[int, torch.Tensor] = {}
+        decode = [i for i, s in enumerate(seqs) if len(s.pending) == 1]
+        for i, s in enumerate(seqs):  # prefill / extension, chunked to the budget
+            if len(s.pending) > 1:
+                last[i] = self._prefill(s)
+            elif not s.pending:
+                raise ValueError("a sequence with nothing to feed: give a prompt first")
+        if decode:
+            ctx = max(seqs[i].length for i in decode) + 1
+            bmax = self.budget.max_batch_for(self.n_slots, 1, ctx)
+            for j in range(0, len(decode), bmax):  # shrink the batch to fit the budget
+                part = decode[j:j + bmax]
+                toks = torch.tensor([[seqs[i].pending[0]] for i in part], device=self.device)
+                slots = torch.tensor([seqs[i].slot for i in part], device=self.device)
+                starts = torch.tensor([seqs[i].length for i in part], device=self.device)
+                self._track(len(part), 1, ctx)
+                lg = self.model(toks, self.cache, slots, starts)[:, -1]
+                for k, i in enumerate(part):
+                    seqs[i].length += 1
+                    seqs[i].pending.clear()
+                    last[i] = lg[k]
+        return [last[i] for i in range(len(seqs))]
+
+    def _prefill(self, s: _Seq) -> torch.Tensor:
+        lg = None
+        while s.pending:
+            ctx = s.length + len(s.pending)
+            n = min(len(s.pending), self.budget.max_chunk_for(self.n_slots, ctx))
+            toks = torch.tensor([s.pending[:n]], device=self.device)
+            slots = torch.tensor([s.slot], device=self.device)
+            starts = torch.tensor([s.length], device=self.device)
+            self._track(1, n, s.length + n)
+            lg = self.model(toks, self.cache, slots, starts)[0, -1]
+            s.length += n
+            del s.pending[:n]
+        return lg
+
+    def _track(self, b: int, t: int, ctx: int) -> None:
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.budget.activation_bytes(b, t, ctx))
+
+    def _sample(self, logits: torch.Tensor, gen: torch.Generator) -> int:
+        if self.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,262 @@
+"""Agentic episodes: ReAct-style turns (generate an action, then a simulated tool step that
+takes time and appends observation tokens), as pure data and state transitions.
+
+A `Task` is what the trainer submits and what a preempted worker pushes back: the episode
+spec plus the turns done so far (a continuation). Everything here is deterministic from
+the task: the sampler seed of turn i and the tool latency/observation of turn i derive
+from (seed, i), so a continuation resumed on another worker draws what the first worker
+would have drawn. No I/O and no torch: the worker owns the clock and the engine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+MAX_TOKENS = 1 << 16
+
+
+class InvalidTask(ValueError):
+    """A task that cannot be run; `field` names what is wrong."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ToolLatency:
+    """Tool-call duration in seconds: lognormal exp(N(mu, sigma)), capped at max_s."""
+
+    mu: float = -3.0  # median e^-3 ≈ 50 ms
+    sigma: float = 0.5
+    max_s: float = 10.0
+
+    def draw(self, rng: random.Random) -> float:
+        return min(self.max_s, rng.lognormvariate(self.mu, self.sigma)) if self.sigma > 0 else min(
+            self.max_s, 2.718281828459045 ** self.mu)
+
+
+@dataclass
+class Turn:
+    action: list[int]
+    observation: list[int] | None  # None: the tool step of this turn has not finished
+    version: int  # policy version that generated the first token of the action
+    version_end: int  # ... and the last one (versions switch only between decode steps)
+    worker: str
+    gpu: str
+    dedicated: bool
+    tool_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict, path: str) -> "Turn":
+        try:
+            obs = d.get("observation")
+            return cls(action=_tokens(d, "action", path), observation=None if obs is None else _tokens(d, "observation", path),
+                       version=int(d["version"]), version_end=int(d.get("version_end", d["version"])),
+                       worker=str(d.get("worker", "")), gpu=str(d.get("gpu", "")),
+                       dedicated=bool(d.get("dedicated", False)), tool_s=float(d.get("tool_s", 0.0)))
+        except KeyError as e:
+            raise InvalidTask(f"{path}{e.args[0]}", "missing required field") from None
+        except (TypeError, ValueError):
+            raise InvalidTask(path.rstrip("."), "malformed turn") from None
+
+
+def _tokens(d: dict, key: str, path: str = "") -> list[int]:
+    v = d.get(key)
+    if not isinstance(v, list) or len(v) > MAX_TOKENS or not all(isinstance(t, int) and 0 <= t < 256 for t in v):
+        raise InvalidTask(path + key, "expected a list of byte tokens (ints 0..255)")
+    return v
+
+
+def _int(d: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
+    v = d.get(key, default)
+    if v is None:
+        raise InvalidTask(key, "missing required field")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise InvalidTask(key, f"expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+@dataclass
+class Task:
+    task_id: str
+    prompt: list[int]
+    max_turns: int = 4
+    tokens_per_turn: int = 32
+    obs_tokens: int = 16
+    tool: ToolLatency = field(default_factory=ToolLatency)
+    seed: int = 0
+    step: int = 0  # the RL step this episode belongs to
+    turns: list[Turn] = field(default_factory=list)  # a continuation carries the turns so far
+    moves: int = 0  # how many times the episode changed worker
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt) + self.max_turns * (self.tokens_per_turn + self.obs_tokens)
+
+    @property
+    def remaining_turns(self) -> int:
+        return self.max_turns - len(self.turns)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Task":
+        if not isinstance(d, dict):
+            raise InvalidTask("task", "expected a JSON object")
+        tid = d.get("task_id")
+        if not isinstance(tid, str) or not tid or len(tid) > 256:
+            raise InvalidTask("task_id", "expected a non-empty string of at most 256 characters")
+        tool = d.get("tool", {})
+        if not isinstance(tool, dict):
+            raise InvalidTask("tool", "expected an object {mu, sigma, max_s}")
+        try:
+            tl = ToolLatency(**{k: float(v) for k, v in tool.items()})
+        except (TypeError, ValueError):
+            raise InvalidTask("tool", "expected numbers mu, sigma >= 0, max_s >= 0") from None
+        if tl.sigma < 0 or tl.max_s < 0 or not -20 < tl.mu < 10:
+            raise InvalidTask("tool", "expected numbers mu in (-20, 10), sigma >= 0, max_s >= 0")
+        raw_turns = d.get("turns", [])
+        if not isinstance(raw_turns, list):
+            raise InvalidTask("turns", "expected a list")
+        t = cls(task_id=tid, prompt=_tokens(d, "prompt"), max_turns=_int(d, "max_turns", 1, 1024, 4),
+                tokens_per_turn=_int(d, "tokens_per_turn", 1, MAX_TOKENS, 32),
+                obs_tokens=_int(d, "obs_tokens", 0, MAX_TOKENS, 16), tool=tl,
+                seed=_int(d, "seed", 0, (1 << 63) - 1, 0), step=_int(d, "step", 0, (1 << 63) - 1, 0),
+                turns=[Turn.from_dict(x, f"turns[{i}].") if isinstance(x, dict) else _bad_turn(i)
+                       for i, x in enumerate(raw_turns)],
+                moves=_int(d, "moves", 0, 1 << 31, 0))
+        if not t.prompt:
+            raise InvalidTask("prompt", "must not be empty")
+        if len(t.turns) > t.max_turns:
+            raise InvalidTask("turns", f"{len(t.turns)} turns > max_turns {t.max_turns}")
+        return t
+
+
+def _bad_turn(i: int):
+    raise InvalidTask(f"turns[{i}]", "expected an object")
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    return (seed * 1_000_003 + turn * 7919 + 1) % (1 << 63)
+
+
+def tool_step(task: Task, turn: int) -> tuple[float, list[int]]:
+    """(latency_s, observation tokens) of the tool call after `turn`: deterministic."""
+    rng = random.Random(turn_seed(task.seed, turn))
+    latency = task.tool.draw(rng)
+    head = list(f"\n<obs {turn}>".encode())[: task.obs_tokens]
+    body = [rng.randrange(32, 127) for _ in range(task.obs_tokens - len(head))]
+    return latency, head + body
+
+
+GENERATE, TOOL, DONE = "generate", "tool", "done"
+
+
+class Episode:
+    """One episode on one worker: the task, the turns so far and where it stands."""
+
+    def __init__(self, task: Task, worker: str, gpu: str, dedicated: bool, now: float):
+        self.task = task
+        self.turns: list[Turn] = list(task.turns)
+        self.worker, self.gpu, self.dedicated = worker, gpu, dedicated
+        self.action: list[int] = []
+        self.version_first = -1
+        self.fed = 0  # context tokens the engine already holds (sampled tokens included)
+        self.new_turn = True
+        self.tool_until = 0.0
+        self.pending_obs: list[int] = []
+        self.affinity_hits = 0
+        if self.turns and self.turns[-1].observation is None and len(self.turns) < task.max_turns:
+            self._start_tool(now)  # preempted during its tool call: run the call again
+        elif len(self.turns) >= task.max_turns:
+            self.state = DONE
+        else:
+            self.state = GENERATE
+
+    @property
+    def remaining_turns(self) -> int:
+        return self.task.max_turns - len(self.turns)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.remaining_turns * self.task.tokens_per_turn - len(self.action)
+
+    def context(self) -> list[int]:
+        out = list(self.task.prompt)
+        for t in self.turns:
+            out += t.action
+            out += t.observation or []
+        return out + self.action
+
+    def to_feed(self) -> list[int]:
+        """Tokens to hand the engine before the next sample (all of them on a new worker)."""
+        ctx = self.context()
+        new = ctx[self.fed:]
+        self.fed = len(ctx)
+        return new
+
+    def sampler_seed(self) -> int | None:
+        """A seed when a turn starts (so the turn's draws depend only on the task), else None."""
+        if self.new_turn:
+            self.new_turn = False
+            return turn_seed(self.task.seed, len(self.turns))
+        return None
+
+    def on_token(self, tok: int, version: int, now: float) -> None:
+        if not self.action:
+            self.version_first = version
+        self.action.append(tok)
+        self.fed += 1
+        if len(self.action) >= self.task.tokens_per_turn:
+            self.turns.append(Turn(action=self.action, observation=None, version=self.version_first,
+                                   version_end=version, worker=self.worker, gpu=self.gpu,
+                                   dedicated=self.dedicated))
+            self.action = []
+            self.new_turn = True
+            if len(self.turns) >= self.task.max_turns:
+                self.state = DONE
+            else:
+                self._start_tool(now)
+
+    def _start_tool(self, now: float) -> None:
+        latency, obs = tool_step(self.task, len(self.turns) - 1)
+        self.turns[-1].tool_s = latency
+        self.pending_obs = obs
+        self.tool_until = now + latency
+        self.state = TOOL
+
+    def tool_ready(self, now: float) -> bool:
+        return self.state == TOOL and now >= self.tool_until
+
+    def finish_tool(self) -> None:
+        """The tool returned: its observation joins the context; the next turn may start."""
+        self.turns[-1].observation = self.pending_obs
+        self.pending_obs = []
+        self.state = GENERATE
+
+    def continuation(self) -> Task:
+        """The task to push back: the turns so far; a partial action is dropped (it is
+        regenerated from the same seed), a tool call in flight is re-run by the next worker."""
+        t = Task(**{**self.task.__dict__, "turns": [Turn(**asdict(x)) for x in self.turns],
+                    "moves": self.task.moves + 1})
+        return t
+
+    def trajectory(self, now: float | None = None) -> dict:
+        """The finished episode as appended to the results stream."""
+        return {
+            "task_id": self.task.task_id,
+            "step": self.task.step,
+            "prompt": self.task.prompt,
+            "turns": [asdict(t) for t in self.turns],
+            "tokens": self.context(),
+            "versions": [t.version for t in self.turns],
+            "worker": self.worker,
+            "gpu": self.gpu,
+            "dedicated": self.dedicated,
+            "moves": self.task.moves,
+            "finished_at": time.time() if now is None else now,
+        }

@@ -1,0 +1,92 @@
+"""A pause flag in shared memory: the executor (or its local fast guard) raises it and the
+rollout worker sees it at its next decode step, with no network hop.
+
+Layout (32 bytes, little endian, each field naturally aligned so a store is one machine
+write): state u8 @0 | heartbeat u64 @8 | paused_seen_ns i64 @16 | set_ns i64 @24.
+`set_ns` is when the flag last changed, `paused_seen_ns` when the worker last observed
+PAUSE or STOP (both CLOCK_MONOTONIC, which is one clock for every process on the host),
+so `paused_seen_ns - set_ns` is the flag-raised → worker-paused latency.
+The heartbeat counts the worker's loop iterations: a stalled worker stops counting.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from multiprocessing import resource_tracker, shared_memory
+
+RUN = 0
+PAUSE = 1
+STOP = 2
+STATES = (RUN, PAUSE, STOP)
+
+SIZE = 32
+_STATE, _BEAT, _SEEN, _SET = 0, 8, 16, 24
+
+
+class PauseFlag:
+    """`PauseFlag(name, create=True)` by the owner (executor); `PauseFlag(name)` by the worker."""
+
+    def __init__(self, name: str, create: bool = False):
+        self.name = name
+        self.created = create
+        if create:
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=SIZE)
+            self._shm.buf[:SIZE] = bytes(SIZE)
+        else:
+            self._shm = shared_memory.SharedMemory(name=name, create=False)
+            # An attaching process must not unlink the segment at exit: the owner does.
+            try:
+                resource_tracker.unregister(self._shm._name, "shared_memory")
+            except Exception:  # pragma: no cover - tracker absent or already gone
+                pass
+        self._buf = self._shm.buf
+
+    def set(self, state: int) -> None:
+        if state not in STATES:
+            raise ValueError(f"state: expected one of {STATES}, got {state!r}")
+        struct.pack_into("<q", self._buf, _SET, time.monotonic_ns())
+        self._buf[_STATE] = state
+
+    def get(self) -> int:
+        return self._buf[_STATE]
+
+    # worker side -----------------------------------------------------------------------
+    def beat(self) -> int:
+        """Count one worker loop iteration; returns the state read in the same call."""
+        n = struct.unpack_from("<Q", self._buf, _BEAT)[0] + 1
+        struct.pack_into("<Q", self._buf, _BEAT, n & 0xFFFFFFFFFFFFFFFF)
+        return self._buf[_STATE]
+
+    def mark_paused(self) -> None:
+        """Record that the worker has observed PAUSE/STOP and launches no more work."""
+        struct.pack_into("<q", self._buf, _SEEN, time.monotonic_ns())
+
+    # readers ---------------------------------------------------------------------------
+    @property
+    def heartbeat(self) -> int:
+        return struct.unpack_from("<Q", self._buf, _BEAT)[0]
+
+    @property
+    def paused_seen_ns(self) -> int:
+        return struct.unpack_from("<q", self._buf, _SEEN)[0]
+
+    @property
+    def set_ns(self) -> int:
+        return struct.unpack_from("<q", self._buf, _SET)[0]
+
+    def close(self) -> None:
+        self._buf = None
+        self._shm.close()
+
+    def unlink(self) -> None:
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "PauseFlag":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,242 @@
+"""The agentic task queue on Redis Streams: the trainer submits episodes, rollout workers
+take them through one consumer group, and finished trajectories go to a results stream.
+
+Keys (`RedisConfig.key`): `tasks:{job}` (the shared stream, CONTRACT §1), `results:{job}`,
+`tasks:{job}:to:{worker}` (directed streams: a turn routed to one worker for cache
+affinity; any worker may take it once it has waited `grace_ms`), `tasks:{job}:workers`
+(the set of directed streams), `tasks:{job}:stats` (submitted/completed per RL step),
+`results:{job}:done` (task_id → result entry id: the dedup record), `tasks:{job}:dead`
+(tasks that cannot be decoded, with the reason).
+
+No trajectory is lost or duplicated:
+- `complete` appends the trajectory, records the task_id, acks and deletes the task entry
+  in one Lua script; a task_id already recorded is acked without a second append, so a
+  reclaimed task whose first worker did finish is harmless.
+- `requeue` pushes a continuation and acks the original in one Lua script, only while the
+  caller still owns the entry (XPENDING by consumer): a worker whose task was reclaimed
+  by another cannot fork the episode.
+- `reclaim` takes entries idle for `min_idle_ms` from crashed (or stalled) consumers with
+  XAUTOCLAIM; `touch` keeps a live worker's entries from going idle, and reports entries
+  that another consumer took in the meantime so the worker drops them.
+The scripts touch several keys, so on Redis Cluster the job's keys need one hash slot
+(put the job name in braces); the local stack is a single node.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import orjson
+import redis
+
+from rose.config import RedisConfig
+from rose.rollout.episode import InvalidTask, Task
+
+GROUP = "rollout"
+
+_COMPLETE = """
+local added = 0
+if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 0 then
+  local id = redis.call('XADD', KEYS[2], '*', 'task_id', ARGV[3], 'trajectory', ARGV[4])
+  redis.call('HSET', KEYS[3], ARGV[3], id)
+  redis.call('HINCRBY', KEYS[4], 'completed:' .. ARGV[5], 1)
+  added = 1
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return added
+"""
+
+_REQUEUE = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+if #p == 0 then return false end
+local id = redis.call('XADD', KEYS[2], '*', 'task_id', ARGV[4], 'task', ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return id
+"""
+
+_TOUCH = """
+local lost = {}
+for i = 2, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 0 or p[1][2] ~= KEYS[2] then
+    table.insert(lost, ARGV[i])
+  else
+    redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, ARGV[i], 'JUSTID')
+  end
+end
+return lost
+"""
+
+_DEAD = """
+redis.call('XADD', KEYS[2], '*', 'stream', KEYS[1], 'entry_id', ARGV[2], 'reason', ARGV[3], 'raw', ARGV[4])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A task this consumer holds: where it came from, so it can be completed or requeued."""
+
+    stream: str
+    entry_id: str
+    task: Task
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class TaskQueue:
+    def __init__(self, r: redis.Redis, rcfg: RedisConfig, job: str, group: str = GROUP):
+        self.r, self.rcfg, self.job, self.group = r, rcfg, job, group
+        self.stream = rcfg.key("tasks", job)
+        self.results_stream = rcfg.key("results", job)
+        self.done_key = rcfg.key("results", job, "done")
+        self.stats_key = rcfg.key("tasks", job, "stats")
+        self.dead_stream = rcfg.key("tasks", job, "dead")
+        self.workers_key = rcfg.key("tasks", job, "workers")
+        self._complete = r.register_script(_COMPLETE)
+        self._requeue = r.register_script(_REQUEUE)
+        self._touch = r.register_script(_TOUCH)
+        self._dead = r.register_script(_DEAD)
+        self._groups: set[str] = set()
+
+    def directed(self, worker_id: str) -> str:
+        return self.rcfg.key("tasks", self.job, "to", worker_id)
+
+    # set up ----------------------------------------------------------------------------
+    def ensure_group(self, stream: str | None = None) -> None:
+        stream = stream or self.stream
+        if stream in self._groups:
+            return
+        try:
+            self.r.xgroup_create(stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._groups.add(stream)
+
+    def register_worker(self, worker_id: str) -> str:
+        """Create this worker's directed stream and list it, so others can reclaim from it."""
+        d = self.directed(worker_id)
+        self.ensure_group(d)
+        self.r.sadd(self.workers_key, worker_id)
+        return d
+
+    # trainer side ----------------------------------------------------------------------
+    def submit(self, task: Task) -> str:
+        self.ensure_group()
+        p = self.r.pipeline(transaction=True)
+        p.xadd(self.stream, {"task_id": task.task_id, "task": orjson.dumps(task.to_dict())})
+        p.hincrby(self.stats_key, f"submitted:{task.step}", 1)
+        return _s(p.execute()[0])
+
+    def progress(self, step: int) -> tuple[int, int]:
+        """(submitted, completed) episodes of an RL step."""
+        a, b = self.r.hmget(self.stats_key, f"submitted:{step}", f"completed:{step}")
+        return int(a or 0), int(b or 0)
+
+    def results(self, last_id: str = "0-0", count: int = 1000, block_ms: int | None = None) -> list[tuple[str, dict]]:
+        got = self.r.xread({self.results_stream: last_id}, count=count, block=block_ms)
+        out = []
+        for _stream, entries in got or []:
+            for eid, fields in entries:
+                out.append((_s(eid), orjson.loads(fields[b"trajectory"])))
+        return out
+
+    def all_results(self) -> list[dict]:
+        return [orjson.loads(f[b"trajectory"]) for _i, f in self.r.xrange(self.results_stream)]
+
+    # worker side -----------------------------------------------------------------------
+    def read(self, consumer: str, count: int, block_ms: int | None = None,
+             directed: str | None = None) -> list[Claimed]:
+        """New tasks for `consumer`: its directed stream first, then the shared one."""
+        self.ensure_group()
+        streams = {directed: ">"} if directed else {}
+        streams[self.stream] = ">"
+        got = self.r.xreadgroup(self.group, consumer, streams, count=count, block=block_ms)
+        return self._decode(got)
+
+    def reclaim(self, consumer: str, min_idle_ms: int, count: int = 16) -> list[Claimed]:
+        """XAUTOCLAIM entries idle ≥ min_idle_ms, on the shared and every directed stream."""
+        out: list[Claimed] = []
+        for stream in [self.stream] + [self.directed(_s(w)) for w in self.r.smembers(self.workers_key)]:
+            if len(out) >= count:
+                break
+            try:
+                res = self.r.xautoclaim(stream, self.group, consumer, min_idle_ms, "0-0", count=count - len(out))
+            except redis.ResponseError:  # stream or group gone
+                continue
+            out += self._decode([(stream, res[1])])
+        return out
+
+    def steal(self, consumer: str, stream: str, grace_ms: int, count: int = 1) -> list[Claimed]:
+        """Take undelivered entries of another worker's directed stream once the oldest has
+        waited ≥ grace_ms (its target is busy or gone: affinity is a preference, not a wait)."""
+        try:
+            groups = self.r.xinfo_groups(stream)
+        except redis.ResponseError:
+            return []
+        last = next((_s(g["last-delivered-id"]) for g in groups if _s(g["name"]) == self.group), None)
+        if last is None:
+            return []
+        head = self.r.xrange(stream, min=f"({last}", count=1)
+        if not head or time.time() * 1000 - int(_s(head[0][0]).split("-")[0]) < grace_ms:
+            return []
+        return self._decode(self.r.xreadgroup(self.group, consumer, {stream: ">"}, count=count))
+
+    def touch(self, consumer: str, held: list[Claimed]) -> list[Claimed]:
+        """Reset the idle time of entries still ours; return those another consumer took."""
+        lost: list[Claimed] = []
+        by_stream: dict[str, list[Claimed]] = {}
+        for c in held:
+            by_stream.setdefault(c.stream, []).append(c)
+        for stream, cs in by_stream.items():
+            gone = {_s(x) for x in self._touch(keys=[stream, consumer], args=[self.group] + [c.entry_id for c in cs])}
+            lost += [c for c in cs if c.entry_id in gone]
+        return lost
+
+    def complete(self, c: Claimed, trajectory: dict) -> bool:
+        """Append the trajectory (once per task_id) and ack the task, atomically.
+        Returns False when the task_id already had a result (the append was skipped)."""
+        return bool(self._complete(keys=[c.stream, self.results_stream, self.done_key, self.stats_key],
+                                   args=[self.group, c.entry_id, c.task.task_id, orjson.dumps(trajectory), c.task.step]))
+
+    def requeue(self, c: Claimed, consumer: str, continuation: Task, to: str | None = None) -> str | None:
+        """Push the continuation (to worker `to`'s directed stream, else the shared one) and
+        ack the original, atomically; None (nothing done) when `consumer` no longer owns it."""
+        dst = self.directed(to) if to else self.stream
+        if to:
+            self.ensure_group(dst)
+        res = self._requeue(keys=[c.stream, dst],
+                            args=[self.group, c.entry_id, consumer, continuation.task_id,
+                                  orjson.dumps(continuation.to_dict())])
+        return _s(res) if res else None
+
+    def dead_letter(self, stream: str, entry_id: str, raw: bytes, reason: str) -> None:
+        self._dead(keys=[stream, self.dead_stream], args=[self.group, entry_id, reason, raw])
+
+    def _decode(self, got) -> list[Claimed]:
+        out = []
+        for stream, entries in got or []:
+            stream = _s(stream)
+            for eid, fields in entries:
+                eid = _s(eid)
+                if not fields:  # deleted while pending
+                    continue
+                raw = fields.get(b"task", b"")
+                try:
+                    task = Task.from_dict(orjson.loads(raw))
+                except orjson.JSONDecodeError:
+                    self.dead_letter(stream, eid, raw, "task: not valid JSON")
+                    continue
+                except InvalidTask as e:
+                    self.dead_letter(stream, eid, raw, str(e))
+                    continue
+                out.append(Claimed(stream, eid, task))
+        return out

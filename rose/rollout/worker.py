@@ -1,0 +1,426 @@
+"""The rollout worker: a separate process the executor starts inside a lease (or on a
+dedicated rollout GPU) that runs agentic episodes from the task queue.
+
+    python -m rose.rollout.worker --spec '<WorkerSpec JSON>'      (WorkerSpec.to_argv())
+
+One loop, one decode step per iteration (continuous batching): read the pause flag and
+beat the heartbeat; switch policy versions if a new one is complete; admit tasks into free
+KV-cache slots; finish tool calls and place each episode's next turn (placement.place);
+run one batched decode step for every episode that is generating; complete finished
+episodes. PAUSE launches nothing more from the next iteration on; STOP or SIGTERM drains:
+each unfinished episode goes back as a continuation task, acked atomically, then exit 0.
+
+Protection of serving: a hard memory cap (CUDA: the allocator's per-process fraction;
+CPU: `MemoryBudget`, which sizes the KV cache and every forward — the worker exits 3 with
+one line when the model and one sequence do not fit), rollout kernels on the lowest-
+priority CUDA stream, OS nice and a thread count from `compute_share` on CPU.
+Exit codes: 0 drained, 2 bad spec, 3 memory budget too small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
+
+EXIT_BAD_SPEC = 2
+EXIT_BUDGET = 3
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    gpu: str
+    worker_id: str
+    redis_url: str
+    key_prefix: str
+    job: str
+    model: str  # weights stream name (rose:weights:{model})
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    mem_bytes: int = 1 << 30  # hard cap of everything the worker allocates
+    compute_share: float = 1.0
+    pause_flag: str = ""  # shared-memory name of the PauseFlag; "" = none
+    dedicated: bool = False
+    nice: int = 10
+    seed: int = 0
+    # additions ---------------------------------------------------------------------------
+    max_batch: int = 32  # KV-cache slots at most (the budget may allow fewer)
+    min_idle_ms: int = 30_000  # reclaim other consumers' tasks idle this long
+    reclaim_every_ms: int = 1_000
+    affinity_grace_ms: int = 500
+    long_tail_tokens: int = 192
+    straggler_frac: float = 0.8
+    weights: str = "static"  # "static" (seeded policy) | "follow" (rose.weights follower)
+    model_spec: dict = field(default_factory=dict)  # ModelSpec overrides
+    max_episodes: int = 0  # exit 0 after completing this many (0: run until STOP)
+    temperature: float = 1.0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    def to_argv(self) -> list[str]:
+        return [sys.executable, "-m", "rose.rollout.worker", "--spec", self.to_json()]
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerSpec":
+        """Parse and check; ValueError names the field."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--spec: not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise ValueError("--spec: expected a JSON object")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for k in d:
+            if k not in known:
+                raise ValueError(f"{k}: unknown WorkerSpec field")
+        for f in dataclasses.fields(cls):
+            if f.name not in d:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ValueError(f"{f.name}: missing required field")
+                continue
+            want = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict}[f.type]
+            v = d[f.name]
+            if not isinstance(v, want) or (f.type in ("int", "float") and isinstance(v, bool)):
+                raise ValueError(f"{f.name}: expected {f.type}, got {v!r}")
+        s = cls(**d)
+        if s.mem_bytes <= 0:
+            raise ValueError(f"mem_bytes: must be > 0, got {s.mem_bytes}")
+        if not 0 < s.compute_share <= 1:
+            raise ValueError(f"compute_share: must be in (0, 1], got {s.compute_share}")
+        if not (s.device == "cpu" or s.device.startswith("cuda")):
+            raise ValueError(f"device: expected 'cpu' or 'cuda:N', got {s.device!r}")
+        if s.weights not in ("static", "follow"):
+            raise ValueError(f"weights: expected 'static' or 'follow', got {s.weights!r}")
+        if s.max_batch < 1:
+            raise ValueError("max_batch: must be >= 1")
+        return s
+
+
+def lowest_priority_stream(device):
+    """A CUDA stream at the lowest priority (PyTorch: larger number = lower priority)."""
+    import torch
+
+    low, _high = torch.cuda.Stream.priority_range()
+    return torch.cuda.Stream(device=device, priority=low)
+
+
+class Worker:
+    HEARTBEAT_S = 0.2
+    VIEW_S = 0.25
+    WEIGHTS_S = 0.05
+
+    def __init__(self, spec: WorkerSpec, r, queue, engine, weights, flag: PauseFlag | None):
+        from rose.config import RedisConfig
+        from rose.rollout.placement import PlacementConfig
+
+        self.spec, self.r, self.q, self.engine, self.weights, self.flag = spec, r, queue, engine, weights, flag
+        self.rcfg = RedisConfig(url=spec.redis_url, key_prefix=spec.key_prefix)
+        self.hb_key = self.rcfg.key("workers", spec.worker_id)
+        self.pcfg = PlacementConfig(long_tail_tokens=spec.long_tail_tokens, straggler_frac=spec.straggler_frac,
+                                    affinity_grace_ms=spec.affinity_grace_ms)
+        self.directed = queue.register_worker(spec.worker_id)
+        self.active: dict[str, tuple] = {}  # seq id -> (Claimed, Episode)
+        self.stop_requested = False
+        self.paused = False
+        self.stats = {"episodes": 0, "turns": 0, "tokens": 0, "moved": 0, "requeued": 0, "lost": 0,
+                      "duplicates": 0}
+        self._next = {"hb": 0.0, "view": 0.0, "weights": 0.0, "reclaim": 0.0, "touch": 0.0, "read": 0.0}
+        self._views: list = []
+        self._progress: dict[int, tuple[float, float]] = {}
+
+    # helpers -----------------------------------------------------------------------------
+    def _due(self, name: str, now: float, every: float) -> bool:
+        if now >= self._next[name]:
+            self._next[name] = now + every
+            return True
+        return False
+
+    def _state(self) -> int:
+        if self.stop_requested:
+            return STOP
+        return self.flag.beat() if self.flag is not None else RUN
+
+    def publish(self, state: str) -> None:
+        s = self.spec
+        p = self.r.pipeline(transaction=False)
+        p.hset(self.hb_key, mapping={
+            "worker_id": s.worker_id, "gpu": s.gpu, "job": s.job, "dedicated": int(s.dedicated),
+            "state": state, "pid": os.getpid(), "ts": time.time(), "version": self.engine.version,
+            "active": len(self.active), "free_slots": self.engine.free_slots(), "slots": self.engine.n_slots,
+            "episodes_done": self.stats["episodes"], "turns": self.stats["turns"], "tokens": self.stats["tokens"],
+            "moved": self.stats["moved"], "requeued": self.stats["requeued"],
+        })
+        p.expire(self.hb_key, 60)
+        p.execute()
+
+    def _views_now(self, now: float):
+        from rose.rollout.placement import WorkerView
+
+        if self._due("view", now, self.VIEW_S):
+            ids = [x.decode() for x in self.r.smembers(self.q.workers_key)]
+            p = self.r.pipeline(transaction=False)
+            for w in ids:
+                p.hmget(self.rcfg.key("workers", w), "dedicated", "free_slots", "state", "ts")
+            views = []
+            for w, (ded, free, st, ts) in zip(ids, p.execute()):
+                if ded is None:
+                    continue
+                alive = st == b"running" and time.time() - float(ts or 0) < 3.0
+                views.append(WorkerView(w, ded == b"1", int(free or 0), alive))
+            self._views = views
+        return self._views
+
+    def _step_done_frac(self, step: int, now: float) -> float:
+        t, frac = self._progress.get(step, (0.0, 0.0))
+        if now - t > self.VIEW_S:
+            sub, done = self.q.progress(step)
+            frac = done / sub if sub else 0.0
+            self._progress[step] = (now, frac)
+        return frac
+
+    def _here(self):
+        from rose.rollout.placement import WorkerView
+
+        return WorkerView(self.spec.worker_id, self.spec.dedicated, self.engine.free_slots())
+
+    def _decide(self, ep, now: float):
+        from rose.rollout.placement import STAY, place
+
+        if self.spec.dedicated:
+            return STAY
+        return place(ep.remaining_tokens, ep.task.moves, self._here(), self._views_now(now),
+                     self._step_done_frac(ep.task.step, now), self.pcfg)
+
+    # the loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        self.publish("running")
+        while True:
+            state = self._state()
+            if state == STOP:
+                if self.flag is not None:
+                    self.flag.mark_paused()
+                self.drain()
+                return 0
+            if state == PAUSE:
+                if not self.paused:
+                    if self.flag is not None:
+                        self.flag.mark_paused()
+                    self.paused = True
+                    self.publish("paused")
+                elif self._due("hb", time.monotonic(), self.HEARTBEAT_S):
+                    self.publish("paused")
+                time.sleep(0.0002)
+                continue
+            if self.paused:
+                self.paused = False
+                self.publish("running")
+            now = time.monotonic()
+            self._housekeeping(now)
+            worked = self._tools(now)
+            worked |= self._decode_step(now)
+            if self.spec.max_episodes and self.stats["episodes"] >= self.spec.max_episodes:
+                self.drain()
+                return 0
+            if not worked:
+                time.sleep(0.001)
+
+    def _housekeeping(self, now: float) -> None:
+        s = self.spec
+        if self._due("weights", now, self.WEIGHTS_S):
+            poll = getattr(self.weights, "poll", None)
+            if poll is not None:
+                poll()
+            v, sd = self.weights.current()
+            if v != self.engine.version:  # complete versions only; between decode steps
+                self.engine.load_weights(v, sd)
+        if self._due("hb", now, self.HEARTBEAT_S):
+            self.publish("running")
+        if self.active and self._due("touch", now, s.min_idle_ms / 3000):
+            for c in self.q.touch(s.worker_id, [c for c, _ in self.active.values()]):
+                self._drop(c, "lost")
+        free = self.engine.free_slots()
+        if free > 0 and self._due("read", now, 0.005):
+            got = self.q.read(s.worker_id, count=free, directed=self.directed)
+            if len(got) < free and self._due("reclaim", now, s.reclaim_every_ms / 1000):
+                got += self.q.reclaim(s.worker_id, s.min_idle_ms, count=free - len(got))
+                if len(got) < free:
+                    got += self._steal(free - len(got))
+            for c in got:
+                self._admit(c, now)
+
+    def _steal(self, n: int):
+        g = self.spec.affinity_grace_ms
+        out = []
+        for v in self._views_now(time.monotonic()):
+            if len(out) >= n or v.worker_id == self.spec.worker_id:
+                continue
+            # a leased worker leaves a live dedicated worker's turns alone longer: they are long tails
+            grace = g * 10 if (v.dedicated and v.alive and not self.spec.dedicated) else g
+            out += self.q.steal(self.spec.worker_id, self.q.directed(v.worker_id), grace, count=n - len(out))
+        return out
+
+    def _admit(self, c, now: float) -> None:
+        from rose.rollout.episode import DONE, Episode
+
+        s = self.spec
+        if c.task.total_tokens > self.engine.spec.max_seq:
+            self.q.dead_letter(c.stream, c.entry_id, json.dumps(c.task.to_dict()).encode(),
+                               f"task: {c.task.total_tokens} tokens > max_seq {self.engine.spec.max_seq}")
+            return
+        ep = Episode(c.task, s.worker_id, s.gpu, s.dedicated, now)
+        if ep.state == DONE:
+            self._complete(c, ep)
+            return
+        d = self._decide(ep, now)
+        if d.move:
+            if self.q.requeue(c, s.worker_id, ep.continuation(), to=d.to):
+                self.stats["moved"] += 1
+            return
+        self.active[c.stream + "/" + c.entry_id] = (c, ep)
+
+    def _tools(self, now: float) -> bool:
+        worked = False
+        for key, (c, ep) in list(self.active.items()):
+            if not ep.tool_ready(now):
+                continue
+            worked = True
+            ep.finish_tool()
+            d = self._decide(ep, now)
+            if d.move:  # route the next turn elsewhere (per-turn placement)
+                self.engine.release(key)
+                del self.active[key]
+                if self.q.requeue(c, self.spec.worker_id, ep.continuation(), to=d.to):
+                    self.stats["moved"] += 1
+        return worked
+
+    def _decode_step(self, now: float) -> bool:
+        from rose.rollout.engine import GenRequest
+        from rose.rollout.episode import DONE, GENERATE
+
+        ready = [(k, c, ep) for k, (c, ep) in self.active.items() if ep.state == GENERATE]
+        if not ready:
+            return False
+        reqs = [GenRequest(k, ep.to_feed(), ep.sampler_seed()) for k, _c, ep in ready]
+        out = self.engine.generate(reqs, 1, pause_check=lambda: self._state() != RUN)
+        v = self.engine.version
+        t = time.monotonic()
+        for (k, c, ep), toks in zip(ready, out):
+            turns_before = len(ep.turns)
+            for tok in toks:
+                ep.on_token(tok, v, t)
+            self.stats["tokens"] += len(toks)
+            self.stats["turns"] += len(ep.turns) - turns_before
+            if ep.state == DONE:
+                self._complete(c, ep)
+                self.engine.release(k)
+                del self.active[k]
+        return True
+
+    def _complete(self, c, ep) -> None:
+        if self.q.complete(c, ep.trajectory()):
+            self.stats["episodes"] += 1
+        else:
+            self.stats["duplicates"] += 1
+
+    def _drop(self, c, why: str) -> None:
+        key = c.stream + "/" + c.entry_id
+        self.active.pop(key, None)
+        self.engine.release(key)
+        self.stats[why] += 1
+
+    def drain(self) -> None:
+        """Push every unfinished episode back as a continuation (acked atomically)."""
+        self.publish("draining")
+        for key, (c, ep) in list(self.active.items()):
+            if self.q.requeue(c, self.spec.worker_id, ep.continuation()):
+                self.stats["requeued"] += 1
+            else:
+                self.stats["lost"] += 1  # another worker already holds it
+            self.engine.release(key)
+            del self.active[key]
+        self.publish("stopped")
+
+
+def _fail(msg: str, code: int) -> int:
+    print(f"rose-worker: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def _weights(spec: WorkerSpec, mspec, r):
+    from rose.rollout.weight_source import StaticWeights
+
+    if spec.weights == "static":
+        return StaticWeights(mspec, spec.seed)
+    try:  # the weight engine's follower, when installed
+        from rose.weights.follower import WeightFollower
+    except ImportError:
+        raise ValueError("weights: 'follow' needs rose.weights.follower, which is not installed") from None
+    return WeightFollower.for_worker(spec, r)  # pragma: no cover - provided by rose.weights
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rose.rollout.worker")
+    ap.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    a = ap.parse_args(argv)
+    try:
+        spec = WorkerSpec.from_json(a.spec)
+    except ValueError as e:
+        return _fail(str(e), EXIT_BAD_SPEC)
+    if spec.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
+        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(spec.compute_share * 100))))
+    import redis
+    import torch
+
+    from rose.config import RedisConfig
+    from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
+    from rose.rollout.policy_model import ModelSpec
+    from rose.rollout.tasks import TaskQueue
+
+    stream = None
+    if spec.device == "cpu":
+        if spec.nice:
+            os.nice(spec.nice)
+        torch.set_num_threads(max(1, int(spec.compute_share * (os.cpu_count() or 1))))
+    else:
+        dev = torch.device(spec.device)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.mem_bytes / total), dev)
+        stream = lowest_priority_stream(dev)
+    try:
+        mspec = ModelSpec(**spec.model_spec)
+    except TypeError as e:
+        return _fail(f"model_spec: {e}", EXIT_BAD_SPEC)
+    try:
+        engine = TorchEngine(mspec, MemoryBudget(spec.mem_bytes, mspec), max_batch=spec.max_batch,
+                             device=spec.device, stream=stream, temperature=spec.temperature)
+    except BudgetError as e:
+        return _fail(str(e), EXIT_BUDGET)
+    r = redis.Redis.from_url(spec.redis_url)
+    try:
+        weights = _weights(spec, mspec, r)
+    except ValueError as e:
+        return _fail(str(e), EXIT_BAD_SPEC)
+    v, sd = weights.current()
+    engine.load_weights(v, sd)
+    flag = PauseFlag(spec.pause_flag) if spec.pause_flag else None
+    q = TaskQueue(r, RedisConfig(url=spec.redis_url, key_prefix=spec.key_prefix), spec.job)
+    w = Worker(spec, r, q, engine, weights, flag)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(w, "stop_requested", True))
+    signal.signal(signal.SIGINT, lambda *_: setattr(w, "stop_requested", True))
+    try:
+        return w.run()
+    finally:
+        if flag is not None:
+            flag.close()
+        r.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
