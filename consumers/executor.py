@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from rose import lease_machine as lm
 from rose import metrics
@@ -121,6 +121,19 @@ def measure_rollout_mem(pid: int, device: str) -> int:
         return 0
 
 
+def _retrying(fn, timeout_s: float = 30.0) -> None:
+    """Run a start-up step, retrying while the cluster is still settling (a new topic without a
+    leader yet, a broker restarting); the last error is raised after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fn()
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
+
 @dataclass
 class WorkerHandle:
     gpu: str
@@ -167,9 +180,9 @@ class Executor:
     # ---- life cycle ------------------------------------------------------------------------
     def start(self) -> "Executor":
         self.producer = make_producer(self.k)
-        self._rebuild()
+        _retrying(self._rebuild)
         self.consumer = make_consumer(self.k, command_group(self.gpus), **{"fetch.wait.max.ms": 10})
-        self._assign()
+        _retrying(self._assign)
         if self.guard is not None:
             self.guard.start()
         self.log.info("executor.ready", device=self.device, guard=self.guard is not None)
