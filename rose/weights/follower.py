@@ -270,11 +270,10 @@ class WeightFollower:
         if self.receiver.needs_resync:
             self._seek_keyframe()
         shown = None
-        deadline = None
+        block = block_ms or None  # Redis reads BLOCK 0 as "forever"; 0 here means "do not wait"
         while True:
-            reply = self.redis.xread({self.stream: self._cursor}, count=self.batch,
-                                     block=block_ms if shown is None and deadline is None else None)
-            deadline = True
+            reply = self.redis.xread({self.stream: self._cursor}, count=self.batch, block=block)
+            block = None  # wait only for the first batch
             if not reply:
                 break
             for entry_id, fields in reply[0][1]:
