@@ -234,12 +234,10 @@ class Worker:
     def _housekeeping(self, now: float) -> None:
         s = self.spec
         if self._due("weights", now, self.WEIGHTS_S):
-            poll = getattr(self.weights, "poll", None)
-            if poll is not None:
-                poll()
-            v, sd = self.weights.current()
-            if v != self.engine.version:  # complete versions only; between decode steps
-                self.engine.load_weights(v, sd)
+            if self.weights.poll() is not None:  # a complete version; loaded between decode steps
+                v, sd = self.weights.current()
+                if v != self.engine.version:
+                    self.engine.load_weights(v, sd)
         if self._due("hb", now, self.HEARTBEAT_S):
             self.publish("running")
         if self.active and self._due("touch", now, s.min_idle_ms / 3000):
@@ -354,15 +352,16 @@ def _fail(msg: str, code: int) -> int:
 
 
 def _weights(spec: WorkerSpec, mspec, r):
-    from rose.rollout.weight_source import StaticWeights
+    from rose.config import RedisConfig
+    from rose.rollout.weight_source import FollowedWeights, StaticWeights
 
     if spec.weights == "static":
         return StaticWeights(mspec, spec.seed)
-    try:  # the weight engine's follower, when installed
-        from rose.weights.follower import WeightFollower
-    except ImportError:
-        raise ValueError("weights: 'follow' needs rose.weights.follower, which is not installed") from None
-    return WeightFollower.for_worker(spec, r)  # pragma: no cover - provided by rose.weights
+    from rose.weights.follower import WeightFollower
+
+    f = WeightFollower(r, RedisConfig(url=spec.redis_url, key_prefix=spec.key_prefix), spec.model)
+    f.poll()
+    return FollowedWeights(f, mspec, spec.seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,269 @@
+"""The agentic task queue and the worker process on the real Redis: episodes complete,
+and neither a SIGKILL nor a STOP loses or duplicates a trajectory."""
+
+import collections
+import math
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import orjson
+import pytest
+import redis as redis_lib
+
+from rose.rollout.episode import Task, ToolLatency
+from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
+from rose.rollout.tasks import TaskQueue
+from rose.rollout.worker import EXIT_BAD_SPEC, EXIT_BUDGET, WorkerSpec
+
+SMALL = {"d_model": 64, "n_heads": 4, "d_ff": 128, "n_layers": 2, "max_seq": 512}
+JOB = "job"
+
+
+def spec(cfg, wid, **kw) -> WorkerSpec:
+    base = dict(gpu=f"sim/{wid}", worker_id=wid, redis_url=cfg.redis.url, key_prefix=cfg.redis.key_prefix,
+                job=JOB, model="policy", model_spec=SMALL, max_batch=8, min_idle_ms=1500, reclaim_every_ms=200)
+    base.update(kw)
+    return WorkerSpec(**base)
+
+
+def tasks(n, turns=3, tpt=12, tool_s=0.02, prefix="t"):
+    return [Task(task_id=f"{prefix}{i}", prompt=list(b"question %d?" % i), max_turns=turns, tokens_per_turn=tpt,
+                 obs_tokens=10, tool=ToolLatency(mu=math.log(tool_s), sigma=0.0), seed=i) for i in range(n)]
+
+
+def start(s: WorkerSpec) -> subprocess.Popen:
+    return subprocess.Popen(s.to_argv(), stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(cond, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def hb(r, cfg, wid) -> dict:
+    return {k.decode(): v.decode() for k, v in r.hgetall(cfg.redis.key("workers", wid)).items()}
+
+
+def ids(q) -> collections.Counter:
+    return collections.Counter(t["task_id"] for t in q.all_results())
+
+
+@pytest.fixture
+def queue(cfg, redis_client):
+    return TaskQueue(redis_client, cfg.redis, JOB)
+
+
+@pytest.fixture
+def flag():
+    f = PauseFlag(f"rose-t-{uuid.uuid4().hex[:8]}", create=True)
+    yield f
+    f.close()
+    f.unlink()
+
+
+def _nothing_pending(q) -> bool:
+    streams = [q.stream] + [q.directed(w.decode()) for w in q.r.smembers(q.workers_key)]
+    return all(q.r.xpending(s, q.group)["pending"] == 0 for s in streams)
+
+
+@pytest.mark.stack
+def test_worker_completes_episodes(cfg, redis_client, queue):
+    for t in tasks(5):
+        queue.submit(t)
+    p = subprocess.run(spec(cfg, "w0", max_episodes=5).to_argv(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    res = queue.all_results()
+    assert sorted(t["task_id"] for t in res) == [f"t{i}" for i in range(5)]
+    for t in res:
+        assert len(t["turns"]) == 3 and t["versions"] == [0, 0, 0]
+        assert all(len(x["action"]) == 12 for x in t["turns"])
+        assert [x["observation"] is not None for x in t["turns"]] == [True, True, False]  # no tool after the last turn
+        assert len(t["tokens"]) == len(t["prompt"]) + 3 * 12 + 2 * 10
+        assert t["worker"] == "w0" and t["gpu"] == "sim/w0" and t["dedicated"] is False
+    h = hb(redis_client, cfg, "w0")
+    assert h["state"] == "stopped" and h["episodes_done"] == "5" and h["turns"] == "15"
+    assert queue.progress(0) == (5, 5)
+    assert redis_client.xlen(queue.stream) == 0 and _nothing_pending(queue)
+
+
+@pytest.mark.stack
+def test_sigkill_mid_episode_is_reclaimed_exactly_once(cfg, redis_client, queue):
+    for t in tasks(6, turns=4, tool_s=0.15):
+        queue.submit(t)
+    a = start(spec(cfg, "a"))
+    wait_for(lambda: int(hb(redis_client, cfg, "a").get("turns", 0)) >= 2, what="worker a mid-episode")
+    a.send_signal(signal.SIGKILL)
+    a.wait(10)
+    assert len(ids(queue)) < 6  # it died with episodes unfinished
+    b = start(spec(cfg, "b"))
+    try:
+        wait_for(lambda: len(ids(queue)) == 6, timeout=90, what="all six results")
+    finally:
+        b.send_signal(signal.SIGTERM)  # SIGTERM drains: exit 0
+        assert b.wait(30) == 0, b.stderr.read()
+    assert set(ids(queue).values()) == {1}  # each task_id exactly once
+    assert _nothing_pending(queue) and redis_client.xlen(queue.stream) == 0
+
+
+@pytest.mark.stack
+def test_stop_mid_episode_requeues_continuations(cfg, redis_client, queue, flag):
+    for t in tasks(4, turns=4, tool_s=0.2):
+        queue.submit(t)
+    a = start(spec(cfg, "a", pause_flag=flag.name))
+    wait_for(lambda: int(hb(redis_client, cfg, "a").get("turns", 0)) >= 4, what="worker a mid-episode")
+    flag.set(STOP)
+    assert a.wait(30) == 0, a.stderr.read()
+    assert flag.paused_seen_ns >= flag.set_ns
+    assert hb(redis_client, cfg, "a")["state"] == "stopped"
+    done = ids(queue)
+    pushed = [Task.from_dict(orjson.loads(f[b"task"])) for _i, f in redis_client.xrange(queue.stream)]
+    assert len(pushed) + len(done) == 4 and pushed
+    assert all(t.turns and t.moves == 1 for t in pushed)  # continuations carry the turns so far
+    assert all(x.worker == "a" for t in pushed for x in t.turns)
+    b = start(spec(cfg, "b", max_episodes=len(pushed)))
+    assert b.wait(90) == 0, b.stderr.read()
+    assert ids(queue) == collections.Counter({f"t{i}": 1 for i in range(4)})
+    resumed = [t for t in queue.all_results() if t["worker"] == "b"]
+    for t in resumed:
+        assert len(t["turns"]) == 4 and t["turns"][0]["worker"] == "a" and t["turns"][-1]["worker"] == "b"
+    assert _nothing_pending(queue)
+
+
+@pytest.mark.stack
+def test_pause_stops_work_and_run_resumes(cfg, redis_client, queue, flag):
+    for t in tasks(3, turns=3, tpt=40, tool_s=0.01):
+        queue.submit(t)
+    a = start(spec(cfg, "a", pause_flag=flag.name, max_episodes=3))
+    try:
+        wait_for(lambda: int(hb(redis_client, cfg, "a").get("tokens", 0)) > 0, what="decoding")
+        flag.set(PAUSE)
+        wait_for(lambda: hb(redis_client, cfg, "a")["state"] == "paused", what="paused state")
+        assert flag.paused_seen_ns >= flag.set_ns
+        tokens = hb(redis_client, cfg, "a")["tokens"]
+        beats = flag.heartbeat
+        time.sleep(0.5)
+        assert hb(redis_client, cfg, "a")["tokens"] == tokens  # nothing decoded while paused
+        assert flag.heartbeat > beats  # ... but the loop is alive
+        flag.set(RUN)
+        assert a.wait(60) == 0, a.stderr.read()
+    finally:
+        a.kill()
+    assert len(ids(queue)) == 3
+
+
+@pytest.mark.stack
+def test_duplicate_completion_is_harmless(queue, redis_client):
+    queue.submit(tasks(1)[0])
+    [c1] = queue.read("c1", count=1)
+    [c2] = queue.reclaim("c2", min_idle_ms=0)  # c1 looks stalled; c2 takes over
+    assert c2.task.task_id == c1.task.task_id
+    assert queue.requeue(c1, "c1", c1.task) is None  # c1 no longer owns it: no fork
+    traj = {"task_id": "t0", "turns": []}
+    assert queue.complete(c2, traj) is True
+    assert queue.complete(c1, traj) is False  # the first worker finishes too: no duplicate
+    assert queue.complete(c2, traj) is False
+    assert [t["task_id"] for t in queue.all_results()] == ["t0"]
+    assert queue.progress(0) == (1, 1)
+    assert _nothing_pending(queue) and redis_client.xlen(queue.stream) == 0
+
+
+@pytest.mark.stack
+def test_touch_reports_entries_taken_by_others(queue):
+    for t in tasks(2):
+        queue.submit(t)
+    held = queue.read("c1", count=2)
+    queue.r.xclaim(queue.stream, queue.group, "c2", 0, [held[0].entry_id])
+    lost = queue.touch("c1", held)
+    assert [c.entry_id for c in lost] == [held[0].entry_id]
+
+
+@pytest.mark.stack
+def test_requeue_to_a_worker_and_steal_after_grace(queue):
+    queue.register_worker("w1")
+    queue.submit(tasks(1)[0])
+    [c] = queue.read("w0", count=1)
+    assert queue.requeue(c, "w0", c.task, to="w1")
+    d = queue.directed("w1")
+    assert queue.steal("w2", d, grace_ms=60_000) == []  # within the grace period it waits for w1
+    time.sleep(0.05)
+    [s] = queue.steal("w2", d, grace_ms=10)
+    assert s.task.task_id == "t0" and s.stream == d
+
+
+@pytest.mark.stack
+def test_undecodable_task_goes_to_dead_stream(queue, redis_client):
+    queue.ensure_group()
+    redis_client.xadd(queue.stream, {"task_id": "x", "task": b"{not json"})
+    redis_client.xadd(queue.stream, {"task_id": "y", "task": orjson.dumps({"task_id": "y", "prompt": [999]})})
+    assert queue.read("c", count=10) == []
+    dead = redis_client.xrange(queue.dead_stream)
+    reasons = sorted(f[b"reason"].decode() for _i, f in dead)
+    assert reasons == ["prompt: expected a list of byte tokens (ints 0..255)", "task: not valid JSON"]
+    assert _nothing_pending(queue)
+
+
+@pytest.mark.stack
+def test_policy_version_switches_between_steps(cfg, redis_client, queue):
+    """A new version becomes visible mid-run; each turn records the version that made it."""
+    import torch
+
+    from rose.rollout.engine import MemoryBudget, TorchEngine
+    from rose.rollout.policy_model import ModelSpec, init_state_dict
+    from rose.rollout.weight_source import StaticWeights
+    from rose.rollout.worker import Worker
+
+    for t in tasks(4, turns=4, tpt=16, tool_s=0.05):
+        queue.submit(t)
+    s = spec(cfg, "w", max_episodes=4)
+    ms = ModelSpec(**SMALL)
+    eng = TorchEngine(ms, MemoryBudget(s.mem_bytes, ms), max_batch=8)
+    weights = StaticWeights(ms, seed=0)
+    eng.load_weights(*weights.current())
+    v1 = init_state_dict(ms, seed=1)
+
+    class Trainer(StaticWeights):  # commits version 1 after 40 decode steps
+        def poll(self):
+            if eng.steps >= 40 and self.current()[0] == 0:
+                self.publish(1, v1)
+            return super().poll()
+
+    weights.__class__ = Trainer
+    w = Worker(s, redis_client, queue, eng, weights, None)
+    torch.set_num_threads(1)
+    assert w.run() == 0
+    versions = [x["version"] for t in queue.all_results() for x in t["turns"]]
+    assert set(versions) == {0, 1} and eng.version == 1
+    for t in queue.all_results():
+        assert t["versions"] == sorted(t["versions"])  # never back to an older policy
+
+
+def test_worker_refuses_a_budget_below_the_model():
+    s = WorkerSpec(gpu="g", worker_id="w", redis_url="redis://127.0.0.1:1/0", key_prefix="x:", job="j",
+                   model="m", mem_bytes=100_000, model_spec=SMALL)
+    p = subprocess.run(s.to_argv(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == EXIT_BUDGET
+    assert p.stderr.count("\n") == 1 and "mem_bytes 100000" in p.stderr
+
+
+def test_worker_rejects_a_bad_spec_in_one_line():
+    argv = WorkerSpec(gpu="g", worker_id="w", redis_url="r", key_prefix="x:", job="j", model="m").to_argv()
+    argv[-1] = argv[-1].replace('"mem_bytes":1073741824', '"mem_bytes":"lots"')
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert p.returncode == EXIT_BAD_SPEC
+    assert p.stderr.strip() == "rose-worker: mem_bytes: expected int, got 'lots'"
+
+
+def test_spec_round_trips_through_argv():
+    s = WorkerSpec(gpu="n/0", worker_id="w", redis_url="redis://h:1/0", key_prefix="p:", job="j", model="m",
+                   device="cuda:0", mem_bytes=5 << 30, compute_share=0.4, pause_flag="f", dedicated=True, nice=5, seed=9)
+    argv = s.to_argv()
+    assert argv[1:4] == ["-m", "rose.rollout.worker", "--spec"]
+    assert WorkerSpec.from_json(argv[4]) == s
