@@ -46,6 +46,8 @@ def fail(message: str, code: int = 2) -> "typer.Exit":
 
 
 for _mod in pkgutil.iter_modules(__path__):
+    if _mod.name == "__main__":
+        continue
     importlib.import_module(f"{__name__}.{_mod.name}").register(app)
 
 

@@ -1,0 +1,3 @@
+from rose.cli import main
+
+main()

@@ -1,0 +1,35 @@
+"""`rose scheduler`."""
+
+from __future__ import annotations
+
+import socket
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def scheduler(
+        instance: str = typer.Option(socket.gethostname(), help="Stable instance id (fences this instance's zombies)."),
+        metrics_port: int = typer.Option(None, help="Serve /metrics and /healthz on this port."),
+        duration: float = typer.Option(None, help="Stop after this many seconds (default: until SIGTERM)."),
+        log_level: str = typer.Option("INFO"),
+    ) -> None:
+        """The stateless lease scheduler: telemetry in, commands out, exactly once, until SIGTERM."""
+        from consumers.scheduler import FatalSchedulerError, run_scheduler
+        from rose.cli import cli_config, fail
+        from rose.kafka import wait_for_broker
+        from rose.logs import setup_logging
+        from rose.tracing import setup_tracing
+
+        cfg = cli_config()
+        setup_logging(log_level)
+        setup_tracing(cfg.tracing, service="rose-scheduler")
+        try:
+            wait_for_broker(cfg.kafka, timeout_s=30)
+        except TimeoutError as e:
+            fail(str(e), code=1)
+        try:
+            run_scheduler(cfg, instance, metrics_port, duration)
+        except FatalSchedulerError as e:
+            fail(f"scheduler stopped: {e}", code=1)
