@@ -18,7 +18,7 @@ from consumers.scheduler import Scheduler
 from rose.codec import encode
 from rose.kafka import header, make_producer, produce, produce_event, read_all
 from tests.examples import telemetry_example
-from tests.scheduler_load import expected_commands, workload
+from rose.telemetry_workload import expected_commands, workload
 
 pytestmark = pytest.mark.stack
 

@@ -25,6 +25,9 @@ def register(app: typer.Typer) -> None:
             mod = benches.load(name)
         except KeyError:
             fail(f"unknown benchmark {name!r}; known: {', '.join(benches.names())}")
+        from rose.logs import setup_logging
+
+        setup_logging("WARNING")  # stdout carries only the JSON
         result = mod.run(cli_config(), quick=quick)
         if json_out:
             typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())

@@ -1,4 +1,4 @@
-"""Telemetry workloads for scheduler tests and benchmarks: per-GPU sequences that cross
+"""Synthetic telemetry workloads for scheduler tests, benchmarks and soak runs: per-GPU sequences that cross
 the grant and revoke thresholds, so the policy leases and revokes repeatedly."""
 
 from __future__ import annotations

@@ -1,0 +1,145 @@
+"""Telemetry events/s through one scheduler process vs raw consume+decode, and decision latency."""
+
+from __future__ import annotations
+
+import time
+
+from rose.config import Config
+
+GOAL_EVENTS_PER_S = 100_000
+GOAL_RATIO = 0.3
+GOAL_P99_MS = 20.0
+
+
+def _fill(cfg: Config, events) -> None:
+    from rose.codec import encode
+    from rose.kafka import make_producer, produce
+
+    p = make_producer(cfg.kafka, **{"linger.ms": 20})
+    topic = cfg.kafka.telemetry_topic
+    for ev in events:
+        produce(p, topic, encode(ev), ev.gpu)
+    p.flush(60)
+
+
+def _raw_rate(cfg: Config, n: int) -> float:
+    """Consume and decode the same messages, no decisions: the ceiling for the scheduler."""
+    from rose.codec import decode
+    from rose.events import Telemetry
+    from rose.kafka import make_consumer
+
+    c = make_consumer(cfg.kafka, f"{cfg.kafka.topic_prefix}raw", **{"fetch.wait.max.ms": 5})
+    c.subscribe([cfg.kafka.telemetry_topic])
+    got, t0 = 0, None
+    deadline = time.monotonic() + 120
+    while got < n and time.monotonic() < deadline:
+        for m in c.consume(5000, timeout=0.2):
+            if m.error():
+                continue
+            if t0 is None:
+                t0 = time.perf_counter()
+            decode(m.value(), Telemetry)
+            got += 1
+    dt = time.perf_counter() - (t0 or time.perf_counter())
+    c.close()
+    return got / dt if dt > 0 else 0.0
+
+
+def _scheduler_rate(cfg: Config, n: int) -> tuple[float, int]:
+    from consumers.scheduler import Scheduler
+
+    s = Scheduler(cfg, instance="bench-throughput", batch_max=10000)
+    s.start()
+    t0 = None
+    deadline = time.monotonic() + 180
+    try:
+        while s.stats.events < n and time.monotonic() < deadline:
+            if s.step(0.2) and t0 is None:
+                t0 = time.perf_counter()
+        dt = time.perf_counter() - (t0 or time.perf_counter())
+    finally:
+        s.close()
+    return (s.stats.events / dt if dt > 0 else 0.0), s.stats.commands
+
+
+def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
+    """Decision latency at moderate load: record timestamp of the telemetry to the commit of
+    its command, with the scheduler keeping up (not draining a backlog)."""
+    import threading
+
+    from consumers.scheduler import Scheduler
+    from rose.telemetry_workload import workload
+
+    s = Scheduler(cfg, instance="bench-latency", group="rose-scheduler-latency", batch_max=2000,
+                  record_latencies=True)
+    s.start()
+    for _ in range(20):  # join the group before the load starts
+        s.step(0.1)
+    n_gpus = 200
+    per_tick = n_gpus
+    ticks = int(seconds * rate_per_s / per_tick)
+    events = workload(n_gpus, ticks, seed=5, prefix="lat")
+    stop = threading.Event()
+
+    def feed():
+        from rose.codec import encode
+        from rose.kafka import make_producer, produce
+
+        p = make_producer(cfg.kafka)
+        for i in range(ticks):
+            for ev in events[i * per_tick:(i + 1) * per_tick]:
+                produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)
+            p.flush(5)
+            time.sleep(per_tick / rate_per_s)
+        stop.set()
+
+    t = threading.Thread(target=feed)
+    t.start()
+    try:
+        while not stop.is_set() or s.step(0.1):
+            s.step(0.01)
+    finally:
+        t.join()
+        s.close()
+    lat = sorted(s.stats.latencies_s)
+    if not lat:
+        return {"p50_ms": None, "p99_ms": None, "commands": 0}
+    q = lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 3)  # noqa: E731
+    return {"p50_ms": q(0.5), "p99_ms": q(0.99), "commands": len(lat), "load_events_per_s": rate_per_s}
+
+
+def run(cfg: Config, quick: bool = False) -> dict:
+    import dataclasses
+
+    from rose.bench._stack import private_stack
+    from rose.telemetry_workload import workload
+
+    n_gpus, n_ticks = (200, 100) if quick else (1000, 200)
+    with private_stack(cfg, "sched") as c:
+        c = dataclasses.replace(c, kafka=dataclasses.replace(c.kafka, partitions=1))
+        events = workload(n_gpus, n_ticks, seed=1, prefix="bench")
+        n = len(events)
+        t0 = time.perf_counter()
+        _fill(c, events)
+        fill_s = time.perf_counter() - t0
+        raw = _raw_rate(c, n)
+        sched, commands = _scheduler_rate(c, n)
+    with private_stack(cfg, "lat") as c:
+        latency = _latency(c, rate_per_s=2000 if quick else 5000, seconds=3 if quick else 8)
+    return {
+        "events": n,
+        "gpus": n_gpus,
+        "commands": commands,
+        "produce_events_per_s": round(n / fill_s),
+        "raw_consume_decode_events_per_s": round(raw),
+        "scheduler_events_per_s": round(sched),
+        "scheduler_vs_raw_ratio": round(sched / raw, 3) if raw else None,
+        "goal_scheduler_vs_raw_ratio": GOAL_RATIO,
+        "scheduler_vs_goal_events_per_s_ratio": round(sched / GOAL_EVENTS_PER_S, 3),
+        "goal_events_per_s": GOAL_EVENTS_PER_S,
+        "decision_latency": latency,
+        "decision_latency_p99_vs_goal_ratio": (round(latency["p99_ms"] / GOAL_P99_MS, 3)
+                                               if latency.get("p99_ms") is not None else None),
+        "goal_decision_latency_p99_ms": GOAL_P99_MS,
+        "note": "one process, one partition, local single-node broker on a 2-core machine shared with the producer",
+    }
