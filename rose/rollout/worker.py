@@ -111,6 +111,23 @@ def lowest_priority_stream(device):
     return torch.cuda.Stream(device=device, priority=low)
 
 
+def protect(spec: WorkerSpec):
+    """Apply the serving protections to this process; the CUDA stream to run on (or None).
+    CPU: OS nice and a thread count from compute_share. CUDA: the allocator's hard cap at
+    mem_bytes (per-process memory fraction) and the lowest-priority stream."""
+    import torch
+
+    if spec.device == "cpu":
+        if spec.nice:
+            os.nice(spec.nice)
+        torch.set_num_threads(max(1, int(spec.compute_share * (os.cpu_count() or 1))))
+        return None
+    dev = torch.device(spec.device)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, spec.mem_bytes / total), dev)
+    return lowest_priority_stream(dev)
+
+
 class Worker:
     HEARTBEAT_S = 0.2
     VIEW_S = 0.25
@@ -375,23 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     if spec.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
         os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(spec.compute_share * 100))))
     import redis
-    import torch
 
     from rose.config import RedisConfig
     from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
     from rose.rollout.policy_model import ModelSpec
     from rose.rollout.tasks import TaskQueue
 
-    stream = None
-    if spec.device == "cpu":
-        if spec.nice:
-            os.nice(spec.nice)
-        torch.set_num_threads(max(1, int(spec.compute_share * (os.cpu_count() or 1))))
-    else:
-        dev = torch.device(spec.device)
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.mem_bytes / total), dev)
-        stream = lowest_priority_stream(dev)
+    stream = protect(spec)
     try:
         mspec = ModelSpec(**spec.model_spec)
     except TypeError as e:
