@@ -88,6 +88,15 @@ class PolicyConfig:
 class TelemetryConfig:
     period_s: float = 0.5
     pool: str = "serving"
+    slo_ttft_ms: float = 1000.0  # serving SLO of every GPU this agent reports (p99)
+    slo_tpot_ms: float = 100.0
+    engine: str = "auto"  # metric names of the serving engine: vllm | sglang | auto (either)
+    metrics: Mapping[str, str] = field(default_factory=dict)  # role -> "name,name" overrides (see rose.prometheus)
+    buffer_max: int = 100_000  # events kept while Kafka is unreachable (oldest dropped beyond)
+    linger_ms: int = 5  # producer batching delay: low latency, still batches a fleet's period
+    model_size: str = "7B"  # simulated serving (rose.serving_model presets)
+    gpu_type: str = "H100"
+    interference_alpha: float = 1.0  # serving slowdown per unit of rollout compute share
 
 
 @dataclass(frozen=True)

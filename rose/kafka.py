@@ -27,8 +27,12 @@ LOW_LATENCY = {"linger.ms": 2, "batch.num.messages": 10000}
 def client_conf(kcfg: KafkaConfig, **overrides) -> dict:
     """bootstrap + the user's librdkafka pass-through + the caller's overrides."""
     conf = {"bootstrap.servers": kcfg.bootstrap, **kcfg.librdkafka}
-    conf.update({k.replace("_", "."): v for k, v in overrides.items()})
+    conf.update({k if k in _PY_CALLBACKS else k.replace("_", "."): v for k, v in overrides.items()})
     return conf
+
+
+# confluent-kafka's Python-side settings, whose names keep their underscores
+_PY_CALLBACKS = frozenset({"on_delivery", "error_cb", "stats_cb", "throttle_cb", "oauth_cb", "logger"})
 
 
 def make_producer(kcfg: KafkaConfig, **overrides) -> Producer:

@@ -1,0 +1,121 @@
+"""`rose agent`: serving-node telemetry, simulated from a trace or read from NVML + Prometheus."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def agent(
+        simulate: Optional[str] = typer.Option(None, "--simulate", metavar="TRACE",
+                                               help="Trace file (Azure LLM CSV, BurstGPT CSV, Mooncake JSONL)."),
+        gpus: int = typer.Option(1, "--gpus", help="Simulated GPUs (ids {node}/0 … {node}/N-1)."),
+        duration: Optional[float] = typer.Option(None, "--duration", help="Seconds to run (default: the trace)."),
+        speed: float = typer.Option(1.0, "--speed", help="Play the trace this many times faster."),
+        model_size: Optional[str] = typer.Option(None, "--model-size", help="7B, 14B, 32B or 70B (simulated)."),
+        gpu_type: Optional[str] = typer.Option(None, "--gpu-type", help="H100 or H200 (simulated)."),
+        node: Optional[str] = typer.Option(None, "--node", help="Node name (default: sim, or the host name)."),
+        seed: int = typer.Option(0, "--seed", help="Load-balancer seed (simulated)."),
+        no_pace: bool = typer.Option(False, "--no-pace", help="Do not wait for the wall clock (simulated)."),
+        nvml: bool = typer.Option(False, "--nvml", help="Read this node's GPUs through NVML."),
+        metrics_url: List[str] = typer.Option([], "--metrics-url",
+                                              help="Serving engine Prometheus URL; once per GPU, or once for all."),
+        rollout_pids: Optional[str] = typer.Option(None, "--rollout-pids", metavar="FILE",
+                                                   help="File listing rollout process PIDs (one a line)."),
+    ) -> None:
+        """Publish one rose.telemetry.v1 per GPU per period until the run ends or SIGTERM."""
+        import signal
+        import socket
+        import sys
+
+        import orjson
+
+        from rose.cli import cli_config, fail
+
+        if bool(simulate) == nvml:
+            fail("give exactly one of --simulate TRACE or --nvml")
+        if gpus < 1:
+            fail(f"--gpus must be >= 1, got {gpus}")
+        if not speed > 0:
+            fail(f"--speed must be > 0, got {speed}")
+        if duration is not None and not duration > 0:
+            fail(f"--duration must be > 0, got {duration}")
+        cfg = cli_config()
+        if not cfg.telemetry.period_s > 0:
+            fail(f"telemetry.period_s must be > 0, got {cfg.telemetry.period_s}")
+
+        stopping = {"flag": False}
+
+        def on_signal(_sig, _frm):
+            stopping["flag"] = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        stop = lambda: stopping["flag"]  # noqa: E731
+
+        from rose.logs import setup_logging
+        from rose.tracing import setup_tracing
+
+        setup_logging()
+        setup_tracing(cfg.tracing, service="rose-agent")
+
+        if nvml:
+            from rose.nvml import Nvml, NvmlUnavailable
+
+            if not metrics_url:
+                fail("--nvml needs --metrics-url URL (the serving engine's Prometheus endpoint)")
+            try:
+                nv = Nvml()
+            except NvmlUnavailable as e:
+                fail(str(e), code=3)
+            from rose import prometheus
+
+            try:
+                prometheus.metric_names(cfg.telemetry.engine, cfg.telemetry.metrics)
+            except ValueError as e:
+                fail(str(e))
+            if len(metric_url_set := metric_url_list(metrics_url)) not in (1, len(nv)):
+                fail(f"--metrics-url given {len(metric_url_set)} times for {len(nv)} GPUs (give 1 or {len(nv)})")
+            from producers.agent import NvmlOptions, run_nvml
+            from rose.telemetry_publisher import TelemetryPublisher
+
+            pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
+                                     linger_ms=cfg.telemetry.linger_ms)
+            try:
+                summary = run_nvml(cfg, NvmlOptions(metric_url_set, node or socket.gethostname(), rollout_pids),
+                                   nv, stop, publisher=pub)
+            finally:
+                left = pub.flush(5.0)
+                nv.close()
+        else:
+            from producers.agent import SimOptions, run_simulated
+            from rose.serving_model import gpu_spec, model_size as model_preset
+            from rose.telemetry_publisher import TelemetryPublisher
+            from rose.traces import TraceError, load_trace
+
+            try:
+                load_trace(simulate)  # validate before connecting anywhere
+                model_preset(model_size or cfg.telemetry.model_size)
+                gpu_spec(gpu_type or cfg.telemetry.gpu_type)
+            except TraceError as e:
+                fail(str(e))
+            except ValueError as e:
+                fail(f"--model-size/--gpu-type: {e}")
+            pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
+                                     linger_ms=cfg.telemetry.linger_ms)
+            opt = SimOptions(trace=simulate, gpus=gpus, duration_s=duration, speed=speed, model_size=model_size,
+                             gpu_type=gpu_type, node=node or "sim", seed=seed, pace=not no_pace)
+            try:
+                summary = run_simulated(cfg, opt, stop, publisher=pub)
+            finally:
+                left = pub.flush(5.0)
+        summary.update(pub.counters(), undelivered=left)
+        sys.stderr.write(orjson.dumps({"agent": summary}).decode() + "\n")
+
+
+def metric_url_list(urls: list[str]) -> list[str]:
+    """--metrics-url values, also accepting comma-separated lists."""
+    return [u.strip() for x in urls for u in x.split(",") if u.strip()]

@@ -1,0 +1,225 @@
+"""Serving latency from a serving engine's Prometheus endpoint: parse, then window.
+
+Parses the text exposition format (version 0.0.4: ``# HELP``/``# TYPE`` comments,
+``name{label="v",...} value [timestamp]`` samples, ``_bucket{le=...}``/``_sum``/``_count``
+histogram series) and turns two scrapes into one window: p99 TTFT and TPOT from the
+histogram bucket deltas (linear interpolation inside the bucket, as PromQL's
+``histogram_quantile``), requests/s from a counter's delta, queue depth from a gauge.
+
+Series are summed over all labels but ``le`` (one engine may report per model or per
+finish reason). A counter or histogram whose value went down was reset (the engine
+restarted): the window then counts what the new process has seen since it started, as
+PromQL's ``rate`` does. A metric that is absent yields None, reported as 0 ms / 0 rps.
+
+Metric names per engine are configuration (`ENGINES`, overridable per role through
+``[telemetry.metrics]``), so other engines fit without code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+# role -> candidate metric names, first present wins
+ENGINES: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm": {
+        "ttft": ("vllm:time_to_first_token_seconds",),
+        "tpot": ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
+        "running": ("vllm:num_requests_running",),
+        "waiting": ("vllm:num_requests_waiting",),
+        "requests": ("vllm:request_success_total",),
+    },
+    "sglang": {
+        "ttft": ("sglang:time_to_first_token_seconds",),
+        "tpot": ("sglang:time_per_output_token_seconds", "sglang:inter_token_latency_seconds"),
+        "running": ("sglang:num_running_reqs",),
+        "waiting": ("sglang:num_queue_reqs",),
+        "requests": ("sglang:num_requests_total",),
+    },
+}
+ROLES = ("ttft", "tpot", "running", "waiting", "requests")
+
+
+class ExpositionError(ValueError):
+    """Text that is not the Prometheus exposition format; names the line."""
+
+
+def metric_names(engine: str = "auto", overrides: Mapping[str, str] | None = None) -> dict[str, tuple[str, ...]]:
+    """Candidate names per role for an engine ('vllm', 'sglang' or 'auto' = both);
+    `overrides` maps a role to comma-separated names that replace the engine's."""
+    if engine == "auto":
+        names = {r: ENGINES["vllm"][r] + ENGINES["sglang"][r] for r in ROLES}
+    elif engine in ENGINES:
+        names = dict(ENGINES[engine])
+    else:
+        raise ValueError(f"telemetry.engine: unknown engine {engine!r} (known: auto, {', '.join(ENGINES)})")
+    for role, value in (overrides or {}).items():
+        if role not in ROLES:
+            raise ValueError(f"telemetry.metrics.{role}: unknown role (known: {', '.join(ROLES)})")
+        names[role] = tuple(n.strip() for n in str(value).split(",") if n.strip())
+    return names
+
+
+@dataclass
+class Histogram:
+    """Cumulative bucket counts by upper bound (+Inf last), summed over label sets."""
+
+    bounds: list[float] = field(default_factory=list)
+    cumulative: list[float] = field(default_factory=list)
+    count: float = 0.0
+    sum: float = 0.0
+
+
+@dataclass
+class Scrape:
+    """One parse: plain samples summed by metric name, histograms by base name."""
+
+    values: dict[str, float]
+    histograms: dict[str, Histogram]
+
+
+def _unescape(v: str) -> str:
+    return v.replace("\\\\", "\x00").replace('\\"', '"').replace("\\n", "\n").replace("\x00", "\\")
+
+
+def _labels(text: str, lineno: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    i, n = 0, len(text)
+    while i < n:
+        while i < n and text[i] in " ,":
+            i += 1
+        if i >= n:
+            break
+        eq = text.find("=", i)
+        if eq < 0 or eq + 1 >= n or text[eq + 1] != '"':
+            raise ExpositionError(f"line {lineno}: malformed labels {{{text}}}")
+        name = text[i:eq].strip()
+        j = eq + 2
+        buf = []
+        while j < n and text[j] != '"':
+            if text[j] == "\\" and j + 1 < n:
+                buf.append(text[j:j + 2])
+                j += 2
+            else:
+                buf.append(text[j])
+                j += 1
+        if j >= n:
+            raise ExpositionError(f"line {lineno}: unterminated label value in {{{text}}}")
+        out[name] = _unescape("".join(buf))
+        i = j + 1
+    return out
+
+
+def _number(raw: str, lineno: int) -> float:
+    try:
+        return float(raw)  # accepts NaN, +Inf, -Inf as the format does
+    except ValueError:
+        raise ExpositionError(f"line {lineno}: value {raw!r} is not a number") from None
+
+
+def parse(text: str) -> Scrape:
+    """Parse exposition text; ExpositionError names the first malformed line."""
+    values: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace >= 0 and (space < 0 or brace < space):
+            close = line.rfind("}")
+            if close < brace:
+                raise ExpositionError(f"line {lineno}: unbalanced braces")
+            name, labels, rest = line[:brace], _labels(line[brace + 1:close], lineno), line[close + 1:]
+        else:
+            if space < 0:
+                raise ExpositionError(f"line {lineno}: sample without a value")
+            name, labels, rest = line[:space], None, line[space:]
+        parts = rest.split()
+        if not parts or len(parts) > 2:
+            raise ExpositionError(f"line {lineno}: expected 'value [timestamp]' after {name}")
+        v = _number(parts[0], lineno)
+        if math.isnan(v):
+            continue
+        if name.endswith("_bucket") and labels is not None and "le" in labels:
+            le = _number(labels["le"], lineno)
+            b = buckets.setdefault(name[:-7], {})
+            b[le] = b.get(le, 0.0) + v
+        else:
+            values[name] = values.get(name, 0.0) + v
+    hists = {}
+    for base, b in buckets.items():
+        bounds = sorted(b)
+        hists[base] = Histogram(bounds, [b[x] for x in bounds], values.get(base + "_count", b[bounds[-1]]),
+                                values.get(base + "_sum", 0.0))
+    return Scrape(values, hists)
+
+
+def _delta_hist(now: Histogram, prev: Histogram | None) -> list[float] | None:
+    """Per-window cumulative bucket counts; None when there is nothing to compare."""
+    if prev is None or prev.bounds != now.bounds:
+        return None
+    d = [a - b for a, b in zip(now.cumulative, prev.cumulative)]
+    if any(x < 0 for x in d) or now.count < prev.count:
+        return list(now.cumulative)  # reset: everything since the restart
+    return d
+
+
+def quantile(q: float, bounds: list[float], cumulative: list[float]) -> float | None:
+    """histogram_quantile: linear interpolation within the bucket holding rank q·total."""
+    if not bounds or cumulative[-1] <= 0:
+        return None
+    total = cumulative[-1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for ub, c in zip(bounds, cumulative):
+        if c >= rank:
+            if math.isinf(ub):
+                finite = [b for b in bounds if not math.isinf(b)]
+                return finite[-1] if finite else None
+            if c == below:
+                return ub
+            return lower + (ub - lower) * (rank - below) / (c - below)
+        lower, below = ub, c
+    return bounds[-1] if not math.isinf(bounds[-1]) else None
+
+
+@dataclass(frozen=True)
+class ServingWindow:
+    """What one window of the engine's metrics says (None: metric absent or no samples)."""
+
+    ttft_p99_ms: float | None
+    tpot_p99_ms: float | None
+    rps: float | None
+    queue_depth: int | None
+    running: int | None
+
+
+def _first(d: Mapping, names: tuple[str, ...]):
+    for n in names:
+        if n in d:
+            return d[n]
+    return None
+
+
+def window(now: Scrape, prev: Scrape | None, dt_s: float, names: Mapping[str, tuple[str, ...]]) -> ServingWindow:
+    """The window between two scrapes `dt_s` apart (`prev` None: the first scrape)."""
+    out = {}
+    for role in ("ttft", "tpot"):
+        h = _first(now.histograms, names[role])
+        ph = _first(prev.histograms, names[role]) if prev else None
+        d = _delta_hist(h, ph) if h is not None else None
+        q = quantile(0.99, h.bounds, d) if d is not None else None
+        out[role] = q * 1000.0 if q is not None else None
+    req = _first(now.values, names["requests"])
+    preq = _first(prev.values, names["requests"]) if prev else None
+    rps = None
+    if req is not None and preq is not None and dt_s > 0:
+        rps = (req - preq if req >= preq else req) / dt_s
+    waiting = _first(now.values, names["waiting"])
+    running = _first(now.values, names["running"])
+    return ServingWindow(out["ttft"], out["tpot"], rps,
+                         None if waiting is None else max(0, int(round(waiting))),
+                         None if running is None else max(0, int(round(running))))

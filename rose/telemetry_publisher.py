@@ -1,0 +1,134 @@
+"""Publishing telemetry without ever blocking the serving node.
+
+An idempotent producer (rose.kafka.make_producer: enable.idempotence, acks=all, ordered per
+partition) with ``linger.ms`` = telemetry.linger_ms (5 ms: a period's batch of a whole
+fleet leaves in one request, and an event waits at most 5 ms). Delivery reports come only
+for failures (``delivery.report.only.error``), so the hot path pays no callback per event.
+
+Bounded buffering: librdkafka's own queue is capped at `queue_max` messages; beyond it
+events wait in a deque of at most `buffer_max` entries. When Kafka is unreachable both fill,
+the deque drops its oldest entries (counted in `dropped`), and a warning is logged at most
+once per `log_every_s`. `publish` and `tick` never wait on the network: they hand events to
+librdkafka with `produce` (which raises BufferError when its queue is full instead of
+blocking) and serve callbacks with `poll(0)`. When the broker returns librdkafka reconnects
+by itself and the backlog drains, oldest first, so order per GPU is kept. A fatal producer
+error (possible for idempotent producers after message timeouts) rebuilds the producer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from rose.config import KafkaConfig
+from rose.logs import get_logger
+
+Headers = list[tuple[str, bytes]]
+
+
+class TelemetryPublisher:
+    def __init__(self, kcfg: KafkaConfig, topic: str, *, buffer_max: int = 100_000, linger_ms: int = 5,
+                 queue_max: int = 20_000, message_timeout_ms: int = 120_000, log_every_s: float = 5.0,
+                 **overrides):
+        self.kcfg, self.topic = kcfg, topic
+        self.buffer: deque[tuple[bytes, bytes, Headers | None, int]] = deque(maxlen=max(1, buffer_max))
+        self.log_every_s = log_every_s
+        self.log = get_logger("rose.agent.publisher", topic=topic)
+        self.sent_to_client = 0  # handed to librdkafka
+        self.failed = 0  # delivery failed (expired in librdkafka while the broker was away)
+        self.dropped = 0  # evicted from the deque (oldest first)
+        self._last_log = 0.0
+        self._dropped_logged = 0
+        self._fatal = False
+        self._conf = {"linger.ms": linger_ms, "queue.buffering.max.messages": queue_max,
+                      "message.timeout.ms": message_timeout_ms, "delivery.report.only.error": True,
+                      "on_delivery": self._on_delivery, "error_cb": self._on_error, **overrides}
+        self.producer = self._make()
+
+    def _make(self):
+        from rose.kafka import make_producer
+
+        return make_producer(self.kcfg, **{k: v for k, v in self._conf.items()})
+
+    # librdkafka callbacks (served inside poll/flush)
+    def _on_delivery(self, err, msg) -> None:
+        if err is not None:
+            self.failed += 1
+
+    def _on_error(self, err) -> None:
+        if err.fatal():
+            self._fatal = True
+        self._maybe_log("kafka error", error=str(err))
+
+    def _maybe_log(self, what: str, **kw) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= self.log_every_s:
+            self._last_log = now
+            self.log.warning(what, buffered=self.buffered, dropped=self.dropped, failed=self.failed, **kw)
+
+    # ---- counters ---------------------------------------------------------------------
+    @property
+    def in_client(self) -> int:
+        """Events librdkafka holds (queued or in flight)."""
+        return len(self.producer)
+
+    @property
+    def buffered(self) -> int:
+        return len(self.buffer) + self.in_client
+
+    @property
+    def sent(self) -> int:
+        """Events the broker acknowledged (handed over, minus failed, minus still held)."""
+        return max(0, self.sent_to_client - self.failed - self.in_client)
+
+    def counters(self) -> dict[str, int]:
+        return {"sent": self.sent, "dropped": self.dropped + self.failed, "buffered": self.buffered}
+
+    # ---- the hot path -----------------------------------------------------------------
+    def publish(self, items: list[tuple[bytes, bytes]], headers: Headers | None = None, ts_ms: int = 0) -> None:
+        """Queue (value, key) pairs; never blocks. `ts_ms` (the event time) becomes the Kafka
+        record timestamp; 0 lets the producer stamp its clock."""
+        buf = self.buffer
+        room = buf.maxlen - len(buf)
+        if len(items) > room:
+            self.dropped += len(items) - room
+        buf.extend((v, k, headers, ts_ms) for v, k in items)
+        self.tick()
+
+    def tick(self) -> None:
+        """Move buffered events into librdkafka as far as it takes them; serve callbacks."""
+        if self._fatal:
+            self._rebuild()
+        buf, produce, topic = self.buffer, self.producer.produce, self.topic
+        try:
+            while buf:
+                v, k, h, ts = buf[0]
+                produce(topic, value=v, key=k, headers=h, timestamp=ts)
+                buf.popleft()
+                self.sent_to_client += 1
+        except BufferError:
+            self._maybe_log("kafka unreachable or slow; buffering telemetry")
+        self.producer.poll(0)
+        if self.dropped + self.failed > self._dropped_logged:
+            self._dropped_logged = self.dropped + self.failed
+            self._maybe_log("telemetry dropped")
+
+    def _rebuild(self) -> None:
+        self._fatal = False
+        self.log.warning("fatal producer error; rebuilding the producer")
+        try:
+            self.producer.flush(0)
+        except Exception:  # noqa: BLE001 - the old producer is being discarded anyway
+            pass
+        self.failed += len(self.producer)
+        self.producer = self._make()
+
+    def flush(self, timeout_s: float = 5.0) -> int:
+        """Deliver what can be delivered within `timeout_s`; returns events left undelivered."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.tick()
+            left = self.producer.flush(min(0.2, max(0.0, deadline - time.monotonic())))
+            if not self.buffer and left == 0:
+                return 0
+        return len(self.buffer) + len(self.producer)
