@@ -91,6 +91,7 @@ class Scheduler:
         self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
         self.producer: Producer = make_producer(
             self.k, **{"transactional.id": f"{self.k.topic_prefix}scheduler-{instance}",
+                       "message.max.bytes": (16 << 20) + (64 << 10),  # hostile 10 MB values still reach the dlq
                        "transaction.timeout.ms": 10000, "linger.ms": 1})
         self.consumer: Consumer = make_consumer(
             self.k, f"{self.k.topic_prefix}{group}",
@@ -270,7 +271,11 @@ class Scheduler:
             self.gpu_partition[gpu] = m.partition()
             dirty[gpu] = m.partition()
             if d.explain.action == "ignored":
+                # kept, not dropped: the dlq shows which producer repeats or reorders events
                 IGNORED.inc()
+                dead_letter(self.producer, self.k.dlq_topic, m, d.explain.reason, "event_id", consumer="scheduler")
+                self.stats.dlq += 1
+                DLQ.inc()
             if d.commands:
                 parent = extract_context(m.headers())
                 for cmd in d.commands:

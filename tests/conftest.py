@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from rose.config import Config, load_config
+from rose.logs import setup_logging
+
+setup_logging("WARNING")  # decision logs of in-process services would drown the test output
 
 REPO = Path(__file__).resolve().parent.parent
 TRACES = Path(os.environ.get("ROSE_TRACES", REPO.parent / "shared" / "traces"))
