@@ -38,10 +38,6 @@ def _versions(n: int, seed: int = 0):
     return out
 
 
-def _flat_of(snap):
-    return snap.flat
-
-
 def _publisher(redis_client, cfg, **kw):
     kw.setdefault("shard_bytes", SHARD)
     kw.setdefault("chunk_bytes", 4096)  # several parts per shard
@@ -66,7 +62,6 @@ def test_follower_and_late_joiner_converge_exactly_once(redis_client, cfg):
     late = WeightFollower(redis_client, cfg.redis, "m")
     assert late.poll(0) == 14 and np.array_equal(late.receiver.visible().flat, vs[-1][1])
     assert late.stats.applied_versions[0] == 13  # started from the newest keyframe
-    assert redis_client.xlen(pub.stream) < sum(1 for _ in redis_client.xrange(pub.stream)) + 1
 
 
 def test_duplicates_and_reordering_never_show_a_wrong_version(redis_client, cfg):
