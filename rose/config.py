@@ -72,6 +72,7 @@ class PolicyConfig:
     revoke_headroom: float = 0.10  # any metric below this headroom revokes at once
     mem_margin_frac: float = 0.10  # safety margin of total memory never lent
     min_lease_bytes: int = 2 * GiB
+    lease_granularity_bytes: int = 64 << 20  # lease sizes are rounded down to this (allocator-friendly)
     ttl_s: float = 5.0
     renew_before_s: float = 2.5  # renew a lease once it has less than this left
     cooldown_s: float = 10.0

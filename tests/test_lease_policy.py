@@ -1,0 +1,308 @@
+"""The lease policy against CONTRACT §3: property tests over generated per-GPU telemetry
+sequences (every invariant checked on every event), plus readable examples."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rose.config import PolicyConfig
+from rose.events import Latency, Telemetry
+from rose.lease_policy import (
+    POLICY_VERSION,
+    Decision,
+    GpuView,
+    cooldown_for,
+    decide,
+    observe_lease_state,
+)
+from tests.examples import lease_state_example
+
+GiB = 1 << 30
+CFG = PolicyConfig()
+SLO = Latency(ttft_p99=1000.0, tpot_p99=100.0)
+
+
+def tel(i: int, ts: float, ttft_frac: float = 0.2, tpot_frac: float = 0.2, total_gib: float = 80,
+        serving_gib: float = 30, rollout_gib: float = 0, util: float = 0.4, gpu: str = "n/0",
+        event_id: str | None = None) -> Telemetry:
+    total = int(total_gib * GiB)
+    rollout = int(rollout_gib * GiB)
+    return Telemetry(
+        event_id=event_id or f"{gpu}-e{i}", ts=ts, node=gpu.split("/")[0], gpu=gpu, pool="serving",
+        gpu_util=util, mem_total_bytes=total, mem_used_bytes=int(serving_gib * GiB) + rollout,
+        rollout_mem_bytes=rollout, latency_ms=Latency(SLO.ttft_p99 * ttft_frac, SLO.tpot_p99 * tpot_frac),
+        slo_ms=SLO, rps=2.0, queue_depth=0,
+    )
+
+
+def run(events, cfg=CFG, view=None, roundtrip=False) -> list[Decision]:
+    out = []
+    for e in events:
+        d = decide(view, e, cfg)
+        out.append(d)
+        view = GpuView.from_dict(orjson.loads(orjson.dumps(d.view.to_dict()))) if roundtrip else d.view
+    return out
+
+
+def command_bytes(decisions) -> bytes:
+    return b"\n".join(orjson.dumps(c.to_dict()) for d in decisions for c in d.commands)
+
+
+# --- generated sequences -------------------------------------------------------------------
+
+# Latency and serving memory follow random walks in percent of the SLO / of total memory, so
+# sequences hold leases for a while, cross the grant (70 %) and revoke (90 %) lines in small
+# steps, and sometimes jump (a burst) or lapse (a telemetry gap of 6 s).
+LAT_STEPS = [-10, -5, -1, 0, 0, 0, 0, 0, 1, 2, 5, 10, 30]
+MEM_STEPS = [-5, -1, 0, 0, 0, 0, 0, 0, 1, 2, 8]
+DTS = [0.5] * 12 + [0.25, 1.0, 3.0, 6.0, 0.0, -0.7]  # 0 and negative: stale
+
+
+STEP = st.tuples(st.sampled_from(DTS), st.sampled_from(LAT_STEPS), st.sampled_from(LAT_STEPS),
+                 st.sampled_from(MEM_STEPS), st.sampled_from([None] * 20 + [0.0, 0.1, 0.3, 1.0]),
+                 st.sampled_from([0.0, 0.3, 0.9, 1.0]), st.integers(0, 30))
+
+
+@st.composite
+def sequences(draw):
+    total = draw(st.sampled_from([16, 24, 40, 80, 141]))  # heterogeneous fleet
+    ttft, tpot = draw(st.integers(2, 75)), draw(st.integers(2, 75))
+    serving = draw(st.integers(5, 95))
+    rollout_frac = 0.0
+    ts, events = 1_000.0, []
+    for i, (dt, d_ttft, d_tpot, d_mem, new_rollout, util, dup) in enumerate(
+            draw(st.lists(STEP, min_size=30, max_size=100))):
+        ts = max(0.0, ts + dt)
+        ttft = min(140, max(1, ttft + d_ttft))
+        tpot = min(140, max(1, tpot + d_tpot))
+        serving = min(100, max(1, serving + d_mem))
+        rollout_frac = rollout_frac if new_rollout is None else new_rollout
+        serving_gib = total * serving / 100
+        eid = events[-1].event_id if events and dup == 0 else None
+        events.append(tel(i, ts, ttft / 100, tpot / 100, total, serving_gib,
+                          (total - serving_gib) * rollout_frac, util, event_id=eid))
+    return events
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sequences())
+def test_invariants_hold_on_every_event(events):
+    cfg = CFG
+    decisions = run(events)
+    last_ts, last_id = -1.0, None
+    streak = 0
+    lease = None  # the live lease as the commands describe it: dict(id, epoch, mem, expires_at)
+    last_grant_epoch = 0
+    revoked_at = None
+    for e, d in zip(events, decisions):
+        cmds = d.commands
+        assert len(cmds) <= 1
+        for c in cmds:
+            assert c.ts == e.ts and c.cause_event_id == e.event_id and c.gpu == e.gpu
+        stale = e.ts <= last_ts or e.event_id == last_id
+        if stale:
+            assert d.explain.action == "ignored" and cmds == ()
+            assert d.view.ignored_stale == decisions[decisions.index(d) - 1].view.ignored_stale + 1
+            continue
+        last_ts, last_id = e.ts, e.event_id
+        h = [1 - e.latency_ms.ttft_p99 / e.slo_ms.ttft_p99, 1 - e.latency_ms.tpot_p99 / e.slo_ms.tpot_p99]
+        streak = streak + 1 if min(h) >= cfg.grant_headroom else 0
+        total, rollout = e.mem_total_bytes, e.rollout_mem_bytes
+        serving = e.mem_used_bytes - rollout
+        margin = int(total * cfg.mem_margin_frac)
+        if lease is not None and e.ts >= lease["expires_at"]:
+            lease = None  # lapsed: the executor revoked itself
+        kinds = [c.kind for c in cmds]
+
+        if lease is not None:
+            free = total - serving - max(lease["mem"], rollout)
+            must_revoke = min(h) < cfg.revoke_headroom or free < margin
+            if must_revoke:
+                assert kinds == ["revoke"], (h, free, margin, d.explain)
+            assert "grant" not in kinds  # one lease at a time
+            for c in cmds:  # renew and revoke carry their lease
+                assert (c.lease_id, c.epoch) == (lease["id"], lease["epoch"])
+            if not cmds and lease["expires_at"] - e.ts < cfg.renew_before_s:
+                pytest.fail(f"lease {lease['id']} due for renewal got neither renew nor revoke")
+            if kinds == ["renew"]:
+                assert cmds[0].expires_at == e.ts + cfg.ttl_s
+                assert cmds[0].mem_bytes == lease["mem"]
+                lease["expires_at"] = cmds[0].expires_at
+            elif kinds == ["revoke"]:
+                assert d.explain.action == "revoke"
+                lease, revoked_at = None, e.ts
+        else:
+            assert kinds in ([], ["grant"]), "renew/revoke without a live lease (e.g. after expiry)"
+            if kinds == ["grant"]:
+                g = cmds[0]
+                assert streak >= cfg.grant_streak
+                assert min(h) >= cfg.grant_headroom
+                assert total - e.mem_used_bytes - margin >= cfg.min_lease_bytes
+                assert cfg.min_lease_bytes <= g.mem_bytes <= total - serving - margin
+                assert 0.0 <= g.compute_share <= cfg.max_compute_share
+                assert g.epoch > last_grant_epoch
+                assert g.expires_at == e.ts + cfg.ttl_s
+                if revoked_at is not None:
+                    assert e.ts >= revoked_at + cfg.cooldown_s
+                last_grant_epoch = g.epoch
+                lease = dict(id=g.lease_id, epoch=g.epoch, mem=g.mem_bytes, expires_at=g.expires_at)
+        assert d.view.epoch == last_grant_epoch
+
+
+@settings(max_examples=40, deadline=None)
+@given(sequences())
+def test_deterministic_and_view_survives_json(events):
+    a = command_bytes(run(events))
+    assert a == command_bytes(run(events))
+    assert a == command_bytes(run(events, roundtrip=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sequences(), st.lists(st.tuples(st.integers(0, 119), st.integers(0, 6),
+                                       st.sampled_from(["active", "revoking", "revoked", "expired", "rejected"])),
+                             max_size=10))
+def test_lease_states_never_resurrect_and_raise_the_epoch_floor(events, states):
+    """Folding executor lease states between events: epochs still strictly increase and
+    no lease the view does not hold ever appears (no renew/revoke without a grant)."""
+    by_index: dict[int, list] = {}
+    for i, ep, st_ in states:
+        by_index.setdefault(i, []).append((ep, st_))
+    view, last_epoch, live = None, 0, None
+    for i, e in enumerate(events):
+        for ep, st_ in by_index.get(i, []):
+            before = view
+            ls = lease_state_example(gpu=e.gpu, lease_id=f"{e.gpu}#{ep}", epoch=ep, state=st_, ts=e.ts)
+            view = observe_lease_state(view, ls, CFG)
+            assert view.epoch == max(before.epoch if before else 0, ep)
+            if before is None or before.lease_id is None:
+                assert view.lease_id is None
+            elif view.lease_id is not None:
+                assert view.lease_id == before.lease_id
+            if st_ != "active" and before is not None and before.lease_id == ls.lease_id:
+                assert view.lease_id is None
+            live = view.lease_id
+        d = decide(view, e, CFG)
+        for c in d.commands:
+            if c.kind == "grant":
+                assert c.epoch > max(last_epoch, view.epoch if view else 0)
+                last_epoch = c.epoch
+            else:
+                assert live is not None and c.lease_id == live
+        view = d.view
+        live = view.lease_id
+
+
+# --- readable examples ---------------------------------------------------------------------
+
+def steady(n, start=0, t0=100.0, **kw):
+    return [tel(start + i, t0 + 0.5 * (start + i), **kw) for i in range(n)]
+
+
+def test_grant_needs_three_events_of_headroom_then_sizes_from_this_gpu():
+    ds = run(steady(3))
+    assert [d.explain.action for d in ds] == ["none", "none", "grant"]
+    assert ds[0].explain.reason == "headroom streak 1 < 3"
+    g = ds[2].commands[0]
+    assert (g.kind, g.epoch, g.lease_id, g.expires_at) == ("grant", 1, "n/0#1", 101.0 + 5.0)
+    # 80 GiB total, 30 serving, 8 margin: 42 available; headroom 0.8 lends ~86 % of it
+    assert 2 * GiB <= g.mem_bytes <= 42 * GiB and g.mem_bytes % (64 << 20) == 0
+    assert ds[2].explain.headroom == {"ttft_p99": pytest.approx(0.8), "tpot_p99": pytest.approx(0.8)}
+    small = run(steady(3, gpu="s/0", total_gib=24, serving_gib=10))[2].commands[0]
+    assert small.mem_bytes < g.mem_bytes  # capacity from each GPU's own telemetry
+
+
+def test_no_grant_without_memory_for_the_minimum_lease():
+    ds = run(steady(4, total_gib=24, serving_gib=20))  # 24 - 20 - 2.4 margin = 1.6 GiB < 2 GiB
+    assert all(not d.commands for d in ds)
+    assert "< minimum lease 2.00 GiB" in ds[-1].explain.reason
+
+
+def test_revoke_on_the_very_event_that_loses_headroom_then_cooldown_with_backoff():
+    ds = run(steady(3))
+    bad = tel(3, 101.5, tpot_frac=0.92)
+    d = decide(ds[-1].view, bad, CFG)
+    (r,) = d.commands
+    assert (r.kind, r.epoch, r.lease_id, r.cause_event_id) == ("revoke", 1, "n/0#1", bad.event_id)
+    assert r.reason.startswith("headroom 0.08 < 0.10 on tpot_p99")
+    assert d.view.cooldown_until == 101.5 + 10.0 and d.view.lease_id is None
+    # healthy again, but cooling down until 111.5
+    view = d.view
+    for i in range(4, 23):
+        dd = decide(view, tel(i, 100 + 0.5 * i), CFG)
+        assert not dd.commands
+        view = dd.view
+    assert "cooldown until 111.500" in dd.explain.reason
+    g = decide(view, tel(24, 112.0), CFG).commands[0]
+    assert (g.kind, g.epoch) == ("grant", 2)
+    # a second revoke soon after doubles the cooldown
+    d2 = decide(decide(view, tel(24, 112.0), CFG).view, tel(25, 112.5, ttft_frac=0.95), CFG)
+    assert d2.commands[0].kind == "revoke" and d2.view.cooldown_until == 112.5 + 20.0
+    assert cooldown_for(20, CFG) == CFG.cooldown_max_s
+
+
+def test_hysteresis_holds_and_renews_between_thresholds():
+    view = run(steady(3, tpot_frac=0.65))[-1].view
+    kinds = []
+    for i in range(3, 20):  # headroom 0.2: below grant, above revoke; a gentle rise
+        d = decide(view, tel(i, 100 + 0.5 * i, tpot_frac=0.8), CFG)
+        kinds.append(d.explain.action)
+        view = d.view
+    assert "revoke" not in kinds and kinds.count("renew") >= 2
+    renew = next(c for c in [decide(view, tel(99, view.lease_expires_at - 1.0, tpot_frac=0.8), CFG)]
+                 for c in c.commands)
+    assert (renew.kind, renew.epoch, renew.lease_id) == ("renew", 1, "n/0#1")
+
+
+def test_memory_pressure_revokes():
+    view = run(steady(3))[-1].view
+    lent = view.lease_mem_bytes / GiB
+    d = decide(view, tel(3, 101.5, serving_gib=80 - lent - 7.0), CFG)  # free 7 GiB < 8 GiB margin
+    assert d.commands[0].kind == "revoke" and "free memory" in d.commands[0].reason
+
+
+def test_trend_predictor_revokes_before_the_slo_is_crossed():
+    view = run(steady(3))[-1].view
+    # headroom still 0.35 (no threshold crossed), but p99 rose 0.2 -> 0.65 of SLO in 0.5 s
+    d = decide(view, tel(3, 101.5, tpot_frac=0.65), CFG)
+    assert d.explain.headroom["tpot_p99"] == pytest.approx(0.35)
+    assert d.explain.predicted_headroom["tpot_p99"] == pytest.approx(-0.1)
+    assert d.commands[0].kind == "revoke" and "trend: tpot_p99" in d.commands[0].reason
+
+
+def test_kv_cache_growth_revokes():
+    view = run(steady(3))[-1].view
+    d = decide(view, tel(3, 101.5, serving_gib=34.5), CFG)  # +4.5 GiB in 0.5 s >= 0.5 x 8 GiB margin
+    assert d.commands[0].kind == "revoke" and "KV growth" in d.commands[0].reason
+
+
+def test_expired_lease_is_never_renewed_or_revoked():
+    view = run(steady(3))[-1].view  # expires at 106.0
+    d = decide(view, tel(3, 106.0, tpot_frac=0.95), CFG)  # would revoke, but it lapsed
+    assert d.commands == () and d.view.lease_id is None
+    assert "expired at 106.000 without renewal" in d.explain.reason
+
+
+def test_stale_and_duplicate_events_are_ignored_with_a_counter():
+    ds = run(steady(2))
+    v = ds[-1].view
+    d = decide(v, tel(9, 100.2), CFG)
+    assert (d.explain.action, d.commands, d.view.ignored_stale) == ("ignored", (), 1)
+    d = decide(d.view, tel(1, 200.0), CFG)  # same event_id as the last one
+    assert d.explain.action == "ignored" and d.view.ignored_stale == 2
+    assert dataclasses.replace(d.view, ignored_stale=0) == v
+
+
+def test_observe_lease_state_ends_the_lease_and_keeps_the_epoch_floor():
+    view = run(steady(3))[-1].view
+    ended = observe_lease_state(view, lease_state_example(gpu="n/0", lease_id="n/0#1", epoch=1,
+                                                           state="expired", ts=102.0), CFG)
+    assert ended.lease_id is None and ended.epoch == 1
+    fresh = observe_lease_state(None, lease_state_example(gpu="n/9", lease_id="n/9#7", epoch=7,
+                                                           state="active"), CFG)
+    assert fresh.lease_id is None and fresh.epoch == 7
+    assert POLICY_VERSION
