@@ -87,14 +87,22 @@ def test_deterministic_with_seed_and_differs_across_seeds():
 
 def test_pause_check_stops_within_one_step():
     e = engine()
-    calls = []
-
-    def check():
-        calls.append(1)
-        return len(calls) > 3
-
-    out = e.generate([GenRequest("a", list(b"hi"), seed=1)], 50, pause_check=check)
+    out = e.generate([GenRequest("a", list(b"hi"), seed=1)], 50, pause_check=lambda: e.steps >= 3)
     assert len(out[0]) == 3
+
+
+def test_pause_between_prefill_chunks_then_resume_loses_nothing():
+    b = MemoryBudget(BIG, SPEC)
+    small = b.model_bytes + b.min_activation_bytes() + 2 * b.kv_bytes_per_slot + 10
+    ref = engine(limit=small).generate([GenRequest("a", list(b"z" * 100), seed=3),
+                                        GenRequest("b", list(b"q" * 90), seed=4)], 6)
+    e = engine(limit=small)
+    calls = []
+    paused = e.generate([GenRequest("a", list(b"z" * 100), seed=3), GenRequest("b", list(b"q" * 90), seed=4)], 6,
+                        pause_check=lambda: calls.append(1) or len(calls) == 3)  # inside the prefill
+    assert paused == [[], []]
+    rest = e.generate([GenRequest("a"), GenRequest("b")], 6)
+    assert rest == ref
 
 
 def test_load_weights_switches_policy_between_steps():

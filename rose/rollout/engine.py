@@ -122,6 +122,7 @@ class _Seq:
     slot: int
     length: int = 0  # tokens in the cache
     pending: list[int] = field(default_factory=list)  # to feed before the next sample
+    logits: torch.Tensor | None = None  # after the last fed token, once pending is empty
     gen: torch.Generator | None = None
 
 
@@ -187,7 +188,9 @@ class TorchEngine:
             for _ in range(max_new_tokens):
                 if pause_check():
                     break
-                logits = self._step(seqs)
+                logits = self._step(seqs, pause_check)
+                if logits is None:  # paused between prefill chunks; the rest stays pending
+                    break
                 for i, (s, lg) in enumerate(zip(seqs, logits)):
                     tok = self._sample(lg, s.gen)
                     s.pending.append(tok)
@@ -195,44 +198,54 @@ class TorchEngine:
                 self.steps += 1
         return out
 
-    def _step(self, seqs: list[_Seq]) -> list[torch.Tensor]:
-        """Feed every sequence's pending tokens; return each one's last logits."""
-        last: dict[int, torch.Tensor] = {}
-        decode = [i for i, s in enumerate(seqs) if len(s.pending) == 1]
-        for i, s in enumerate(seqs):  # prefill / extension, chunked to the budget
-            if len(s.pending) > 1:
-                last[i] = self._prefill(s)
-            elif not s.pending:
+    def _step(self, seqs: list[_Seq], pause_check: Callable[[], bool]) -> list[torch.Tensor] | None:
+        """Feed every sequence's pending tokens; each one's last logits, or None when
+        pause_check turned true between two forwards (what was fed stays fed)."""
+        for s in seqs:
+            if not s.pending and s.logits is None:
                 raise ValueError("a sequence with nothing to feed: give a prompt first")
+        for s in seqs:  # prefill / extension, chunked to the budget
+            if len(s.pending) > 1 and not self._prefill(s, pause_check):
+                return None
+        decode = [s for s in seqs if len(s.pending) == 1]
+        if decode and pause_check():
+            return None
         if decode:
-            ctx = max(seqs[i].length for i in decode) + 1
+            ctx = max(s.length for s in decode) + 1
             bmax = self.budget.max_batch_for(self.n_slots, 1, ctx)
             for j in range(0, len(decode), bmax):  # shrink the batch to fit the budget
                 part = decode[j:j + bmax]
-                toks = torch.tensor([[seqs[i].pending[0]] for i in part], device=self.device)
-                slots = torch.tensor([seqs[i].slot for i in part], device=self.device)
-                starts = torch.tensor([seqs[i].length for i in part], device=self.device)
+                toks = torch.tensor([[s.pending[0]] for s in part], device=self.device)
+                slots = torch.tensor([s.slot for s in part], device=self.device)
+                starts = torch.tensor([s.length for s in part], device=self.device)
                 self._track(len(part), 1, ctx)
                 lg = self.model(toks, self.cache, slots, starts)[:, -1]
-                for k, i in enumerate(part):
-                    seqs[i].length += 1
-                    seqs[i].pending.clear()
-                    last[i] = lg[k]
-        return [last[i] for i in range(len(seqs))]
+                for k, s in enumerate(part):
+                    s.length += 1
+                    s.pending.clear()
+                    s.logits = lg[k]
+        out = [s.logits for s in seqs]
+        for s in seqs:
+            s.logits = None
+        return out
 
-    def _prefill(self, s: _Seq) -> torch.Tensor:
-        lg = None
+    def _prefill(self, s: _Seq, pause_check: Callable[[], bool]) -> bool:
+        """Feed s.pending in budget-sized chunks; False if paused before the end."""
+        first = True
         while s.pending:
+            if not first and pause_check():
+                return False
+            first = False
             ctx = s.length + len(s.pending)
             n = min(len(s.pending), self.budget.max_chunk_for(self.n_slots, ctx))
             toks = torch.tensor([s.pending[:n]], device=self.device)
             slots = torch.tensor([s.slot], device=self.device)
             starts = torch.tensor([s.length], device=self.device)
             self._track(1, n, s.length + n)
-            lg = self.model(toks, self.cache, slots, starts)[0, -1]
+            s.logits = self.model(toks, self.cache, slots, starts)[0, -1]
             s.length += n
             del s.pending[:n]
-        return lg
+        return True
 
     def _track(self, b: int, t: int, ctx: int) -> None:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.budget.activation_bytes(b, t, ctx))

@@ -1,12 +1,14 @@
 """A pause flag in shared memory: the executor (or its local fast guard) raises it and the
 rollout worker sees it at its next decode step, with no network hop.
 
-Layout (32 bytes, little endian, each field naturally aligned so a store is one machine
-write): state u8 @0 | heartbeat u64 @8 | paused_seen_ns i64 @16 | set_ns i64 @24.
+Layout (40 bytes, little endian, each field naturally aligned so a store is one machine
+write): state u8 @0 | heartbeat u64 @8 | paused_seen_ns i64 @16 | set_ns i64 @24 |
+steps u64 @32.
 `set_ns` is when the flag last changed, `paused_seen_ns` when the worker last observed
 PAUSE or STOP (both CLOCK_MONOTONIC, which is one clock for every process on the host),
 so `paused_seen_ns - set_ns` is the flag-raised → worker-paused latency.
-The heartbeat counts the worker's loop iterations: a stalled worker stops counting.
+The heartbeat counts the worker's loop iterations (paused or not): a stalled worker stops
+counting. `steps` counts decode steps only: rollout progress, zero while paused.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ PAUSE = 1
 STOP = 2
 STATES = (RUN, PAUSE, STOP)
 
-SIZE = 32
-_STATE, _BEAT, _SEEN, _SET = 0, 8, 16, 24
+SIZE = 40
+_STATE, _BEAT, _SEEN, _SET, _STEPS = 0, 8, 16, 24, 32
 
 
 class PauseFlag:
@@ -58,6 +60,11 @@ class PauseFlag:
         struct.pack_into("<Q", self._buf, _BEAT, n & 0xFFFFFFFFFFFFFFFF)
         return self._buf[_STATE]
 
+    def count_steps(self, n: int = 1) -> None:
+        """Count decode steps launched (the worker is the only writer)."""
+        v = struct.unpack_from("<Q", self._buf, _STEPS)[0] + n
+        struct.pack_into("<Q", self._buf, _STEPS, v & 0xFFFFFFFFFFFFFFFF)
+
     def mark_paused(self) -> None:
         """Record that the worker has observed PAUSE/STOP and launches no more work."""
         struct.pack_into("<q", self._buf, _SEEN, time.monotonic_ns())
@@ -66,6 +73,10 @@ class PauseFlag:
     @property
     def heartbeat(self) -> int:
         return struct.unpack_from("<Q", self._buf, _BEAT)[0]
+
+    @property
+    def steps(self) -> int:
+        return struct.unpack_from("<Q", self._buf, _STEPS)[0]
 
     @property
     def paused_seen_ns(self) -> int:

@@ -146,6 +146,7 @@ class Worker:
         self.active: dict[str, tuple] = {}  # seq id -> (Claimed, Episode)
         self.stop_requested = False
         self.paused = False
+        self._marked = False  # this PAUSE/STOP's sighting is recorded in the flag
         self.stats = {"episodes": 0, "turns": 0, "tokens": 0, "moved": 0, "requeued": 0, "lost": 0,
                       "duplicates": 0}
         self._next = {"hb": 0.0, "view": 0.0, "weights": 0.0, "reclaim": 0.0, "touch": 0.0, "read": 0.0}
@@ -163,6 +164,19 @@ class Worker:
         if self.stop_requested:
             return STOP
         return self.flag.beat() if self.flag is not None else RUN
+
+    def _should_pause(self) -> bool:
+        """The engine's pause_check, before every forward: records the first sighting."""
+        st = self.flag.get() if self.flag is not None else RUN
+        if self.stop_requested or st != RUN:
+            self._mark()
+            return True
+        return False
+
+    def _mark(self) -> None:
+        if self.flag is not None and not self._marked:
+            self.flag.mark_paused()
+            self._marked = True
 
     def publish(self, state: str) -> None:
         s = self.spec
@@ -221,20 +235,19 @@ class Worker:
         while True:
             state = self._state()
             if state == STOP:
-                if self.flag is not None:
-                    self.flag.mark_paused()
+                self._mark()
                 self.drain()
                 return 0
             if state == PAUSE:
+                self._mark()
                 if not self.paused:
-                    if self.flag is not None:
-                        self.flag.mark_paused()
                     self.paused = True
                     self.publish("paused")
                 elif self._due("hb", time.monotonic(), self.HEARTBEAT_S):
                     self.publish("paused")
-                time.sleep(0.0002)
+                time.sleep(0.0005)
                 continue
+            self._marked = False
             if self.paused:
                 self.paused = False
                 self.publish("running")
@@ -323,7 +336,9 @@ class Worker:
         if not ready:
             return False
         reqs = [GenRequest(k, ep.to_feed(), ep.sampler_seed()) for k, _c, ep in ready]
-        out = self.engine.generate(reqs, 1, pause_check=lambda: self._state() != RUN)
+        out = self.engine.generate(reqs, 1, pause_check=self._should_pause)
+        if self.flag is not None and any(out):
+            self.flag.count_steps()
         v = self.engine.version
         t = time.monotonic()
         for (k, c, ep), toks in zip(ready, out):
