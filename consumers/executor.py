@@ -72,15 +72,13 @@ def command_group(gpus: list[str]) -> str:
     return "rose-executor-" + hashlib.sha1(",".join(sorted(gpus)).encode()).hexdigest()[:16]
 
 
-def _child_setup(nice: int):
-    """Runs in the forked worker before exec: die with the executor, lower CPU priority."""
-    libc = ctypes.CDLL(None, use_errno=True)  # resolved before fork; the child only calls it
-    prctl = libc.prctl
+def _child_setup():
+    """Runs in the forked worker before exec: SIGTERM it (drain) when the executor dies.
+    (The worker lowers its own OS priority from WorkerSpec.nice.)"""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork; the child only calls it
 
     def setup() -> None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if nice:
-            os.nice(nice)
 
     return setup
 
@@ -184,6 +182,8 @@ class Executor:
         self.consumer = make_consumer(self.k, command_group(self.gpus), **{"fetch.wait.max.ms": 10})
         _retrying(self._assign)
         if self.guard is not None:
+            # the guard thread must get the interpreter within its poll period, not CPython's default 5 ms
+            sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.executor.guard_period_s))
             self.guard.start()
         self.log.info("executor.ready", device=self.device, guard=self.guard is not None)
         return self
@@ -382,7 +382,7 @@ class Executor:
         flag.set(PAUSE if a.paused else RUN)
         self._seed += 1
         argv = self.worker_argv(self.cfg, a, name, self.device, self._seed)
-        proc = subprocess.Popen(argv, preexec_fn=_child_setup(self.cfg.executor.worker_nice),
+        proc = subprocess.Popen(argv, preexec_fn=_child_setup(),
                                 stdin=subprocess.DEVNULL, close_fds=True)
         self.workers[a.gpu] = WorkerHandle(a.gpu, proc, flag, a.epoch)
         self.log.info("worker.started", gpu=a.gpu, pid=proc.pid, epoch=a.epoch, mem_bytes=a.mem_bytes,

@@ -141,6 +141,7 @@ class Guard:
         self.period_s = period_s
         self.events: "queue.SimpleQueue[GuardEvent]" = queue.SimpleQueue()
         self.tripped: dict[str, bool] = {g: False for g in self.gpus}
+        self.trips = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -158,6 +159,7 @@ class Guard:
             self.tripped[gpu] = now
             if now:
                 self.on_trip(gpu)
+                self.trips += 1
             elif self.on_clear is not None:
                 self.on_clear(gpu)
             self.events.put(GuardEvent(gpu, now, headroom, time.monotonic_ns()))

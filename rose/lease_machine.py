@@ -297,7 +297,7 @@ def _reconcile(s: GpuLease, now: float, p: Params, out: list[Action]) -> GpuLeas
             if rec.epoch >= s.highest_epoch:
                 s = replace(s, truth=rec)
         s = replace(s, ended=())
-    if w is None and want is not None and now >= s.restart_at:
+    if w is None and want is not None and now >= s.restart_at and want.mem_bytes > 0 and want.compute_share > 0:
         out.append(Start(s.gpu, want.lease_id, want.epoch, want.mem_bytes, want.compute_share, s.guard_paused))
         s = replace(s, worker=Worker(want.mem_bytes, want.compute_share))
     return s
