@@ -137,6 +137,7 @@ class StackConfig:
     kafka_version: str = "4.1.1"
     kafka_port: int = 9092
     controller_port: int = 9093
+    sasl_port: int = 9094  # SASL_PLAINTEXT listener with SCRAM-SHA-256/512
     redis_port: int = 6379
     kafka_heap: str = "512m"
 

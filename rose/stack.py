@@ -85,11 +85,19 @@ class LocalStack:
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{s.controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{s.kafka_port},CONTROLLER://127.0.0.1:{s.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{s.kafka_port}",
+            "listeners": (f"PLAINTEXT://127.0.0.1:{s.kafka_port},CONTROLLER://127.0.0.1:{s.controller_port},"
+                          f"SASL_PLAINTEXT://127.0.0.1:{s.sasl_port}"),
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{s.kafka_port},SASL_PLAINTEXT://127.0.0.1:{s.sasl_port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+            # a SCRAM listener, so secured client configs (sasl.*) are tested against a real broker;
+            # users are created with AdminClient.alter_user_scram_credentials
+            "sasl.enabled.mechanisms": "SCRAM-SHA-256,SCRAM-SHA-512",
+            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
             "log.dirs": str(self.root / "kafka-data"),
             "num.partitions": "1",
             "offsets.topic.replication.factor": "1",
