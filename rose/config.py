@@ -162,7 +162,18 @@ class Config:
         for k, v in d["security"].items():
             if v:
                 d["security"][k] = "***"
+        d["redis"]["url"] = _redact_url(d["redis"]["url"])
         return d
+
+
+def _redact_url(url: str) -> str:
+    """redis://user:secret@host -> redis://user:***@host"""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user, colon, _ = creds.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}"
 
 
 _SECRET_FILE_SUFFIX = "_file"
