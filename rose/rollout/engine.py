@@ -191,8 +191,7 @@ class TorchEngine:
                 logits = self._step(seqs, pause_check)
                 if logits is None:  # paused between prefill chunks; the rest stays pending
                     break
-                for i, (s, lg) in enumerate(zip(seqs, logits)):
-                    tok = self._sample(lg, s.gen)
+                for i, (s, tok) in enumerate(zip(seqs, self._sample(logits, [s.gen for s in seqs]))):
                     s.pending.append(tok)
                     out[i].append(tok)
                 self.steps += 1
@@ -219,7 +218,10 @@ class TorchEngine:
                 slots = torch.tensor([s.slot for s in part], device=self.device)
                 starts = torch.tensor([s.length for s in part], device=self.device)
                 self._track(len(part), 1, ctx)
-                lg = self.model(toks, self.cache, slots, starts)[:, -1]
+                lg = self.model(toks, self.cache, slots, starts, pause_check)
+                if lg is None:
+                    return None
+                lg = lg[:, -1]
                 for k, s in enumerate(part):
                     s.length += 1
                     s.pending.clear()
@@ -231,18 +233,19 @@ class TorchEngine:
 
     def _prefill(self, s: _Seq, pause_check: Callable[[], bool]) -> bool:
         """Feed s.pending in budget-sized chunks; False if paused before the end."""
-        first = True
         while s.pending:
-            if not first and pause_check():
+            if pause_check():
                 return False
-            first = False
             ctx = s.length + len(s.pending)
             n = min(len(s.pending), self.budget.max_chunk_for(self.n_slots, ctx))
             toks = torch.tensor([s.pending[:n]], device=self.device)
             slots = torch.tensor([s.slot], device=self.device)
             starts = torch.tensor([s.length], device=self.device)
             self._track(1, n, s.length + n)
-            s.logits = self.model(toks, self.cache, slots, starts)[0, -1]
+            lg = self.model(toks, self.cache, slots, starts, pause_check)
+            if lg is None:
+                return False
+            s.logits = lg[0, -1]
             s.length += n
             del s.pending[:n]
         return True
@@ -250,8 +253,11 @@ class TorchEngine:
     def _track(self, b: int, t: int, ctx: int) -> None:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.budget.activation_bytes(b, t, ctx))
 
-    def _sample(self, logits: torch.Tensor, gen: torch.Generator) -> int:
+    def _sample(self, logits: list[torch.Tensor], gens: list[torch.Generator]) -> list[int]:
+        """One token per sequence, each from its own generator (so a sequence's draws do not
+        depend on what it is batched with); the softmax runs once for the batch."""
+        lg = torch.stack(logits).float()
         if self.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen))
+            return lg.argmax(-1).tolist()
+        probs = torch.softmax(lg / self.temperature, dim=-1).cpu()
+        return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]

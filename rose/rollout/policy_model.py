@@ -7,7 +7,9 @@ a sequence owns a slot, so sequences of different lengths decode in one batched 
 (continuous batching) and join or leave between steps without copying anyone's cache.
 `forward(tokens, slots, starts)` writes the new keys/values at `starts[b]..` and attends
 to everything in the slot up to each query's own position, so prefill, extension (tool
-observations appended to a cached prefix) and one-token decoding are one code path.
+observations appended to a cached prefix) and one-token decoding are one code path. A
+decode step over most slots attends on a view of the whole cache instead of gathering the
+batch's rows (a copy of every key and value, the main cost on CPU).
 """
 
 from __future__ import annotations
@@ -63,9 +65,21 @@ class Block(nn.Module):
         cache[sl, 0, :, pos] = k.permute(0, 2, 1, 3)  # [b, t, h, hd]
         cache[sl, 1, :, pos] = v.permute(0, 2, 1, 3)
         ctx = mask.shape[-1]
-        kk = cache[slots, 0, :, :ctx]  # [b, h, ctx, hd]
-        vv = cache[slots, 1, :, :ctx]
-        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[:, None])
+        n_slots = cache.shape[0]
+        if t == 1 and 2 * b >= n_slots:
+            # decode over most slots: attend on a view of the whole cache (no gather copy);
+            # rows of idle slots see position 0 only and are dropped
+            qf = q.new_zeros(n_slots, h, 1, hd)
+            qf[slots] = q
+            mf = torch.zeros(n_slots, 1, ctx, dtype=torch.bool, device=x.device)
+            mf[:, :, 0] = True
+            mf[slots] = mask
+            a = F.scaled_dot_product_attention(qf, cache[:, 0, :, :ctx], cache[:, 1, :, :ctx],
+                                               attn_mask=mf[:, None])[slots]
+        else:
+            kk = cache[slots, 0, :, :ctx]  # [b, h, ctx, hd]: a gathered copy
+            vv = cache[slots, 1, :, :ctx]
+            a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask[:, None])
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
@@ -87,9 +101,11 @@ class PolicyModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: list[torch.Tensor], slots: torch.Tensor,
-                starts: torch.Tensor) -> torch.Tensor:
+                starts: torch.Tensor, pause_check=None) -> torch.Tensor | None:
         """tokens [b, t] placed at positions starts[b].. of cache slots[b]; logits [b, t, vocab].
-        Rows shorter than t are right-padded by the caller; their padded logits are garbage."""
+        `pause_check()` runs between layers: True abandons the forward and returns None (the
+        keys/values it wrote sit beyond the sequence's length and are overwritten when the
+        same tokens are fed again), so a pause waits for one layer, not a whole step."""
         b, t = tokens.shape
         dev = tokens.device
         pos = starts[:, None] + torch.arange(t, device=dev)[None, :]
@@ -98,7 +114,9 @@ class PolicyModel(nn.Module):
         ctx = int(pos.max()) + 1
         mask = torch.arange(ctx, device=dev)[None, None, :] <= pos[:, :, None]  # [b, t, ctx]
         x = self.tok(tokens) + self.pos(pos)
-        for blk, c in zip(self.blocks, cache):
+        for i, (blk, c) in enumerate(zip(self.blocks, cache)):
+            if i and pause_check is not None and pause_check():
+                return None
             x = blk(x, c, slots, starts, mask)
         return self.ln_f(x) @ self.tok.weight.T
 

@@ -7,7 +7,8 @@ One loop, one decode step per iteration (continuous batching): read the pause fl
 beat the heartbeat; switch policy versions if a new one is complete; admit tasks into free
 KV-cache slots; finish tool calls and place each episode's next turn (placement.place);
 run one batched decode step for every episode that is generating; complete finished
-episodes. PAUSE launches nothing more from the next iteration on; STOP or SIGTERM drains:
+episodes. The flag is read before every forward and between the model's layers, so PAUSE
+launches nothing more after at most one layer; STOP or SIGTERM drains:
 each unfinished episode goes back as a continuation task, acked atomically, then exit 0.
 
 Protection of serving: a hard memory cap (CUDA: the allocator's per-process fraction;
