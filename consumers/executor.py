@@ -47,7 +47,7 @@ from rose.config import Config
 from rose.events import Command, InvalidEvent, LeaseState
 from rose.guard import FileLatencySource, Guard, LatencySource
 from rose.kafka import dead_letter, header, make_consumer, make_producer, partition_for, partitions_of, \
-    produce, read_partitions
+    produce, read_partitions, retrying
 from rose.logs import get_logger
 from rose.signing import SIGNATURE_HEADER, verify
 from rose.tracing import extract_context, inject_headers, tracer
@@ -119,19 +119,6 @@ def measure_rollout_mem(pid: int, device: str) -> int:
         return 0
 
 
-def _retrying(fn, timeout_s: float = 30.0) -> None:
-    """Run a start-up step, retrying while the cluster is still settling (a new topic without a
-    leader yet, a broker restarting); the last error is raised after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return fn()
-        except KafkaException:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.25)
-
-
 @dataclass
 class WorkerHandle:
     gpu: str
@@ -178,9 +165,9 @@ class Executor:
     # ---- life cycle ------------------------------------------------------------------------
     def start(self) -> "Executor":
         self.producer = make_producer(self.k)
-        _retrying(self._rebuild)
+        retrying(self._rebuild)
         self.consumer = make_consumer(self.k, command_group(self.gpus), **{"fetch.wait.max.ms": 10})
-        _retrying(self._assign)
+        retrying(self._assign)
         if self.guard is not None:
             # the guard thread must get the interpreter within its poll period, not CPython's default 5 ms
             sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.executor.guard_period_s))

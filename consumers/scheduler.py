@@ -15,8 +15,14 @@ on every partition assignment from
   2. `<prefix>lease-state` (compacted, written by executors), folded in with
      observe_lease_state: the epoch floor rises to every epoch an executor has seen and a
      lease an executor ended is never renewed or resurrected.
-Lease states are read at rebuild only; between rebuilds the policy tracks expiry by event
-time, which keeps live decisions a function of the telemetry log alone (replayable).
+Between rebuilds the scheduler keeps folding the lease-state stream (a plain assigned
+consumer over all its partitions, outside the consumer group; folding is idempotent) into the
+views it owns. In normal operation this changes nothing — the scheduler already knows every
+lease it granted, renewed or revoked — so live decisions stay a function of the telemetry
+log (replayable byte for byte). It matters after a fault: when the scheduler was cut off past
+a lease's TTL, the executor expired the lease by its own clock, and the backlog of telemetry
+alone would make the resumed scheduler renew a lease the executor has dropped. The executor's
+`expired` (or `rejected`) ends the lease in the view, and the next grant takes a new epoch.
 
 Rebalance: consume() is only called outside a transaction, so a rebalance callback never
 sees an open transaction; revoked partitions drop their views, assigned ones rebuild.
@@ -32,13 +38,13 @@ import time
 from dataclasses import dataclass, field
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from rose import metrics
 from rose.codec import decode, encode
 from rose.config import Config
 from rose.events import InvalidEvent, LeaseState, Telemetry
-from rose.kafka import dead_letter, make_consumer, make_producer, produce, read_partitions, partitions_of
+from rose.kafka import dead_letter, make_consumer, make_producer, partitions_of, produce, read_partitions, retrying
 from rose.lease_policy import POLICY_VERSION, GpuView, decide, observe_lease_state
 from rose.logs import get_logger
 from rose.signing import sign_headers
@@ -100,13 +106,15 @@ class Scheduler:
                # static membership: a restarted instance gets its partitions back at once,
                # without waiting out the session timeout of its killed predecessor
                "group.instance.id": f"{self.k.topic_prefix}scheduler-{instance}"})
+        self.lease_consumer: Consumer = make_consumer(
+            self.k, f"{self.k.topic_prefix}{group}-lease-state-{instance}", **{"fetch.wait.max.ms": 50})
         self.producer.init_transactions(30)
 
     # ---- state rebuild -----------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         ps = [tp.partition for tp in parts]
         self.log.info("partitions.assigned", partitions=ps)
-        self._rebuild(ps)
+        retrying(lambda: self._rebuild(ps))
         consumer.incremental_assign(parts)
 
     def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
@@ -146,7 +154,27 @@ class Scheduler:
         return v
 
     # ---- the loop ----------------------------------------------------------------------
+    def _fold_lease_states(self) -> None:
+        """Fold newly published lease states into the owned views (see module docstring)."""
+        for m in self.lease_consumer.consume(1000, timeout=0):
+            if m.error() or m.value() is None:
+                continue
+            try:
+                ls = decode(m.value(), LeaseState)
+            except InvalidEvent:
+                continue
+            self.lease_floor[ls.gpu] = ls
+            v = self.views.get(ls.gpu)
+            if v is not None:
+                nv = observe_lease_state(v, ls, self.cfg.policy)
+                if nv != v:
+                    self.log.info("lease.observed", gpu=ls.gpu, lease_id=ls.lease_id, state=ls.state,
+                                  epoch=ls.epoch, view_lease=nv.lease_id)
+                    self.views[ls.gpu] = nv
+
     def start(self) -> None:
+        parts = retrying(lambda: partitions_of(self.k, self.k.lease_state_topic))
+        self.lease_consumer.assign([TopicPartition(self.k.lease_state_topic, p, OFFSET_BEGINNING) for p in parts])
         self.consumer.subscribe([self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_revoke)
 
@@ -168,6 +196,7 @@ class Scheduler:
         return self.stats
 
     def step(self, timeout: float = 0.05) -> int:
+        self._fold_lease_states()
         msgs = self.consumer.consume(self.batch_max, timeout=timeout)
         if not msgs:
             return 0
@@ -323,10 +352,11 @@ class Scheduler:
             pass
 
     def close(self) -> None:
-        try:
-            self.consumer.close()
-        except (KafkaException, RuntimeError):
-            pass
+        for c in (self.consumer, self.lease_consumer):
+            try:
+                c.close()
+            except (KafkaException, RuntimeError):
+                pass
         self.producer.flush(5)
 
 

@@ -136,6 +136,19 @@ def header(msg_or_headers, name: str) -> bytes | None:
     return None
 
 
+def retrying(fn, timeout_s: float = 30.0):
+    """Run a start-up step, retrying while the cluster is still settling (a new topic without a
+    leader yet, a broker restarting); the last error is raised after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fn()
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
+
 def wait_for_broker(kcfg: KafkaConfig, timeout_s: float = 30.0) -> None:
     """Block until the cluster answers a metadata request, or raise with the last error."""
     admin = make_admin(kcfg)

@@ -39,7 +39,25 @@ def create_topics(kcfg: KafkaConfig, timeout_s: float = 30.0) -> dict[str, str]:
                 result[name] = "exists"
             else:
                 raise
+    wait_for_leaders(kcfg, list(result), timeout_s)
     return result
+
+
+def wait_for_leaders(kcfg: KafkaConfig, names: list[str], timeout_s: float = 30.0) -> None:
+    """Block until every partition of `names` has a leader: a topic is usable only then."""
+    import time
+
+    admin = make_admin(kcfg)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        md = admin.list_topics(timeout=timeout_s)
+        pending = [n for n in names if n not in md.topics or md.topics[n].error is not None
+                   or any(p.leader < 0 or p.error is not None for p in md.topics[n].partitions.values())]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"topics without a partition leader after {timeout_s}s: {pending}")
+        time.sleep(0.1)
 
 
 def delete_topics(kcfg: KafkaConfig, names: list[str], timeout_s: float = 30.0) -> None:
