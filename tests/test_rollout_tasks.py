@@ -199,6 +199,19 @@ def test_requeue_to_a_worker_and_steal_after_grace(queue):
 
 
 @pytest.mark.stack
+def test_retired_worker_stream_comes_back_when_targeted(queue, redis_client):
+    queue.register_worker("w1")
+    assert queue.retire_worker("w1") and b"w1" not in redis_client.smembers(queue.workers_key)
+    queue.submit(tasks(1)[0])
+    [c] = queue.read("w0", count=1)
+    assert queue.requeue(c, "w0", c.task, to="w1")  # a stale view still routes to w1
+    assert b"w1" in redis_client.smembers(queue.workers_key)
+    assert not queue.retire_worker("w1")  # not empty: stays listed
+    [s] = queue.reclaim("w2", min_idle_ms=0) or queue.steal("w2", queue.directed("w1"), grace_ms=0)
+    assert s.task.task_id == "t0"
+
+
+@pytest.mark.stack
 def test_undecodable_task_goes_to_dead_stream(queue, redis_client):
     queue.ensure_group()
     redis_client.xadd(queue.stream, {"task_id": "x", "task": b"{not json"})

@@ -51,10 +51,19 @@ return added
 _REQUEUE = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
 if #p == 0 then return false end
+redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[1], '0', 'MKSTREAM')
+if ARGV[6] ~= '' then redis.call('SADD', KEYS[3], ARGV[6]) end
 local id = redis.call('XADD', KEYS[2], '*', 'task_id', ARGV[4], 'task', ARGV[5])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 return id
+"""
+
+_RETIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('XLEN', KEYS[1]) > 0 then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
 """
 
 _TOUCH = """
@@ -104,6 +113,7 @@ class TaskQueue:
         self._requeue = r.register_script(_REQUEUE)
         self._touch = r.register_script(_TOUCH)
         self._dead = r.register_script(_DEAD)
+        self._retire = r.register_script(_RETIRE)
         self._groups: set[str] = set()
 
     def directed(self, worker_id: str) -> str:
@@ -127,6 +137,11 @@ class TaskQueue:
         self.ensure_group(d)
         self.r.sadd(self.workers_key, worker_id)
         return d
+
+    def retire_worker(self, worker_id: str) -> bool:
+        """Drop a stopped worker's directed stream from the set, if nothing is left in it
+        (a later requeue to it lists it again), so reclaim scans stay short."""
+        return bool(self._retire(keys=[self.directed(worker_id), self.workers_key], args=[worker_id]))
 
     # trainer side ----------------------------------------------------------------------
     def submit(self, task: Task) -> str:
@@ -211,11 +226,9 @@ class TaskQueue:
         """Push the continuation (to worker `to`'s directed stream, else the shared one) and
         ack the original, atomically; None (nothing done) when `consumer` no longer owns it."""
         dst = self.directed(to) if to else self.stream
-        if to:
-            self.ensure_group(dst)
-        res = self._requeue(keys=[c.stream, dst],
+        res = self._requeue(keys=[c.stream, dst, self.workers_key],
                             args=[self.group, c.entry_id, consumer, continuation.task_id,
-                                  orjson.dumps(continuation.to_dict())])
+                                  orjson.dumps(continuation.to_dict()), to or ""])
         return _s(res) if res else None
 
     def dead_letter(self, stream: str, entry_id: str, raw: bytes, reason: str) -> None:

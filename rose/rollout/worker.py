@@ -376,6 +376,7 @@ class Worker:
                 self.stats["lost"] += 1  # another worker already holds it
             self.engine.release(key)
             del self.active[key]
+        self.q.retire_worker(self.spec.worker_id)
         self.publish("stopped")
 
 
