@@ -7,7 +7,7 @@ import dataclasses
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rose.config import PolicyConfig
@@ -152,6 +152,37 @@ def test_invariants_hold_on_every_event(events):
                 last_grant_epoch = g.epoch
                 lease = dict(id=g.lease_id, epoch=g.epoch, mem=g.mem_bytes, expires_at=g.expires_at)
         assert d.view.epoch == last_grant_epoch
+
+
+PCT = st.one_of(st.integers(0, 140), st.integers(88, 92))  # latency in % of SLO, dense at the revoke line
+
+
+@settings(max_examples=300, deadline=None)
+@given(total_gib=st.sampled_from([16, 24, 80, 141]), serving_pct=st.integers(5, 60),
+       rollout_pct=st.integers(0, 100), ttft_pct=PCT, tpot_pct=PCT,
+       delta=st.integers(-(1 << 31), 1 << 31), trend=st.booleans())
+def test_revoke_on_the_very_event_that_shows_trouble(total_gib, serving_pct, rollout_pct, ttft_pct, tpot_pct,
+                                                    delta, trend):
+    """Boundaries exactly: a lease is held, then one arbitrary event; headroom < 0.10 on any
+    metric or free memory < margin must revoke on that event. Without `trend`, the trend and
+    KV-growth predictors are off (horizon 0) so the two thresholds are tested alone."""
+    cfg = CFG if trend else dataclasses.replace(CFG, trend_horizon_s=0.0)
+    serving = total_gib * serving_pct / 100
+    ds = run(steady(3, total_gib=total_gib, serving_gib=serving), cfg)
+    assume(ds[-1].commands)
+    lease_mem = ds[-1].commands[0].mem_bytes
+    total = int(total_gib * GiB)
+    margin = int(total * cfg.mem_margin_frac)
+    rollout_b = lease_mem * rollout_pct // 100
+    serving_b = min(max(0, total - lease_mem - margin + delta), total - rollout_b)  # free = margin - delta
+    e = tel(3, 101.5, ttft_pct / 100, tpot_pct / 100, total_gib, serving_b / GiB, rollout_b / GiB)
+    d = decide(ds[-1].view, e, cfg)
+    h = min(1 - e.latency_ms.ttft_p99 / SLO.ttft_p99, 1 - e.latency_ms.tpot_p99 / SLO.tpot_p99)
+    free = total - (e.mem_used_bytes - e.rollout_mem_bytes) - max(lease_mem, e.rollout_mem_bytes)
+    if h < cfg.revoke_headroom or free < margin:
+        assert [c.kind for c in d.commands] == ["revoke"]
+    elif not trend:
+        assert d.commands == () and d.explain.action == "hold"  # hysteresis: nothing to do
 
 
 @settings(max_examples=40, deadline=None)
