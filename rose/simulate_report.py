@@ -1,0 +1,128 @@
+"""The `rose simulate --report DIR` files: report.json, report.md and PNG plots (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+PLOTS = ("serving_p99_vs_slo.png", "throughput.png", "leased_gpus.png")
+
+
+def markdown(result: dict) -> str:
+    """The report as markdown: configuration, the policy table, and where the numbers come from."""
+    c = result["config"]
+    lines = [
+        f"# rose simulate: {c['trace']}",
+        "",
+        f"{c['gpus']} serving GPUs ({c['gpu']}, {c['model_size']}) and {c['dedicated']} dedicated rollout GPUs, "
+        f"{c['duration_s']:g} s of trace time in {c['windows']} windows of {c['period_s']:g} s; "
+        f"seed {c['seed']}; wall time {result['wall_s']:.1f} s.",
+        "",
+        f"- Serving SLO (p99): TTFT {c['slo_ms']['ttft_p99']:g} ms, TPOT {c['slo_ms']['tpot_p99']:g} ms.",
+        f"- Load: {c['rps_per_gpu']:g} requests/s per GPU (busiest minute at {c['load']:g} of roofline capacity, "
+        f"peak/mean {c['peak_to_mean']:g}); trace compressed ×{c['trace_compress']:g}, "
+        f"{c['trace_copies']} shifted copies, each request kept with p={c['trace_keep']:g}.",
+        f"- Policy telemetry every {c['telemetry_period_s']:g} s (decide_every {c['decide_every']}).",
+        f"- Interference alpha {c['interference_alpha']:g}: {c['interference_alpha_source']}.",
+        f"- Weight delta ratio {c['weight_delta_ratio']:g}: {c['weight_delta_ratio_source']}.",
+        f"- Rollout: {c['rollout']['dedicated_batch']} concurrent episodes per dedicated GPU, "
+        f"{c['rollout']['dedicated_episodes_per_s']:g} episodes/s each; "
+        f"{c['episode']['episodes_per_step']} episodes per RL step.",
+        "",
+        "| policy | episodes/h | RL steps/h | gain vs static | SLO attainment | revokes | weight sync GB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p, r in result["policies"].items():
+        lines.append(f"| {p} | {r['episodes_per_hour']:.1f} | {r['rl_steps_per_hour']:.2f} | "
+                     f"{r['gain_vs_static']:.3f} | {r['slo_attainment']:.5f} | {r['revokes']} | "
+                     f"{r['weight_sync_bytes'] / 1e9:.1f} |")
+    lines += ["", "SLO attainment is the fraction of (GPU, window) pairs whose TTFT and TPOT p99 are both within "
+              "the SLO. The model behind every figure is described in `rose/simulate.py`.", ""]
+    lines += [f"![{name}]({name})" for name in PLOTS if "series" in result]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: dict, out_dir: str | Path) -> list[Path]:
+    """Write report.json, report.md and the plots into `out_dir`; returns the paths written."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = [d / "report.json", d / "report.md"]
+    paths[0].write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    paths[1].write_text(markdown(result))
+    if "series" in result:
+        paths += _plots(result, d)
+    return paths
+
+
+def _plots(result: dict, d: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series, pol = result["series"], result["policies"]
+    names = list(series)
+    out = []
+
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.2 * len(names) + 0.6), sharex=True, squeeze=False)
+    for ax, p in zip(axes[:, 0], names):
+        s = series[p]
+        t = [x / 60 for x in s["t"]]
+        ax.plot(t, s["ttft_p99_max_ratio"], lw=0.8, label="worst GPU TTFT p99 / SLO")
+        ax.plot(t, s["tpot_p99_max_ratio"], lw=0.8, label="worst GPU TPOT p99 / SLO")
+        ax.axhline(1.0, color="red", lw=1, ls="--", label="SLO")
+        if any(s["leased"]):
+            ax2 = ax.twinx()
+            ax2.fill_between(t, s["running"], step="post", color="tab:green", alpha=0.2, label="GPUs running rollout")
+            ax2.set_ylabel("leased GPUs", fontsize=8)
+            ax2.set_ylim(0, max(1, max(s["leased"])) * 1.1)
+        ax.set_yscale("log")
+        ax.set_ylabel("p99 / SLO")
+        ax.set_title(f"{p}: SLO attainment {pol[p]['slo_attainment']:.4f}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[-1, 0].set_xlabel("trace time (min)")
+    fig.tight_layout()
+    out.append(d / PLOTS[0])
+    fig.savefig(out[-1], dpi=110)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for p in names:
+        s = series[p]
+        a1.plot([x / 60 for x in s["t"]], s["episodes"], label=p)
+    a1.set_xlabel("trace time (min)")
+    a1.set_ylabel("episodes completed")
+    a1.legend(fontsize=8)
+    eph = [pol[p]["episodes_per_hour"] for p in names]
+    bars = a2.bar(names, eph, color=["tab:gray", "tab:blue", "tab:red", "tab:green"][:len(names)])
+    for b, p in zip(bars, names):
+        a2.annotate(f"×{pol[p]['gain_vs_static']:.2f}\nSLO {pol[p]['slo_attainment']:.3f}",
+                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    a2.set_ylabel("episodes / hour")
+    a2.set_ylim(0, max(eph + [1]) * 1.25)
+    a2.set_title("RL rollout throughput (gain vs static, serving SLO attainment)", fontsize=9)
+    fig.tight_layout()
+    out.append(d / PLOTS[1])
+    fig.savefig(out[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    for p in names:
+        s = series[p]
+        t = [x / 60 for x in s["t"]]
+        if p in ("rose", "share-all"):
+            ax.plot(t, s["leased"], lw=0.9, label=f"{p}: leased serving GPUs")
+            if p == "rose":
+                ax.plot(t, s["running"], lw=0.9, ls=":", label="rose: running (not paused)")
+        if p == "elastic":
+            ax.plot(t, s["external_gpus"], lw=0.9, label="elastic: external GPUs")
+    ax.set_xlabel("trace time (min)")
+    ax.set_ylabel("GPUs")
+    ax.legend(fontsize=8)
+    ax.set_title(f"GPUs lent to rollout over time ({result['config']['gpus']} serving GPUs)", fontsize=9)
+    fig.tight_layout()
+    out.append(d / PLOTS[2])
+    fig.savefig(out[-1], dpi=110)
+    plt.close(fig)
+    return out
