@@ -54,7 +54,7 @@ import hashlib
 from dataclasses import dataclass, fields
 
 from rose.config import PolicyConfig
-from rose.events import Command, LeaseState, Telemetry
+from rose.events import Command, InvalidEvent, LeaseState, Telemetry
 
 POLICY_VERSION = "1"
 
@@ -219,9 +219,10 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         prev_mem = view.prev_serving_mem
         if 0 <= prev_mem < serving and margin > 0:
             growth = (serving - prev_mem) / dt * horizon
-            if growth >= cfg.kv_growth_revoke_frac * margin:
-                why.append(f"KV growth {_gib(growth)} per {horizon:g} s >= "
-                           f"{cfg.kv_growth_revoke_frac:g} x margin {_gib(margin)}")
+            limit = cfg.kv_growth_revoke_frac * margin
+            if growth >= limit:
+                why.append(f"KV growth {_gib(growth)} per {horizon:g} s >= {_gib(limit)} "
+                           f"({cfg.kv_growth_revoke_frac:g} x margin {_gib(margin)})")
             elif free - growth < margin <= free:
                 why.append(f"KV growth {_gib(growth)} per {horizon:g} s would leave "
                            f"{_gib(free - growth)} < margin {_gib(margin)}")
@@ -285,12 +286,29 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
                       f"{_gib(avail)} >= {_gib(cfg.min_lease_bytes)}")
             commands = (Command(command_id(event.event_id, "grant", gpu, epoch), ts, "grant", gpu, lease_id,
                                 epoch, lease_mem, share, expires_at, reason, event.event_id),)
-    if expired_note:
+    if expired_note and not commands:  # commands stay the same whether the executor's `expired` came first
         reason = expired_note + reason
 
     v = GpuView(gpu, ts, event.event_id, streak, epoch, lease_id, expires_at, lease_mem, share, granted_at,
                 cooldown_until, revokes_in_row, lat.ttft_p99, lat.tpot_p99, serving, view.ignored_stale)
     return Decision(v, commands, Explanation(headroom, predicted, free, action, reason))
+
+
+def check_admission(event: Telemetry, record_ts_ms: int | None, key: bytes | str | None,
+                    cfg: PolicyConfig) -> None:
+    """Raise InvalidEvent for telemetry the scheduler must not decide on (it goes to the dlq):
+    an event time further than `max_ts_skew_s` from the Kafka record time (a broken clock
+    would otherwise poison the GPU's view: every later event would look stale), or a message
+    key that is not the event's GPU (it would land on another GPU's partition)."""
+    if record_ts_ms is not None and record_ts_ms > 0:
+        skew = event.ts - record_ts_ms / 1000.0
+        if abs(skew) > cfg.max_ts_skew_s:
+            raise InvalidEvent("ts", f"event time {event.ts:.3f} is {skew:+.0f}s from the record time "
+                                     f"(limit ±{cfg.max_ts_skew_s:.0f}s)")
+    if key is not None:
+        k = key.encode() if isinstance(key, str) else key
+        if k != event.gpu.encode():
+            raise InvalidEvent("gpu", f"message key {k[:64]!r} does not match gpu {event.gpu!r}")
 
 
 def observe_lease_state(view: GpuView | None, state: LeaseState, cfg: PolicyConfig) -> GpuView:

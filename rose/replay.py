@@ -1,0 +1,215 @@
+"""Event logs for debugging: read a `rose record` log (or plain telemetry NDJSON), re-run the
+lease policy over its telemetry, compare with the commands it recorded, explain decisions.
+
+Offline by design (no Kafka client here): a log from production can be replayed on a laptop.
+Replay runs `rose.lease_policy.decide`, the very function the scheduler runs, per GPU in log
+order, and admits telemetry with the scheduler's own rule (`check_admission`), so on a log
+recorded after the scheduler caught up the replayed commands equal the recorded ones byte for
+byte. Where the live scheduler folded an executor's lease state into its view (a lease the
+executor rejected or expired by its own clock), replay, a function of telemetry alone, can
+differ; `--diff` then points at the lease states recorded for that GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import orjson
+
+from rose.config import PolicyConfig
+from rose.events import (
+    COMMAND_SCHEMA,
+    LEASE_STATE_SCHEMA,
+    TELEMETRY_SCHEMA,
+    Command,
+    InvalidEvent,
+    LeaseState,
+    Telemetry,
+)
+from rose.lease_policy import Decision, GpuView, check_admission, decide
+
+_GiB = float(1 << 30)
+_PLAIN = {TELEMETRY_SCHEMA: Telemetry, COMMAND_SCHEMA: Command, LEASE_STATE_SCHEMA: LeaseState}
+_KIND_BY_TYPE = {Telemetry: "telemetry", Command: "command", LeaseState: "lease state"}
+
+OnError = Callable[[int, str], None]
+
+
+@dataclass
+class Log:
+    """What a log holds, each item with its 1-based line number."""
+
+    telemetry: list[tuple[int, Telemetry]] = field(default_factory=list)
+    commands: list[tuple[int, Command]] = field(default_factory=list)  # recorded, for --diff
+    lease_states: list[tuple[int, LeaseState]] = field(default_factory=list)
+    skipped: int = 0  # malformed or not admitted lines, each reported through on_error
+
+
+def _topic_type(topic: str) -> type | None:
+    if topic.endswith("telemetry"):
+        return Telemetry
+    if topic.endswith("commands"):
+        return Command
+    if topic.endswith("lease-state"):
+        return LeaseState
+    return None  # dlq, scheduler state, anything else recorded: not ours to replay
+
+
+def parse_line(line: bytes, cfg: PolicyConfig) -> Telemetry | Command | LeaseState | None:
+    """One log line: a `rose record` line or a plain event. None for a line that holds
+    nothing to replay (blank, a tombstone, another topic). InvalidEvent.reason is a whole
+    sentence naming the field."""
+    if not line.strip():
+        return None
+    try:
+        d = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise InvalidEvent("$", f"invalid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise InvalidEvent("$", f"expected a JSON object, got {type(d).__name__}")
+    if "topic" in d and ("value" in d or "value_raw" in d):
+        topic = d["topic"]
+        if not isinstance(topic, str):
+            raise InvalidEvent("topic", f"topic: expected string, got {type(topic).__name__}")
+        typ = _topic_type(topic)
+        if typ is None:
+            return None
+        if "value_raw" in d:
+            raise InvalidEvent("value", f"value: the {topic} message value is not JSON")
+        if d["value"] is None:
+            return None
+        ev = _typed(typ, d["value"])
+        if typ is Telemetry:
+            ts_ms = d.get("timestamp_ms")
+            key = d.get("key")
+            try:
+                check_admission(ev, ts_ms if isinstance(ts_ms, int) else None,
+                                key if isinstance(key, str) else None, cfg)
+            except InvalidEvent as e:
+                raise InvalidEvent(e.field, f"telemetry not admitted (the scheduler sends it to the dlq): "
+                                            f"{e.field}: {e.reason}") from None
+        return ev
+    schema = d.get("schema", TELEMETRY_SCHEMA)
+    typ = _PLAIN.get(schema) if isinstance(schema, str) else None
+    if typ is None:
+        raise InvalidEvent("schema", f"schema: unknown schema {schema!r}")
+    return _typed(typ, d)
+
+
+def _typed(typ: type, value: object):
+    try:
+        return typ.from_dict(value)
+    except InvalidEvent as e:
+        raise InvalidEvent(e.field, f"invalid {_KIND_BY_TYPE[typ]}: {e.field}: {e.reason}") from None
+
+
+def read_log(lines: Iterable[bytes], cfg: PolicyConfig, on_error: OnError) -> Log:
+    """Parse every line; a bad one is reported as (line number, message) and skipped."""
+    log = Log()
+    for lineno, line in enumerate(lines, 1):
+        try:
+            ev = parse_line(line, cfg)
+        except InvalidEvent as e:
+            log.skipped += 1
+            on_error(lineno, e.reason)
+            continue
+        if ev is None:
+            continue
+        if type(ev) is Telemetry:
+            log.telemetry.append((lineno, ev))
+        elif type(ev) is Command:
+            log.commands.append((lineno, ev))
+        else:
+            log.lease_states.append((lineno, ev))
+    return log
+
+
+def replay(telemetry: Iterable[tuple[int, Telemetry]], cfg: PolicyConfig,
+           on_decision: Callable[[int, Telemetry, GpuView | None, Decision], None] | None = None
+           ) -> tuple[list[Command], dict[str, GpuView]]:
+    """Run the policy over the telemetry in order; the commands in decision order, and the
+    final views. `on_decision(lineno, event, view_before, decision)` sees every step."""
+    views: dict[str, GpuView] = {}
+    out: list[Command] = []
+    for lineno, ev in telemetry:
+        before = views.get(ev.gpu)
+        d = decide(before, ev, cfg)
+        views[ev.gpu] = d.view
+        if d.commands:
+            out.extend(d.commands)
+        if on_decision is not None:
+            on_decision(lineno, ev, before, d)
+    return out, views
+
+
+def encode_commands(commands: Iterable[Command]) -> bytes:
+    """NDJSON, one CONTRACT §2 command a line: the byte-identical replay output."""
+    return b"".join(orjson.dumps(c.to_dict()) + b"\n" for c in commands)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    gpu: str
+    index: int  # position among that GPU's commands, 0-based
+    recorded: Command | None
+    replayed: Command | None
+    recorded_line: int | None
+
+    def describe(self, lease_states: Iterable[tuple[int, LeaseState]] = ()) -> str:
+        rec = orjson.dumps(self.recorded.to_dict()).decode() if self.recorded else "(none)"
+        rep = orjson.dumps(self.replayed.to_dict()).decode() if self.replayed else "(none)"
+        where = f" (log line {self.recorded_line})" if self.recorded_line else ""
+        lines = [f"first divergence on gpu {self.gpu}, its command #{self.index + 1}{where}:",
+                 f"  recorded: {rec}", f"  replayed: {rep}"]
+        if self.recorded and self.replayed:
+            a, b = self.recorded.to_dict(), self.replayed.to_dict()
+            lines.append("  differs in: " + ", ".join(k for k in a if a[k] != b[k]))
+        elif self.recorded is None:
+            lines.append("  the log has no such command (was the scheduler behind when it was recorded?)")
+        else:
+            lines.append("  replay decided no such command")
+        ended = [(n, s) for n, s in lease_states if s.gpu == self.gpu and s.state in ("expired", "rejected")]
+        for n, s in ended[:3]:
+            lines.append(f"  note: line {n}: the executor reported lease {s.lease_id} {s.state} at {s.ts:.3f}; "
+                         "the live scheduler folds lease states into its view, replay sees telemetry only")
+        return "\n".join(lines)
+
+
+def first_divergence(recorded: Iterable[tuple[int, Command]], replayed: Iterable[Command]) -> Divergence | None:
+    """Compare per GPU, in order; the earliest (by command time) first mismatch, or None."""
+    rec: dict[str, list[tuple[int, Command]]] = {}
+    for n, c in recorded:
+        rec.setdefault(c.gpu, []).append((n, c))
+    rep: dict[str, list[Command]] = {}
+    for c in replayed:
+        rep.setdefault(c.gpu, []).append(c)
+    found: list[tuple[float, str, Divergence]] = []
+    for gpu in set(rec) | set(rep):
+        a, b = rec.get(gpu, []), rep.get(gpu, [])
+        for i in range(max(len(a), len(b))):
+            ra = a[i] if i < len(a) else None
+            rb = b[i] if i < len(b) else None
+            if ra is None or rb is None or ra[1] != rb:
+                ts = min(c.ts for c in (ra[1] if ra else None, rb) if c is not None)
+                found.append((ts, gpu, Divergence(gpu, i, ra[1] if ra else None, rb, ra[0] if ra else None)))
+                break
+    return min(found, key=lambda f: (f[0], f[1]))[2] if found else None
+
+
+def explain_step(lineno: int, ev: Telemetry, before: GpuView | None, d: Decision) -> str:
+    """Human-readable account of one decision: the event, the view it met, why."""
+    x = d.explain
+    lines = [f"line {lineno} ts={ev.ts:.3f} event={ev.event_id}: {x.action.upper()}: {x.reason}"]
+    if x.headroom:
+        hr = " ".join(f"{k}={v:.3f}" for k, v in x.headroom.items())
+        ph = " ".join(f"{k}={v:.3f}" for k, v in x.predicted_headroom.items())
+        serving = ev.mem_used_bytes - ev.rollout_mem_bytes
+        lines.append(f"  headroom {hr} | predicted {ph} | serving {serving / _GiB:.2f} GiB, "
+                     f"free {x.free_mem_bytes / _GiB:.2f} GiB of {ev.mem_total_bytes / _GiB:.2f} GiB, "
+                     f"util {ev.gpu_util:.2f}")
+    lines.append("  view before: " + (orjson.dumps(before.to_dict()).decode() if before else "(none: first event)"))
+    for c in d.commands:
+        lines.append(f"  -> {c.kind} {c.lease_id} epoch {c.epoch} mem {c.mem_bytes / _GiB:.2f} GiB "
+                     f"share {c.compute_share:.3f} until {c.expires_at:.3f} id {c.command_id}")
+    return "\n".join(lines)
