@@ -21,6 +21,17 @@ def decode(value: bytes | None, expect: type | None = None) -> Event:
     """
     if value is None:
         raise InvalidEvent("$", "empty value (tombstone)")
+    d = load_object(value)
+    if expect is None:
+        schema = d.get("schema")
+        expect = EVENT_TYPES.get(schema) if isinstance(schema, str) else None
+        if expect is None:
+            raise InvalidEvent("schema", f"unknown schema {schema!r}")
+    return expect.from_dict(d)
+
+
+def load_object(value: bytes) -> dict:
+    """One JSON object from bytes (a message value, a log line); InvalidEvent otherwise."""
     if len(value) > MAX_VALUE_BYTES:
         raise InvalidEvent("$", f"value of {len(value)} bytes exceeds {MAX_VALUE_BYTES}")
     try:
@@ -29,9 +40,4 @@ def decode(value: bytes | None, expect: type | None = None) -> Event:
         raise InvalidEvent("$", f"invalid JSON: {e}") from None
     if not isinstance(d, dict):
         raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
-    if expect is None:
-        schema = d.get("schema")
-        expect = EVENT_TYPES.get(schema) if isinstance(schema, str) else None
-        if expect is None:
-            raise InvalidEvent("schema", f"unknown schema {schema!r}")
-    return expect.from_dict(d)
+    return d

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 import orjson
 
+from rose.codec import load_object
 from rose.config import PolicyConfig
 from rose.events import (
     COMMAND_SCHEMA,
@@ -62,12 +63,7 @@ def parse_line(line: bytes, cfg: PolicyConfig) -> Telemetry | Command | LeaseSta
     sentence naming the field."""
     if not line.strip():
         return None
-    try:
-        d = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        raise InvalidEvent("$", f"invalid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise InvalidEvent("$", f"expected a JSON object, got {type(d).__name__}")
+    d = load_object(line)
     if "topic" in d and ("value" in d or "value_raw" in d):
         topic = d["topic"]
         if not isinstance(topic, str):

@@ -156,7 +156,7 @@ def test_malformed_lines_are_reported_with_line_numbers_and_skipped(tmp_path, pl
     assert r.exit_code == 0
     err = r.stderr
     assert f"{p}:3: invalid JSON" in err
-    assert f"{p}:4: expected a JSON object" in err
+    assert f"{p}:4: expected JSON object" in err
     assert f"{p}:8: invalid telemetry: slo_ms: missing required field" in err
     assert f"{p}:9: invalid telemetry: latency_ms.tpot_p99: expected number" in err
     assert "4 lines skipped" in err and "Traceback" not in err

@@ -1,0 +1,56 @@
+"""`rose demo`: the whole system end to end on the local stack, with a live view and a report."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def demo(
+        duration: float = typer.Option(180.0, "--duration", help="Seconds of the measured run (start-up not counted)."),
+        report: str = typer.Option("reports/demo", "--report", help="Directory for report.json, report.md and plots."),
+        gpus: int = typer.Option(3, "--gpus", help="Trace-driven serving GPUs sim/0 … sim/{N-1} (plus real/0)."),
+        trace: Optional[str] = typer.Option(None, "--trace", help="Request trace (default: $ROSE_TRACES/"
+                                                                  "azure_llm2023_conv.csv)."),
+        speed: float = typer.Option(0.5, "--speed", help="Play the trace this many times faster (0.5: half its rate)."),
+        keep: bool = typer.Option(False, "--keep", help="Keep the run's topics and Redis keys afterwards."),
+    ) -> None:
+        """Serving (trace-driven + one real co-served device), scheduler, executors, rollout workers and a
+        trainer closing the RL loop; a live view; a report in --report."""
+        from rose.cli import _state, cli_config, fail
+        from rose.demo.orchestrator import DemoError, DemoOptions, run_demo
+        from rose.traces import TraceError, load_trace
+
+        if not duration >= 20:
+            fail(f"--duration must be >= 20 seconds, got {duration}")
+        if not 1 <= gpus <= 16:
+            fail(f"--gpus must be between 1 and 16, got {gpus}")
+        if not speed > 0:
+            fail(f"--speed must be > 0, got {speed}")
+        opts = DemoOptions(duration_s=duration, report_dir=report, gpus=gpus, trace=trace, speed=speed, keep=keep)
+        try:
+            from rose.demo.orchestrator import default_trace
+
+            load_trace(trace or default_trace())
+        except TraceError as e:
+            fail(f"--trace: {e}")
+        from rose.logs import setup_logging
+
+        setup_logging("WARNING")
+        cfg = cli_config()
+        try:
+            rep = run_demo(cfg, opts, _state.get("config_path"), echo=lambda s: typer.echo(s, err=True))
+        except DemoError as e:
+            fail(str(e), code=1)
+        except KeyboardInterrupt:
+            fail("interrupted", code=130)
+        tp = rep["throughput"]
+        typer.echo(
+            f"serving SLO attainment {rep['serving_slo_attainment']}; episodes/min dedicated-only "
+            f"{tp['dedicated_only']} → with leases {tp['with_leases']}; revoke p50/p99 "
+            f"{rep['revoke_latency_ms']['p50']}/{rep['revoke_latency_ms']['p99']} ms; weight bytes ratio "
+            f"{rep['weight_bytes_ratio']}")
+        typer.echo(f"report: {report}/report.md")

@@ -1,0 +1,363 @@
+"""The real co-served device of the demo: a small torch transformer answering requests replayed
+from a trace, with latency MEASURED by the wall clock, publishing rose.telemetry.v1 for one GPU
+id (default `real/0`).
+
+    python -m rose.demo.coserve --spec '<CoserveSpec JSON>'      (config from ROSE_* env)
+
+Serving engine: `rose.rollout.engine.TorchEngine` (continuous batching over a slot KV cache),
+one `generate(..., 1)` per iteration: new requests are prefilled, running ones decode one token.
+TTFT = first token returned − arrival (queueing included); TPOT = time between two tokens of a
+request (vLLM's inter-token latency). The p99 of each over the last `lookback_s` seconds is
+published every telemetry period, and written for the executor's local guard
+(rose.guard.write_latency) at most every `guard_every_s`.
+
+Load: the trace's requests (all of them by default; with `replicas` > 1, one replica's share as
+rose.serving_model.spread deals them), token counts scaled down (`prompt_scale`, `output_scale`,
+clipped) to fit a model this small.
+
+SLO: measured, not assumed. After the orchestrator's go signal the device serves alone for
+`calibrate_s` and `calibrate_requests` requests (no lease can exist yet); the SLO is `slo_factor` × the p99 measured then (floors
+`min_slo_*_ms`). Telemetry is published from then on.
+
+Memory: CPU — the host's total and used memory (psutil: used = total − available, which
+includes the rollout worker); CUDA — torch.cuda.mem_get_info. `gpu_util` is the process's CPU
+time over the window (CPU) or NVML-free approximation busy-time / window (CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CoserveSpec:
+    trace: str
+    gpu: str = "real/0"
+    node: str = "real"
+    replicas: int = 1  # the trace is spread over this many replicas; this device takes one share
+    speed: float = 1.0
+    device: str = "cpu"
+    seed: int = 7
+    prompt_scale: float = 1 / 16
+    output_scale: float = 1 / 8
+    max_prompt: int = 192
+    max_output: int = 48
+    max_batch: int = 8
+    d_model: int = 256
+    n_layers: int = 4
+    lookback_s: float = 2.0
+    calibrate_s: float = 5.0  # at least this long and `calibrate_requests` requests, at most 3× as long
+    calibrate_requests: int = 30
+    slo_factor: float = 3.0
+    min_slo_ttft_ms: float = 20.0
+    min_slo_tpot_ms: float = 10.0
+    latency_dir: str = ""  # where the local guard reads this device's latency ("" = no guard file)
+    guard_every_s: float = 0.02
+    go_key: str = "demo:go"  # Redis key (under the key prefix) the orchestrator sets at t0
+    status_key: str = "demo:coserve"  # Redis hash: SLO, counters, summary at exit
+    threads: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "CoserveSpec":
+        d = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = [k for k in d if k not in known]
+        if bad:
+            raise ValueError(f"{bad[0]}: unknown CoserveSpec field")
+        return cls(**d)
+
+
+# ---- pure parts ----------------------------------------------------------------------------
+def scaled_lengths(prompt: np.ndarray, output: np.ndarray, spec: CoserveSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Trace token counts scaled to this small model (at least 4 prompt tokens, 2 output tokens)."""
+    p = np.clip(np.rint(prompt * spec.prompt_scale), 4, spec.max_prompt).astype(int)
+    o = np.clip(np.rint(output * spec.output_scale), 2, spec.max_output).astype(int)
+    return p, o
+
+
+def p99(values) -> float:
+    """Nearest-rank 99th percentile (0.0 for no values)."""
+    if not len(values):
+        return 0.0
+    s = sorted(values)
+    return float(s[min(len(s) - 1, max(0, int(np.ceil(0.99 * len(s))) - 1))])
+
+
+@dataclass
+class LatencyWindow:
+    """Samples (time, ms) of one metric; p99 over the last `lookback_s` (the last value when
+    the lookback is empty: a device without traffic does not look faster than it was)."""
+
+    lookback_s: float
+    samples: deque = field(default_factory=deque)
+    last: float = 0.0
+
+    def add(self, t: float, ms: float) -> None:
+        self.samples.append((t, ms))
+
+    def p99(self, now: float) -> float:
+        while self.samples and self.samples[0][0] < now - self.lookback_s:
+            self.samples.popleft()
+        if self.samples:
+            self.last = p99([ms for _, ms in self.samples])
+        return self.last
+
+
+def calibrated_slo(ttft_ms: list[float], tpot_ms: list[float], spec: CoserveSpec) -> tuple[float, float]:
+    """The SLO (ttft, tpot) in ms: slo_factor × the p99 measured alone, with floors."""
+    return (max(spec.min_slo_ttft_ms, spec.slo_factor * p99(ttft_ms)),
+            max(spec.min_slo_tpot_ms, spec.slo_factor * p99(tpot_ms)))
+
+
+# ---- the device ----------------------------------------------------------------------------
+@dataclass
+class _Req:
+    rid: str
+    arrival: float  # monotonic
+    prompt: list[int]
+    n_out: int
+    got: int = 0
+    first_t: float = 0.0
+    last_t: float = 0.0
+
+
+class CoServed:
+    def __init__(self, spec: CoserveSpec, cfg, r):
+        import torch
+
+        from rose.rollout.engine import MemoryBudget, TorchEngine
+        from rose.rollout.policy_model import ModelSpec, init_state_dict
+        from rose.serving_model import spread
+        from rose.traces import load_trace
+
+        self.spec, self.cfg, self.r = spec, cfg, r
+        torch.set_num_threads(spec.threads)
+        self.mspec = ModelSpec(d_model=spec.d_model, n_layers=spec.n_layers, n_heads=max(1, spec.d_model // 32),
+                               d_ff=4 * spec.d_model, max_seq=spec.max_prompt + spec.max_output + 8)
+        self.engine = TorchEngine(self.mspec, MemoryBudget(2 << 30, self.mspec), max_batch=spec.max_batch,
+                                  device=spec.device)
+        self.engine.load_weights(0, init_state_dict(self.mspec, spec.seed))
+        tr = load_trace(spec.trace).scaled(spec.speed)
+        mine = spread(tr, spec.replicas, seed=spec.seed) == 0
+        self.arrival = tr.arrival_s[mine]
+        self.p_len, self.o_len = scaled_lengths(tr.prompt_tokens[mine], tr.output_tokens[mine], spec)
+        self.rng = np.random.default_rng(spec.seed)
+        self.ttft = LatencyWindow(spec.lookback_s)
+        self.tpot = LatencyWindow(spec.lookback_s)
+        self.queue: deque[_Req] = deque()
+        self.running: dict[str, _Req] = {}
+        self.stop = False
+        self.served = 0
+        # per request: (finish wall time, ttft ms, mean tpot ms, rollout running on this device)
+        self.done: list[tuple[float, float, float, bool]] = []
+        self.is_cuda = spec.device.startswith("cuda")
+
+    def _warm(self) -> None:
+        from rose.rollout.engine import GenRequest
+
+        for i in range(3):
+            self.engine.generate([GenRequest(f"warm{i}", [1] * 16, 0)], 1)
+            self.engine.release(f"warm{i}")
+
+    def run(self) -> dict:
+        import psutil
+
+        from producers.agent import LeaseFollower, LeaseView, telemetry_records
+        from rose.guard import LatencySample, write_latency
+        from rose.events import Latency
+        from rose.rollout.engine import GenRequest
+        from rose.telemetry_publisher import TelemetryPublisher
+
+        spec, cfg, r = self.spec, self.cfg, self.r
+        key = cfg.redis.key
+        self._warm()
+        pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, linger_ms=cfg.telemetry.linger_ms)
+        view = LeaseView(default_share=cfg.policy.max_compute_share)
+        follower = LeaseFollower(cfg, view)
+        proc = psutil.Process()
+        period = cfg.telemetry.period_s
+        run_id = uuid.uuid4().hex[:12]
+        go_at: float | None = None
+        slo: tuple[float, float] | None = None
+        calib_ttft: list[float] = []
+        calib_tpot: list[float] = []
+        t0 = time.monotonic()
+        nxt = 0
+        seq = 0
+        next_tel = t0 + period
+        next_guard = t0
+        next_go_check = t0
+        cpu0 = proc.cpu_times()
+        cpu_t0 = time.monotonic()
+        busy_s = 0.0
+        arrivals_in_window = 0
+        rollout_now = False
+        r.hset(key(spec.status_key), mapping={"state": "warming", "device": spec.device, "gpu": spec.gpu})
+        while not self.stop:
+            now = time.monotonic()
+            if go_at is None and now >= next_go_check:
+                next_go_check = now + 0.1
+                if r.exists(key(spec.go_key)):
+                    go_at = now
+                    r.hset(key(spec.status_key), "state", "calibrating")
+            # arrivals (the replay clock is the process's own; it loops over the trace)
+            t_rel = now - t0
+            while nxt < len(self.arrival) and self.arrival[nxt] <= t_rel:
+                n = int(self.p_len[nxt])
+                self.queue.append(_Req(f"r{nxt}", t0 + float(self.arrival[nxt]),
+                                       self.rng.integers(1, 256, n).tolist(), int(self.o_len[nxt])))
+                nxt += 1
+                arrivals_in_window += 1
+            while self.queue and self.engine.free_slots() > 0:
+                q = self.queue.popleft()
+                self.running[q.rid] = q
+            if self.running:
+                reqs = [GenRequest(q.rid, q.prompt if q.got == 0 else [], None) for q in self.running.values()]
+                for q in self.running.values():
+                    q.prompt = []
+                s0 = time.monotonic()
+                self.engine.generate(reqs, 1)
+                if self.is_cuda:
+                    import torch
+
+                    torch.cuda.synchronize()
+                t = time.monotonic()
+                busy_s += t - s0
+                for q in list(self.running.values()):
+                    if q.got == 0:
+                        q.first_t = t
+                        ms = (t - q.arrival) * 1000.0
+                        self.ttft.add(t, ms)
+                        if slo is None and go_at is not None:
+                            calib_ttft.append(ms)
+                    else:
+                        ms = (t - q.last_t) * 1000.0
+                        self.tpot.add(t, ms)
+                        if slo is None and go_at is not None:
+                            calib_tpot.append(ms)
+                    q.last_t = t
+                    q.got += 1
+                    if q.got >= q.n_out:
+                        self.engine.release(q.rid)
+                        del self.running[q.rid]
+                        self.served += 1
+                        tpot_mean = (q.last_t - q.first_t) * 1000.0 / max(1, q.got - 1)
+                        self.done.append((time.time(), (q.first_t - q.arrival) * 1000.0, tpot_mean, rollout_now))
+            else:
+                wait = 0.005
+                if nxt < len(self.arrival):
+                    wait = min(wait, max(0.0, t0 + float(self.arrival[nxt]) - time.monotonic()))
+                time.sleep(wait)
+            now = time.monotonic()
+            if slo is None and go_at is not None and now - go_at >= spec.calibrate_s and (
+                    len(calib_ttft) >= spec.calibrate_requests or now - go_at >= 3 * spec.calibrate_s):
+                slo = calibrated_slo(calib_ttft, calib_tpot, spec)
+                r.hset(key(spec.status_key), mapping={
+                    "state": "serving", "slo_ttft_ms": slo[0], "slo_tpot_ms": slo[1],
+                    "calib_ttft_p99_ms": p99(calib_ttft), "calib_tpot_p99_ms": p99(calib_tpot),
+                    "calib_requests": len(calib_ttft), "slo_factor": spec.slo_factor})
+            if slo is not None and spec.latency_dir and now >= next_guard:
+                next_guard = now + spec.guard_every_s
+                write_latency(spec.latency_dir, spec.gpu, LatencySample(
+                    time.time(), Latency(self.ttft.p99(now), self.tpot.p99(now)), Latency(*slo)))
+            if now >= next_tel:
+                next_tel += period
+                if next_tel < now:  # fell behind (a stall): keep the period, skip the missed ticks
+                    next_tel = now + period
+                follower.poll()
+                share, running, rmem = view.rollout(spec.gpu)
+                rollout_now = running
+                cpu1, cpu_t1 = proc.cpu_times(), time.monotonic()
+                dt = max(1e-6, cpu_t1 - cpu_t0)
+                util = (busy_s / dt) if self.is_cuda else ((cpu1.user + cpu1.system - cpu0.user - cpu0.system) / dt)
+                cpu0, cpu_t0, busy_s = cpu1, cpu_t1, 0.0
+                if slo is not None:
+                    total, used = self._memory()
+                    recs = telemetry_records(
+                        ts=time.time(), node=spec.node, gpus=[spec.gpu], pool=cfg.telemetry.pool, slo=slo,
+                        run_id=run_id, seq=seq, util=[min(1.0, util)], mem_total=total,
+                        mem_used=[max(used, rmem)], rollout_mem=[rmem], ttft_ms=[self.ttft.p99(now)],
+                        tpot_ms=[self.tpot.p99(now)], rps=[arrivals_in_window / period],
+                        queue=[len(self.queue)])
+                    pub.publish(recs, ts_ms=int(time.time() * 1000))
+                    seq += 1
+                arrivals_in_window = 0
+                pub.tick()
+            if nxt >= len(self.arrival) and not self.running and not self.queue:
+                t0, nxt = time.monotonic(), 0  # replay the trace again
+        pub.flush(5.0)
+        follower.close()
+        summary = self.summary()
+        r.hset(key(spec.status_key), mapping={"state": "stopped", "summary": json.dumps(summary)})
+        return summary
+
+    def _memory(self) -> tuple[int, int]:
+        if self.is_cuda:
+            import torch
+
+            free, total = torch.cuda.mem_get_info(torch.device(self.spec.device))
+            return int(total), int(total - free)
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.total), int(vm.total - vm.available)
+
+    def summary(self) -> dict:
+        """Per-request latency, split by whether a rollout lease was running on this device."""
+        out = {"requests": self.served}
+        for name, flag in (("with_rollout", True), ("without_rollout", False)):
+            rows = [d for d in self.done if d[3] is flag]
+            out[name] = {"requests": len(rows), "ttft_p50_ms": _pct([d[1] for d in rows], 0.5),
+                         "ttft_p99_ms": _pct([d[1] for d in rows], 0.99),
+                         "tpot_p50_ms": _pct([d[2] for d in rows], 0.5),
+                         "tpot_p99_ms": _pct([d[2] for d in rows], 0.99)}
+        return out
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(float(s[min(len(s) - 1, max(0, int(np.ceil(q * len(s))) - 1))]), 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rose.demo.coserve")
+    ap.add_argument("--spec", required=True)
+    a = ap.parse_args(argv)
+    try:
+        spec = CoserveSpec.from_json(a.spec)
+    except (ValueError, TypeError) as e:
+        print(f"rose-coserve: {e}", file=sys.stderr)
+        return 2
+    import redis
+
+    from rose.config import load_config
+    from rose.logs import setup_logging
+
+    setup_logging("WARNING")
+    cfg = load_config()
+    r = redis.Redis.from_url(cfg.redis.url)
+    dev = CoServed(spec, cfg, r)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(dev, "stop", True))
+    signal.signal(signal.SIGINT, lambda *_: setattr(dev, "stop", True))
+    dev.run()
+    r.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

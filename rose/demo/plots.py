@@ -1,0 +1,170 @@
+"""The demo report's PNG plots (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rose.demo.observed import Observed
+from rose.demo.report import lease_intervals
+
+LEASE_COLOR = "#f4c542"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def serving(path: Path, rep: dict, obs: Observed) -> Path:
+    """Per GPU: TTFT and TPOT p99 as a fraction of the SLO over time, lease periods shaded."""
+    plt = _plt()
+    tl = rep["timeline"]
+    t0, t1, t_end = tl["t0"], tl["t1"], tl["t_end"]
+    intervals = lease_intervals(obs.lease_states, t_end)
+    gpus = sorted(obs.telemetry, key=lambda g: (g == rep["real_gpu"], g))
+    fig, axes = plt.subplots(len(gpus), 1, figsize=(11, 2.3 * len(gpus) + 0.8), sharex=True, squeeze=False)
+    for ax, gpu in zip(axes[:, 0], gpus):
+        rows = [r for r in obs.telemetry[gpu] if t0 - 5 <= r[0] <= t_end]
+        xs = [r[0] - t0 for r in rows]
+        ttft = [r[1] / r[3] for r in rows]
+        tpot = [r[2] / r[4] for r in rows]
+        for a, b in intervals.get(gpu, []):
+            ax.axvspan(max(a, t0 - 5) - t0, min(b, t_end) - t0, color=LEASE_COLOR, alpha=0.35, lw=0)
+        ax.plot(xs, ttft, lw=1.0, label="TTFT p99 / SLO", color="#1f77b4")
+        ax.plot(xs, tpot, lw=1.0, label="TPOT p99 / SLO", color="#d62728")
+        ax.axhline(1.0, color="black", lw=1.0, label="SLO")
+        ax.axhline(0.9, color="gray", lw=0.8, ls="--", label="revoke below 10% headroom")
+        ax.axhline(0.7, color="gray", lw=0.8, ls=":", label="grant needs 30% headroom")
+        ax.axvline(t1 - t0, color="green", lw=1.0, ls="-.")
+        top = max([1.3] + [min(3.0, v) for v in ttft + tpot])
+        ax.set_ylim(0, top * 1.05)
+        src = "measured on this machine" if gpu == rep["real_gpu"] else "trace-driven model"
+        slo = f"SLO TTFT {rows[-1][3]:.0f} ms, TPOT {rows[-1][4]:.0f} ms" if rows else ""
+        ax.set_title(f"{gpu} ({src}); {slo}", fontsize=9, loc="left")
+        ax.set_ylabel("p99 / SLO")
+        ax.grid(alpha=0.3)
+    from matplotlib.patches import Patch
+
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    handles.append(Patch(color=LEASE_COLOR, alpha=0.35))
+    labels.append("rollout lease active")
+    fig.legend(handles, labels, loc="upper center", ncol=6, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.995))
+    axes[-1, 0].set_xlabel("time since start of the run (s); green line: leases enabled (phase 2)")
+    fig.suptitle("Serving p99 latency vs SLO per GPU (values above 3× SLO are clipped)", y=0.965, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def throughput(path: Path, rep: dict, obs: Observed) -> Path:
+    plt = _plt()
+    tl = rep["timeline"]
+    t0, t1, t_end = tl["t0"], tl["t1"], tl["t_end"]
+    tp = rep["throughput"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [2.3, 1]})
+    width = 5.0
+    n = max(1, int(-(-(t_end - t0) // width)))  # bins up to t_end (the shutdown tail is not shown)
+    edges = [i * width for i in range(n + 1)]
+    ded = [0] * n
+    lea = [0] * n
+    for e in obs.episodes:
+        x = e["finished_at"] - t0
+        if 0 <= x < t_end - t0:
+            (ded if e["dedicated"] else lea)[int(x // width)] += 1
+    scale = 60.0 / width
+    mids = [edges[i] + width / 2 for i in range(n)]
+    a1.bar(mids, [d * scale for d in ded], width=width * 0.95, color="#4c72b0", label="dedicated worker")
+    a1.bar(mids, [v * scale for v in lea], width=width * 0.95, bottom=[d * scale for d in ded], color="#dd8452",
+           label="leased workers (on serving GPUs)")
+    a1.axvline(t1 - t0, color="green", lw=1.2, ls="-.", label="leases enabled (phase 2)")
+    a1.set_xlabel("time since start of the run (s)")
+    a1.set_ylabel("episodes / min (5 s bins)")
+    a1.set_title("Rollout throughput over time", fontsize=10)
+    a1.legend(fontsize=8)
+    a1.grid(alpha=0.3, axis="y")
+    vals = [tp["dedicated_only"] or 0.0, tp["with_leases"] or 0.0]
+    bars = a2.bar(["dedicated only\n(phase 1)", "with leases\n(phase 2)"], vals, color=["#4c72b0", "#dd8452"])
+    for b, v in zip(bars, vals):
+        a2.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
+    a2.set_ylabel("episodes / min")
+    gain = f" (×{tp['gain']:.2f})" if tp.get("gain") else ""
+    a2.set_title(f"Measured in the same run{gain}", fontsize=10)
+    a2.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def revoke(path: Path, rep: dict, obs: Observed) -> Path:
+    plt = _plt()
+    rv = rep["revoke"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    a, b = rv["samples_ms"], rv["samples_to_revoking_ms"]
+    if a or b:
+        hi = max(a + b)
+        bins = max(5, min(40, len(a) + len(b)))
+        edges = [hi * i / bins for i in range(bins + 1)] if hi > 0 else None
+        if b:
+            ax.hist(b, bins=edges or bins, alpha=0.7, color="#55a868", label=f"→ revoking: pause flag raised (n={len(b)})")
+        if a:
+            ax.hist(a, bins=edges or bins, alpha=0.7, color="#c44e52",
+                    label=f"→ revoked: worker gone, memory back (n={len(a)})")
+        for v, name in ((rv["p50"], "p50"), (rv["p99"], "p99")):
+            if v is not None:
+                ax.axvline(v, color="black", ls="--" if name == "p50" else ":", lw=1, label=f"revoked {name} {v:.0f} ms")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no revokes in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("latency from the revoke command's Kafka record timestamp (ms)")
+    ax.set_ylabel("revokes")
+    ax.set_title("Revoke latency (Kafka record timestamps of command and lease state)", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def weight_bytes(path: Path, rep: dict, obs: Observed) -> Path:
+    plt = _plt()
+    vs = obs.versions
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    if vs:
+        x = [v["version"] for v in vs]
+        from matplotlib.patches import Patch
+
+        a1.bar(x, [v["bytes_sent"] / 1e6 for v in vs], color=["#c44e52" if v.get("keyframe") else "#4c72b0" for v in vs])
+        line, = a1.plot(x, [v["bytes_full"] / 1e6 for v in vs], color="black", lw=1.2)
+        a1.set_ylim(0, max(v["bytes_full"] for v in vs) / 1e6 * 1.2)
+        a1.legend([Patch(color="#c44e52"), Patch(color="#4c72b0"), line],
+                  ["sent: keyframe (full, compressed)", "sent: delta", "full broadcast (bf16)"], fontsize=8)
+        r = [(v["version"], v["reward_mean"]) for v in vs if v.get("reward_mean") is not None]
+        if r:
+            a2.plot([a for a, _ in r], [b for _, b in r], marker=".", color="#8172b2")
+    a1.set_xlabel("policy version")
+    a1.set_ylabel("MB on the Redis weight stream")
+    w = rep["weights"]
+    ratio = f" (total ratio {w['weight_bytes_ratio']:.3f})" if w.get("weight_bytes_ratio") else ""
+    a1.set_title(f"Weight bytes per version vs full broadcast{ratio}", fontsize=10)
+    a1.grid(alpha=0.3, axis="y")
+    a2.set_xlabel("policy version (after the optimizer step)")
+    a2.set_ylabel("mean reward of the training batch")
+    a2.set_title("Closed loop: reward of the batch each step trained on", fontsize=10)
+    a2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(directory: Path, rep: dict, obs: Observed) -> list[Path]:
+    return [serving(directory / "serving_p99.png", rep, obs),
+            throughput(directory / "throughput.png", rep, obs),
+            revoke(directory / "revoke_latency.png", rep, obs),
+            weight_bytes(directory / "weight_bytes.png", rep, obs)]

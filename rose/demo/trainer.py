@@ -1,0 +1,239 @@
+"""The demo's trainer: a closed RL loop on the reference policy.
+
+    python -m rose.demo.trainer --spec '<TrainerSpec JSON>'      (config from ROSE_* env)
+
+1. Publishes the initial policy as version 1 (a keyframe) through `rose.weights.WeightPublisher`.
+2. Keeps `inflight` agentic episodes queued on `rose:tasks:{job}` (rose.rollout.tasks.TaskQueue),
+   each tagged with the policy version current when it was submitted (`step`).
+3. Whenever at least `batch_min` trajectories have arrived on `rose:results:{job}`, takes one
+   optimizer step on up to `batch_max` of them and publishes the new weights (bf16, as rollout
+   runs them; the trainer keeps fp32 master weights) — a delta against the receivers' view.
+
+The toy task: reward = the fraction of the policy's action tokens that are lowercase ASCII
+letters (a byte-level policy starts near 26/256 ≈ 0.10; 1.0 is the maximum). Loss: REINFORCE
+with the batch-mean reward as baseline, −Σ (r − r̄) log π(a_t | context) over action tokens,
+divided by the number of action tokens. Trajectories may be a few versions old (rollout runs
+ahead of training); the loss makes no importance correction, and the staleness is recorded.
+
+The forward pass is the reference policy's own (`PolicyModel.forward`, without its inference-
+mode wrapper, on a fresh cache), so training and rollout run the same code.
+
+Progress goes to Redis for the live view and the report: hash `demo:trainer` (latest figures)
+and list `demo:versions` (one JSON object per published version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+TARGET = frozenset(range(ord("a"), ord("z") + 1))
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    job: str = "demo"
+    model: str = "policy"  # the weight stream name (rose:weights:{model}), = executor.model
+    seed: int = 1
+    lr: float = 3e-3
+    batch_min: int = 8
+    batch_max: int = 32
+    min_step_s: float = 1.0  # at most one optimizer step per this many seconds (bounds the trainer's CPU)
+    inflight: int = 48  # episodes queued or running at most
+    prompt_len: int = 8
+    max_turns: int = 3
+    tokens_per_turn: int = 16
+    obs_tokens: int = 8
+    tool_mu: float = -1.4  # lognormal tool-call latency: median e^-1.4 ≈ 0.25 s
+    tool_sigma: float = 0.5
+    threads: int = 1
+    status_key: str = "demo:trainer"
+    versions_key: str = "demo:versions"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainerSpec":
+        d = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = [k for k in d if k not in known]
+        if bad:
+            raise ValueError(f"{bad[0]}: unknown TrainerSpec field")
+        return cls(**d)
+
+
+# ---- pure parts ----------------------------------------------------------------------------
+def action_tokens(traj: dict) -> list[int]:
+    return [t for turn in traj.get("turns", []) for t in turn.get("action", [])]
+
+
+def reward(traj: dict) -> float:
+    """Fraction of action tokens that are lowercase ASCII letters (0..1)."""
+    acts = action_tokens(traj)
+    return sum(1 for t in acts if t in TARGET) / len(acts) if acts else 0.0
+
+
+def sequence_and_mask(traj: dict) -> tuple[list[int], list[bool]]:
+    """The episode's tokens (prompt, then per turn action + observation) and which of them the
+    policy produced (the action tokens)."""
+    toks, mask = list(traj["prompt"]), [False] * len(traj["prompt"])
+    for turn in traj["turns"]:
+        toks += turn["action"]
+        mask += [True] * len(turn["action"])
+        obs = turn.get("observation") or []
+        toks += obs
+        mask += [False] * len(obs)
+    return toks, mask
+
+
+def advantages(rewards: list[float]) -> list[float]:
+    """REINFORCE with the batch mean as baseline."""
+    if not rewards:
+        return []
+    m = sum(rewards) / len(rewards)
+    return [r - m for r in rewards]
+
+
+def staleness(trajs: list[dict], version: int) -> int:
+    """How many versions behind the trainer the oldest turn of the batch was generated."""
+    vs = [v for t in trajs for v in t.get("versions", []) if v is not None and v >= 0]
+    return max(0, version - min(vs)) if vs else 0
+
+
+# ---- the trainer ---------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, spec: TrainerSpec, cfg, r):
+        import torch
+
+        from rose.rollout.policy_model import ModelSpec, PolicyModel, init_state_dict
+        from rose.rollout.tasks import TaskQueue
+        from rose.weights.stream import WeightPublisher
+
+        torch.set_num_threads(spec.threads)
+        self.spec, self.cfg, self.r = spec, cfg, r
+        self.mspec = ModelSpec()
+        self.model = PolicyModel(self.mspec)
+        self.model.load_state_dict(init_state_dict(self.mspec, spec.seed))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=spec.lr)
+        self.q = TaskQueue(r, cfg.redis, spec.job)
+        self.q.ensure_group()
+        self.pub = WeightPublisher(r, cfg.redis, spec.model)
+        self.version = 0
+        self.submitted = 0
+        self.received = 0
+        self.last_id = "0-0"
+        self.buffer: list[dict] = []
+        self.stop = False
+        self._forward = type(self.model).forward.__wrapped__  # the policy's forward, with autograd
+
+    def publish(self, extra: dict) -> None:
+        import torch
+
+        sd = {k: v.detach().to(torch.bfloat16) for k, v in self.model.state_dict().items()}
+        st = self.pub.publish(sd)
+        self.version = st.version
+        rec = {"version": st.version, "keyframe": st.keyframe, "bytes_sent": st.bytes_sent,
+               "bytes_full": st.bytes_full, "changed_elements": st.changed_elements,
+               "encode_ms": round(st.encode_s * 1000, 3), "send_ms": round(st.send_s * 1000, 3),
+               "ts": time.time(), **extra}
+        p = self.r.pipeline(transaction=False)
+        p.rpush(self.cfg.redis.key(self.spec.versions_key), json.dumps(rec))
+        p.hset(self.cfg.redis.key(self.spec.status_key), mapping={
+            "version": st.version, "submitted": self.submitted, "received": self.received,
+            "last": json.dumps(rec)})
+        p.execute()
+
+    def top_up(self) -> None:
+        import random
+
+        from rose.rollout.episode import Task, ToolLatency
+
+        s = self.spec
+        rng = random.Random(s.seed * 7919 + self.submitted)
+        while self.submitted - self.received < s.inflight:
+            i = self.submitted
+            self.q.submit(Task(task_id=f"ep-{i}", prompt=[rng.randrange(32, 127) for _ in range(s.prompt_len)],
+                               max_turns=s.max_turns, tokens_per_turn=s.tokens_per_turn, obs_tokens=s.obs_tokens,
+                               tool=ToolLatency(mu=s.tool_mu, sigma=s.tool_sigma), seed=i, step=self.version))
+            self.submitted += 1
+
+    def collect(self, block_ms: int) -> int:
+        got = self.q.results(self.last_id, count=500, block_ms=block_ms)
+        for eid, traj in got:
+            self.last_id = eid
+            self.buffer.append(traj)
+        self.received += len(got)
+        return len(got)
+
+    def step(self) -> dict:
+        import torch
+
+        batch, self.buffer = self.buffer[: self.spec.batch_max], self.buffer[self.spec.batch_max:]
+        rewards = [reward(t) for t in batch]
+        adv = advantages(rewards)
+        seqs = [sequence_and_mask(t) for t in batch]
+        T = max(len(s) for s, _ in seqs)
+        B = len(batch)
+        tok = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        for i, (s, m) in enumerate(seqs):
+            tok[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(m)] = torch.tensor(m)
+        t0 = time.perf_counter()
+        logits = self._forward(self.model, tok, self.model.new_cache(B), torch.arange(B),
+                               torch.zeros(B, dtype=torch.long))
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])[..., 0]
+        m = mask[:, 1:].float()
+        a = torch.tensor(adv)[:, None]
+        loss = -(a * logp * m).sum() / m.sum().clamp(min=1)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return {"loss": round(float(loss), 5), "reward_mean": round(sum(rewards) / B, 4), "batch": B,
+                "staleness": staleness(batch, self.version), "step_ms": round((time.perf_counter() - t0) * 1000, 2),
+                "dedicated_frac": round(sum(1 for t in batch if t.get("dedicated")) / B, 3)}
+
+    def run(self) -> None:
+        self.publish({"reward_mean": None, "batch": 0})
+        last = 0.0
+        while not self.stop:
+            self.top_up()
+            self.collect(block_ms=200)
+            if len(self.buffer) >= self.spec.batch_min and time.monotonic() - last >= self.spec.min_step_s:
+                last = time.monotonic()
+                self.publish(self.step())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rose.demo.trainer")
+    ap.add_argument("--spec", required=True)
+    a = ap.parse_args(argv)
+    try:
+        spec = TrainerSpec.from_json(a.spec)
+    except (ValueError, TypeError) as e:
+        print(f"rose-trainer: {e}", file=sys.stderr)
+        return 2
+    import redis
+
+    from rose.config import load_config
+    from rose.logs import setup_logging
+
+    setup_logging("WARNING")
+    cfg = load_config()
+    r = redis.Redis.from_url(cfg.redis.url)
+    t = Trainer(spec, cfg, r)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(t, "stop", True))
+    signal.signal(signal.SIGINT, lambda *_: setattr(t, "stop", True))
+    t.run()
+    r.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
