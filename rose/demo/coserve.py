@@ -26,10 +26,7 @@ time over the window (CPU) or NVML-free approximation busy-time / window (CUDA).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
-import signal
 import sys
 import time
 import uuid
@@ -38,9 +35,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rose.demo.spec_process import JsonSpec, spec_main
+
 
 @dataclass(frozen=True)
-class CoserveSpec:
+class CoserveSpec(JsonSpec):
     trace: str
     gpu: str = "real/0"
     node: str = "real"
@@ -67,17 +66,6 @@ class CoserveSpec:
     status_key: str = "demo:coserve"  # Redis hash: SLO, counters, summary at exit
     threads: int = 1
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> "CoserveSpec":
-        d = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = [k for k in d if k not in known]
-        if bad:
-            raise ValueError(f"{bad[0]}: unknown CoserveSpec field")
-        return cls(**d)
 
 
 # ---- pure parts ----------------------------------------------------------------------------
@@ -335,28 +323,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rose.demo.coserve")
-    ap.add_argument("--spec", required=True)
-    a = ap.parse_args(argv)
-    try:
-        spec = CoserveSpec.from_json(a.spec)
-    except (ValueError, TypeError) as e:
-        print(f"rose-coserve: {e}", file=sys.stderr)
-        return 2
-    import redis
-
-    from rose.config import load_config
-    from rose.logs import setup_logging
-
-    setup_logging("WARNING")
-    cfg = load_config()
-    r = redis.Redis.from_url(cfg.redis.url)
-    dev = CoServed(spec, cfg, r)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(dev, "stop", True))
-    signal.signal(signal.SIGINT, lambda *_: setattr(dev, "stop", True))
-    dev.run()
-    r.close()
-    return 0
+    return spec_main("rose.demo.coserve", CoserveSpec, CoServed, argv)
 
 
 if __name__ == "__main__":

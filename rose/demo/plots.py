@@ -19,6 +19,13 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path, **layout) -> Path:
+    fig.tight_layout(**layout)
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def serving(path: Path, rep: dict, obs: Observed) -> Path:
     """Per GPU: TTFT and TPOT p99 as a fraction of the SLO over time, lease periods shaded."""
     plt = _plt()
@@ -55,10 +62,7 @@ def serving(path: Path, rep: dict, obs: Observed) -> Path:
     fig.legend(handles, labels, loc="upper center", ncol=6, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.995))
     axes[-1, 0].set_xlabel("time since start of the run (s); green line: leases enabled (phase 2)")
     fig.suptitle("Serving p99 latency vs SLO per GPU (values above 3× SLO are clipped)", y=0.965, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, rect=(0, 0, 1, 0.94))
 
 
 def throughput(path: Path, rep: dict, obs: Observed) -> Path:
@@ -95,10 +99,7 @@ def throughput(path: Path, rep: dict, obs: Observed) -> Path:
     gain = f" (×{tp['gain']:.2f})" if tp.get("gain") else ""
     a2.set_title(f"Measured in the same run{gain}", fontsize=10)
     a2.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def revoke(path: Path, rep: dict, obs: Observed) -> Path:
@@ -125,10 +126,7 @@ def revoke(path: Path, rep: dict, obs: Observed) -> Path:
     ax.set_ylabel("revokes")
     ax.set_title("Revoke latency (Kafka record timestamps of command and lease state)", fontsize=10)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def weight_bytes(path: Path, rep: dict, obs: Observed) -> Path:
@@ -157,10 +155,7 @@ def weight_bytes(path: Path, rep: dict, obs: Observed) -> Path:
     a2.set_ylabel("mean reward of the training batch")
     a2.set_title("Closed loop: reward of the batch each step trained on", fontsize=10)
     a2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_all(directory: Path, rep: dict, obs: Observed) -> list[Path]:

@@ -24,19 +24,18 @@ and list `demo:versions` (one JSON object per published version).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
-import signal
 import sys
 import time
 from dataclasses import dataclass
+
+from rose.demo.spec_process import JsonSpec, spec_main
 
 TARGET = frozenset(range(ord("a"), ord("z") + 1))
 
 
 @dataclass(frozen=True)
-class TrainerSpec:
+class TrainerSpec(JsonSpec):
     job: str = "demo"
     model: str = "policy"  # the weight stream name (rose:weights:{model}), = executor.model
     seed: int = 1
@@ -55,17 +54,6 @@ class TrainerSpec:
     status_key: str = "demo:trainer"
     versions_key: str = "demo:versions"
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> "TrainerSpec":
-        d = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = [k for k in d if k not in known]
-        if bad:
-            raise ValueError(f"{bad[0]}: unknown TrainerSpec field")
-        return cls(**d)
 
 
 # ---- pure parts ----------------------------------------------------------------------------
@@ -211,28 +199,7 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rose.demo.trainer")
-    ap.add_argument("--spec", required=True)
-    a = ap.parse_args(argv)
-    try:
-        spec = TrainerSpec.from_json(a.spec)
-    except (ValueError, TypeError) as e:
-        print(f"rose-trainer: {e}", file=sys.stderr)
-        return 2
-    import redis
-
-    from rose.config import load_config
-    from rose.logs import setup_logging
-
-    setup_logging("WARNING")
-    cfg = load_config()
-    r = redis.Redis.from_url(cfg.redis.url)
-    t = Trainer(spec, cfg, r)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(t, "stop", True))
-    signal.signal(signal.SIGINT, lambda *_: setattr(t, "stop", True))
-    t.run()
-    r.close()
-    return 0
+    return spec_main("rose.demo.trainer", TrainerSpec, Trainer, argv)
 
 
 if __name__ == "__main__":
