@@ -3,11 +3,12 @@ lease policy over its telemetry, compare with the commands it recorded, explain 
 
 Offline by design (no Kafka client here): a log from production can be replayed on a laptop.
 Replay runs `rose.lease_policy.decide`, the very function the scheduler runs, per GPU in log
-order, and admits telemetry with the scheduler's own rule (`check_admission`), so on a log
-recorded after the scheduler caught up the replayed commands equal the recorded ones byte for
-byte. Where the live scheduler folded an executor's lease state into its view (a lease the
-executor rejected or expired by its own clock), replay, a function of telemetry alone, can
-differ; `--diff` then points at the lease states recorded for that GPU.
+order, admits telemetry with the scheduler's own rule (`check_admission`), and folds the
+executors' lease states into the views as the scheduler does (`observe_lease_state`, placed
+by Kafka record time). So on a log recorded after the scheduler caught up, the replayed
+commands equal the recorded ones byte for byte. The one thing a log cannot tell exactly is
+when the live scheduler saw a lease state relative to the telemetry it was deciding on; if an
+executor's `expired`/`rejected` raced a decision, `--diff` points at it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from rose.events import (
     LeaseState,
     Telemetry,
 )
-from rose.lease_policy import Decision, GpuView, check_admission, decide
+from rose.lease_policy import Decision, GpuView, check_admission, decide, observe_lease_state
 
 _GiB = float(1 << 30)
 _PLAIN = {TELEMETRY_SCHEMA: Telemetry, COMMAND_SCHEMA: Command, LEASE_STATE_SCHEMA: LeaseState}
@@ -44,6 +45,7 @@ class Log:
     telemetry: list[tuple[int, Telemetry]] = field(default_factory=list)
     commands: list[tuple[int, Command]] = field(default_factory=list)  # recorded, for --diff
     lease_states: list[tuple[int, LeaseState]] = field(default_factory=list)
+    record_ms: dict[int, int] = field(default_factory=dict)  # line -> Kafka record time, `rose record` lines
     skipped: int = 0  # malformed or not admitted lines, each reported through on_error
 
 
@@ -57,10 +59,10 @@ def _topic_type(topic: str) -> type | None:
     return None  # dlq, scheduler state, anything else recorded: not ours to replay
 
 
-def parse_line(line: bytes, cfg: PolicyConfig) -> Telemetry | Command | LeaseState | None:
-    """One log line: a `rose record` line or a plain event. None for a line that holds
-    nothing to replay (blank, a tombstone, another topic). InvalidEvent.reason is a whole
-    sentence naming the field."""
+def parse_line(line: bytes, cfg: PolicyConfig) -> tuple[Telemetry | Command | LeaseState, int | None] | None:
+    """One log line: a `rose record` line or a plain event, with the Kafka record time in ms
+    (None for a plain line). None for a line that holds nothing to replay (blank, a
+    tombstone, another topic). InvalidEvent.reason is a whole sentence naming the field."""
     if not line.strip():
         return None
     d = load_object(line)
@@ -76,21 +78,21 @@ def parse_line(line: bytes, cfg: PolicyConfig) -> Telemetry | Command | LeaseSta
         if d["value"] is None:
             return None
         ev = _typed(typ, d["value"])
+        ts_ms = d.get("timestamp_ms")
+        ts_ms = ts_ms if isinstance(ts_ms, int) and not isinstance(ts_ms, bool) else None
         if typ is Telemetry:
-            ts_ms = d.get("timestamp_ms")
             key = d.get("key")
             try:
-                check_admission(ev, ts_ms if isinstance(ts_ms, int) else None,
-                                key if isinstance(key, str) else None, cfg)
+                check_admission(ev, ts_ms, key if isinstance(key, str) else None, cfg)
             except InvalidEvent as e:
                 raise InvalidEvent(e.field, f"telemetry not admitted (the scheduler sends it to the dlq): "
                                             f"{e.field}: {e.reason}") from None
-        return ev
+        return ev, ts_ms
     schema = d.get("schema", TELEMETRY_SCHEMA)
     typ = _PLAIN.get(schema) if isinstance(schema, str) else None
     if typ is None:
         raise InvalidEvent("schema", f"schema: unknown schema {schema!r}")
-    return _typed(typ, d)
+    return _typed(typ, d), None
 
 
 def _typed(typ: type, value: object):
@@ -105,13 +107,16 @@ def read_log(lines: Iterable[bytes], cfg: PolicyConfig, on_error: OnError) -> Lo
     log = Log()
     for lineno, line in enumerate(lines, 1):
         try:
-            ev = parse_line(line, cfg)
+            parsed = parse_line(line, cfg)
         except InvalidEvent as e:
             log.skipped += 1
             on_error(lineno, e.reason)
             continue
-        if ev is None:
+        if parsed is None:
             continue
+        ev, ts_ms = parsed
+        if ts_ms is not None:
+            log.record_ms[lineno] = ts_ms
         if type(ev) is Telemetry:
             log.telemetry.append((lineno, ev))
         elif type(ev) is Command:
@@ -122,21 +127,57 @@ def read_log(lines: Iterable[bytes], cfg: PolicyConfig, on_error: OnError) -> Lo
 
 
 def replay(telemetry: Iterable[tuple[int, Telemetry]], cfg: PolicyConfig,
-           on_decision: Callable[[int, Telemetry, GpuView | None, Decision], None] | None = None
+           on_decision: Callable[[int, Telemetry, GpuView | None, Decision], None] | None = None,
+           lease_states: Iterable[tuple[int, LeaseState]] = (), record_ms: dict[int, int] | None = None,
+           on_lease_state: Callable[[int, LeaseState, GpuView | None, GpuView], None] | None = None,
            ) -> tuple[list[Command], dict[str, GpuView]]:
     """Run the policy over the telemetry in order; the commands in decision order, and the
-    final views. `on_decision(lineno, event, view_before, decision)` sees every step."""
+    final views. `on_decision(lineno, event, view_before, decision)` sees every step.
+
+    Lease states are folded into their GPU's view (observe_lease_state) as the scheduler
+    folds them: before the first telemetry event of that GPU that was recorded at or after
+    the lease state (Kafka record times, `record_ms`); for plain lines, that comes later in
+    the file. In normal operation folding changes nothing but the epoch floor of leases
+    granted before the log began, and executors' `expired`/`rejected` verdicts."""
+    record_ms = record_ms or {}
+    pending: dict[str, list[tuple[int, LeaseState]]] = {}
+    for n, ls in sorted(lease_states, key=lambda x: (record_ms.get(x[0], -1), x[0])):
+        pending.setdefault(ls.gpu, []).append((n, ls))
     views: dict[str, GpuView] = {}
     out: list[Command] = []
     for lineno, ev in telemetry:
-        before = views.get(ev.gpu)
+        gpu = ev.gpu
+        if pending and gpu in pending:
+            _fold(pending, views, gpu, lineno, record_ms, cfg, on_lease_state)
+        before = views.get(gpu)
         d = decide(before, ev, cfg)
-        views[ev.gpu] = d.view
+        views[gpu] = d.view
         if d.commands:
             out.extend(d.commands)
         if on_decision is not None:
             on_decision(lineno, ev, before, d)
     return out, views
+
+
+def _fold(pending, views, gpu, lineno, record_ms, cfg, on_lease_state) -> None:
+    """Fold the lease states of `gpu` that the scheduler had seen before telemetry line `lineno`."""
+    queue = pending[gpu]
+    t = record_ms.get(lineno)
+    i = 0
+    for n, ls in queue:
+        ls_ms = record_ms.get(n)
+        seen = ls_ms <= t if (t is not None and ls_ms is not None) else n < lineno
+        if not seen:
+            break
+        before = views.get(gpu)
+        views[gpu] = observe_lease_state(before, ls, cfg)
+        if on_lease_state is not None:
+            on_lease_state(n, ls, before, views[gpu])
+        i += 1
+    if i:
+        del queue[:i]
+        if not queue:
+            del pending[gpu]
 
 
 def encode_commands(commands: Iterable[Command]) -> bytes:
@@ -168,7 +209,8 @@ class Divergence:
         ended = [(n, s) for n, s in lease_states if s.gpu == self.gpu and s.state in ("expired", "rejected")]
         for n, s in ended[:3]:
             lines.append(f"  note: line {n}: the executor reported lease {s.lease_id} {s.state} at {s.ts:.3f}; "
-                         "the live scheduler folds lease states into its view, replay sees telemetry only")
+                         "if the live scheduler saw that at another point than its record time, it decided "
+                         "on another view")
         return "\n".join(lines)
 
 
@@ -191,6 +233,14 @@ def first_divergence(recorded: Iterable[tuple[int, Command]], replayed: Iterable
                 found.append((ts, gpu, Divergence(gpu, i, ra[1] if ra else None, rb, ra[0] if ra else None)))
                 break
     return min(found, key=lambda f: (f[0], f[1]))[2] if found else None
+
+
+def explain_lease_state(lineno: int, ls: LeaseState, before: GpuView | None, after: GpuView) -> str:
+    """One folded lease state, for --explain."""
+    change = "view unchanged" if before == after else (
+        f"view lease {before.lease_id if before else None} -> {after.lease_id}, epoch floor {after.epoch}, "
+        f"cooldown until {after.cooldown_until:.3f}")
+    return f"line {lineno} lease state {ls.lease_id} epoch {ls.epoch} {ls.state} at {ls.ts:.3f}: {change}"
 
 
 def explain_step(lineno: int, ev: Telemetry, before: GpuView | None, d: Decision) -> str:

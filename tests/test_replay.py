@@ -79,12 +79,16 @@ def plain_log(tmp_path, events):
     return p
 
 
-def write_record(path, events, commands):
+def lease_state(epoch: int, state: str, ts: float = T0, gpu: str = "az/0") -> dict:
+    return {"schema": "rose.lease_state.v1", "gpu": gpu, "lease_id": f"{gpu}#{epoch}", "epoch": epoch,
+            "state": state, "ts": ts, "rollout_mem_bytes": 0, "command_id": "x"}
+
+
+def write_record(path, events, commands, states=(lease_state(0, "expired"),)):
+    """Topic by topic, as `rose record` writes it: the record times place lease states."""
     lines = [record_line("rose.telemetry", i, e.to_dict(), int(e.ts * 1000)) for i, e in enumerate(events)]
-    lines += [record_line("rose.lease-state", 0, {"schema": "rose.lease_state.v1", "gpu": "az/0",
-                                                  "lease_id": "az/0#1", "epoch": 1, "state": "active", "ts": T0,
-                                                  "rollout_mem_bytes": 0, "command_id": "x"}, int(T0 * 1000))]
     lines += [record_line("rose.commands", i, c.to_dict(), int(c.ts * 1000)) for i, c in enumerate(commands)]
+    lines += [record_line("rose.lease-state", i, s, int(s["ts"] * 1000)) for i, s in enumerate(states)]
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
 
@@ -127,6 +131,25 @@ def test_diff_passes_on_a_consistent_log_and_finds_an_injected_divergence(tmp_pa
     dropped = expected[:-1]
     r = invoke("replay", write_record(tmp_path / "short.ndjson", events, dropped), "--diff")
     assert r.exit_code == 1 and "the log has no such command" in r.stdout
+
+
+def test_lease_states_are_folded_in_at_their_record_time(tmp_path, events, expected):
+    """An executor that already held epoch 7 raises the epoch floor; one that rejects the
+    first lease ends it, so replay (like the live scheduler) does not renew it."""
+    first = next(c for c in expected if c.gpu == "az/0" and c.kind == "grant")
+    states = (lease_state(7, "active", T0 - 60), lease_state(8, "rejected", first.ts + 0.2))
+    rec = write_record(tmp_path / "ls.ndjson", events, expected, states)
+    r = invoke("replay", rec)
+    got = [orjson.loads(x) for x in r.stdout.encode().splitlines()]
+    az0 = [c for c in got if c["gpu"] == "az/0"]
+    assert az0[0]["kind"] == "grant" and az0[0]["epoch"] == 8
+    assert az0[1]["kind"] == "grant" and az0[1]["epoch"] == 9  # #8 rejected: never renewed, re-granted
+    assert [c for c in got if c["gpu"] != "az/0"] == [c.to_dict() for c in expected if c.gpu != "az/0"]
+    r = invoke("replay", rec, "--telemetry-only")
+    assert [orjson.loads(x) for x in r.stdout.encode().splitlines()] == [c.to_dict() for c in expected]
+    r = invoke("replay", rec, "--explain", "az/0")
+    assert "lease state az/0#7 epoch 7 active" in r.stdout and "epoch floor 7" in r.stdout
+    assert "lease state az/0#8 epoch 8 rejected" in r.stdout and "view lease az/0#8 -> None" in r.stdout
 
 
 def test_first_divergence_picks_the_earliest_gpu_mismatch(expected):

@@ -70,11 +70,13 @@ def register(app: typer.Typer) -> None:
         explain: Optional[str] = typer.Option(None, "--explain", metavar="GPU",
                                               help="Print, per event of this GPU, the view and why a decision "
                                                    "was or was not taken."),
+        telemetry_only: bool = typer.Option(False, "--telemetry-only",
+                                            help="Do not fold the executors' lease states into the views."),
     ) -> None:
         """Re-run the lease policy over the telemetry in LOG; one command a line, byte-identical every run."""
         from rose.cli import cli_config, fail
         from rose.config import ConfigError, load_config
-        from rose.replay import encode_commands, explain_step, first_divergence, read_log
+        from rose.replay import encode_commands, explain_lease_state, explain_step, first_divergence, read_log
         from rose.replay import replay as run_replay
 
         try:
@@ -97,13 +99,18 @@ def register(app: typer.Typer) -> None:
             fail(f"--explain: no telemetry for gpu {explain!r} in {name} (it has {len(gpus)} GPUs"
                  + (f", e.g. {', '.join(gpus[:5])})" if gpus else ")"))
 
-        on_decision = None
+        on_decision = on_lease_state = None
         if explain is not None:
             def on_decision(lineno, ev, before, d):
                 if ev.gpu == explain:
                     typer.echo(explain_step(lineno, ev, before, d))
 
-        commands, views = run_replay(parsed.telemetry, cfg.policy, on_decision)
+            def on_lease_state(lineno, ls, before, after):
+                if ls.gpu == explain:
+                    typer.echo(explain_lease_state(lineno, ls, before, after))
+
+        commands, views = run_replay(parsed.telemetry, cfg.policy, on_decision,
+                                     () if telemetry_only else parsed.lease_states, parsed.record_ms, on_lease_state)
         data = encode_commands(commands)
         if out is not None:
             try:
