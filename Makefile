@@ -39,3 +39,9 @@ bench: install
 
 clean: stack-down
 	rm -rf .rose-stack reports
+
+# The paper check (docs/paper-check.md): rose simulate on the Azure and BurstGPT traces, 7B–70B, beside the paper's claim.
+paper-check: install
+	rose paper-check --out reports/paper-check/default.md
+	rose --config-file docs/paper-check/no-trend.toml paper-check --out reports/paper-check/no-trend.md
+	@echo "tables: reports/paper-check/default.md reports/paper-check/no-trend.md"

@@ -616,7 +616,8 @@ class RoseRun(Run):
             self.version[ok] = self.ledger.steps()
             for g in ok.tolist():  # resume parked continuations first
                 self.w[g] = self.ledger.unpark(self.batch[g] / 2.0)
-        self.sim.set_rollout(slice(None), self.share, self.running(), self.mem)
+        # an executor starts no worker for a lease too small for the policy: it holds nothing
+        self.sim.set_rollout(slice(None), self.share, self.running(), np.where(self.batch > 0, self.mem, 0))
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 import orjson
 
 PLOTS = ("serving_p99_vs_slo.png", "throughput.png", "leased_gpus.png")
+COLORS = {"static": "tab:gray", "elastic": "tab:blue", "share-all": "tab:red", "rose": "tab:green"}
 
 
 def markdown(result: dict) -> str:
@@ -90,12 +91,12 @@ def _plots(result: dict, d: Path) -> list[Path]:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for p in names:
         s = series[p]
-        a1.plot([x / 60 for x in s["t"]], s["episodes"], label=p)
+        a1.plot([x / 60 for x in s["t"]], s["episodes"], label=p, color=COLORS[p])
     a1.set_xlabel("trace time (min)")
     a1.set_ylabel("episodes completed")
     a1.legend(fontsize=8)
     eph = [pol[p]["episodes_per_hour"] for p in names]
-    bars = a2.bar(names, eph, color=["tab:gray", "tab:blue", "tab:red", "tab:green"][:len(names)])
+    bars = a2.bar(names, eph, color=[COLORS[p] for p in names])
     for b, p in zip(bars, names):
         a2.annotate(f"×{pol[p]['gain_vs_static']:.2f}\nSLO {pol[p]['slo_attainment']:.3f}",
                     (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
@@ -112,11 +113,11 @@ def _plots(result: dict, d: Path) -> list[Path]:
         s = series[p]
         t = [x / 60 for x in s["t"]]
         if p in ("rose", "share-all"):
-            ax.plot(t, s["leased"], lw=0.9, label=f"{p}: leased serving GPUs")
+            ax.plot(t, s["leased"], lw=0.9, color=COLORS[p], label=f"{p}: leased serving GPUs")
             if p == "rose":
-                ax.plot(t, s["running"], lw=0.9, ls=":", label="rose: running (not paused)")
+                ax.plot(t, s["running"], lw=0.9, ls=":", color="black", label="rose: running (not paused)")
         if p == "elastic":
-            ax.plot(t, s["external_gpus"], lw=0.9, label="elastic: external GPUs")
+            ax.plot(t, s["external_gpus"], lw=0.9, color=COLORS[p], label="elastic: external GPUs")
     ax.set_xlabel("trace time (min)")
     ax.set_ylabel("GPUs")
     ax.legend(fontsize=8)
@@ -126,3 +127,28 @@ def _plots(result: dict, d: Path) -> list[Path]:
     fig.savefig(out[-1], dpi=110)
     plt.close(fig)
     return out
+
+
+PAPER_CLAIM = "1.20–3.31× RL throughput over the baselines, no serving SLO violation, gain growing with model size"
+
+
+def paper_check_markdown(results: list[dict], command: str) -> str:
+    """The paper-check table: per (trace, model size), ROSE's gain and every policy's SLO attainment."""
+    lines = [
+        f"Command: `{command}`", "",
+        f"Paper's claim: {PAPER_CLAIM}.", "",
+        "| trace | model | ROSE gain vs static | vs elastic | elastic gain | share-all gain | "
+        "SLO static | SLO ROSE | SLO share-all | ROSE keeps SLO | mean leased GPUs | leases unusable | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|",
+    ]
+    for r in results:
+        c, p = r["config"], r["policies"]
+        st, el, sa, ro = p["static"], p["elastic"], p["share-all"], p["rose"]
+        keeps = ro["slo_attainment"] >= st["slo_attainment"] - c["slo_tolerance"]
+        vs_el = ro["episodes"] / el["episodes"] if el["episodes"] else float("nan")
+        lines.append(
+            f"| {c['trace']} | {c['model_size']} | {ro['gain_vs_static']:.3f} | {vs_el:.3f} | "
+            f"{el['gain_vs_static']:.3f} | {sa['gain_vs_static']:.3f} | {st['slo_attainment']:.5f} | "
+            f"{ro['slo_attainment']:.5f} | {sa['slo_attainment']:.5f} | {'yes' if keeps else 'NO'} | "
+            f"{ro['mean_leased_gpus']:.1f} | {ro['leases_unusable']} | {r['wall_s']:.1f} |")
+    return "\n".join(lines) + "\n"
