@@ -34,6 +34,7 @@ stale group member), so two schedulers racing for a partition cannot both commit
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ LATENCY = metrics.histogram("rose_scheduler_decision_latency_seconds",
                             "Telemetry produced (record timestamp) to command committed")
 LEASES = metrics.gauge("rose_scheduler_leases", "GPUs holding a lease in the view")
 VIEWS = metrics.gauge("rose_scheduler_gpus", "GPUs in the view (assigned partitions)")
+RESTARTS = metrics.counter("rose_scheduler_client_restarts_total", "Kafka clients replaced after fencing or a wedge")
 LAG = metrics.gauge("rose_scheduler_lag_messages", "Consumer lag over assigned telemetry partitions")
 
 
@@ -220,8 +222,9 @@ class Scheduler:
                 self.producer.begin_transaction()
                 pending_latency = self._process(msgs, snapshot)
                 positions = self._positions(msgs)
-                self.producer.send_offsets_to_transaction(
-                    positions, self.consumer.consumer_group_metadata(), 10)
+                meta = self.consumer.consumer_group_metadata()
+                self._bounded("send_offsets_to_transaction",
+                              lambda: self.producer.send_offsets_to_transaction(positions, meta, 10), 20)
                 self._commit()
                 now = time.time()
                 for ts_ms in pending_latency:
@@ -252,15 +255,40 @@ class Scheduler:
                 snapshot.clear()
                 time.sleep(0.2)
 
-    def _commit(self) -> None:
-        while True:
+    def _commit(self, attempts: int = 6) -> None:
+        """Commit; a retriable error (e.g. a timeout while the broker restarts) is retried a
+        few times, then surfaces so the caller aborts and redoes the batch."""
+        for attempt in range(attempts):
             try:
-                self.producer.commit_transaction(10)
+                self._bounded("commit_transaction", lambda: self.producer.commit_transaction(10), 20)
                 return
             except KafkaException as e:
-                if e.args[0].retriable():
-                    continue
-                raise
+                if not e.args[0].retriable() or attempt == attempts - 1:
+                    raise
+                self.log.warning("transaction.commit_retry", error=str(e.args[0]), attempt=attempt + 1)
+
+    @staticmethod
+    def _bounded(what: str, fn, timeout_s: float):
+        """Run a transaction-coordinator call with a hard deadline. librdkafka can block in
+        send_offsets_to_transaction forever when its cached coordinator was decommissioned
+        (a broker that left and came back; librdkafka issue #5511), whatever timeout it was
+        given; a wedged client is replaced rather than waited on (see run_scheduler)."""
+        out: dict = {}
+
+        def call():
+            try:
+                out["v"] = fn()
+            except BaseException as e:  # handed to the caller's thread
+                out["e"] = e
+
+        t = threading.Thread(target=call, daemon=True, name=f"rose-{what}")
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            raise FatalSchedulerError(f"{what} did not return within {timeout_s:.0f}s")
+        if "e" in out:
+            raise out["e"]
+        return out.get("v")
 
     def _positions(self, msgs: list[Message]) -> list[TopicPartition]:
         last: dict[int, int] = {}
@@ -354,20 +382,65 @@ class Scheduler:
     def close(self) -> None:
         for c in (self.consumer, self.lease_consumer):
             try:
-                c.close()
-            except (KafkaException, RuntimeError):
+                self._bounded("consumer.close", c.close, 15)
+            except (KafkaException, RuntimeError, FatalSchedulerError):
                 pass
         self.producer.flush(5)
 
 
 def run_scheduler(cfg: Config, instance: str, metrics_port: int | None = None,
-                  max_seconds: float | None = None) -> SchedulerStats:
-    s = Scheduler(cfg, instance=instance)
-    signal.signal(signal.SIGTERM, s.stop)
-    signal.signal(signal.SIGINT, s.stop)
+                  max_seconds: float | None = None, max_restarts: int = 20) -> SchedulerStats:
+    """Run until SIGTERM. A client that is fenced or wedged is replaced by a fresh one (new
+    producer and consumer; init_transactions fences the old producer), which rebuilds its
+    view from the log like any new instance."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    stop = threading.Event()
+    current: list[Scheduler] = []
+
+    def on_signal(*_):
+        stop.set()
+        for s in current:
+            s.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    health = {"ok": True}
     if metrics_port is not None:
-        metrics.serve(metrics_port, health=lambda: s._running)
-    s.log.info("scheduler.start", config=cfg.redacted()["policy"], policy_version=POLICY_VERSION)
-    stats = s.run(max_seconds=max_seconds)
-    s.log.info("scheduler.stop", events=stats.events, commands=stats.commands, dlq=stats.dlq)
-    return stats
+        metrics.serve(metrics_port, health=lambda: health["ok"] and not stop.is_set())
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    total = SchedulerStats()
+    restarts = 0
+    log = get_logger("rose.scheduler", instance=instance)
+    log.info("scheduler.start", config=cfg.redacted()["policy"], policy_version=POLICY_VERSION)
+    while not stop.is_set():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        s = Scheduler(cfg, instance=instance)
+        current[:] = [s]
+        if stop.is_set():
+            s.stop()
+        try:
+            stats = s.run(max_seconds=left)
+            health["ok"] = True
+        except FatalSchedulerError as e:
+            restarts += 1
+            health["ok"] = False
+            RESTARTS.inc()
+            log.error("scheduler.client_replaced", error=str(e), restarts=restarts)
+            if restarts > max_restarts:
+                raise
+            time.sleep(min(5.0, 0.5 * restarts))
+            stats = s.stats
+        else:
+            total.events += stats.events
+            total.commands += stats.commands
+            total.dlq += stats.dlq
+            break
+        total.events += stats.events
+        total.commands += stats.commands
+        total.dlq += stats.dlq
+    log.info("scheduler.stop", events=total.events, commands=total.commands, dlq=total.dlq, restarts=restarts)
+    return total
