@@ -46,10 +46,10 @@ from rose.codec import decode, encode
 from rose.config import Config
 from rose.events import InvalidEvent, LeaseState, Telemetry
 from rose.kafka import dead_letter, make_consumer, make_producer, partitions_of, produce, read_partitions, retrying
-from rose.lease_policy import POLICY_VERSION, GpuView, decide, observe_lease_state
+from rose.lease_policy import POLICY_VERSION, GpuView, check_admission, decide, observe_lease_state
 from rose.logs import get_logger
 from rose.signing import sign_headers
-from rose.tracing import extract_context, inject_headers, tracer
+from rose.tracing import ensure_provider, extract_context, inject_headers, tracer
 
 EVENTS_IN = metrics.counter("rose_scheduler_events_total", "Telemetry messages consumed")
 COMMANDS_OUT = metrics.counter("rose_scheduler_commands_total", "Commands committed, by kind")
@@ -94,6 +94,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.record_latencies = record_latencies
         self.log = get_logger("rose.scheduler", instance=instance)
+        ensure_provider()  # commands always carry trace context, exported or not
         self._tracer = tracer("rose.scheduler")
         self._running = True
         self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
@@ -307,13 +308,7 @@ class Scheduler:
             EVENTS_IN.inc()
             try:
                 ev = decode(m.value(), Telemetry)
-                _, rec_ms = m.timestamp()
-                if rec_ms > 0 and abs(ev.ts - rec_ms / 1000.0) > policy.max_ts_skew_s:
-                    raise InvalidEvent("ts", f"event time {ev.ts:.3f} is {ev.ts - rec_ms / 1000.0:+.0f}s from the "
-                                             f"record time (limit ±{policy.max_ts_skew_s:.0f}s)")
-                key = m.key()
-                if key is not None and key != ev.gpu.encode():
-                    raise InvalidEvent("gpu", f"message key {key[:64]!r} does not match gpu {ev.gpu!r}")
+                check_admission(ev, m.timestamp()[1], m.key(), policy)
             except InvalidEvent as e:
                 dead_letter(self.producer, self.k.dlq_topic, m, e.reason, e.field, consumer="scheduler")
                 self.stats.dlq += 1

@@ -21,9 +21,14 @@ _memory_exporter: InMemorySpanExporter | None = None
 
 
 def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProvider:
-    """Install a tracer provider with the configured exporter (none, console, otlp, memory)."""
+    """Install (or extend) the SDK tracer provider with the configured exporter
+    (none, console, otlp, memory). OpenTelemetry allows one global provider per process, so
+    a provider already installed gets the exporter added rather than being replaced."""
     global _memory_exporter
-    provider = TracerProvider(resource=Resource.create({"service.name": service or tcfg.service_name}))
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider(resource=Resource.create({"service.name": service or tcfg.service_name}))
+        trace.set_tracer_provider(provider)
     if tcfg.exporter == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -33,14 +38,22 @@ def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProv
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=tcfg.otlp_endpoint)))
     elif tcfg.exporter == "memory":
-        _memory_exporter = _memory_exporter or InMemorySpanExporter()
-        provider.add_span_processor(SimpleSpanProcessor(_memory_exporter))
+        if _memory_exporter is None:
+            _memory_exporter = InMemorySpanExporter()
+            provider.add_span_processor(SimpleSpanProcessor(_memory_exporter))
     elif tcfg.exporter != "none":
         from rose.config import ConfigError
 
         raise ConfigError(f"tracing.exporter: unknown exporter {tcfg.exporter!r} (none|console|otlp|memory)")
-    trace.set_tracer_provider(provider)
     return provider
+
+
+def ensure_provider() -> None:
+    """Install an SDK tracer provider (exporting nothing) unless one is set, so spans get
+    real ids and every message still carries W3C trace context (CONTRACT §1) when no
+    exporter is configured or setup_tracing was never called."""
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider(resource=Resource.create({"service.name": "rose"})))
 
 
 def memory_exporter() -> InMemorySpanExporter | None:

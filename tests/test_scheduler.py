@@ -176,3 +176,22 @@ def test_trace_context_flows_from_telemetry_to_command(cfg):
     assert decide.attributes["rose.kind"] == "grant"
     assert "rose.headroom.tpot_p99" in decide.attributes
     assert spans["lease.apply"].parent.span_id == decide.context.span_id
+
+
+def test_commands_carry_trace_context_without_an_exporter(cfg):
+    """CONTRACT §1: every message carries W3C trace context, whether traces are exported or not."""
+    events = workload(2, 8, prefix="tc")
+    p = make_producer(cfg.kafka)
+    for ev in events:
+        produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)  # no traceparent from the agent
+    p.flush(10)
+    s = Scheduler(cfg, instance="tc")
+    try:
+        _run_until(s, len(events))
+    finally:
+        s.close()
+    msgs = read_all(cfg.kafka, [cfg.kafka.commands_topic])
+    assert msgs
+    for m in msgs:
+        tp = header(m, "traceparent")
+        assert tp is not None and len(tp.split(b"-")) == 4
