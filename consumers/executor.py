@@ -83,6 +83,13 @@ def _child_setup():
     return setup
 
 
+def placeholder_command(cfg: Config, start: lm.Start, flag_name: str, device: str, seed: int) -> list[str]:
+    """A stand-in process for a worker (`executor.worker = "placeholder"`): it holds the lease's
+    slot and dies on SIGTERM, so load and soak runs exercise the whole control plane on fleets
+    of thousands of GPUs without a model per lease."""
+    return ["sleep", "infinity"]
+
+
 def worker_command(cfg: Config, start: lm.Start, flag_name: str, device: str, seed: int) -> list[str]:
     """The argv of a rollout worker for a lease (rose.rollout.worker)."""
     from rose.rollout.worker import WorkerSpec
@@ -144,6 +151,10 @@ class Executor:
                                 restart_backoff_s=cfg.executor.restart_backoff_s)
         self.states: dict[str, lm.GpuLease] = {g: lm.initial(g) for g in self.gpus}
         self.workers: dict[str, WorkerHandle] = {}
+        if cfg.executor.worker == "placeholder":
+            worker_argv = placeholder_command
+        elif cfg.executor.worker != "rollout":
+            raise ValueError(f"executor.worker: expected rollout or placeholder, got {cfg.executor.worker!r}")
         self.worker_argv = worker_argv
         self.log = get_logger(log_name, gpus=",".join(self.gpus) if len(self.gpus) <= 8 else f"{len(self.gpus)} GPUs")
         self._tracer = tracer("rose.executor")

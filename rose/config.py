@@ -127,6 +127,7 @@ class ExecutorConfig:
     job: str = "default"  # the rollout job whose task queue workers serve
     model: str = "reference"  # the rollout policy the workers load
     metrics_port: int = 0  # Prometheus /metrics and /healthz; 0 = off
+    worker: str = "rollout"  # rollout | placeholder (a `sleep` process: control-plane load and soak runs)
 
 
 @dataclass(frozen=True)
