@@ -274,7 +274,9 @@ class Worker:
         if self.active and self._due("touch", now, s.min_idle_ms / 3000):
             for c in self.q.touch(s.worker_id, [c for c, _ in self.active.values()]):
                 self._drop(c, "lost")
-        free = self.engine.free_slots()
+        # an admitted episode takes its slot at its first decode step (one waiting on a tool call
+        # of a continuation takes it later): count active episodes, not the engine's free slots
+        free = min(self.engine.free_slots(), self.engine.n_slots - len(self.active))
         if free > 0 and self._due("read", now, 0.005):
             got = self.q.read(s.worker_id, count=free, directed=self.directed)
             if len(got) < free and self._due("reclaim", now, s.reclaim_every_ms / 1000):
