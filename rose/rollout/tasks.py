@@ -170,12 +170,16 @@ class TaskQueue:
     # worker side -----------------------------------------------------------------------
     def read(self, consumer: str, count: int, block_ms: int | None = None,
              directed: str | None = None) -> list[Claimed]:
-        """New tasks for `consumer`: its directed stream first, then the shared one."""
+        """At most `count` new tasks for `consumer`: its directed stream first, then the shared one.
+        (XREADGROUP's COUNT is per stream, so the two are read one after the other.)"""
         self.ensure_group()
-        streams = {directed: ">"} if directed else {}
-        streams[self.stream] = ">"
-        got = self.r.xreadgroup(self.group, consumer, streams, count=count, block=block_ms)
-        return self._decode(got)
+        out: list[Claimed] = []
+        if directed:
+            out = self._decode(self.r.xreadgroup(self.group, consumer, {directed: ">"}, count=count))
+        if len(out) < count:
+            out += self._decode(self.r.xreadgroup(self.group, consumer, {self.stream: ">"}, count=count - len(out),
+                                                  block=block_ms if not out else None))
+        return out
 
     def reclaim(self, consumer: str, min_idle_ms: int, count: int = 16) -> list[Claimed]:
         """XAUTOCLAIM entries idle ≥ min_idle_ms, on the shared and every directed stream."""
