@@ -17,9 +17,9 @@ What it implements (CONTRACT §3, thresholds from `PolicyConfig`):
 * Revoke conditions, any one suffices and revoke outranks everything:
   1. headroom < `revoke_headroom` on any metric;
   2. `free < margin` (serving grew into the lease or rollout exceeds it);
-  3. trend: per metric, linear extrapolation of p99 through the previous and this event,
-     only when rising: `p99 + slope * trend_horizon_s > slo` (the SLO would be crossed
-     before the next sample);
+  3. trend (see "The trend predictor" below): per metric, a p99 that rose on each of the last
+     two intervals, extrapolated at the smaller of the two rates: `p99 + slope *
+     trend_horizon_s > slo` (the SLO would be crossed before the next sample);
   4. KV-cache growth: serving memory rising at a rate that, over `trend_horizon_s`, grows by
      ≥ `kv_growth_revoke_frac * margin`, or would push `free` below the margin.
   On a GPU without a lease, the same conditions block a grant.
@@ -46,6 +46,41 @@ What it implements (CONTRACT §3, thresholds from `PolicyConfig`):
   have SM headroom: it halves the share at 100 %, never zeroes it).
 * Duplicate or out-of-order telemetry (`ts ≤ last_ts`, or the same `event_id` as the last)
   is ignored: counter + 1, no commands, nothing else changes.
+
+The trend predictor
+-------------------
+Its intent: revoke *before* the SLO is crossed when latency is genuinely climbing (a queue
+building up), rather than on the event that already shows headroom < `revoke_headroom`.
+Its input is noisy: a window's p99 is a small-sample tail, and under chunked prefill a GPU's
+TPOT p99 is bimodal: a plain decode step (~8 ms for 7B on an H100) in a window without
+prefill, the prefill-chunk stall (~70 ms) in one with it. Extrapolating one jump between two
+such windows (`8 -> 70 ms` in 0.5 s: +62 ms in the next 0.5 s) crosses a 139 ms SLO, so a
+two-point predictor revoked on window-to-window noise (in `rose simulate` on the Azure
+traces, 190 of 192 revokes; each revoke starts a cooldown, and the backoff kept most GPUs
+out). So the predictor now needs the climb to be sustained:
+
+    samples (t2, p2), (t1, p1), (t0, p0), oldest first, t0 this event
+    rising only if p2 < p1 < p0
+    slope = min((p1 - p2) / (t1 - t2), (p0 - p1) / (t0 - t1))
+    predicted p99 = p0 + slope * trend_horizon_s;  revoke if it exceeds the SLO
+
+A single spike predicts nothing (`8, 8, 70`: the first interval did not rise; the two-point
+predictor said 132 ms), and a spike followed by a plateau or a small further rise predicts
+little (`8, 70, 71`: 72 ms). A steady ramp gives its own slope, so it is revoked on the last
+sample before it would cross the SLO, as the two-point predictor did, once it has risen for
+two intervals (one more sample than before); a climb steep enough to go from grant-level
+headroom past the SLO in two samples is left to the headroom rule and the executor's local
+guard, as it was before for one sample. The smaller rate is a
+lower bound on the climb over both intervals, so noise that happens to rise twice must rise
+steeply twice to revoke. Why not an EWMA-smoothed slope: its state depends on every past
+sample (the simulator's exact deferral of ineligible events relies on a bounded history),
+and a time constant long enough to average out the bimodal p99 (several windows) delays a
+genuine climb by as much. The cost is one more sample (ts and both p99s) in `GpuView`:
+`prev2_*`, `_NEVER` until seen, so a view from an older `to_dict` loads with no history and
+the trend starts two events later. The headroom and memory conditions need no history and
+still revoke on the very event. KV-cache growth (condition 4) stays a two-point rate on
+purpose: running out of memory is not a late token but a failed or preempted request, so
+one large prompt's KV growth is reason enough to give the memory back.
 """
 
 from __future__ import annotations
@@ -84,6 +119,9 @@ class GpuView:
     prev_tpot_p99: float = _NEVER
     prev_serving_mem: int = -1
     ignored_stale: int = 0  # duplicate / out-of-order events ignored
+    prev2_ts: float = _NEVER  # the fresh event before the last: the trend predictor's third sample
+    prev2_ttft_p99: float = _NEVER
+    prev2_tpot_p99: float = _NEVER
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in _VIEW_FIELDS}
@@ -157,13 +195,16 @@ def _lease_size(avail: int, h: float, util: float, cfg: PolicyConfig) -> tuple[i
     return mem, share
 
 
-def _trend(metric: str, p99: float, prev: float, slo: float, dt: float, horizon: float,
-           why: list[str]) -> float:
-    """Predicted headroom `horizon` seconds ahead: linear extrapolation through the previous
-    and this p99, only when rising; appends a revoke reason if it crosses the SLO."""
-    if not 0.0 <= prev < p99:
+def _trend(metric: str, p99: float, prev: float, prev2: float, slo: float, dt: float, dt2: float,
+           horizon: float, why: list[str]) -> float:
+    """Predicted headroom `horizon` seconds ahead: only when p99 rose on each of the last two
+    intervals (`dt2` then `dt` long), extrapolated at the smaller of the two rates; appends a
+    revoke reason if it crosses the SLO (module docstring: "The trend predictor")."""
+    if not 0.0 <= prev2 < prev < p99:
         return 1.0 - p99 / slo
-    pred = p99 + (p99 - prev) / dt * horizon
+    slope = (p99 - prev) / dt
+    slope2 = (prev - prev2) / dt2
+    pred = p99 + (slope if slope < slope2 else slope2) * horizon
     if pred > slo:
         why.append(f"trend: {metric} rising to {pred:.1f} ms > SLO {slo:.1f} ms within {horizon:g} s")
     return 1.0 - pred / slo
@@ -180,7 +221,8 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         v = GpuView(view.gpu, view.last_ts, view.last_event_id, view.streak, view.epoch, view.lease_id,
                     view.lease_expires_at, view.lease_mem_bytes, view.lease_compute_share,
                     view.lease_granted_at, view.cooldown_until, view.revokes_in_row, view.prev_ttft_p99,
-                    view.prev_tpot_p99, view.prev_serving_mem, view.ignored_stale + 1)
+                    view.prev_tpot_p99, view.prev_serving_mem, view.ignored_stale + 1, view.prev2_ts,
+                    view.prev2_ttft_p99, view.prev2_tpot_p99)
         return Decision(v, (), Explanation({}, {}, 0, "ignored", why))
 
     lat, slo = event.latency_ms, event.slo_ms
@@ -214,8 +256,12 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
     p_ttft, p_tpot = h_ttft, h_tpot
     horizon = cfg.trend_horizon_s
     if dt > 0.0:
-        p_ttft = _trend("ttft_p99", lat.ttft_p99, view.prev_ttft_p99, slo.ttft_p99, dt, horizon, why)
-        p_tpot = _trend("tpot_p99", lat.tpot_p99, view.prev_tpot_p99, slo.tpot_p99, dt, horizon, why)
+        dt2 = view.last_ts - view.prev2_ts
+        if view.prev2_ts >= 0.0 and dt2 > 0.0:
+            p_ttft = _trend("ttft_p99", lat.ttft_p99, view.prev_ttft_p99, view.prev2_ttft_p99, slo.ttft_p99,
+                            dt, dt2, horizon, why)
+            p_tpot = _trend("tpot_p99", lat.tpot_p99, view.prev_tpot_p99, view.prev2_tpot_p99, slo.tpot_p99,
+                            dt, dt2, horizon, why)
         prev_mem = view.prev_serving_mem
         if 0 <= prev_mem < serving and margin > 0:
             growth = (serving - prev_mem) / dt * horizon
@@ -290,7 +336,8 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         reason = expired_note + reason
 
     v = GpuView(gpu, ts, event.event_id, streak, epoch, lease_id, expires_at, lease_mem, share, granted_at,
-                cooldown_until, revokes_in_row, lat.ttft_p99, lat.tpot_p99, serving, view.ignored_stale)
+                cooldown_until, revokes_in_row, lat.ttft_p99, lat.tpot_p99, serving, view.ignored_stale,
+                view.last_ts, view.prev_ttft_p99, view.prev_tpot_p99)
     return Decision(v, commands, Explanation(headroom, predicted, free, action, reason))
 
 
@@ -336,4 +383,5 @@ def observe_lease_state(view: GpuView | None, state: LeaseState, cfg: PolicyConf
             cooldown_until = max(cooldown_until, state.ts + cooldown_for(revokes_in_row, cfg))
     return GpuView(view.gpu, view.last_ts, view.last_event_id, view.streak, epoch, lease_id, expires_at, mem,
                    share, granted_at, cooldown_until, revokes_in_row, view.prev_ttft_p99, view.prev_tpot_p99,
-                   view.prev_serving_mem, view.ignored_stale)
+                   view.prev_serving_mem, view.ignored_stale, view.prev2_ts, view.prev2_ttft_p99,
+                   view.prev2_tpot_p99)

@@ -76,10 +76,10 @@ Policies
 
 Exact shortcut in the policy calls. A GPU with no lease whose window has headroom below the
 grant threshold cannot be granted anything, and a run of such events leaves the policy's view
-exactly as the last one alone would (streak 0, the last event's time and latencies);
-`tests/test_simulate.py` checks that equivalence against `decide` itself. So for such a GPU the
-simulator defers the call and, before the GPU's next eligible or leased window, hands `decide`
-only the last deferred event. Optionally (`decide_every` > 1) the policy sees one telemetry event
+exactly as its last two alone would (streak 0, the last event's time and latencies, the one
+before as the trend predictor's third sample); `tests/test_simulate.py` checks that equivalence
+against `decide` itself. So for such a GPU the simulator defers the call and, before the GPU's
+next eligible or leased window, hands `decide` only the last two deferred events. Optionally (`decide_every` > 1) the policy sees one telemetry event
 per `decide_every` windows carrying the worst p99 of those windows (a longer telemetry period);
 the default is every window.
 
@@ -490,6 +490,8 @@ class RoseRun(Run):
         self.w = np.zeros(G)
         self.pending = np.zeros(G, dtype=bool)
         self.pend = {k: np.zeros(G) for k in self._PEND}
+        self.pending2 = np.zeros(G, dtype=bool)  # a deferred event before the last one
+        self.pend2 = {k: np.zeros(G) for k in self._PEND}
         self.acc_ttft = np.zeros(G)
         self.acc_tpot = np.zeros(G)
         self.version = np.full(G, -1, dtype=np.int64)  # policy version held by the node, -1 none
@@ -540,10 +542,13 @@ class RoseRun(Run):
         defer = ~self.view_lease & (h < pc.grant_headroom)
         vals = {"ts": ts, "util": st.gpu_util, "used": st.mem_used_bytes, "rmem": st.rollout_mem_bytes,
                 "ttft": ttft, "tpot": tpot, "rps": st.rps, "qd": st.queue_depth}
+        again = defer & self.pending
         for k, v in vals.items():
+            self.pend2[k][again] = self.pend[k][again]
             self.pend[k][defer] = v[defer] if isinstance(v, np.ndarray) else v
         call = np.flatnonzero(~defer)
         first = call[self.pending[call]]
+        self.pending2[defer] = again[defer]
         self.pending[defer] = True
         self.pending[call] = False
         pend, total = self.pend, st.mem_total_bytes
@@ -554,12 +559,13 @@ class RoseRun(Run):
         views = self.views
         for g in call.tolist():
             view = views[g]
-            if g in late:  # the last deferred event first: the view as if every one had been seen
-                ev = _telemetry(g, f"d{int(pend['ts'][g] / c.dt)}", float(pend["ts"][g]), float(pend["util"][g]),
-                                total, int(pend["used"][g]), int(pend["rmem"][g]), float(pend["ttft"][g]),
-                                float(pend["tpot"][g]), slo, float(pend["rps"][g]), int(pend["qd"][g]))
-                view = decide(view, ev, pc).view
-                self.decide_calls += 1
+            if g in late:  # the last two deferred events first: the view as if every one had been seen
+                for p in ((self.pend2, pend) if self.pending2[g] else (pend,)):
+                    ev = _telemetry(g, f"d{int(p['ts'][g] / c.dt)}", float(p["ts"][g]), float(p["util"][g]),
+                                    total, int(p["used"][g]), int(p["rmem"][g]), float(p["ttft"][g]),
+                                    float(p["tpot"][g]), slo, float(p["rps"][g]), int(p["qd"][g]))
+                    view = decide(view, ev, pc).view
+                    self.decide_calls += 1
             ev = _telemetry(g, w, ts, util[g], total, used[g], rmem[g], lt[g], lp[g], slo, rps[g], qd[g])
             d = decide(view, ev, pc)
             self.decide_calls += 1
