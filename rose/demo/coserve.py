@@ -209,7 +209,7 @@ class CoServed:
                                        self.rng.integers(1, 256, n).tolist(), int(self.o_len[nxt])))
                 nxt += 1
                 arrivals_in_window += 1
-            while self.queue and self.engine.free_slots() > 0:
+            while self.queue and len(self.running) < self.engine.n_slots:
                 q = self.queue.popleft()
                 self.running[q.rid] = q
             if self.running:

@@ -68,6 +68,18 @@ class Observed:
 TOPICS = ("telemetry", "commands", "lease-state")
 
 
+def quiet_logger():
+    """librdkafka's own log lines go here: a broker restart must not spill reconnect errors over
+    the live view (the view and the report show what was missed instead)."""
+    import logging
+
+    log = logging.getLogger("rose.demo.librdkafka")
+    log.propagate = False
+    if not log.handlers:
+        log.addHandler(logging.NullHandler())
+    return log
+
+
 def _kind(kcfg, topic: str) -> str:
     for k in TOPICS:
         if topic == kcfg.topic(k):
@@ -143,7 +155,7 @@ class Collector:
         from rose.kafka import make_consumer, partitions_of
 
         k = self.cfg.kafka
-        consumer = make_consumer(k, f"{k.topic_prefix}demo-view", **{"fetch.wait.max.ms": 50})
+        consumer = make_consumer(k, f"{k.topic_prefix}demo-view", **{"fetch.wait.max.ms": 50, "logger": quiet_logger()})
         consumer.assign([TopicPartition(k.topic(t), p, OFFSET_BEGINNING)
                          for t in TOPICS for p in partitions_of(k, k.topic(t))])
         next_redis = 0.0
@@ -176,7 +188,7 @@ def read_final(cfg, job: str) -> Observed:
 
     obs = Observed()
     k = cfg.kafka
-    for m in read_all(k, [k.topic(t) for t in TOPICS], timeout_s=30):
+    for m in read_all(k, [k.topic(t) for t in TOPICS], timeout_s=30, logger=quiet_logger()):
         if m.error() is None:
             obs.ingest(_kind(k, m.topic()), m.value(), m.timestamp()[1])
     r = redis.Redis.from_url(cfg.redis.url)

@@ -204,7 +204,7 @@ class Demo:
         sims = ",".join(f"sim/{i}" for i in range(o.gpus))
         return {
             "coserve": [py, "-m", "rose.demo.coserve", "--spec", CoserveSpec(
-                trace=self.trace, gpu=self.real_gpu, speed=o.speed, device=self.real_device,
+                trace=self.trace, gpu=self.real_gpu, speed=1.0, device=self.real_device,
                 latency_dir=str(self.latency_dir)).to_json()],
             "agent": [py, "-m", "rose", "agent", "--simulate", self.trace, "--gpus", str(o.gpus), "--speed", str(o.speed)],
             "trainer": [py, "-m", "rose.demo.trainer", "--spec", TrainerSpec(
@@ -224,24 +224,40 @@ class Demo:
     def run(self) -> dict:
         """Run the demo and write the report; returns report.json's content."""
         from rose.stack import LocalStack
-        from rose.topics import create_topics
 
-        o = self.opts
         if not Path(self.trace).is_file():
             raise DemoError(f"--trace: {self.trace} does not exist (set ROSE_TRACES or pass --trace FILE)")
         stack = LocalStack.from_config(self.cfg)
-        stack_started = False
-        if self.cfg.kafka.bootstrap == stack.kafka_bootstrap and not all(stack.status().values()):
-            self.echo("starting the local stack (Kafka + Redis) ...")
-            stack.up()
-            stack_started = True
+        started: list[str] = []  # the stack's parts this run started (and stops at the end)
+        if self.cfg.kafka.bootstrap == stack.kafka_bootstrap:
+            before = stack.status()
+            if not all(before.values()):
+                self.echo("starting the local stack (Kafka + Redis) ...")
+                stack.up()
+                started = [name for name, up in before.items() if not up]
+        try:
+            return self._run_on_stack()
+        finally:
+            if "kafka" in started:
+                stack.kafka_down()
+            if "redis" in started:
+                stack.redis_down()
+
+    def _run_on_stack(self) -> dict:
+        from rose.kafka import wait_for_broker
+        from rose.topics import create_topics
+
         if os.path.isdir(self.report_dir / "logs"):
             shutil.rmtree(self.report_dir / "logs")
         procs = Processes(self.report_dir / "logs", self._env())
         collector = None
         interrupted = False
         try:
-            create_topics(self.cfg.kafka)
+            try:
+                wait_for_broker(self.cfg.kafka, timeout_s=60)
+                create_topics(self.cfg.kafka)
+            except Exception as e:  # noqa: BLE001 - KafkaException, TimeoutError: one line for the user
+                raise DemoError(f"Kafka at {self.cfg.kafka.bootstrap} is not answering: {e!r}") from None
             from rose.demo.observed import Collector
 
             collector = Collector(self.cfg, self.job).start()
@@ -257,19 +273,18 @@ class Demo:
                 self.timeline.setdefault("t0", time.time())
                 self.timeline.setdefault("t1", time.time())
                 self.timeline["t_end"] = time.time()
+            return self._report(interrupted, procs, collector)
         finally:
-            killed = procs.stop_all(["executor-sim", "executor-real", "dedicated", "trainer", "scheduler", "agent",
-                                     "coserve"], timeout_s=12.0)
-            if killed:
-                self.problems.append(f"killed after the SIGTERM deadline: {', '.join(killed)}")
-            if collector is not None:
-                collector.stop()
-        try:
-            return self._report(interrupted)
-        finally:
+            self._stop(procs, collector)
             self._cleanup()
-            if stack_started:
-                stack.down()
+
+    def _stop(self, procs: Processes, collector) -> None:
+        killed = procs.stop_all(["executor-sim", "executor-real", "dedicated", "trainer", "scheduler", "agent",
+                                 "coserve"], timeout_s=12.0)
+        if killed:
+            self.problems.append(f"killed after the SIGTERM deadline: {', '.join(killed)}")
+        if collector is not None:
+            collector.stop()
 
     def _wait_ready(self, procs: Processes, collector) -> None:
         import redis
@@ -366,7 +381,9 @@ class Demo:
         from rose.kafka import make_consumer, partitions_of
 
         k = self.cfg.kafka
-        c = make_consumer(k, f"{k.topic_prefix}rose-scheduler")
+        from rose.demo.observed import quiet_logger
+
+        c = make_consumer(k, f"{k.topic_prefix}rose-scheduler", logger=quiet_logger())
 
         def commit() -> None:
             ends = []
@@ -390,13 +407,31 @@ class Demo:
             c.close()
 
     # ---- the end -----------------------------------------------------------------------------
-    def _report(self, interrupted: bool) -> dict:
+    def _report(self, interrupted: bool, procs: Processes, collector) -> dict:
+        """Stop every process (so the executors' final lease states are in), then read and report."""
         import platform
+
+        from confluent_kafka import KafkaException
 
         from rose.demo import report
         from rose.demo.observed import read_final
 
-        obs = read_final(self.cfg, self.job)
+        self._stop(procs, collector)
+        live_obs = collector.obs if collector is not None else None
+
+        obs = None
+        for attempt in range(3):
+            try:
+                obs = read_final(self.cfg, self.job)
+                break
+            except (KafkaException, TimeoutError) as e:  # the broker restarting under us
+                err = e
+                time.sleep(5.0)
+        if obs is None:
+            if live_obs is None:
+                raise DemoError(f"cannot read the run's topics for the report: {err}")
+            self.problems.append(f"final read failed ({err}); the report uses what the live view collected")
+            obs = live_obs
         meta = {"run_id": self.run_id, "trace": Path(self.trace).name, "speed": self.opts.speed, "gpus": self.opts.gpus,
                 "real_gpu": self.real_gpu, "real_device": self.real_device, "duration_s": self.opts.duration_s,
                 "interrupted": interrupted, "problems": self.problems,
@@ -429,6 +464,8 @@ class Demo:
             keys = list(r.scan_iter(match=f"{self.cfg.redis.key_prefix}*", count=1000))
             for i in range(0, len(keys), 500):
                 r.delete(*keys[i:i + 500])
+        except redis.RedisError as e:
+            self.echo(f"[demo] could not delete the run's Redis keys ({self.cfg.redis.key_prefix}*): {e}")
         finally:
             r.close()
 

@@ -202,7 +202,7 @@ def markdown(rep: dict) -> str:
         f"Run `{rep['run_id']}` on {rep['host']['cpus']} CPU(s){' + CUDA' if rep['host']['cuda'] else ''}: "
         f"{tl['phase1_s']:.0f} s dedicated-only, then {tl['phase2_s']:.0f} s with leases. "
         f"Trace `{rep['trace']}` at {rep['speed']}× speed, {rep['gpus']} trace-driven GPUs + `{rep['real_gpu']}` "
-        f"(measured, device `{rep['real_device']}`).", "",
+        f"(measured, device `{rep['real_device']}`, serving the trace at its recorded rate).", "",
         "| figure | value |", "|---|---|",
         f"| serving SLO attainment (all GPUs, all windows) | {_f(slo['overall'], '', 4)} ({slo['windows']} windows) |",
         f"| … while a lease was active / not | {_f(slo['while_leased'], '', 4)} / {_f(slo['while_not_leased'], '', 4)} |",

@@ -183,7 +183,7 @@ class Trainer:
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
-        return {"loss": round(float(loss), 5), "reward_mean": round(sum(rewards) / B, 4), "batch": B,
+        return {"loss": round(float(loss.detach()), 5), "reward_mean": round(sum(rewards) / B, 4), "batch": B,
                 "staleness": staleness(batch, self.version), "step_ms": round((time.perf_counter() - t0) * 1000, 2),
                 "dedicated_frac": round(sum(1 for t in batch if t.get("dedicated")) / B, 3)}
 
