@@ -98,7 +98,7 @@ def worker_command(cfg: Config, start: lm.Start, flag_name: str, device: str, se
                       redis_url=cfg.redis.url, key_prefix=cfg.redis.key_prefix, job=cfg.executor.job,
                       model=cfg.executor.model, device=device, mem_bytes=start.mem_bytes,
                       compute_share=start.compute_share, pause_flag=flag_name, dedicated=False,
-                      nice=cfg.executor.worker_nice, seed=seed)
+                      nice=cfg.executor.worker_nice, seed=seed, weights=cfg.executor.worker_weights)
     argv = list(spec.to_argv())
     if argv and os.path.basename(argv[0]).startswith("python"):
         return argv
@@ -412,6 +412,12 @@ class Executor:
         if h is None:
             return
         h.flag.set(STOP)
+        try:
+            # a draining worker launches no more compute; at nice 19 on a busy host it would
+            # take seconds to get the CPU it needs to hand its episodes back and exit
+            os.setpriority(os.PRIO_PROCESS, h.proc.pid, 0)
+        except (PermissionError, ProcessLookupError, OSError):
+            pass  # lowering niceness needs CAP_SYS_NICE; draining still works, only slower
         try:
             h.proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:

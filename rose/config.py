@@ -128,6 +128,7 @@ class ExecutorConfig:
     model: str = "reference"  # the rollout policy the workers load
     metrics_port: int = 0  # Prometheus /metrics and /healthz; 0 = off
     worker: str = "rollout"  # rollout | placeholder (a `sleep` process: control-plane load and soak runs)
+    worker_weights: str = "static"  # static (seeded policy) | follow (apply the trainer's versions of `model`)
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ def read_partitions(kcfg: KafkaConfig, partitions: Sequence[tuple[str, int]], ti
         remaining: dict[tuple[str, int], int] = {}
         assign = []
         for t, p in partitions:
-            lo, hi = consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)
+            lo, hi = retrying(lambda: consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10), 30)
             if hi > lo:
                 remaining[(t, p)] = hi
                 assign.append(TopicPartition(t, p, lo))

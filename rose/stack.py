@@ -172,7 +172,7 @@ class LocalStack:
             if proc.poll() is not None:
                 tail = (self.root / "kafka.out").read_text(errors="replace")[-2000:]
                 raise StackError(f"Kafka exited with code {proc.returncode}; see {self.root}/kafka-server.log\n{tail}")
-            if self.kafka_alive():
+            if self.kafka_alive() and self._partitions_led():
                 return
             time.sleep(0.3)
         raise StackError(f"Kafka did not answer on {self.kafka_bootstrap} within {timeout_s}s; see {self.root}/kafka-server.log")
@@ -187,6 +187,18 @@ class LocalStack:
             return bool(md.brokers)
         except KafkaException:
             return False
+
+    def _partitions_led(self) -> bool:
+        """After a restart the broker answers before it leads its partitions again; clients
+        see NOT_LEADER until then. Ready means every partition has a leader."""
+        from confluent_kafka import KafkaException
+        from confluent_kafka.admin import AdminClient
+
+        try:
+            md = AdminClient({"bootstrap.servers": self.kafka_bootstrap, "log_level": 0}).list_topics(timeout=5)
+        except KafkaException:
+            return False
+        return all(p.leader >= 0 and p.error is None for t in md.topics.values() for p in t.partitions.values())
 
     def kafka_down(self, timeout_s: float = 30.0) -> bool:
         return self._stop("kafka", timeout_s)

@@ -440,11 +440,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: setattr(w, "stop_requested", True))
     signal.signal(signal.SIGINT, lambda *_: setattr(w, "stop_requested", True))
     try:
-        return w.run()
+        code = w.run()
     finally:
         if flag is not None:
             flag.close()
         r.close()
+    # Everything is drained and acknowledged in Redis: leave without the interpreter's and
+    # torch's teardown, which takes seconds for a low-priority process on a busy host and
+    # would hold the lease's memory past the revoke.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
