@@ -110,8 +110,9 @@ def test_decoder_rejects_exactly_what_the_schema_rejects(name, typ, data):
         target[path[-1]] = data.draw(BAD_VALUES)
     else:
         del target[path[-1]]
-    assume(cross_field_ok(d) if all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool)
-                                    for k in ("mem_used_bytes", "mem_total_bytes", "rollout_mem_bytes")) else True)
+    mem = ("mem_used_bytes", "mem_total_bytes", "rollout_mem_bytes")
+    if all(isinstance(d.get(k), (int, float)) and not isinstance(d.get(k), bool) for k in mem):
+        assume(cross_field_ok(d))  # the documented rules beyond JSON Schema
     schema_ok = jsonschema.Draft202012Validator(load(name)).is_valid(d)
     try:
         decode(orjson.dumps(d), typ)
