@@ -259,6 +259,7 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
     tc = cfg.telemetry
     period = max(MIN_PERIOD_S, opt.period_s or tc.period_s)
     names = prometheus.metric_names(tc.engine, tc.metrics)
+    keep = prometheus.all_names(names)
     n = len(nvml)
     gpus = [f"{opt.node}/{i}" for i in range(n)]
     urls = opt.metrics_urls if len(opt.metrics_urls) == n else [opt.metrics_urls[0]] * n
@@ -275,7 +276,7 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
         for url in dict.fromkeys(urls):
             try:
                 text = scrape(url, min(opt.scrape_timeout_s, period))
-                sc = prometheus.parse(text)
+                sc = prometheus.parse(text, keep)
             except (OSError, prometheus.ExpositionError) as e:
                 windows_by_url[url] = None
                 if time.monotonic() - last_warn > 5.0:

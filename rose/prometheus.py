@@ -17,7 +17,9 @@ Metric names per engine are configuration (`ENGINES`, overridable per role throu
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -61,6 +63,11 @@ def metric_names(engine: str = "auto", overrides: Mapping[str, str] | None = Non
     return names
 
 
+def all_names(names: Mapping[str, tuple[str, ...]]) -> frozenset[str]:
+    """Every metric name of a role mapping (the `keep` set for `parse`)."""
+    return frozenset(n for ns in names.values() for n in ns)
+
+
 @dataclass
 class Histogram:
     """Cumulative bucket counts by upper bound (+Inf last), summed over label sets."""
@@ -83,31 +90,19 @@ def _unescape(v: str) -> str:
     return v.replace("\\\\", "\x00").replace('\\"', '"').replace("\\n", "\n").replace("\x00", "\\")
 
 
+_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
+
+
 def _labels(text: str, lineno: int) -> dict[str, str]:
     out: dict[str, str] = {}
-    i, n = 0, len(text)
-    while i < n:
-        while i < n and text[i] in " ,":
-            i += 1
-        if i >= n:
-            break
-        eq = text.find("=", i)
-        if eq < 0 or eq + 1 >= n or text[eq + 1] != '"':
+    pos, n = 0, len(text.rstrip())
+    while pos < n:
+        m = _LABEL.match(text, pos)
+        if m is None:
             raise ExpositionError(f"line {lineno}: malformed labels {{{text}}}")
-        name = text[i:eq].strip()
-        j = eq + 2
-        buf = []
-        while j < n and text[j] != '"':
-            if text[j] == "\\" and j + 1 < n:
-                buf.append(text[j:j + 2])
-                j += 2
-            else:
-                buf.append(text[j])
-                j += 1
-        if j >= n:
-            raise ExpositionError(f"line {lineno}: unterminated label value in {{{text}}}")
-        out[name] = _unescape("".join(buf))
-        i = j + 1
+        v = m.group(2)
+        out[m.group(1)] = _unescape(v) if "\\" in v else v
+        pos = m.end()
     return out
 
 
@@ -118,8 +113,21 @@ def _number(raw: str, lineno: int) -> float:
         raise ExpositionError(f"line {lineno}: value {raw!r} is not a number") from None
 
 
-def parse(text: str) -> Scrape:
-    """Parse exposition text; ExpositionError names the first malformed line."""
+@functools.lru_cache(maxsize=4096)
+def _wanted_base(name: str, keep: frozenset[str]) -> bool:
+    if name in keep:
+        return True
+    for suffix in ("_bucket", "_count", "_sum"):
+        if name.endswith(suffix) and name[: -len(suffix)] in keep:
+            return True
+    return False
+
+
+def parse(text: str, keep: frozenset[str] | None = None) -> Scrape:
+    """Parse exposition text; ExpositionError names the first malformed line.
+
+    `keep` (a frozenset of names, e.g. `all_names(metric_names(...))`) skips every other series before its labels
+    are parsed: a serving engine's page has hundreds of samples and the agent needs five."""
     values: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -129,6 +137,8 @@ def parse(text: str) -> Scrape:
         brace = line.find("{")
         space = line.find(" ")
         if brace >= 0 and (space < 0 or brace < space):
+            if keep is not None and not _wanted_base(line[:brace], keep):
+                continue
             close = line.rfind("}")
             if close < brace:
                 raise ExpositionError(f"line {lineno}: unbalanced braces")
@@ -137,6 +147,8 @@ def parse(text: str) -> Scrape:
             if space < 0:
                 raise ExpositionError(f"line {lineno}: sample without a value")
             name, labels, rest = line[:space], None, line[space:]
+            if keep is not None and not _wanted_base(name, keep):
+                continue
         parts = rest.split()
         if not parts or len(parts) > 2:
             raise ExpositionError(f"line {lineno}: expected 'value [timestamp]' after {name}")

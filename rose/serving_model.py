@@ -319,7 +319,8 @@ class ServingSim:
         # TTFT p99 of the window's arrivals, per GPU (nearest rank)
         ttft = np.minimum(W + S_s, MAX_TTFT_S)[arr]
         g_arr = g_s[arr]
-        ttft_p99 = w_end + s_pf  # a request arriving at t1 waits this beyond its own prefill
+        idle_step = self.step_time(np.maximum(N, 1.0), C) * f
+        ttft_p99 = w_end + idle_step  # a request arriving at t1 waits this beyond its own prefill
         if ttft.size:
             o2 = np.lexsort((ttft, g_arr))
             cnt = np.bincount(g_arr, minlength=G)
@@ -361,7 +362,6 @@ class ServingSim:
         stall = s + np.minimum(eng.chunk_tokens, p_max) * pf
         stalled_frac = np.divide(n_pf_iters, k, out=np.zeros(G), where=k > 0)
         tpot = np.where(stalled_frac >= 1 - P99, stall, s)
-        idle_step = self.step_time(np.ones(G), C) * f
         tpot = np.where(N > 0, tpot, idle_step)
 
         # utilisation: prefill + time until the longest running request ends (+ rollout)

@@ -143,3 +143,11 @@ def test_scrape_a_local_http_server(metrics_server):
     b = prom.parse(scrape(url, 2.0))
     w = prom.window(b, a, 0.5, NAMES)
     assert w.ttft_p99_ms == pytest.approx(50 + 50 * 99 / 100) and w.rps == pytest.approx(40.0)
+
+
+def test_keep_skips_other_series_with_the_same_result():
+    text = "other_metric{x=\"1\"} 5\n" + vllm_text([0, 3] + [0] * 7, [0] * 9, 2)
+    full, kept = prom.parse(text), prom.parse(text, prom.all_names(NAMES))
+    assert "other_metric" in full.values and "other_metric" not in kept.values
+    assert kept.histograms["vllm:time_to_first_token_seconds"] == full.histograms["vllm:time_to_first_token_seconds"]
+    assert kept.values["vllm:num_requests_waiting"] == 3
