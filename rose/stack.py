@@ -262,13 +262,42 @@ class LocalStack:
     def status(self) -> dict[str, bool]:
         return {"kafka": self.kafka_alive(), "redis": self.redis_alive()}
 
+    def _adopt(self, name: str) -> int | None:
+        """The pid of this stack's `name` when its pid file is gone or stale (two `up`s raced
+        and the loser's pid was written last; a stop removed it): the process listening on
+        the stack's port, if it runs from this stack's directory (Kafka: its server.properties
+        is under the root; Redis: its working directory is root/redis)."""
+        import psutil
+
+        port = self.scfg.kafka_port if name == "kafka" else self.scfg.redis_port
+        try:
+            conns = psutil.net_connections(kind="tcp")
+        except psutil.AccessDenied:
+            return None
+        for c in conns:
+            if c.status != psutil.CONN_LISTEN or not c.laddr or c.laddr.port != port or not c.pid:
+                continue
+            try:
+                p = psutil.Process(c.pid)
+                ours = (any(str(self.root) in a for a in p.cmdline()) if name == "kafka"
+                        else Path(p.cwd()) == self.root / "redis")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if ours:
+                return c.pid
+        return None
+
     def _stop(self, name: str, timeout_s: float) -> bool:
         """Stop a process this stack started; False if there was none."""
         pf = self._pidfile(name)
         try:
             pid = int(pf.read_text())
+            os.kill(pid, 0)
         except (OSError, ValueError):
-            return False
+            pid = self._adopt(name)
+            if pid is None:
+                pf.unlink(missing_ok=True)
+                return False
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -281,11 +310,22 @@ class LocalStack:
             except ProcessLookupError:
                 break
             _reap(pid)
+            if _exited(pid):  # an adopted process: its parent reaps it, or nobody does
+                break
             time.sleep(0.1)
         else:
             os.kill(pid, signal.SIGKILL)
             _reap(pid)
         pf.unlink(missing_ok=True)
+        return True
+
+
+def _exited(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
 
 
