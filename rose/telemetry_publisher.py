@@ -20,10 +20,16 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from rose import metrics
 from rose.config import KafkaConfig
 from rose.logs import get_logger
 
 Headers = list[tuple[str, bytes]]
+
+
+SENT = metrics.gauge("rose_agent_events_sent", "Telemetry events delivered or in flight to Kafka")
+DROPPED = metrics.counter("rose_agent_events_dropped_total", "Telemetry events dropped (buffer full, oldest first)")
+BUFFERED = metrics.gauge("rose_agent_events_buffered", "Telemetry events waiting for Kafka")
 
 
 class TelemetryPublisher:
@@ -92,6 +98,7 @@ class TelemetryPublisher:
         room = buf.maxlen - len(buf)
         if len(items) > room:
             self.dropped += len(items) - room
+            DROPPED.inc(len(items) - room)
         buf.extend((v, k, headers, ts_ms) for v, k in items)
         self.tick()
 
@@ -109,6 +116,8 @@ class TelemetryPublisher:
         except BufferError:
             self._maybe_log("kafka unreachable or slow; buffering telemetry")
         self.producer.poll(0)
+        BUFFERED.set(len(buf))
+        SENT.set(self.sent)
         if self.dropped + self.failed > self._dropped_logged:
             self._dropped_logged = self.dropped + self.failed
             self._maybe_log("telemetry dropped")

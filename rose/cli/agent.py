@@ -25,6 +25,8 @@ def register(app: typer.Typer) -> None:
                                               help="Serving engine Prometheus URL; once per GPU, or once for all."),
         rollout_pids: Optional[str] = typer.Option(None, "--rollout-pids", metavar="FILE",
                                                    help="File listing rollout process PIDs (one a line)."),
+        metrics_port: Optional[int] = typer.Option(None, "--metrics-port",
+                                                   help="Serve /metrics and /healthz on this port."),
     ) -> None:
         """Publish one rose.telemetry.v1 per GPU per period until the run ends or SIGTERM."""
         import signal
@@ -61,6 +63,10 @@ def register(app: typer.Typer) -> None:
 
         setup_logging()
         setup_tracing(cfg.tracing, service="rose-agent")
+        if metrics_port is not None:
+            from rose import metrics
+
+            metrics.serve(metrics_port, health=lambda: not stopping["flag"])
 
         if nvml:
             from rose.nvml import Nvml, NvmlUnavailable
