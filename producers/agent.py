@@ -155,6 +155,18 @@ def _span_headers(name: str, **attrs):
         return inject_headers()
 
 
+def feed_guard(directory: str, gpus: list[str], ts: float, ttft_ms, tpot_ms, slo: tuple[float, float]) -> None:
+    """Hand each GPU's newest p99 to the executor's local guard (a file in shared memory per
+    GPU, no broker on the path), so a latency collapse pauses rollout before Kafka carries
+    the revoke."""
+    from rose.events import Latency
+    from rose.guard import LatencySample, write_latency
+
+    slo_l = Latency(*slo)
+    for g, a, b in zip(gpus, ttft_ms, tpot_ms):
+        write_latency(directory, g, LatencySample(ts, Latency(float(a), float(b)), slo_l))
+
+
 # ---- the simulated agent -----------------------------------------------------------------
 @dataclass
 class SimOptions:
@@ -167,6 +179,7 @@ class SimOptions:
     node: str = "sim"
     seed: int = 0
     pace: bool = True  # False: as fast as possible (bench, tests of the encoding)
+    guard_dir: str | None = None  # also feed each window's p99 to the executor's local guard here
 
 
 def run_simulated(cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambda: False,
@@ -222,6 +235,8 @@ def run_simulated(cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambd
                 rollout_mem=s.rollout_mem_bytes.tolist(), ttft_ms=s.ttft_p99_ms.tolist(),
                 tpot_ms=s.tpot_p99_ms.tolist(), rps=s.rps.tolist(), queue=s.queue_depth.tolist())
             pub.publish(recs, _span_headers("telemetry.window", gpus=len(gpus), window=w), ts_ms=int(ts * 1000))
+            if opt.guard_dir:
+                feed_guard(opt.guard_dir, gpus, ts, s.ttft_p99_ms, s.tpot_p99_ms, slo)
             windows_done += 1
             if time.monotonic() - last_health >= 10.0:
                 last_health = time.monotonic()

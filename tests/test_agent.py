@@ -158,3 +158,15 @@ def test_active_lease_adds_interference_and_revoke_restores(cfg, traces_dir):
         assert l0[i]["rollout_mem_bytes"] == 0
     b1 = [e["latency_ms"] for e in base.events if e["gpu"] == "sim/1"]
     assert b1 == [e["latency_ms"] for e in lent.events if e["gpu"] == "sim/1"]  # other GPU untouched
+
+
+def test_simulated_agent_feeds_the_local_guard(tmp_path, traces_dir):
+    """`--feed-guard`: each window's p99 lands where the executor's guard reads it."""
+    from producers.agent import feed_guard
+    from rose.guard import FileLatencySource
+
+    feed_guard(str(tmp_path), ["sim/0", "sim/1"], 1000.0, [120.0, 900.0], [10.0, 95.0], (1000.0, 100.0))
+    src = FileLatencySource(tmp_path)
+    a, b = src("sim/0"), src("sim/1")
+    assert a.latency_ms.ttft_p99 == 120.0 and a.headroom > 0.8
+    assert b.headroom < 0.1  # the guard would trip on sim/1

@@ -27,6 +27,9 @@ def register(app: typer.Typer) -> None:
                                                    help="File listing rollout process PIDs (one a line)."),
         metrics_port: Optional[int] = typer.Option(None, "--metrics-port",
                                                    help="Serve /metrics and /healthz on this port."),
+        feed_guard: bool = typer.Option(False, "--feed-guard",
+                                        help="Also write each window's p99 for the executor's local guard "
+                                             "(executor.latency_dir; simulated)."),
     ) -> None:
         """Publish one rose.telemetry.v1 per GPU per period until the run ends or SIGTERM."""
         import signal
@@ -88,6 +91,8 @@ def register(app: typer.Typer) -> None:
             from producers.agent import NvmlOptions, run_nvml
             from rose.telemetry_publisher import TelemetryPublisher
 
+            from rose.guard import default_latency_dir
+
             pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
                                      linger_ms=cfg.telemetry.linger_ms)
             try:
@@ -110,10 +115,13 @@ def register(app: typer.Typer) -> None:
                 fail(str(e))
             except ValueError as e:
                 fail(f"--model-size/--gpu-type: {e}")
+            from rose.guard import default_latency_dir
+
             pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
                                      linger_ms=cfg.telemetry.linger_ms)
             opt = SimOptions(trace=simulate, gpus=gpus, duration_s=duration, speed=speed, model_size=model_size,
-                             gpu_type=gpu_type, node=node or "sim", seed=seed, pace=not no_pace)
+                             gpu_type=gpu_type, node=node or "sim", seed=seed, pace=not no_pace,
+                             guard_dir=(cfg.executor.latency_dir or str(default_latency_dir())) if feed_guard else None)
             try:
                 summary = run_simulated(cfg, opt, stop, publisher=pub)
             finally:
