@@ -1,8 +1,10 @@
 """The file `rose weights diff` writes and `rose weights patch` reads.
 
-`ROSEDLT1`, a little-endian u64 header length, a JSON header (layout, checksums of the
-whole base and target, the target's file format and metadata, and per shard: id, kind,
-codec, payload offset and size, checksum), then the shard payloads back to back.
+`ROSEDLT2`, a little-endian u64 header length, a JSON header (layout, checksums of the
+whole base and target, the checksum algorithm, the target's file format and metadata, and
+per shard: id, kind, codec, payload offset and size, checksum), then the shard payloads
+back to back. The digit in the magic is the wire format (`codec.FORMAT`); files of another
+format (`ROSEDLT1`: blake2b checksums) are refused with that reason.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from pathlib import Path
 
 import orjson
 
-from rose.weights.codec import ShardPatch
+from rose.weights.codec import CHECKSUM, FORMAT, ShardPatch
 from rose.weights.layout import Layout, layout_from_json
 
-MAGIC = b"ROSEDLT1"
+_PREFIX = b"ROSEDLT"
+MAGIC = _PREFIX + b"%d" % FORMAT
 
 
 class DeltaFileError(ValueError):
@@ -46,6 +49,7 @@ def write(path: str | Path, delta: DeltaFile) -> int:
             "target": delta.target_checksum,
             "format": delta.format,
             "metadata": delta.metadata,
+            "checksum": CHECKSUM,
             "shards": shards,
         }
     )
@@ -58,8 +62,12 @@ def write(path: str | Path, delta: DeltaFile) -> int:
 
 def read(path: str | Path) -> DeltaFile:
     data = Path(path).read_bytes()
-    if data[:8] != MAGIC or len(data) < 16:
+    if data[:7] != _PREFIX or len(data) < 16:
         raise DeltaFileError(f"{path}: not a ROSE weights delta file")
+    if data[:8] != MAGIC:
+        fmt = data[7:8].decode(errors="replace")
+        raise DeltaFileError(f"{path}: delta file format {fmt} is not supported (this release reads format {FORMAT}, "
+                             f"{CHECKSUM} checksums); recreate it with `rose weights diff`")
     (hlen,) = struct.unpack_from("<Q", data, 8)
     try:
         h = orjson.loads(data[16 : 16 + hlen])

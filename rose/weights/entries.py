@@ -1,11 +1,14 @@
 """The Redis stream entry of the weight stream (CONTRACT §4), and its HMAC.
 
 Fields (all bytes): seq, version, kind (full | delta | commit), shard, part, parts, codec,
-raw (bytes of the whole shard), size (bytes of this part's payload), sum (hex blake2b-16 of
+raw (bytes of the whole shard), size (bytes of this part's payload), sum (hex checksum of
 the shard after applying), layout (layout digest), vstart (seq of the version's first
-entry), epoch (the publisher lineage), payload, optionally layout_json (the first entry of a
+entry), epoch (the publisher lineage), format (the wire format, `codec.FORMAT`: it fixes the
+checksum algorithm; absent means 1), payload, optionally layout_json (the first entry of a
 keyframe version) and sig (hex HMAC-SHA256 over every other field, length-prefixed, sorted).
 The stream entry id is `0-{seq}`, so Redis itself refuses a second entry with the same seq.
+An entry of a format this reader does not know is refused (`UnsupportedFormat`), never
+applied: its checksums would not verify and would look like divergence.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
+
+from rose.weights.codec import CHECKSUM, FORMAT
 
 KINDS = ("full", "delta", "commit")
 _INT_FIELDS = ("seq", "version", "shard", "part", "parts", "raw", "size", "vstart")
@@ -25,6 +30,17 @@ class InvalidEntry(ValueError):
     def __init__(self, reason: str, refused: bool = False):
         super().__init__(reason)
         self.refused = refused
+
+
+class UnsupportedFormat(InvalidEntry):
+    """An entry written in a wire format this reader does not know (another release)."""
+
+    def __init__(self, fmt: str):
+        super().__init__(
+            f"entry wire format {fmt!r} is not supported: this reader knows format {FORMAT} ({CHECKSUM} "
+            "checksums); run the publisher and followers at the same release"
+        )
+        self.format = fmt
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,7 @@ class Entry:
     epoch: str
     payload: bytes
     layout_json: bytes = b""
+    format: int = FORMAT
 
     @property
     def stream_id(self) -> str:
@@ -66,7 +83,7 @@ def to_fields(e: Entry, key: bytes = b"") -> dict[bytes, bytes]:
         b"shard": b"%d" % e.shard, b"part": b"%d" % e.part, b"parts": b"%d" % e.parts,
         b"codec": e.codec.encode(), b"raw": b"%d" % e.raw, b"size": b"%d" % len(e.payload),
         b"sum": e.checksum.encode(), b"layout": e.layout.encode(), b"vstart": b"%d" % e.vstart,
-        b"epoch": e.epoch.encode(), b"payload": e.payload,
+        b"epoch": e.epoch.encode(), b"format": b"%d" % e.format, b"payload": e.payload,
     }
     if e.layout_json:
         f[b"layout_json"] = e.layout_json
@@ -84,6 +101,9 @@ def from_fields(fields: dict, key: bytes = b"") -> Entry:
             raise InvalidEntry("unsigned entry", refused=True)
         if not hmac.compare_digest(sig, signature(f, key).encode()):
             raise InvalidEntry("wrong signature", refused=True)
+    fmt = f.get(b"format", b"1")
+    if fmt != b"%d" % FORMAT:
+        raise UnsupportedFormat(fmt.decode(errors="replace"))
     try:
         ints = {n: int(f[n.encode()]) for n in _INT_FIELDS}
         kind = f[b"kind"].decode()

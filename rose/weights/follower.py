@@ -11,7 +11,8 @@
   never sees a half-updated policy; after a resync, versions older than the visible one are
   rebuilt silently and not shown.
 - With an HMAC key, unsigned or wrongly signed entries are refused (logged and counted) and
-  never applied.
+  never applied. So are entries of a wire format this release does not know (counted in
+  `unsupported`, logged once per format with the reason).
 
 Exactly once across restarts: the applied seq is part of the committed snapshot
 (version, seq, epoch, state) and a `FileStateStore` writes all of it in one file that
@@ -34,7 +35,7 @@ import orjson
 from rose.config import RedisConfig
 from rose.logs import get_logger
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
-from rose.weights.entries import Entry, InvalidEntry, from_fields
+from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json
 from rose.weights.stream import meta_key
 
@@ -58,6 +59,7 @@ class ReceiverStats:
     checksum_errors: int = 0
     refused: int = 0
     invalid: int = 0
+    unsupported: int = 0  # entries of an unknown wire format (another release of the publisher)
     resyncs: int = 0
     applied_versions: list[int] = field(default_factory=list)  # versions made visible, in order
 
@@ -77,6 +79,7 @@ class Receiver:
         self.epoch = ""
         self.last_seq = 0
         self.needs_resync = True  # nothing yet: start from a keyframe
+        self._formats_seen: set[str] = set()
         self._reset_staging()
 
     # -- restore / read -----------------------------------------------------------------
@@ -111,6 +114,12 @@ class Receiver:
         """Take one stream entry (its field dict); returns a version that just became visible."""
         try:
             e = from_fields(fields, self.key)
+        except UnsupportedFormat as err:
+            self.stats.unsupported += 1
+            if err.format not in self._formats_seen:
+                self._formats_seen.add(err.format)
+                self.log.error("weights_entry_unsupported_format", reason=str(err), format=err.format)
+            return None
         except InvalidEntry as err:
             if err.refused:
                 self.stats.refused += 1
