@@ -140,6 +140,7 @@ class StackConfig:
     kafka_port: int = 9092
     controller_port: int = 9093
     sasl_port: int = 9094  # SASL_PLAINTEXT listener with SCRAM-SHA-256/512
+    tls_port: int = 9095  # SSL listener (throw-away local CA under data_dir/tls)
     redis_port: int = 6379
     kafka_heap: str = "512m"
 

@@ -79,9 +79,42 @@ class LocalStack:
             raise StackError(f"mvn could not fetch Kafka {self.scfg.kafka_version}: {r.stdout[-2000:]}{r.stderr[-2000:]}")
         tmp.rename(self.libs)
 
+    @property
+    def tls_dir(self) -> Path:
+        return self.root / "tls"
+
+    def ensure_tls(self) -> bool:
+        """A throw-away CA and a server certificate for 127.0.0.1/localhost (openssl), for the
+        TLS listener that tests secured client configs; False (no TLS listener) without openssl."""
+        d = self.tls_dir
+        if (d / "server.pem").exists() and (d / "ca.pem").exists():
+            return True
+        if not shutil.which("openssl"):
+            return False
+        d.mkdir(parents=True, exist_ok=True)
+        ext = d / "san.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        steps = [
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=rose-local-ca",
+             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem")],
+            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
+             "-keyout", str(d / "server.key"), "-out", str(d / "server.csr")],
+            ["openssl", "x509", "-req", "-in", str(d / "server.csr"), "-CA", str(d / "ca.pem"), "-CAkey",
+             str(d / "ca.key"), "-CAcreateserial", "-days", "3650", "-extfile", str(ext), "-out", str(d / "server.crt")],
+        ]
+        for cmd in steps:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise StackError(f"openssl failed making the local TLS certificate: {r.stderr[-500:]}")
+        # Kafka's PEM keystore: the PKCS#8 private key followed by the certificate chain
+        (d / "server.pem").write_text((d / "server.key").read_text() + (d / "server.crt").read_text()
+                                      + (d / "ca.pem").read_text())
+        return True
+
     def server_properties(self) -> dict[str, str]:
         s = self.scfg
-        return {
+        tls = self.ensure_tls()
+        props = {
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{s.controller_port}",
@@ -116,6 +149,14 @@ class LocalStack:
             "log.cleaner.dedupe.buffer.size": str(16 << 20),
             "log.retention.hours": "24",
         }
+        if tls:
+            props["listeners"] += f",SSL://127.0.0.1:{s.tls_port}"
+            props["advertised.listeners"] += f",SSL://127.0.0.1:{s.tls_port}"
+            props["listener.security.protocol.map"] += ",SSL:SSL"
+            props["listener.name.ssl.ssl.keystore.type"] = "PEM"
+            props["listener.name.ssl.ssl.keystore.location"] = str(self.tls_dir / "server.pem")
+            props["listener.name.ssl.ssl.client.auth"] = "none"
+        return props
 
     def _write_config(self) -> Path:
         props = self.root / "server.properties"

@@ -75,3 +75,46 @@ def test_wrong_scram_password_is_refused(cfg, stack):
             break
         admin.poll(0.5)  # error callbacks are served on poll
     assert any("SASL" in str(e) or "uthentication" in str(e) for e in errors), errors
+
+
+def _tls(cfg, stack, env_extra):
+    loaded = load_config(env={"ROSE_KAFKA_BOOTSTRAP": f"127.0.0.1:{stack.scfg.tls_port}",
+                              "ROSE_LIBRDKAFKA__SECURITY_PROTOCOL": "SSL", **env_extra})
+    return dataclasses.replace(cfg, kafka=dataclasses.replace(
+        cfg.kafka, bootstrap=loaded.kafka.bootstrap, librdkafka=loaded.kafka.librdkafka))
+
+
+def test_tls_client_verifies_the_broker_and_round_trips(cfg, stack):
+    secured = _tls(cfg, stack, {"ROSE_LIBRDKAFKA__SSL_CA_LOCATION": str(stack.tls_dir / "ca.pem")})
+    assert secured.kafka.librdkafka["ssl.ca.location"].endswith("ca.pem")
+    p = make_producer(secured.kafka)
+    produce(p, secured.kafka.commands_topic, b'{"tls": true}', "g")
+    assert p.flush(20) == 0
+    c = make_consumer(secured.kafka, "tls-test")
+    c.subscribe([secured.kafka.commands_topic])
+    got = None
+    deadline = time.monotonic() + 20
+    while got is None and time.monotonic() < deadline:
+        m = c.poll(0.5)
+        if m is not None and not m.error():
+            got = m.value()
+    c.close()
+    assert got == b'{"tls": true}'
+
+
+def test_tls_client_refuses_a_broker_it_cannot_verify(cfg, stack, tmp_path):
+    import subprocess
+
+    other = tmp_path / "other-ca.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=other",
+                    "-keyout", str(tmp_path / "k"), "-out", str(other)], check=True, capture_output=True)
+    secured = _tls(cfg, stack, {"ROSE_LIBRDKAFKA__SSL_CA_LOCATION": str(other)})
+    errors = []
+    admin = make_admin(secured.kafka, error_cb=lambda e: errors.append(e))
+    with pytest.raises(KafkaException):
+        admin.list_topics(timeout=5)
+    for _ in range(10):
+        if errors:
+            break
+        admin.poll(0.5)
+    assert any("SSL" in str(e) or "certificate" in str(e) for e in errors), errors
