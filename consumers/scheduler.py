@@ -100,7 +100,6 @@ class Scheduler:
         self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
         self.producer: Producer = make_producer(
             self.k, **{"transactional.id": f"{self.k.topic_prefix}scheduler-{instance}",
-                       "message.max.bytes": (16 << 20) + (64 << 10),  # hostile 10 MB values still reach the dlq
                        "transaction.timeout.ms": 10000, "linger.ms": 1})
         self.consumer: Consumer = make_consumer(
             self.k, f"{self.k.topic_prefix}{group}",

@@ -20,6 +20,8 @@ from rose.events import Event
 
 Headers = list[tuple[str, bytes]]
 
+MAX_RECORD_BYTES = 16 << 20  # max.message.bytes of ROSE's topics (rose.topics) and the local broker
+
 # Latency-first producer defaults for control messages; every one can be overridden.
 LOW_LATENCY = {"linger.ms": 2, "batch.num.messages": 10000}
 
@@ -39,7 +41,9 @@ def make_producer(kcfg: KafkaConfig, **overrides) -> Producer:
     """An idempotent producer (acks=all, ordered per partition) with low-latency batching.
     Keys are partitioned with murmur2 (the Java client's default, not librdkafka's CRC32) so
     that a consumer can compute which partition holds a key: see `partition_for`."""
-    conf = {"enable.idempotence": True, "partitioner": "murmur2_random", **LOW_LATENCY}
+    conf = {"enable.idempotence": True, "partitioner": "murmur2_random",
+            # what a consumer could not decode goes to the dlq whole, up to the topics' limit
+            "message.max.bytes": MAX_RECORD_BYTES + (64 << 10), **LOW_LATENCY}
     conf.update(client_conf(kcfg, **overrides))
     return Producer(conf)
 

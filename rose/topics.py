@@ -6,11 +6,11 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
 
 from rose.config import KafkaConfig
-from rose.kafka import make_admin
+from rose.kafka import MAX_RECORD_BYTES, make_admin
 
 # Compaction keeps the newest lease state per GPU forever: the scheduler's rebuild source.
 COMPACTED = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": "600000"}
-LARGE = {"max.message.bytes": str(16 << 20)}
+LARGE = {"max.message.bytes": str(MAX_RECORD_BYTES)}
 
 
 def topic_specs(kcfg: KafkaConfig) -> dict[str, dict[str, str]]:
