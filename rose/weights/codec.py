@@ -13,9 +13,12 @@ tampering), so it is a fast non-cryptographic hash: xxh3 runs at memory speed wh
 took a third of the encode time. `FORMAT` names this choice on the wire (entries, delta
 files); readers refuse formats they do not know.
 
-Speed: the comparison runs over 8-byte words (one pass, the only one over the whole shard),
-and only the changed words are refined into units; the sender's view is updated by
-scattering those words, not by copying the shard.
+Speed: a shard is read once, in L2-sized blocks: compare 8-byte words, refine only the
+changed words into units, update the sender's view and feed the checksum while the block is
+in cache (`_scan`); the receiver scatters and checksums block by block the same way. Whole-
+shard steps instead stream the shard from memory once per step and fault in MB-sized
+temporaries each time (costly on this VM). What is left is numpy's per-element cost on the
+compact arrays (gathers, refinement, varints) and zstd: about 1 GB/s per core here.
 """
 
 from __future__ import annotations
