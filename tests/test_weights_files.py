@@ -59,6 +59,7 @@ def test_torch_round_trip_is_bit_exact(tmp_path):
     assert runner.invoke(app, ["weights", "patch", str(tmp_path / "base.pt"), str(tmp_path / "d"),
                                "--out", str(tmp_path / "out.pt")]).exit_code == 0
     assert _same(torch.load(tmp_path / "out.pt", weights_only=True), target)
+    assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "target.bin").read_bytes()
     # and across formats: a torch base patched into safetensors output
     assert runner.invoke(app, ["weights", "patch", str(tmp_path / "base.pt"), str(tmp_path / "d"),
                                "--out", str(tmp_path / "out.safetensors")]).exit_code == 0

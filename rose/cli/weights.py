@@ -117,7 +117,7 @@ def patch(
     if codec.checksum(flat) != d.target_checksum:
         fail(f"{delta}: result differs from the target (corrupt delta)")
     fmt = _out_format(out)
-    save(out, layout, flat, fmt, d.metadata if fmt == "safetensors" and d.format == "safetensors" else None)
+    save(out, layout, flat, fmt, d.metadata if fmt == d.format else None)
 
 
 @weights_app.command("publish")

@@ -122,7 +122,20 @@ def load(path: str | os.PathLike) -> Checkpoint:
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"{path}: expected a flat mapping of name -> tensor")
     specs, arrays = from_state_dict(obj)
-    return Checkpoint(specs, arrays, "torch")
+    return Checkpoint(specs, arrays, "torch", _torch_container(path, list(obj)))
+
+
+def _torch_container(path: Path, keys: list[str]) -> dict[str, str]:
+    """What a torch file's bytes depend on beyond its tensors: the zip's archive folder (torch
+    names it after the file it saved to) and the mapping's key order (pickled in order).
+    Carried in deltas so that `patch` rewrites the target byte for byte."""
+    import zipfile
+
+    try:
+        first = zipfile.ZipFile(path).namelist()[0]
+    except (zipfile.BadZipFile, IndexError):
+        return {"torch.keys": json.dumps(keys)}
+    return {"torch.archive": first.split("/", 1)[0], "torch.keys": json.dumps(keys)}
 
 
 def save(path: str | os.PathLike, layout: Layout, flat: np.ndarray, fmt: str, metadata: Mapping[str, str] | None = None) -> None:
@@ -135,10 +148,25 @@ def save(path: str | os.PathLike, layout: Layout, flat: np.ndarray, fmt: str, me
 
         save_file(tensors, str(tmp), metadata=dict(metadata) if metadata else None)
     else:
+        import tempfile
+
         import torch
 
-        with open(tmp, "wb") as fh:  # a file object: the archive name does not depend on the path
-            torch.save(tensors, fh)
+        meta = metadata or {}
+        if "torch.keys" in meta:
+            order = json.loads(meta["torch.keys"])
+            if sorted(order) == sorted(tensors):
+                tensors = {k: tensors[k] for k in order}
+        archive = meta.get("torch.archive")
+        if archive and archive.replace("_", "").replace("-", "").replace(".", "").isalnum():
+            # torch.save names the zip's folder after the file's stem: save under that name
+            with tempfile.TemporaryDirectory(dir=path.parent) as d:
+                named = Path(d) / f"{archive}.pt"
+                torch.save(tensors, named)
+                os.replace(named, tmp)
+        else:
+            with open(tmp, "wb") as fh:  # a file object: the archive is named "archive"
+                torch.save(tensors, fh)
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
