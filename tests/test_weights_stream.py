@@ -189,3 +189,31 @@ def test_follower_killed_at_random_points_ends_bit_identical(redis_client, cfg, 
     assert kills >= 2
     assert snap.version == n and np.array_equal(snap.flat, vs[-1][1])
     assert applied == list(range(1, n + 1))  # every version applied once, none twice
+
+
+def test_follow_waits_while_redis_loads_its_data(redis_client, cfg):
+    """After a restart Redis answers LOADING (BusyLoadingError) while it replays its
+    append-only file; `follow` waits it out as it does a refused connection."""
+    import redis
+
+    vs = _versions(2, seed=6)
+    pub = _publisher(redis_client, cfg)
+    for state, _ in vs:
+        pub.publish(state)
+
+    class Loading:
+        def __init__(self, r):
+            self.r, self.calls = r, 0
+
+        def __getattr__(self, name):
+            return getattr(self.r, name)
+
+        def xread(self, *a, **kw):
+            self.calls += 1
+            if self.calls <= 2:
+                raise redis.BusyLoadingError("Redis is loading the dataset in memory")
+            return self.r.xread(*a, **kw)
+
+    f = WeightFollower(Loading(redis_client), cfg.redis, "m")
+    f.follow(until_version=2, block_ms=100)
+    assert f.receiver.visible().version == 2 and np.array_equal(f.receiver.visible().flat, vs[-1][1])

@@ -316,13 +316,15 @@ class WeightFollower:
 
     def follow(self, until_version: int | None = None, idle_s: float | None = None, block_ms: int = 1000) -> None:
         """Poll until `until_version` is visible, or nothing arrived for `idle_s` seconds."""
+        import redis
+
         last = time.monotonic()
         while True:
             try:
                 v = self.poll(block_ms)
-            except Exception as e:  # redis.ConnectionError and friends: Redis restarts
-                if "Connection" not in type(e).__name__ and "Timeout" not in type(e).__name__:
-                    raise
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # Redis restarts: refused connections, then LOADING (BusyLoadingError) while it
+                # replays its append-only file
                 self.log.warning("weights_redis_unavailable", error=str(e))
                 time.sleep(0.5)
                 continue

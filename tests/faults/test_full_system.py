@@ -337,6 +337,9 @@ class System:
         wait_for(lambda: self.r.hlen(self.queue.done_key) >= len(self.submitted), drain_s,
                  f"tasks not all done ({self.r.hlen(self.queue.done_key)}/{len(self.submitted)})", every=1)
         wait_for(lambda: not self.procs["follower"].alive(), 60, "the follower did not reach the last version")
+        fol = self.procs["follower"]
+        assert fol.proc.returncode == 0, \
+            f"the follower exited {fol.proc.returncode}: {(self.logs / f'follower.{fol.starts}.log').read_text()[-800:]}"
         self._stopping.set()
         time.sleep(0.6)
         codes = {}
@@ -496,3 +499,40 @@ def test_redis_restart_under_load(cfg, stack, tmp_path):
     trajectory is lost or duplicated. Counted: outage seconds, process (re)starts and the
     audit's counts."""
     run_with_outage("redis", cfg, stack, tmp_path, outages=1, duration_s=30)
+
+
+def test_stack_stops_its_process_without_a_pid_file(tmp_path):
+    """The outage tests need `kafka_down`/`redis_down` to stop the running service even when
+    its pid file is gone or names a dead process (two `up`s raced): the stack adopts the
+    process listening on its port if it runs from the stack's directory, and only that one."""
+    import dataclasses
+    import socket
+
+    from rose.config import StackConfig
+    from rose.stack import LocalStack
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "redis").mkdir()
+    listen = [sys.executable, "-c", "import socket,time\ns=socket.socket();s.bind(('127.0.0.1',%d));s.listen();"
+              "time.sleep(60)" % port]
+    st = LocalStack(dataclasses.replace(StackConfig(), data_dir=str(tmp_path), redis_port=port), "", "")
+    other = subprocess.Popen(listen, cwd=tmp_path)  # on the port, but not from the stack's redis dir
+    try:
+        wait_for(lambda: st._adopt("redis") is None and psutil.Process(other.pid).connections(), 10, "listening")
+        assert st.redis_down() is False and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+    ours = subprocess.Popen(listen, cwd=tmp_path / "redis")
+    try:
+        wait_for(lambda: st._adopt("redis") == ours.pid, 10, "adopted")
+        (tmp_path / "redis.pid").write_text("999999999")  # stale
+        assert st.redis_down() is True
+        ours.wait(5)  # (the stack reaped it: its exit status is gone)
+        assert not psutil.pid_exists(ours.pid) and not (tmp_path / "redis.pid").exists()
+    finally:
+        if ours.poll() is None:
+            ours.kill()
+            ours.wait()
