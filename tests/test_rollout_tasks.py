@@ -280,3 +280,30 @@ def test_spec_round_trips_through_argv():
     argv = s.to_argv()
     assert argv[1:4] == ["-m", "rose.rollout.worker", "--spec"]
     assert WorkerSpec.from_json(argv[4]) == s
+
+
+@pytest.mark.stack
+def test_worker_survives_a_redis_restart(cfg, redis_client, queue, stack):
+    """Fault: Redis stops and restarts while a worker is mid-episode. Expectation: the worker
+    waits and goes on (no exit), and every task still finishes exactly once."""
+    for t in tasks(8, turns=4, tool_s=0.1, prefix="rr"):
+        queue.submit(t)
+    p = start(spec(cfg, "w-rr", max_episodes=8))
+    try:
+        wait_for(lambda: int(hb(redis_client, cfg, "w-rr").get("turns", 0)) > 0, what="first turn")
+        try:
+            stack.redis_down()
+            time.sleep(2)
+        finally:
+            stack.redis_up()
+        assert p.poll() is None, f"worker died on the outage: {p.stderr.read() if p.poll() is not None else ''}"
+        rc = p.wait(120)
+        err = p.stderr.read()
+        assert rc == 0, err
+        assert "redis unavailable" in err, "the outage never reached the worker"
+    finally:
+        if p.poll() is None:
+            p.kill()
+    got = ids(queue)
+    print(f"\n[redis-restart] results={sum(got.values())} unique={len(got)}")
+    assert got == collections.Counter({f"rr{i}": 1 for i in range(8)})

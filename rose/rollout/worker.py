@@ -232,6 +232,23 @@ class Worker:
 
     # the loop ----------------------------------------------------------------------------
     def run(self) -> int:
+        """The worker loop; a Redis outage pauses it (episodes stay in memory, their entries
+        stay pending in the stream) until Redis answers again, instead of killing the worker."""
+        import redis
+
+        backoff = 0.0
+        while True:
+            try:
+                return self._run()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if self.stop_requested or self._state() == STOP:
+                    return 0  # cannot hand episodes back without Redis; XAUTOCLAIM recovers them
+                backoff = min(2.0, backoff * 2 or 0.1)
+                print(f"rose-worker: redis unavailable ({type(e).__name__}); retrying in {backoff:.1f}s",
+                      file=sys.stderr, flush=True)
+                time.sleep(backoff)
+
+    def _run(self) -> int:
         self.publish("running")
         while True:
             state = self._state()
