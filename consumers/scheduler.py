@@ -376,7 +376,7 @@ class Scheduler:
     def close(self) -> None:
         for c in (self.consumer, self.lease_consumer):
             try:
-                self._bounded("consumer.close", c.close, 15)
+                self._bounded("consumer.close", c.close, 5)
             except (KafkaException, RuntimeError, FatalSchedulerError):
                 pass
         self.producer.flush(5)

@@ -67,7 +67,7 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
             p.send_signal(signal.SIGCONT)
             p.send_signal(signal.SIGTERM)
         for p in (a, b):
-            p.wait(30)
+            p.wait(60)  # a zombie may first wait out a bounded coordinator call (20 s)
     logs = {n: (tmp_path / f"{n}.log").read_text(errors="replace") for n in ("a", "b")}
     aborts = {n: log.count("transaction.abort") for n, log in logs.items()}
     ids = Counter(c["command_id"] for c in got)
