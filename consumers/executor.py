@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, Message, Producer, TopicPartition
 
 from rose import lease_machine as lm
 from rose import metrics

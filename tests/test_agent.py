@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from producers.agent import LeaseView, SimOptions, run_simulated, telemetry_records
-from rose.codec import encode
 from rose.events import Telemetry
 from rose.kafka import header, make_producer, produce_event, read_all
 from tests.examples import command_example, lease_state_example

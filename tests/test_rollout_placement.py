@@ -1,7 +1,6 @@
 """Elastic placement: the pure per-turn policy, and its effect measured on real workers."""
 
 import math
-import subprocess
 
 import pytest
 from hypothesis import given

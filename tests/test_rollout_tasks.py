@@ -3,7 +3,6 @@ and neither a SIGKILL nor a STOP loses or duplicates a trajectory."""
 
 import collections
 import math
-import os
 import signal
 import subprocess
 import time
@@ -11,7 +10,6 @@ import uuid
 
 import orjson
 import pytest
-import redis as redis_lib
 
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag

@@ -19,6 +19,7 @@ from rose.codec import encode
 from rose.kafka import header, make_producer, produce, produce_event, read_all
 from tests.examples import telemetry_example
 from rose.telemetry_workload import expected_commands, workload
+from tests.kafka_checks import by_gpu, commands, wait_for_commands
 
 pytestmark = pytest.mark.stack
 
@@ -30,17 +31,6 @@ def _produce(cfg, events, extra=()):
     for value, key in extra:
         produce(p, cfg.kafka.telemetry_topic, value, key)
     assert p.flush(30) == 0
-
-
-def _commands(cfg) -> list[dict]:
-    return [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]
-
-
-def _by_gpu(cmds: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for c in cmds:
-        out.setdefault(c["gpu"], []).append(c)
-    return out
 
 
 def _run_until(s: Scheduler, n_events: int, timeout_s: float = 60) -> None:
@@ -59,7 +49,7 @@ def test_commands_equal_the_pure_policy_and_bad_input_goes_to_dlq(cfg):
         _run_until(s, len(events) + len(bad))
     finally:
         s.close()
-    got = _by_gpu(_commands(cfg))
+    got = by_gpu(commands(cfg))
     want = expected_commands(events, cfg.policy)
     assert sum(map(len, want.values())) > 10, "workload must make the policy act"
     assert got == want
@@ -88,7 +78,7 @@ def test_restart_rebuilds_the_view_and_continues_identically(cfg):
         assert s2.stats.events == len(events) - half, "the new instance resumed from committed offsets"
     finally:
         s2.close()
-    assert _by_gpu(_commands(cfg)) == expected_commands(events, cfg.policy)
+    assert by_gpu(commands(cfg)) == expected_commands(events, cfg.policy)
 
 
 def test_sigkill_under_load_loses_and_duplicates_nothing(cfg, tmp_path):
@@ -112,21 +102,13 @@ def test_sigkill_under_load_loses_and_duplicates_nothing(cfg, tmp_path):
         time.sleep(rng.uniform(3.0, 5.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        at_kill.append(len(_commands(cfg)))
+        at_kill.append(len(commands(cfg)))
     feeder.join()
     proc = subprocess.Popen(cmd + ["--duration", "120"], env=env, stdout=subprocess.DEVNULL,
                             stderr=open(tmp_path / "final.log", "wb"))
     want = expected_commands(events, cfg.policy)
     n_want = sum(map(len, want.values()))
-    deadline = time.monotonic() + 120
-    got: list[dict] = []
-    while time.monotonic() < deadline:
-        got = _commands(cfg)
-        if len(got) >= n_want:
-            time.sleep(2)  # anything extra (a duplicate) would show up now
-            got = _commands(cfg)
-            break
-        time.sleep(1)
+    got = wait_for_commands(cfg, n_want)
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
     ids = Counter(c["command_id"] for c in got)
@@ -135,7 +117,7 @@ def test_sigkill_under_load_loses_and_duplicates_nothing(cfg, tmp_path):
           f"commands expected={n_want} got={len(got)} duplicates={len(dups)}")
     assert at_kill[-1] < n_want, "the kills must land before the work is done"
     assert not dups
-    assert _by_gpu(got) == want
+    assert by_gpu(got) == want
 
 
 def test_trace_context_flows_from_telemetry_to_command(cfg):

@@ -13,7 +13,8 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
 
 from rose.config import load_config
-from rose.kafka import make_admin, make_consumer, make_producer, produce
+from rose.kafka import make_admin, make_producer, produce
+from tests.kafka_checks import consume_one
 
 pytestmark = pytest.mark.stack
 
@@ -50,16 +51,8 @@ def test_scram_client_produces_and_consumes(cfg, stack):
     p = make_producer(secured.kafka)
     produce(p, secured.kafka.telemetry_topic, b'{"probe": 1}', "g")
     assert p.flush(20) == 0
-    c = make_consumer(secured.kafka, "scram-test")
-    c.subscribe([secured.kafka.telemetry_topic])
-    got = None
-    deadline = time.monotonic() + 20
-    while got is None and time.monotonic() < deadline:
-        m = c.poll(0.5)
-        if m is not None and not m.error():
-            got = m.value()
-    c.close()
-    assert got == b'{"probe": 1}'
+    m = consume_one(secured.kafka, secured.kafka.telemetry_topic, "scram-test")
+    assert m is not None and m.value() == b'{"probe": 1}'
 
 
 def test_wrong_scram_password_is_refused(cfg, stack):
@@ -90,16 +83,8 @@ def test_tls_client_verifies_the_broker_and_round_trips(cfg, stack):
     p = make_producer(secured.kafka)
     produce(p, secured.kafka.commands_topic, b'{"tls": true}', "g")
     assert p.flush(20) == 0
-    c = make_consumer(secured.kafka, "tls-test")
-    c.subscribe([secured.kafka.commands_topic])
-    got = None
-    deadline = time.monotonic() + 20
-    while got is None and time.monotonic() < deadline:
-        m = c.poll(0.5)
-        if m is not None and not m.error():
-            got = m.value()
-    c.close()
-    assert got == b'{"tls": true}'
+    m = consume_one(secured.kafka, secured.kafka.commands_topic, "tls-test")
+    assert m is not None and m.value() == b'{"tls": true}'
 
 
 def test_tls_client_refuses_a_broker_it_cannot_verify(cfg, stack, tmp_path):

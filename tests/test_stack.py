@@ -1,15 +1,15 @@
 """The real local stack: Kafka answers, topics are idempotent, compaction is set,
 a produced event is consumed back, Redis answers."""
 
-import time
 
 import pytest
-from confluent_kafka import TopicPartition
+
 from confluent_kafka.admin import ConfigResource
 
-from rose.codec import decode, encode
+from rose.codec import decode
 from rose.events import Telemetry
-from rose.kafka import make_admin, make_consumer, make_producer, produce_event
+from rose.kafka import make_admin, make_producer, produce_event
+from tests.kafka_checks import consume_one
 from rose.topics import create_topics
 from tests.examples import telemetry_example
 
@@ -32,15 +32,7 @@ def test_event_round_trip_through_real_kafka(cfg):
     p = make_producer(cfg.kafka)
     produce_event(p, cfg.kafka.telemetry_topic, ev)
     assert p.flush(10) == 0
-    c = make_consumer(cfg.kafka, "rt-test")
-    c.subscribe([cfg.kafka.telemetry_topic])
-    got = None
-    deadline = time.monotonic() + 20
-    while got is None and time.monotonic() < deadline:
-        m = c.poll(0.5)
-        if m is not None and not m.error():
-            got = m
-    c.close()
+    got = consume_one(cfg.kafka, cfg.kafka.telemetry_topic, "rt-test")
     assert got is not None, "event not consumed within 20 s"
     assert got.key() == b"node-1/3"
     assert decode(got.value(), Telemetry) == ev

@@ -13,12 +13,12 @@ import threading
 import time
 from collections import Counter
 
-import orjson
 import pytest
 
 from rose.codec import encode
-from rose.kafka import make_producer, produce, read_all
+from rose.kafka import make_producer, produce
 from rose.telemetry_workload import expected_commands, workload
+from tests.kafka_checks import by_gpu, wait_for_commands
 
 pytestmark = pytest.mark.stack
 
@@ -54,15 +54,7 @@ def test_broker_restart_under_load(cfg, stack, tmp_path):
         feeder.join()
         want = expected_commands(events, cfg.policy)
         n_want = sum(map(len, want.values()))
-        deadline = time.monotonic() + 120
-        got = []
-        while time.monotonic() < deadline:
-            got = [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]
-            if len(got) >= n_want:
-                time.sleep(2)
-                got = [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]
-                break
-            time.sleep(1)
+        got = wait_for_commands(cfg, n_want)
         alive = sched.poll() is None
     finally:
         if sched.poll() is None:
@@ -75,7 +67,4 @@ def test_broker_restart_under_load(cfg, stack, tmp_path):
           f"duplicates={sum(n > 1 for n in ids.values())}")
     assert alive, "scheduler died during the broker outage"
     assert all(n == 1 for n in ids.values())
-    by_gpu: dict[str, list] = {}
-    for c in got:
-        by_gpu.setdefault(c["gpu"], []).append(c)
-    assert by_gpu == want
+    assert by_gpu(got) == want

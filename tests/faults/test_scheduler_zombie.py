@@ -15,12 +15,12 @@ import threading
 import time
 from collections import Counter
 
-import orjson
 import pytest
 
 from rose.codec import encode
-from rose.kafka import make_producer, produce, read_all
+from rose.kafka import make_producer, produce
 from rose.telemetry_workload import expected_commands, workload
+from tests.kafka_checks import by_gpu, wait_for_commands
 
 pytestmark = pytest.mark.stack
 
@@ -53,15 +53,7 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
         feeder.join()
         want = expected_commands(events, cfg.policy)
         n_want = sum(map(len, want.values()))
-        deadline = time.monotonic() + 90
-        got = []
-        while time.monotonic() < deadline:
-            got = [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]
-            if len(got) >= n_want:
-                time.sleep(3)
-                got = [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]
-                break
-            time.sleep(1)
+        got = wait_for_commands(cfg, n_want, timeout_s=90, settle_s=3)
     finally:
         for p in (a, b):
             p.send_signal(signal.SIGCONT)
@@ -72,10 +64,7 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
     aborts = {n: log.count("transaction.abort") for n, log in logs.items()}
     ids = Counter(c["command_id"] for c in got)
     dups = sum(n > 1 for n in ids.values())
-    by_gpu: dict[str, list] = {}
-    for c in got:
-        by_gpu.setdefault(c["gpu"], []).append(c)
     print(f"\n[zombie] commands expected={n_want} got={len(got)} duplicates={dups} aborted transactions={aborts} "
           f"partitions handed over={'partitions.assigned' in logs['b']}")
     assert dups == 0
-    assert by_gpu == want
+    assert by_gpu(got) == want

@@ -1,0 +1,50 @@
+"""Small checks on the real broker that several tests share."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from rose.kafka import make_consumer, read_all
+
+
+def commands(cfg) -> list[dict]:
+    """Every committed command, in partition order."""
+    return [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]
+
+
+def by_gpu(cmds: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for c in cmds:
+        out.setdefault(c["gpu"], []).append(c)
+    return out
+
+
+def wait_for_commands(cfg, n_want: int, timeout_s: float = 120.0, settle_s: float = 2.0) -> list[dict]:
+    """Committed commands once at least `n_want` are there, read again after `settle_s` so
+    that anything extra (a duplicate) shows up too; whatever is there at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    got: list[dict] = []
+    while time.monotonic() < deadline:
+        got = commands(cfg)
+        if len(got) >= n_want:
+            time.sleep(settle_s)
+            return commands(cfg)
+        time.sleep(1)
+    return got
+
+
+def consume_one(kcfg, topic: str, group: str, timeout_s: float = 20.0):
+    """The first message of `topic` read by a fresh consumer group (None at the deadline)."""
+    c = make_consumer(kcfg, group)
+    c.subscribe([topic])
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is not None and not m.error():
+                return m
+        return None
+    finally:
+        c.close()
