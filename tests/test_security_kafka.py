@@ -19,6 +19,20 @@ from tests.kafka_checks import consume_one
 pytestmark = pytest.mark.stack
 
 
+def refused_errors(kcfg) -> list:
+    """The client errors of a connection the broker must refuse (metadata fails; the
+    reasons arrive through the error callback, served on poll)."""
+    errors: list = []
+    admin = make_admin(kcfg, error_cb=errors.append)
+    with pytest.raises(KafkaException):
+        admin.list_topics(timeout=5)
+    for _ in range(10):
+        if errors:
+            break
+        admin.poll(0.5)
+    return errors
+
+
 def _scram_user(cfg, user: str, password: str) -> None:
     admin = make_admin(cfg.kafka)
     up = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192),
@@ -59,14 +73,7 @@ def test_wrong_scram_password_is_refused(cfg, stack):
     user = f"rose-{uuid.uuid4().hex[:6]}"
     _scram_user(cfg, user, "right-password")
     secured, _ = _secured(cfg, stack, user, "wrong-password")
-    errors = []
-    admin = make_admin(secured.kafka, error_cb=lambda e: errors.append(e))
-    with pytest.raises(KafkaException):
-        admin.list_topics(timeout=5)
-    for _ in range(10):
-        if errors:
-            break
-        admin.poll(0.5)  # error callbacks are served on poll
+    errors = refused_errors(secured.kafka)
     assert any("SASL" in str(e) or "uthentication" in str(e) for e in errors), errors
 
 
@@ -94,12 +101,5 @@ def test_tls_client_refuses_a_broker_it_cannot_verify(cfg, stack, tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=other",
                     "-keyout", str(tmp_path / "k"), "-out", str(other)], check=True, capture_output=True)
     secured = _tls(cfg, stack, {"ROSE_LIBRDKAFKA__SSL_CA_LOCATION": str(other)})
-    errors = []
-    admin = make_admin(secured.kafka, error_cb=lambda e: errors.append(e))
-    with pytest.raises(KafkaException):
-        admin.list_topics(timeout=5)
-    for _ in range(10):
-        if errors:
-            break
-        admin.poll(0.5)
+    errors = refused_errors(secured.kafka)
     assert any("SSL" in str(e) or "certificate" in str(e) for e in errors), errors
