@@ -33,22 +33,24 @@ def _produce(cfg, events, extra=()):
     assert p.flush(30) == 0
 
 
-def _run_until(s: Scheduler, n_events: int, timeout_s: float = 60) -> None:
-    s.start()
-    deadline = time.monotonic() + timeout_s
-    while s.stats.events < n_events and time.monotonic() < deadline:
-        s.step(0.2)
+def _run_scheduler(cfg, instance: str, n_events: int, timeout_s: float = 60):
+    """An in-process scheduler instance until it has consumed `n_events`; its stats."""
+    s = Scheduler(cfg, instance=instance)
+    try:
+        s.start()
+        deadline = time.monotonic() + timeout_s
+        while s.stats.events < n_events and time.monotonic() < deadline:
+            s.step(0.2)
+    finally:
+        s.close()
+    return s.stats
 
 
 def test_commands_equal_the_pure_policy_and_bad_input_goes_to_dlq(cfg):
     events = workload(6, 120, prefix="eq")
     bad = [(b"{not json", b"eq/0"), (orjson.dumps({**telemetry_example(gpu="eq/1").to_dict(), "gpu_util": 7}), b"eq/1")]
     _produce(cfg, events, bad)
-    s = Scheduler(cfg, instance="eq")
-    try:
-        _run_until(s, len(events) + len(bad))
-    finally:
-        s.close()
+    _run_scheduler(cfg, "eq", len(events) + len(bad))
     got = by_gpu(commands(cfg))
     want = expected_commands(events, cfg.policy)
     assert sum(map(len, want.values())) > 10, "workload must make the policy act"
@@ -66,18 +68,10 @@ def test_restart_rebuilds_the_view_and_continues_identically(cfg):
     events = workload(4, 160, prefix="rs")
     half = len(events) // 2
     _produce(cfg, events[:half])
-    s = Scheduler(cfg, instance="rs-a")
-    try:
-        _run_until(s, half)
-    finally:
-        s.close()
+    _run_scheduler(cfg, "rs-a", half)
     _produce(cfg, events[half:])
-    s2 = Scheduler(cfg, instance="rs-b")  # another instance takes over
-    try:
-        _run_until(s2, len(events) - half)
-        assert s2.stats.events == len(events) - half, "the new instance resumed from committed offsets"
-    finally:
-        s2.close()
+    stats = _run_scheduler(cfg, "rs-b", len(events) - half)  # another instance takes over
+    assert stats.events == len(events) - half, "the new instance resumed from committed offsets"
     assert by_gpu(commands(cfg)) == expected_commands(events, cfg.policy)
 
 
@@ -138,11 +132,7 @@ def test_trace_context_flows_from_telemetry_to_command(cfg):
         for ev in events:
             produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu, inject_headers())
     p.flush(10)
-    s = Scheduler(cfg, instance="tr")
-    try:
-        _run_until(s, len(events))
-    finally:
-        s.close()
+    _run_scheduler(cfg, "tr", len(events))
     msgs = read_all(cfg.kafka, [cfg.kafka.commands_topic])
     assert msgs, "the calm workload must grant"
     ctx = extract_context(msgs[0].headers())
@@ -167,11 +157,7 @@ def test_commands_carry_trace_context_without_an_exporter(cfg):
     for ev in events:
         produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)  # no traceparent from the agent
     p.flush(10)
-    s = Scheduler(cfg, instance="tc")
-    try:
-        _run_until(s, len(events))
-    finally:
-        s.close()
+    _run_scheduler(cfg, "tc", len(events))
     msgs = read_all(cfg.kafka, [cfg.kafka.commands_topic])
     assert msgs
     for m in msgs:
