@@ -82,7 +82,7 @@ class Scheduler:
     """One scheduler instance. `run()` until stop(); `step()` processes one batch."""
 
     def __init__(self, cfg: Config, instance: str = "0", group: str = "rose-scheduler",
-                 batch_max: int = 5000, record_latencies: bool = False):
+                 batch_max: int = 5000, record_latencies: bool = False, init_timeout_s: float = 30):
         self.cfg = cfg
         self.k = cfg.kafka
         self.instance = instance
@@ -110,7 +110,12 @@ class Scheduler:
                "group.instance.id": f"{self.k.topic_prefix}scheduler-{instance}"})
         self.lease_consumer: Consumer = make_consumer(
             self.k, f"{self.k.topic_prefix}{group}-lease-state-{instance}", **{"fetch.wait.max.ms": 50})
-        self.producer.init_transactions(30)
+        try:
+            self.producer.init_transactions(init_timeout_s)
+        except KafkaException as e:  # e.g. the broker is still coming back: the caller retries
+            for c in (self.consumer, self.lease_consumer):
+                c.close()
+            raise FatalSchedulerError(f"init_transactions: {e.args[0]}") from None
 
     # ---- state rebuild -----------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
@@ -383,10 +388,13 @@ class Scheduler:
 
 
 def run_scheduler(cfg: Config, instance: str, metrics_port: int | None = None,
-                  max_seconds: float | None = None, max_restarts: int = 20) -> SchedulerStats:
-    """Run until SIGTERM. A client that is fenced or wedged is replaced by a fresh one (new
-    producer and consumer; init_transactions fences the old producer), which rebuilds its
-    view from the log like any new instance."""
+                  max_seconds: float | None = None, max_failures: int | None = None) -> SchedulerStats:
+    """Run until SIGTERM. A client that is fenced, wedged, or cannot start (the broker is
+    down) is replaced by a fresh one (new producer and consumer; init_transactions fences the
+    old producer), which rebuilds its view from the log like any new instance. Replacement
+    backs off up to 5 s and never gives up by default: a broker outage of any length leaves
+    the process up, reporting unhealthy on /healthz until a client works again.
+    `max_failures` bounds consecutive failed clients (none of whose transactions committed)."""
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
@@ -405,36 +413,35 @@ def run_scheduler(cfg: Config, instance: str, metrics_port: int | None = None,
         metrics.serve(metrics_port, health=lambda: health["ok"] and not stop.is_set())
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     total = SchedulerStats()
-    restarts = 0
+    restarts = failures = 0
     log = get_logger("rose.scheduler", instance=instance)
     log.info("scheduler.start", config=cfg.redacted()["policy"], policy_version=POLICY_VERSION)
     while not stop.is_set():
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             break
-        s = Scheduler(cfg, instance=instance)
-        current[:] = [s]
-        if stop.is_set():
-            s.stop()
+        s = None
         try:
-            stats = s.run(max_seconds=left)
-            health["ok"] = True
-        except FatalSchedulerError as e:
-            restarts += 1
-            health["ok"] = False
-            RESTARTS.inc()
-            log.error("scheduler.client_replaced", error=str(e), restarts=restarts)
-            if restarts > max_restarts:
-                raise
-            time.sleep(min(5.0, 0.5 * restarts))
-            stats = s.stats
-        else:
-            total.events += stats.events
-            total.commands += stats.commands
-            total.dlq += stats.dlq
+            s = Scheduler(cfg, instance=instance, init_timeout_s=30 if left is None else max(1.0, min(30.0, left)))
+            current[:] = [s]
+            health["ok"] = True  # its transactional producer is registered: the broker answers
+            if stop.is_set():
+                s.stop()
+            s.run(max_seconds=left)
             break
-        total.events += stats.events
-        total.commands += stats.commands
-        total.dlq += stats.dlq
+        except (FatalSchedulerError, KafkaException) as e:
+            restarts += 1
+            RESTARTS.inc()
+            health["ok"] = False
+            failures = 1 if s is not None and s.stats.transactions else failures + 1
+            log.error("scheduler.client_replaced", error=str(e), restarts=restarts, consecutive_failures=failures)
+            if max_failures is not None and failures > max_failures:
+                raise
+            stop.wait(min(5.0, 0.5 * failures))
+        finally:
+            if s is not None:
+                total.events += s.stats.events
+                total.commands += s.stats.commands
+                total.dlq += s.stats.dlq
     log.info("scheduler.stop", events=total.events, commands=total.commands, dlq=total.dlq, restarts=restarts)
     return total

@@ -163,3 +163,27 @@ def test_commands_carry_trace_context_without_an_exporter(cfg):
     for m in msgs:
         tp = header(m, "traceparent")
         assert tp is not None and len(tp.split(b"-")) == 4
+
+
+def test_the_scheduler_stays_up_while_the_broker_cannot_be_reached(cfg):
+    """A client that cannot start (no broker answers: init_transactions times out) is
+    retried, not fatal: the scheduler outlives an outage of any length."""
+    import dataclasses
+    import socket
+
+    from consumers.scheduler import RESTARTS, run_scheduler
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dead = dataclasses.replace(cfg, kafka=dataclasses.replace(
+        cfg.kafka, bootstrap=f"127.0.0.1:{port}", librdkafka={**cfg.kafka.librdkafka, "log_level": "0"}))
+    before = RESTARTS.value()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stats = run_scheduler(dead, "unreachable", max_seconds=12)  # raised before: the process died
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert RESTARTS.value() - before >= 1, "the client never failed: was a broker reachable?"
+    assert stats.events == 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rose.weights.checkpoint import from_state_dict
-from rose.weights.follower import FileStateStore, Receiver, WeightFollower
+from rose.weights.follower import REJECTED, FileStateStore, Receiver, WeightFollower
 from rose.weights.layout import flatten, make_layout
 from rose.weights.stream import WeightPublisher
 
@@ -99,6 +99,7 @@ def test_tampered_and_unsigned_entries_are_refused(redis_client, cfg):
     for state, _ in vs:
         pub.publish(state)
     entries = [fields for _, fields in redis_client.xrange(pub.stream)]
+    refused_before = REJECTED.value(reason="refused")
     r = Receiver(hmac_key="s3cret")
     for fields in entries:
         if fields[b"kind"] == b"delta":
@@ -117,6 +118,8 @@ def test_tampered_and_unsigned_entries_are_refused(redis_client, cfg):
     assert unsigned.stats.refused == len(entries) and unsigned.visible() is None
     wrong_key = Receiver(hmac_key="other")
     assert all(wrong_key.offer(fields) is None for fields in entries) and wrong_key.stats.refused == len(entries)
+    # exported too: what /metrics shows is what the receivers counted
+    assert REJECTED.value(reason="refused") - refused_before == r.stats.refused + 2 * len(entries)
 
 
 def test_redis_losing_the_stream_leads_to_a_keyframe(redis_client, cfg):

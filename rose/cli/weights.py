@@ -162,10 +162,12 @@ def follow(
     out: Path = typer.Option(..., "--out", help="Directory for weights.safetensors (state + applied seq)."),
     until_version: int = typer.Option(None, "--until-version", help="Exit once this version is applied."),
     idle_s: float = typer.Option(None, "--idle-exit", help="Exit after this many seconds without a new version."),
+    metrics_port: int = typer.Option(None, "--metrics-port", help="Serve /metrics and /healthz on this port."),
 ) -> None:
     """Apply the weight stream exactly once; keep OUT/weights.safetensors at the newest version."""
     import redis
 
+    from rose import metrics
     from rose.cli import cli_config
     from rose.logs import setup_logging
     from rose.weights.follower import FileStateStore, WeightFollower
@@ -174,6 +176,8 @@ def follow(
     cfg = cli_config()
     r = redis.Redis.from_url(cfg.redis.url)
     f = WeightFollower(r, cfg.redis, model, FileStateStore(out), hmac_key=cfg.security.weights_hmac_key)
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
     f.follow(until_version=until_version, idle_s=idle_s)
     snap = f.receiver.visible()
     typer.echo(orjson.dumps({"version": snap.version if snap else None, **{

@@ -32,12 +32,19 @@ from typing import Any
 import numpy as np
 import orjson
 
+from rose import metrics
 from rose.config import RedisConfig
 from rose.logs import get_logger
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json
 from rose.weights.stream import meta_key
+
+REJECTED = metrics.counter("rose_weights_entries_rejected_total",
+                           "Weight stream entries not applied, by reason (refused = bad or missing HMAC)")
+APPLIED = metrics.counter("rose_weights_entries_applied_total", "Weight stream entries applied")
+VERSION = metrics.gauge("rose_weights_version", "Newest weight version visible in this process")
+RESYNCS = metrics.counter("rose_weights_resyncs_total", "Waits for a keyframe after a gap, divergence or new epoch")
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,7 @@ class Receiver:
     def _resync(self, reason: str) -> None:
         if not self.needs_resync:
             self.stats.resyncs += 1
+            RESYNCS.inc()
             self.log.warning("weights_resync", reason=reason, last_seq=self.last_seq)
         self.needs_resync = True
         self._reset_staging()
@@ -116,6 +124,7 @@ class Receiver:
             e = from_fields(fields, self.key)
         except UnsupportedFormat as err:
             self.stats.unsupported += 1
+            REJECTED.inc(reason="unsupported_format")
             if err.format not in self._formats_seen:
                 self._formats_seen.add(err.format)
                 self.log.error("weights_entry_unsupported_format", reason=str(err), format=err.format)
@@ -123,9 +132,11 @@ class Receiver:
         except InvalidEntry as err:
             if err.refused:
                 self.stats.refused += 1
+                REJECTED.inc(reason="refused")
                 self.log.error("weights_entry_refused", reason=str(err), seq=fields.get(b"seq", fields.get("seq")))
             else:
                 self.stats.invalid += 1
+                REJECTED.inc(reason="invalid")
                 self.log.error("weights_entry_invalid", reason=str(err))
             return None
         return self.offer_entry(e)
@@ -151,10 +162,12 @@ class Receiver:
         except (ChecksumMismatch, CorruptPayload, _Diverged, ValueError) as err:
             if isinstance(err, ChecksumMismatch):
                 self.stats.checksum_errors += 1
+            REJECTED.inc(reason="checksum" if isinstance(err, ChecksumMismatch) else "diverged")
             self._resync(f"seq {e.seq}: {err}")
             return None
         self.last_seq = e.seq
         self.stats.applied_entries += 1
+        APPLIED.inc()
         return visible
 
     def _apply(self, e: Entry, keyframe_start: bool) -> int | None:
@@ -211,6 +224,7 @@ class Receiver:
         if shown is not None:
             self.stats.versions += 1
             self.stats.applied_versions.append(shown)
+            VERSION.set(shown)
         return shown
 
 

@@ -59,6 +59,7 @@ TOOL_S = 1.5  # tool calls of seconds keep episodes in flight without costing CP
 QUIET = logging.getLogger("tests.full_system.librdkafka")
 QUIET.addHandler(logging.NullHandler())
 QUIET.propagate = False
+QUIET.setLevel(logging.CRITICAL)  # a refused connection per retry would bury a failure's report
 
 
 def fault_rng(name: str) -> tuple[random.Random, int]:
@@ -348,6 +349,16 @@ class System:
                 codes[name] = self.procs[name].stop()
         return codes
 
+    def print_log_tails(self, n: int = 30) -> None:
+        """On failure: the last log lines of every process (librdkafka's chatter left out)."""
+        for name, p in self.procs.items():
+            for i in range(max(1, p.starts - 1), p.starts + 1):
+                f = self.logs / f"{name}.{i}.log"
+                if f.exists():
+                    keep = [ln for ln in f.read_text(errors="replace").splitlines() if not ln.startswith("%")]
+                    print(f"---- {f.name} (last {n} lines, exit {p.proc.poll() if p.proc else None}) ----")
+                    print("\n".join(ln[:400] for ln in keep[-n:]))
+
     def stop_all(self) -> None:
         self._stop.set()
         self._stopping.set()
@@ -420,6 +431,9 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
             fault["orphaned_workers_exited"] = orphans_exited
         codes = sysm.finish()
         counts = sysm.audit(executor_kills)
+    except BaseException:
+        sysm.print_log_tails()
+        raise
     finally:
         sysm.stop_all()
     counts["trainer"] = {"versions": sysm.published, "redis_retries": sysm.trainer_retries}
@@ -474,6 +488,9 @@ def run_with_outage(which: str, cfg, stack, tmp_path: Path, outages: int, durati
             fault["down_s"].append(round(time.time() - t0, 1))
         codes = sysm.finish(drain_s=150)
         counts = sysm.audit()
+    except BaseException:
+        sysm.print_log_tails()
+        raise
     finally:
         sysm.stop_all()
     counts["trainer"] = {"versions": sysm.published, "redis_retries": sysm.trainer_retries}
