@@ -307,9 +307,10 @@ class Scheduler:
         policy = self.cfg.policy
         dirty: dict[str, int] = {}
         latency_ts: list[int] = []
+        views, gpu_partition = self.views, self.gpu_partition
+        self.stats.events += len(msgs)
+        EVENTS_IN.inc(len(msgs))
         for m in msgs:
-            self.stats.events += 1
-            EVENTS_IN.inc()
             try:
                 ev = decode(m.value(), Telemetry)
                 check_admission(ev, m.timestamp()[1], m.key(), policy)
@@ -319,13 +320,14 @@ class Scheduler:
                 DLQ.inc()
                 continue
             gpu = ev.gpu
-            prev = self._view_for(gpu)
+            prev = views.get(gpu)
             if gpu not in snapshot:
-                snapshot[gpu] = self.views.get(gpu)
+                snapshot[gpu] = prev
+            if prev is None:
+                prev = self._view_for(gpu)
             d = decide(prev, ev, policy)
-            self.views[gpu] = d.view
-            self.gpu_partition[gpu] = m.partition()
-            dirty[gpu] = m.partition()
+            views[gpu] = d.view
+            gpu_partition[gpu] = dirty[gpu] = m.partition()
             if d.explain.action == "ignored":
                 # kept, not dropped: the dlq shows which producer repeats or reorders events
                 IGNORED.inc()

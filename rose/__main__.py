@@ -1,3 +1,4 @@
 from rose.cli import main
 
-main()
+if __name__ == "__main__":  # not when a spawned process (a bench feeder) imports it
+    main()

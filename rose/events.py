@@ -10,7 +10,7 @@ a schema cannot express (used ≤ total, rollout ≤ used).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 TELEMETRY_SCHEMA = "rose.telemetry.v1"
@@ -86,6 +86,16 @@ def _schema(d: dict, expected: str) -> None:
         raise InvalidEvent("schema", f"expected {expected!r}, got {s!r}")
 
 
+def _plain(event: Any, schema: str) -> dict:
+    """What dataclasses.asdict gives (schema first, then the fields in order), without its
+    recursive deep copies, which cost more than the encoding on the scheduler's hot path."""
+    d = {"schema": schema}
+    for name in event.__slots__:
+        v = getattr(event, name)
+        d[name] = {"ttft_p99": v.ttft_p99, "tpot_p99": v.tpot_p99} if type(v) is Latency else v
+    return d
+
+
 @dataclass(frozen=True, slots=True)
 class Latency:
     """p99 serving latencies of one window, in milliseconds."""
@@ -130,11 +140,15 @@ class Telemetry:
         return self.gpu
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        return {"schema": TELEMETRY_SCHEMA, **d}
+        return _plain(self, TELEMETRY_SCHEMA)
 
     @classmethod
     def from_dict(cls, d: Any) -> "Telemetry":
+        return _telemetry_fast(d) or cls.checked(d)
+
+    @classmethod
+    def checked(cls, d: Any) -> "Telemetry":
+        """Field by field, naming the first thing wrong."""
         if not isinstance(d, dict):
             raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
         _schema(d, TELEMETRY_SCHEMA)
@@ -162,6 +176,44 @@ class Telemetry:
         )
 
 
+_NUMBER = (float, int)  # exact types: bool is neither
+
+
+def _telemetry_fast(d: Any) -> Telemetry | None:
+    """The scheduler's hot path: a well-formed telemetry object (exact JSON types, every
+    value in range) checked in one pass, about twice as fast as the field-by-field path.
+    None sends anything else (malformed, or valid in an unusual form such as 2.0 for an
+    integer) to Telemetry.checked, which name what is wrong. It accepts a
+    subset of what they accept and builds the same value (tests/test_schemas.py)."""
+    if type(d) is not dict:
+        return None
+    try:
+        if d["schema"] != TELEMETRY_SCHEMA:
+            return None
+        eid, node, gpu, pool = d["event_id"], d["node"], d["gpu"], d["pool"]
+        ts, util, rps = d["ts"], d["gpu_util"], d["rps"]
+        total, used, rollout, queue = d["mem_total_bytes"], d["mem_used_bytes"], d["rollout_mem_bytes"], d["queue_depth"]
+        lat, slo = d["latency_ms"], d["slo_ms"]
+        if type(lat) is not dict or type(slo) is not dict:
+            return None
+        lt, lp, st, sp = lat["ttft_p99"], lat["tpot_p99"], slo["ttft_p99"], slo["tpot_p99"]
+    except KeyError:
+        return None
+    for v in (eid, node, gpu, pool):
+        if type(v) is not str or not 0 < len(v) <= MAX_ID_LEN:
+            return None
+    # NaN fails every comparison and ±inf every bound: both fall through to the full checks
+    if not (type(ts) in _NUMBER and 0.0 <= ts <= MAX_TS and type(util) in _NUMBER and 0.0 <= util <= 1.0
+            and type(rps) in _NUMBER and 0.0 <= rps <= MAX_RPS
+            and type(total) is int and type(used) is int and type(rollout) is int and type(queue) is int
+            and 0 <= rollout <= used <= total <= MAX_BYTES and 0 <= queue <= MAX_QUEUE
+            and type(lt) in _NUMBER and type(lp) in _NUMBER and type(st) in _NUMBER and type(sp) in _NUMBER
+            and 0.0 <= lt <= MAX_MS and 0.0 <= lp <= MAX_MS and 0.0 < st <= MAX_MS and 0.0 < sp <= MAX_MS):
+        return None
+    return Telemetry(eid, float(ts), node, gpu, pool, float(util), total, used, rollout,
+                     Latency(float(lt), float(lp)), Latency(float(st), float(sp)), float(rps), queue)
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     """rose.command.v1: what the scheduler tells one GPU's executor."""
@@ -185,7 +237,7 @@ class Command:
         return self.gpu
 
     def to_dict(self) -> dict:
-        return {"schema": COMMAND_SCHEMA, **asdict(self)}
+        return _plain(self, COMMAND_SCHEMA)
 
     @classmethod
     def from_dict(cls, d: Any) -> "Command":
@@ -229,7 +281,7 @@ class LeaseState:
         return self.gpu
 
     def to_dict(self) -> dict:
-        return {"schema": LEASE_STATE_SCHEMA, **asdict(self)}
+        return _plain(self, LEASE_STATE_SCHEMA)
 
     @classmethod
     def from_dict(cls, d: Any) -> "LeaseState":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import orjson
 import structlog
 
 from rose.tracing import trace_ids
@@ -15,6 +16,12 @@ def _add_trace_ids(_logger, _name, event_dict):
     return event_dict
 
 
+def _dumps(obj, default=str, **_kw) -> str:
+    """orjson for log lines: the stdlib encoder cost more than a decision on the scheduler's
+    hot path. Anything it cannot encode falls back to structlog's `default` (a repr)."""
+    return orjson.dumps(obj, default=default, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
 def setup_logging(level: str = "INFO", json: bool = True) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
     structlog.configure(
@@ -23,7 +30,7 @@ def setup_logging(level: str = "INFO", json: bool = True) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             _add_trace_ids,
-            structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(),
+            structlog.processors.JSONRenderer(serializer=_dumps) if json else structlog.dev.ConsoleRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

@@ -5,6 +5,7 @@ schema decodes (modulo the documented cross-field rules); and for single-field m
 of a valid event, the decoder rejects exactly when the reference validator does.
 """
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -70,6 +71,8 @@ def test_examples_validate_against_schema_and_round_trip(name, typ):
     jsonschema.validate(orjson.loads(encode(ev)), load(name))
     assert decode(encode(ev)) == ev
     assert decode(encode(ev), typ) == ev
+    # the hand-written to_dict keeps dataclasses.asdict's keys, order and nesting (bytes on the wire)
+    assert encode(ev) == orjson.dumps({"schema": name, **dataclasses.asdict(ev)})
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -121,6 +124,47 @@ def test_decoder_rejects_exactly_what_the_schema_rejects(name, typ, data):
         decoded_ok = False
         assert e.field == "$" or e.field.split(".")[0] == path[0] or e.field in ("mem_used_bytes", "rollout_mem_bytes"), (e.field, path)
     assert decoded_ok == schema_ok, (path, d)
+
+
+EDGES = [0, 0.0, -0.0, -1, 1, 1.0, 2.0, True, None, "", "x", "x" * 257, {}, [], 1e9, 1e9 + 1, 1e11 + 1,
+         2**31, 2**31 + 1, 2**50, 2**50 + 1, float(2**50), math.inf, -math.inf, math.nan]
+
+
+def _fast_agrees_with_full(d: dict) -> None:
+    from rose.events import _telemetry_fast
+
+    fast = _telemetry_fast(d)
+    try:
+        full = Telemetry.checked(d)
+    except InvalidEvent:
+        assert fast is None, d
+    else:
+        assert fast is None or (fast == full and repr(fast) == repr(full)), d
+
+
+def test_the_fast_telemetry_path_accepts_a_subset_and_builds_the_same_value():
+    """The scheduler's one-pass decoder (rose.events._telemetry_fast) never accepts what the
+    full checks refuse, and what it accepts it builds exactly as they do: every field set
+    to every edge value, or removed."""
+    base = orjson.loads(encode(telemetry_example()))
+    _fast_agrees_with_full(base)
+    for path in sorted(_paths(base)):
+        for value in [*EDGES, "<removed>"]:
+            d = orjson.loads(encode(telemetry_example()))
+            target = d
+            for k in path[:-1]:
+                target = target[k]
+            if value == "<removed>":
+                del target[path[-1]]
+            else:
+                target[path[-1]] = value
+            _fast_agrees_with_full(d)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_fast_telemetry_path_agrees_on_schema_instances(data):
+    _fast_agrees_with_full(data.draw(from_schema(load("rose.telemetry.v1"))))
 
 
 INVALID = [

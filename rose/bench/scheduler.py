@@ -62,13 +62,30 @@ def _scheduler_rate(cfg: Config, n: int) -> tuple[float, int]:
     return (s.stats.events / dt if dt > 0 else 0.0), s.stats.commands
 
 
+def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
+    """The latency bench's telemetry source: a tick of every GPU's event at `rate_per_s`."""
+    from rose.codec import encode
+    from rose.kafka import make_producer, produce
+    from rose.telemetry_workload import workload
+
+    events = workload(n_gpus, ticks, seed=5, prefix="lat")
+    p = make_producer(cfg.kafka)
+    for i in range(ticks):
+        t_next = time.perf_counter() + n_gpus / rate_per_s
+        for ev in events[i * n_gpus:(i + 1) * n_gpus]:
+            produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)
+        p.flush(5)
+        time.sleep(max(0.0, t_next - time.perf_counter()))
+
+
 def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
     """Decision latency at moderate load: record timestamp of the telemetry to the commit of
-    its command, with the scheduler keeping up (not draining a backlog)."""
-    import threading
+    its command, with the scheduler keeping up (not draining a backlog). The telemetry comes
+    from another process, as it does from agents: a feeder thread would share the
+    scheduler's interpreter lock and its time would count as decision latency."""
+    import multiprocessing
 
     from consumers.scheduler import Scheduler
-    from rose.telemetry_workload import workload
 
     s = Scheduler(cfg, instance="bench-latency", group="rose-scheduler-latency", batch_max=2000,
                   record_latencies=True)
@@ -76,36 +93,24 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
     for _ in range(20):  # join the group before the load starts
         s.step(0.1)
     n_gpus = 200
-    per_tick = n_gpus
-    ticks = int(seconds * rate_per_s / per_tick)
-    events = workload(n_gpus, ticks, seed=5, prefix="lat")
-    stop = threading.Event()
-
-    def feed():
-        from rose.codec import encode
-        from rose.kafka import make_producer, produce
-
-        p = make_producer(cfg.kafka)
-        for i in range(ticks):
-            for ev in events[i * per_tick:(i + 1) * per_tick]:
-                produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)
-            p.flush(5)
-            time.sleep(per_tick / rate_per_s)
-        stop.set()
-
-    t = threading.Thread(target=feed)
-    t.start()
+    ticks = int(seconds * rate_per_s / n_gpus)
+    feeder = multiprocessing.get_context("spawn").Process(target=_feed, args=(cfg, n_gpus, ticks, rate_per_s),
+                                                          daemon=True)
+    feeder.start()
     try:
-        while not stop.is_set() or s.step(0.1):
+        while feeder.is_alive():
             s.step(0.01)
+        while s.step(0.2):
+            pass
     finally:
-        t.join()
+        feeder.join(10)
         s.close()
     lat = sorted(s.stats.latencies_s)
     if not lat:
         return {"p50_ms": None, "p99_ms": None, "commands": 0}
     q = lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 3)  # noqa: E731
-    return {"p50_ms": q(0.5), "p99_ms": q(0.99), "commands": len(lat), "load_events_per_s": rate_per_s}
+    return {"p50_ms": q(0.5), "p99_ms": q(0.99), "commands": len(lat), "load_events_per_s": rate_per_s,
+            "feeder_exit": feeder.exitcode}
 
 
 def run(cfg: Config, quick: bool = False) -> dict:
