@@ -5,7 +5,8 @@ librdkafka untouched (security.protocol, sasl.*, ssl.*, ...), so ROSE joins an e
 secured cluster without code changes. Environment variables override the file:
 `ROSE_KAFKA_BOOTSTRAP`, `ROSE_REDIS_URL` (the contract's two), and generally
 `ROSE_<SECTION>__<FIELD>` (e.g. `ROSE_POLICY__TTL_S=8`); `ROSE_LIBRDKAFKA__<NAME>` adds a
-librdkafka property with dots written as underscores (`ROSE_LIBRDKAFKA__SASL_MECHANISM`).
+librdkafka property with dots written as underscores (`ROSE_LIBRDKAFKA__SASL_MECHANISM`;
+`ROSE_LIBRDKAFKA__LOG_LEVEL` is librdkafka's `log_level`).
 Secrets (passwords, HMAC keys) may be given as `*_file` paths and are never logged.
 """
 
@@ -169,6 +170,11 @@ class Config:
         return d
 
 
+# librdkafka properties whose names hold an underscore, which the environment form cannot tell
+# from a dot: ROSE_LIBRDKAFKA__LOG_LEVEL=0 means `log_level`, not `log.level`
+_UNDERSCORED = {"log.level": "log_level"}
+
+
 def _redact_url(url: str) -> str:
     """redis://user:secret@host -> redis://user:***@host"""
     scheme, sep, rest = url.partition("://")
@@ -254,7 +260,8 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         section, _, key = k[5:].partition("__")
         section, key = section.lower(), key.lower()
         if section == "librdkafka":
-            sections.setdefault("kafka", {}).setdefault("librdkafka", {})[key.replace("_", ".")] = v
+            name = key.replace("_", ".")
+            sections.setdefault("kafka", {}).setdefault("librdkafka", {})[_UNDERSCORED.get(name, name)] = v
         else:
             put(section, key, v)
 
