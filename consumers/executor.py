@@ -46,7 +46,7 @@ from rose.codec import decode, encode
 from rose.config import Config
 from rose.events import Command, InvalidEvent, LeaseState
 from rose.guard import FileLatencySource, Guard, LatencySource
-from rose.kafka import dead_letter, header, make_consumer, make_producer, partition_for, partitions_of, \
+from rose.kafka import consume_batch, dead_letter, header, make_consumer, make_producer, partition_for, partitions_of, \
     produce, read_partitions, retrying
 from rose.logs import get_logger
 from rose.signing import SIGNATURE_HEADER, verify
@@ -235,7 +235,7 @@ class Executor:
 
     def run_once(self, timeout: float | None = None) -> None:
         timeout = self.cfg.executor.tick_s if timeout is None else timeout
-        msgs = self.consumer.consume(256, timeout=timeout) if self.consumer else []
+        msgs = consume_batch(self.consumer, 256, timeout) if self.consumer else []
         for m in msgs:
             self._message(m)
         self._housekeeping()

@@ -45,7 +45,7 @@ from rose import metrics
 from rose.codec import decode, encode
 from rose.config import Config
 from rose.events import InvalidEvent, LeaseState, Telemetry
-from rose.kafka import dead_letter, make_consumer, make_producer, partitions_of, produce, read_partitions, retrying
+from rose.kafka import consume_batch, dead_letter, make_consumer, make_producer, partitions_of, produce, read_partitions, retrying
 from rose.lease_policy import POLICY_VERSION, GpuView, check_admission, decide, observe_lease_state
 from rose.logs import get_logger
 from rose.signing import sign_headers
@@ -204,7 +204,7 @@ class Scheduler:
 
     def step(self, timeout: float = 0.05) -> int:
         self._fold_lease_states()
-        msgs = self.consumer.consume(self.batch_max, timeout=timeout)
+        msgs = consume_batch(self.consumer, self.batch_max, timeout)
         if not msgs:
             return 0
         good = []

@@ -169,6 +169,20 @@ def wait_for_broker(kcfg: KafkaConfig, timeout_s: float = 30.0) -> None:
     raise TimeoutError(f"Kafka at {kcfg.bootstrap} did not answer within {timeout_s}s ({last})")
 
 
+def consume_batch(consumer: Consumer, max_messages: int, timeout: float) -> list[Message]:
+    """Up to `max_messages`, returned as soon as there are any. librdkafka's consume(n, timeout)
+    waits out the whole timeout unless n messages are there, which on a quiet topic adds the
+    timeout to every message's latency (a revoke among them): wait for one, then take what
+    else is already fetched."""
+    msgs = consumer.consume(max_messages, timeout=0)
+    if msgs or timeout <= 0:
+        return msgs
+    msgs = consumer.consume(1, timeout=timeout)
+    if msgs and max_messages > 1:
+        msgs += consumer.consume(max_messages - 1, timeout=0)
+    return msgs
+
+
 def read_partitions(kcfg: KafkaConfig, partitions: Sequence[tuple[str, int]], timeout_s: float = 30.0,
                     isolation: str = "read_committed", **overrides) -> list[Message]:
     """Every message now in the given (topic, partition)s, from their start up to their end
@@ -189,7 +203,7 @@ def read_partitions(kcfg: KafkaConfig, partitions: Sequence[tuple[str, int]], ti
         out: list[Message] = []
         deadline = time.monotonic() + timeout_s
         while remaining and time.monotonic() < deadline:
-            for m in consumer.consume(1000, timeout=0.2):
+            for m in consume_batch(consumer, 1000, timeout=0.2):
                 if m.error():
                     if m.error().code() == KafkaError._PARTITION_EOF:
                         continue

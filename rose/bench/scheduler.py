@@ -90,7 +90,10 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
     s = Scheduler(cfg, instance="bench-latency", group="rose-scheduler-latency", batch_max=2000,
                   record_latencies=True)
     s.start()
-    for _ in range(20):  # join the group before the load starts
+    deadline = time.monotonic() + 60
+    while not s.consumer.assignment() and time.monotonic() < deadline:  # joined before the load starts
+        s.step(0.1)
+    for _ in range(5):
         s.step(0.1)
     n_gpus = 200
     ticks = int(seconds * rate_per_s / n_gpus)
