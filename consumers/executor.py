@@ -163,6 +163,7 @@ class Executor:
         self._flag_seq = 0
         self._seed = 0
         self._last_commit = 0.0
+        self._next_housekeeping = 0.0
         self.published: list[LeaseState] = []  # kept for in-process benches and tests (bounded)
         self.guard: Guard | None = None
         if guard and cfg.executor.guard_period_s > 0:
@@ -238,7 +239,10 @@ class Executor:
         msgs = consume_batch(self.consumer, 256, timeout) if self.consumer else []
         for m in msgs:
             self._message(m)
-        self._housekeeping()
+        now = time.monotonic()
+        if now >= self._next_housekeeping:  # once a tick, however often commands arrive
+            self._next_housekeeping = now + self.cfg.executor.tick_s
+            self._housekeeping()
         if msgs and time.monotonic() - self._last_commit > 0.5:
             self._commit()
 

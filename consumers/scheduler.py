@@ -82,11 +82,16 @@ class Scheduler:
     """One scheduler instance. `run()` until stop(); `step()` processes one batch."""
 
     def __init__(self, cfg: Config, instance: str = "0", group: str = "rose-scheduler",
-                 batch_max: int = 5000, record_latencies: bool = False, init_timeout_s: float = 30):
+                 batch_max: int = 5000, record_latencies: bool = False, init_timeout_s: float = 30,
+                 batch_linger_s: float = 0.0):
         self.cfg = cfg
         self.k = cfg.kafka
         self.instance = instance
         self.batch_max = batch_max
+        # extra wait for a fuller batch once a message is there (fewer transactions, each a few
+        # broker round trips). 0 by default: under load the previous batch's processing time
+        # already gathers the next one, and a wait would only delay revokes when it is quiet
+        self.batch_linger_s = batch_linger_s
         self.state_topic = self.k.topic("scheduler-state")
         self.views: dict[str, GpuView] = {}
         self.gpu_partition: dict[str, int] = {}
@@ -204,7 +209,7 @@ class Scheduler:
 
     def step(self, timeout: float = 0.05) -> int:
         self._fold_lease_states()
-        msgs = consume_batch(self.consumer, self.batch_max, timeout)
+        msgs = consume_batch(self.consumer, self.batch_max, timeout, linger=self.batch_linger_s)
         if not msgs:
             return 0
         good = []

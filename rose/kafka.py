@@ -169,17 +169,20 @@ def wait_for_broker(kcfg: KafkaConfig, timeout_s: float = 30.0) -> None:
     raise TimeoutError(f"Kafka at {kcfg.bootstrap} did not answer within {timeout_s}s ({last})")
 
 
-def consume_batch(consumer: Consumer, max_messages: int, timeout: float) -> list[Message]:
-    """Up to `max_messages`, returned as soon as there are any. librdkafka's consume(n, timeout)
-    waits out the whole timeout unless n messages are there, which on a quiet topic adds the
-    timeout to every message's latency (a revoke among them): wait for one, then take what
-    else is already fetched."""
+def consume_batch(consumer: Consumer, max_messages: int, timeout: float, linger: float = 0.0) -> list[Message]:
+    """Up to `max_messages`: waits at most `timeout` for the first, then at most `linger` for
+    more. librdkafka's consume(n, timeout) waits out the whole timeout unless n messages are
+    there, which on a quiet topic adds the timeout to every message's latency (a revoke among
+    them); `linger` bounds that wait to what batching is worth (the scheduler's transactions)."""
     msgs = consumer.consume(max_messages, timeout=0)
-    if msgs or timeout <= 0:
-        return msgs
-    msgs = consumer.consume(1, timeout=timeout)
-    if msgs and max_messages > 1:
-        msgs += consumer.consume(max_messages - 1, timeout=0)
+    if not msgs:
+        if timeout <= 0:
+            return msgs
+        msgs = consumer.consume(1, timeout=timeout)
+        if not msgs:
+            return msgs
+    if len(msgs) < max_messages:
+        msgs += consumer.consume(max_messages - len(msgs), timeout=linger)
     return msgs
 
 

@@ -46,3 +46,32 @@ def test_redis_answers(redis_client, cfg):
 
 def test_stack_status_reports_both_up(stack):
     assert stack.status() == {"kafka": True, "redis": True}
+
+
+def test_consume_batch_returns_what_is_there_without_waiting_out_its_timeout(cfg):
+    """librdkafka's consume(n, timeout) holds a short batch until the timeout; consume_batch
+    (used by the scheduler and the executor) hands over what is there at once — else a lone
+    revoke would wait out the consumer's whole poll timeout."""
+    import time
+
+    from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
+    from rose.kafka import consume_batch, make_consumer, produce
+
+    p = make_producer(cfg.kafka)
+    for i in range(10):
+        produce(p, cfg.kafka.commands_topic, b"v%d" % i, b"g", partition=0)
+    assert p.flush(10) == 0
+    c = make_consumer(cfg.kafka, f"{cfg.kafka.topic_prefix}batch-test")
+    c.assign([TopicPartition(cfg.kafka.commands_topic, 0, OFFSET_BEGINNING)])
+    try:
+        got, t0 = [], time.monotonic()
+        while len(got) < 10 and time.monotonic() - t0 < 20:
+            got += [m for m in consume_batch(c, 5000, timeout=30.0) if m.error() is None]
+        assert [m.value() for m in got] == [b"v%d" % i for i in range(10)]
+        assert time.monotonic() - t0 < 20, "consume_batch waited out its 30 s timeout for a full batch"
+        t0 = time.monotonic()
+        assert consume_batch(c, 5000, timeout=0.5) == []  # nothing more: the timeout, then empty
+        assert time.monotonic() - t0 >= 0.4
+    finally:
+        c.close()
