@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as stdlib_json
 import logging
 import sys
 
@@ -18,8 +19,13 @@ def _add_trace_ids(_logger, _name, event_dict):
 
 def _dumps(obj, default=str, **_kw) -> str:
     """orjson for log lines: the stdlib encoder cost more than a decision on the scheduler's
-    hot path. Anything it cannot encode falls back to structlog's `default` (a repr)."""
-    return orjson.dumps(obj, default=default, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
+    hot path. Anything it cannot encode falls back to structlog's `default` (a repr); what
+    orjson refuses outright (an integer beyond 64 bits) goes through the stdlib encoder, so a
+    log call never raises."""
+    try:
+        return orjson.dumps(obj, default=default, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return stdlib_json.dumps(obj, default=default)
 
 
 def setup_logging(level: str = "INFO", json: bool = True) -> None:

@@ -137,7 +137,9 @@ def test_stop_mid_episode_requeues_continuations(cfg, redis_client, queue, flag)
 
 @pytest.mark.stack
 def test_pause_stops_work_and_run_resumes(cfg, redis_client, queue, flag):
-    for t in tasks(3, turns=3, tpt=40, tool_s=0.01):
+    # enough work (tool calls of 0.2 s between turns) that the worker is still busy when the
+    # test raises the flag: a worker that finishes first reports `stopped`, never `paused`
+    for t in tasks(3, turns=4, tpt=100, tool_s=0.2):
         queue.submit(t)
     a = start(spec(cfg, "a", pause_flag=flag.name, max_episodes=3))
     try:

@@ -1,0 +1,25 @@
+"""Log lines: one JSON object each, carrying the current trace ids, whatever the values."""
+
+import orjson
+
+from rose.logs import _dumps, setup_logging, get_logger
+from rose.tracing import ensure_provider, tracer
+
+
+def test_a_log_line_is_json_with_the_trace_ids_of_the_current_span(capsys):
+    import numpy as np
+
+    setup_logging()
+    ensure_provider()
+    with tracer("t").start_as_current_span("s") as span:
+        get_logger("rose.test", instance="i").info("lease.decision", gpu="g/0", share=np.float32(0.5),
+                                                   by_epoch={1: "a"}, obj=object())
+    line = orjson.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert line["event"] == "lease.decision" and line["instance"] == "i" and line["share"] == 0.5
+    assert line["by_epoch"] == {"1": "a"} and line["obj"].startswith("<object")
+    assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
+
+
+def test_what_orjson_refuses_still_encodes():
+    """An integer beyond 64 bits: the stdlib encoder takes over rather than the log call raising."""
+    assert orjson.loads(_dumps({"n": 2**70, "m": [1.5]})) == {"n": 2**70, "m": [1.5]}
