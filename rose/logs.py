@@ -28,7 +28,8 @@ def _dumps(obj, default=str, **_kw) -> str:
         return stdlib_json.dumps(obj, default=default)
 
 
-def setup_logging(level: str = "INFO", json: bool = True) -> None:
+def setup_logging(level: str = "INFO", json: bool = True, stream=None) -> None:
+    """Lines go to `stream` (default: standard error)."""
     logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
     structlog.configure(
         processors=[
@@ -39,7 +40,7 @@ def setup_logging(level: str = "INFO", json: bool = True) -> None:
             structlog.processors.JSONRenderer(serializer=_dumps) if json else structlog.dev.ConsoleRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=True,
     )
 

@@ -6,15 +6,21 @@ from rose.logs import _dumps, setup_logging, get_logger
 from rose.tracing import ensure_provider, tracer
 
 
-def test_a_log_line_is_json_with_the_trace_ids_of_the_current_span(capsys):
+def test_a_log_line_is_json_with_the_trace_ids_of_the_current_span():
+    import io
+
     import numpy as np
 
-    setup_logging()
-    ensure_provider()
-    with tracer("t").start_as_current_span("s") as span:
-        get_logger("rose.test", instance="i").info("lease.decision", gpu="g/0", share=np.float32(0.5),
-                                                   by_epoch={1: "a"}, obj=object())
-    line = orjson.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    buf = io.StringIO()
+    setup_logging(stream=buf)
+    try:
+        ensure_provider()
+        with tracer("t").start_as_current_span("s") as span:
+            get_logger("rose.test", instance="i").info("lease.decision", gpu="g/0", share=np.float32(0.5),
+                                                       by_epoch={1: "a"}, obj=object())
+    finally:
+        setup_logging()  # back to standard error for every later logger
+    line = orjson.loads(buf.getvalue().strip().splitlines()[-1])
     assert line["event"] == "lease.decision" and line["instance"] == "i" and line["share"] == 0.5
     assert line["by_epoch"] == {"1": "a"} and line["obj"].startswith("<object")
     assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
