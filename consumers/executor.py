@@ -243,7 +243,7 @@ class Executor:
         if now >= self._next_housekeeping:  # once a tick, however often commands arrive
             self._next_housekeeping = now + self.cfg.executor.tick_s
             self._housekeeping()
-        if msgs and time.monotonic() - self._last_commit > 0.5:
+        if msgs and now - self._last_commit > 0.5:
             self._commit()
 
     def _housekeeping(self) -> None:

@@ -13,6 +13,7 @@ import base64
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,13 @@ from rose.config import Config, StackConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POM = REPO_ROOT / "deploy" / "kafka" / "pom.xml"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class StackError(RuntimeError):

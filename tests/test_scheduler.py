@@ -169,15 +169,12 @@ def test_the_scheduler_stays_up_while_the_broker_cannot_be_reached(cfg):
     """A client that cannot start (no broker answers: init_transactions times out) is
     retried, not fatal: the scheduler outlives an outage of any length."""
     import dataclasses
-    import socket
 
     from consumers.scheduler import RESTARTS, run_scheduler
+    from rose.stack import free_port
 
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     dead = dataclasses.replace(cfg, kafka=dataclasses.replace(
-        cfg.kafka, bootstrap=f"127.0.0.1:{port}", librdkafka={**cfg.kafka.librdkafka, "log_level": "0"}))
+        cfg.kafka, bootstrap=f"127.0.0.1:{free_port()}", librdkafka={**cfg.kafka.librdkafka, "log_level": "0"}))
     before = RESTARTS.value()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,9 @@ import urllib.request
 from pathlib import Path
 
 from rose.config import Config
+from rose.stack import free_port
 
 GOAL_P99_MS = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _trace() -> str:
@@ -74,7 +68,7 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
            "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix, "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
            "ROSE_EXECUTOR__WORKER": "placeholder", "ROSE_EXECUTOR__TICK_S": "0.05",
            "ROSE_EXECUTOR__GUARD_PERIOD_S": "0", "ROSE_TELEMETRY__PERIOD_S": "0.5"}
-    port = _free_port()
+    port = free_port()
     rose = [sys.executable, "-m", "rose"]
     ids = [f"soak/{i}" for i in range(gpus)]
     procs: dict[str, subprocess.Popen] = {}

@@ -160,9 +160,9 @@ class Receiver:
         try:
             visible = self._apply(e, keyframe_start)
         except (ChecksumMismatch, CorruptPayload, _Diverged, ValueError) as err:
-            if isinstance(err, ChecksumMismatch):
-                self.stats.checksum_errors += 1
-            REJECTED.inc(reason="checksum" if isinstance(err, ChecksumMismatch) else "diverged")
+            checksum = isinstance(err, ChecksumMismatch)
+            self.stats.checksum_errors += checksum
+            REJECTED.inc(reason="checksum" if checksum else "diverged")
             self._resync(f"seq {e.seq}: {err}")
             return None
         self.last_seq = e.seq

@@ -523,14 +523,11 @@ def test_stack_stops_its_process_without_a_pid_file(tmp_path):
     its pid file is gone or names a dead process (two `up`s raced): the stack adopts the
     process listening on its port if it runs from the stack's directory, and only that one."""
     import dataclasses
-    import socket
 
     from rose.config import StackConfig
-    from rose.stack import LocalStack
+    from rose.stack import LocalStack, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     (tmp_path / "redis").mkdir()
     listen = [sys.executable, "-c", "import socket,time\ns=socket.socket();s.bind(('127.0.0.1',%d));s.listen();"
               "time.sleep(60)" % port]
