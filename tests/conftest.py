@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rose.config import Config, load_config
-from rose.logs import setup_logging
+from rose.obs.logs import setup_logging
 
 setup_logging("WARNING")  # decision logs of in-process services would drown the test output
 
@@ -57,7 +57,7 @@ def stack(base_cfg):
 @pytest.fixture
 def cfg(stack, base_cfg) -> Config:
     """A Config with a unique topic prefix and Redis key prefix, topics created."""
-    from rose.topics import create_topics, delete_topics, topic_specs
+    from rose.kafka.topics import create_topics, delete_topics, topic_specs
 
     tag = uuid.uuid4().hex[:10]
     kafka = dataclasses.replace(base_cfg.kafka, bootstrap=stack.kafka_bootstrap,

@@ -1,6 +1,6 @@
 """Valid example events for tests (one place, so every test agrees on what valid means)."""
 
-from rose.events import Command, LeaseState, Latency, Telemetry
+from rose.contract.events import Command, LeaseState, Latency, Telemetry
 
 GiB = 1 << 30
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from producers.agent import LeaseView, SimOptions, run_simulated, telemetry_records
-from rose.events import Telemetry
-from rose.kafka import header, make_producer, produce_event, read_all
+from rose.node.agent import LeaseView, SimOptions, run_simulated, telemetry_records
+from rose.contract.events import Telemetry
+from rose.kafka.clients import header, make_producer, produce_event, read_all
 from tests.examples import command_example, lease_state_example
 
 REPO = Path(__file__).resolve().parent.parent
@@ -161,8 +161,8 @@ def test_active_lease_adds_interference_and_revoke_restores(cfg, traces_dir):
 
 def test_simulated_agent_feeds_the_local_guard(tmp_path, traces_dir):
     """`--feed-guard`: each window's p99 lands where the executor's guard reads it."""
-    from producers.agent import feed_guard
-    from rose.guard import FileLatencySource
+    from rose.node.agent import feed_guard
+    from rose.executor.guard import FileLatencySource
 
     feed_guard(str(tmp_path), ["sim/0", "sim/1"], 1000.0, [120.0, 900.0], [10.0, 95.0], (1000.0, 100.0))
     src = FileLatencySource(tmp_path)

@@ -105,7 +105,7 @@ def test_reward_and_loss_mask():
 def test_worker_argv_is_patched_and_pinned():
     from rose.config import Config
     from rose.demo.executor_node import patched_worker_argv
-    from rose.lease_machine import Start
+    from rose.executor.lease_machine import Start
 
     start = Start(gpu="real/0", lease_id="real/0#3", epoch=3, mem_bytes=1 << 30, compute_share=0.5, paused=False)
     argv = patched_worker_argv({"weights": "follow", "max_batch": 4}, "1")(Config(), start, "flag", "cpu", 1)

@@ -17,12 +17,12 @@ import psutil
 import pytest
 import redis
 
-from rose.codec import decode, encode
-from rose.events import LeaseState
-from rose.kafka import make_consumer, make_producer, partition_for, produce
+from rose.contract.codec import decode, encode
+from rose.contract.events import LeaseState
+from rose.kafka.clients import make_consumer, make_producer, partition_for, produce
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.tasks import TaskQueue
-from rose.tracing import inject_headers, setup_tracing, tracer
+from rose.obs.tracing import inject_headers, setup_tracing, tracer
 from rose.config import TracingConfig
 from tests.examples import command_example
 
@@ -240,12 +240,12 @@ def test_guard_pauses_at_once_and_commands_are_checked(cfg, tmp_path, redis_clie
     revoke; unsigned, badly signed and malformed commands go to the dead-letter topic."""
     import dataclasses
 
-    from consumers.executor import DLQ, Executor
-    from rose.events import Latency
-    from rose.guard import LatencySample, write_latency
-    from rose.kafka import read_all
+    from rose.executor.service import DLQ, Executor
+    from rose.contract.events import Latency
+    from rose.executor.guard import LatencySample, write_latency
+    from rose.kafka.clients import read_all
     from rose.rollout.pause_flag import PAUSE, RUN
-    from rose.signing import sign_headers
+    from rose.contract.signing import sign_headers
 
     key = "k-" + uuid.uuid4().hex
     lat_dir = tmp_path / "lat"

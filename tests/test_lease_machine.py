@@ -11,7 +11,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rose import lease_machine as lm
+from rose.executor import lease_machine as lm
 from tests.examples import command_example
 
 GPU = "node-1/0"

@@ -1,4 +1,4 @@
-"""The lease policy against CONTRACT §3: property tests over generated per-GPU telemetry
+"""The lease policy against docs/contract.md §4: property tests over generated per-GPU telemetry
 sequences (every invariant checked on every event), plus readable examples."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rose.config import PolicyConfig
-from rose.events import Latency, Telemetry
-from rose.lease_policy import (
+from rose.contract.events import Latency, Telemetry
+from rose.policy.lease_policy import (
     POLICY_VERSION,
     Decision,
     GpuView,

@@ -2,8 +2,8 @@
 
 import orjson
 
-from rose.logs import _dumps, setup_logging, get_logger
-from rose.tracing import ensure_provider, tracer
+from rose.obs.logs import _dumps, setup_logging, get_logger
+from rose.obs.tracing import ensure_provider, tracer
 
 
 def test_a_log_line_is_json_with_the_trace_ids_of_the_current_span():

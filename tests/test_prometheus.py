@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from rose import prometheus as prom
+from rose.node import prometheus as prom
 
 BOUNDS = ["0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "+Inf"]
 
@@ -134,7 +134,7 @@ def metrics_server():
 
 
 def test_scrape_a_local_http_server(metrics_server):
-    from producers.agent import scrape
+    from rose.node.agent import scrape
 
     _srv, url = metrics_server
     _Metrics.body = vllm_text([0, 0, 10, 0, 0, 0, 0, 0, 0], [0] * 9, success=10).encode()

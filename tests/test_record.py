@@ -9,10 +9,10 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from consumers.scheduler import Scheduler
+from rose.scheduler.service import Scheduler
 from rose.cli import app
-from rose.kafka import make_producer, produce_event, read_all
-from rose.telemetry_workload import workload
+from rose.kafka.clients import make_producer, produce_event, read_all
+from rose.sim.telemetry_workload import workload
 from tests.examples import lease_state_example
 
 pytestmark = pytest.mark.stack

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from rose.cli import app
 from rose.config import PolicyConfig
-from rose.events import Latency, Telemetry
-from rose.replay import first_divergence, read_log, replay
+from rose.contract.events import Latency, Telemetry
+from rose.policy.replay import first_divergence, read_log, replay
 from tests.conftest import TRACES
 
 GiB = 1 << 30
@@ -25,7 +25,7 @@ runner = CliRunner()
 def trace_telemetry(n_windows: int = 120) -> list[Telemetry]:
     """Telemetry of 3 GPUs serving the Azure conversation trace round robin, 0.5 s windows:
     p99 and KV memory follow the tokens that arrived over the last 2 s on that GPU."""
-    from rose.traces import load_trace
+    from rose.sim.traces import load_trace
 
     path = TRACES / "azure_llm2023_conv.csv"
     if not path.exists():

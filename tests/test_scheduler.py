@@ -14,11 +14,11 @@ from collections import Counter
 import orjson
 import pytest
 
-from consumers.scheduler import Scheduler
-from rose.codec import encode
-from rose.kafka import header, make_producer, produce, produce_event, read_all
+from rose.scheduler.service import Scheduler
+from rose.contract.codec import encode
+from rose.kafka.clients import header, make_producer, produce, produce_event, read_all
 from tests.examples import telemetry_example
-from rose.telemetry_workload import expected_commands, workload
+from rose.sim.telemetry_workload import expected_commands, workload
 from tests.kafka_checks import by_gpu, commands, wait_for_commands
 
 pytestmark = pytest.mark.stack
@@ -119,7 +119,7 @@ def test_trace_context_flows_from_telemetry_to_command(cfg):
 
     from opentelemetry import trace
 
-    from rose.tracing import extract_context, inject_headers, memory_exporter, setup_tracing
+    from rose.obs.tracing import extract_context, inject_headers, memory_exporter, setup_tracing
 
     setup_tracing(dataclasses.replace(cfg.tracing, exporter="memory"))
     exp = memory_exporter()
@@ -151,7 +151,7 @@ def test_trace_context_flows_from_telemetry_to_command(cfg):
 
 
 def test_commands_carry_trace_context_without_an_exporter(cfg):
-    """CONTRACT §1: every message carries W3C trace context, whether traces are exported or not."""
+    """docs/contract.md §3.3: every message carries W3C trace context, whether traces are exported or not."""
     events = workload(2, 8, prefix="tc")
     p = make_producer(cfg.kafka)
     for ev in events:
@@ -170,7 +170,7 @@ def test_the_scheduler_stays_up_while_the_broker_cannot_be_reached(cfg):
     retried, not fatal: the scheduler outlives an outage of any length."""
     import dataclasses
 
-    from consumers.scheduler import RESTARTS, run_scheduler
+    from rose.scheduler.service import RESTARTS, run_scheduler
     from rose.stack import free_port
 
     dead = dataclasses.replace(cfg, kafka=dataclasses.replace(

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rose.codec import MAX_VALUE_BYTES, decode, encode
-from rose.events import Command, InvalidEvent, LeaseState, Telemetry
+from rose.contract.codec import MAX_VALUE_BYTES, decode, encode
+from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
 from tests.examples import command_example, lease_state_example, telemetry_example
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
@@ -131,7 +131,7 @@ EDGES = [0, 0.0, -0.0, -1, 1, 1.0, 2.0, True, None, "", "x", "x" * 257, {}, [], 
 
 
 def _fast_agrees_with_full(d: dict) -> None:
-    from rose.events import _telemetry_fast
+    from rose.contract.events import _telemetry_fast
 
     fast = _telemetry_fast(d)
     try:

@@ -13,7 +13,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
 
 from rose.config import load_config
-from rose.kafka import make_admin, make_producer, produce
+from rose.kafka.clients import make_admin, make_producer, produce
 from tests.kafka_checks import consume_one
 
 pytestmark = pytest.mark.stack

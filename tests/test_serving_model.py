@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rose.serving_model import (
+from rose.sim.serving_model import (
     GPUS, MODELS, EngineConfig, ServingSim, gpu_spec, model_size, spread, windows,
 )
-from rose.traces import Trace
+from rose.sim.traces import Trace
 
 GiB = 1 << 30
 PERIOD = 0.5

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rose.config import PolicyConfig
-from rose.events import Latency, Telemetry
-from rose.lease_policy import GpuView, decide
-from rose.simulate import (POLICIES, SLO_TOLERANCE, EpisodeModel, Ledger, SimConfig, calibration,
+from rose.contract.events import Latency, Telemetry
+from rose.policy.lease_policy import GpuView, decide
+from rose.sim.simulate import (POLICIES, SLO_TOLERANCE, EpisodeModel, Ledger, SimConfig, calibration,
                            simulate)
-from rose.traces import load_trace
+from rose.sim.traces import load_trace
 
 TRACES = ["azure_llm2023_code.csv", "azure_llm2023_conv.csv", "burstgpt1_first400.csv",
           "burstgpt3_first400.csv", "mooncake_fast25_synthetic.jsonl"]

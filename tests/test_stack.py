@@ -6,11 +6,11 @@ import pytest
 
 from confluent_kafka.admin import ConfigResource
 
-from rose.codec import decode
-from rose.events import Telemetry
-from rose.kafka import make_admin, make_producer, produce_event
+from rose.contract.codec import decode
+from rose.contract.events import Telemetry
+from rose.kafka.clients import make_admin, make_producer, produce_event
 from tests.kafka_checks import consume_one
-from rose.topics import create_topics
+from rose.kafka.topics import create_topics
 from tests.examples import telemetry_example
 
 pytestmark = pytest.mark.stack
@@ -56,7 +56,7 @@ def test_consume_batch_returns_what_is_there_without_waiting_out_its_timeout(cfg
 
     from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
-    from rose.kafka import consume_batch, make_consumer, produce
+    from rose.kafka.clients import consume_batch, make_consumer, produce
 
     p = make_producer(cfg.kafka)
     for i in range(10):

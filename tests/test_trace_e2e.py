@@ -10,12 +10,12 @@ import time
 import pytest
 from opentelemetry import trace
 
-from consumers.executor import Executor
-from consumers.scheduler import Scheduler
-from rose.codec import encode
-from rose.kafka import make_producer, produce
-from rose.telemetry_workload import workload
-from rose.tracing import inject_headers, memory_exporter, setup_tracing
+from rose.executor.service import Executor
+from rose.scheduler.service import Scheduler
+from rose.contract.codec import encode
+from rose.kafka.clients import make_producer, produce
+from rose.sim.telemetry_workload import workload
+from rose.obs.tracing import inject_headers, memory_exporter, setup_tracing
 
 pytestmark = pytest.mark.stack
 

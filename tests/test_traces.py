@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rose.traces import TraceError, load_trace, parse_trace
+from rose.sim.traces import TraceError, load_trace, parse_trace
 
 
 @pytest.mark.parametrize("name,fmt,rows", [

@@ -32,8 +32,8 @@ def _vllm_page(step: int) -> str:
 
 
 def _real_path_us_per_event(n: int) -> float:
-    from producers.agent import telemetry_records
-    from rose import prometheus
+    from rose.node.agent import telemetry_records
+    from rose.node import prometheus
 
     names = prometheus.metric_names("vllm")
     keep = prometheus.all_names(names)
@@ -52,11 +52,11 @@ def _real_path_us_per_event(n: int) -> float:
 
 
 def run(cfg, quick: bool) -> dict:
-    from producers.agent import SimOptions, run_simulated
-    from rose.kafka import wait_for_broker
-    from rose.telemetry_publisher import TelemetryPublisher
-    from rose.topics import create_topics, delete_topics
-    from rose.traces import TraceError
+    from rose.node.agent import SimOptions, run_simulated
+    from rose.kafka.clients import wait_for_broker
+    from rose.kafka.telemetry_publisher import TelemetryPublisher
+    from rose.kafka.topics import create_topics, delete_topics
+    from rose.sim.traces import TraceError
 
     import dataclasses
     from pathlib import Path

@@ -16,8 +16,8 @@ def run(cfg, quick: bool) -> dict:
     import torch
 
     from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
-    from rose.events import Latency
-    from rose.guard import FileLatencySource, Guard, LatencySample, default_latency_dir, write_latency
+    from rose.contract.events import Latency
+    from rose.executor.guard import FileLatencySource, Guard, LatencySample, default_latency_dir, write_latency
     from rose.rollout.pause_flag import PAUSE, RUN, PauseFlag
     from rose.rollout.worker import WorkerSpec
 

@@ -16,13 +16,13 @@ def run(cfg, quick: bool) -> dict:
 
     import psutil
 
-    from consumers.executor import Executor
+    from rose.executor.service import Executor
     from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
-    from rose.codec import decode, encode
-    from rose.events import Command, LeaseState, Latency
-    from rose.guard import LatencySample, default_latency_dir, write_latency
-    from rose.kafka import make_consumer, make_producer, produce
-    from rose.logs import setup_logging
+    from rose.contract.codec import decode, encode
+    from rose.contract.events import Command, LeaseState, Latency
+    from rose.executor.guard import LatencySample, default_latency_dir, write_latency
+    from rose.kafka.clients import make_consumer, make_producer, produce
+    from rose.obs.logs import setup_logging
     from rose.rollout.pause_flag import PAUSE, RUN
 
     setup_logging("WARNING")

@@ -12,8 +12,8 @@ GOAL_P99_MS = 20.0
 
 
 def _fill(cfg: Config, events) -> None:
-    from rose.codec import encode
-    from rose.kafka import make_producer, produce
+    from rose.contract.codec import encode
+    from rose.kafka.clients import make_producer, produce
 
     p = make_producer(cfg.kafka, **{"linger.ms": 20})
     topic = cfg.kafka.telemetry_topic
@@ -24,9 +24,9 @@ def _fill(cfg: Config, events) -> None:
 
 def _raw_rate(cfg: Config, n: int) -> float:
     """Consume and decode the same messages, no decisions: the ceiling for the scheduler."""
-    from rose.codec import decode
-    from rose.events import Telemetry
-    from rose.kafka import make_consumer
+    from rose.contract.codec import decode
+    from rose.contract.events import Telemetry
+    from rose.kafka.clients import make_consumer
 
     c = make_consumer(cfg.kafka, f"{cfg.kafka.topic_prefix}raw", **{"fetch.wait.max.ms": 5})
     c.subscribe([cfg.kafka.telemetry_topic])
@@ -46,7 +46,7 @@ def _raw_rate(cfg: Config, n: int) -> float:
 
 
 def _scheduler_rate(cfg: Config, n: int) -> tuple[float, int]:
-    from consumers.scheduler import Scheduler
+    from rose.scheduler.service import Scheduler
 
     s = Scheduler(cfg, instance="bench-throughput", batch_max=10000)
     s.start()
@@ -64,9 +64,9 @@ def _scheduler_rate(cfg: Config, n: int) -> tuple[float, int]:
 
 def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
     """The latency bench's telemetry source: a tick of every GPU's event at `rate_per_s`."""
-    from rose.codec import encode
-    from rose.kafka import make_producer, produce
-    from rose.telemetry_workload import workload
+    from rose.contract.codec import encode
+    from rose.kafka.clients import make_producer, produce
+    from rose.sim.telemetry_workload import workload
 
     events = workload(n_gpus, ticks, seed=5, prefix="lat")
     p = make_producer(cfg.kafka)
@@ -85,7 +85,7 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
     scheduler's interpreter lock and its time would count as decision latency."""
     import multiprocessing
 
-    from consumers.scheduler import Scheduler
+    from rose.scheduler.service import Scheduler
 
     s = Scheduler(cfg, instance="bench-latency", group="rose-scheduler-latency", batch_max=2000,
                   record_latencies=True)
@@ -120,7 +120,7 @@ def run(cfg: Config, quick: bool = False) -> dict:
     import dataclasses
 
     from rose.bench._stack import private_stack
-    from rose.telemetry_workload import workload
+    from rose.sim.telemetry_workload import workload
 
     n_gpus, n_ticks = (200, 100) if quick else (1000, 200)
     with private_stack(cfg, "sched") as c:

@@ -25,7 +25,7 @@ def _lag(cfg: Config, group: str) -> int:
     """Committed offsets of the scheduler's group vs the end of the telemetry topic."""
     from confluent_kafka import TopicPartition
 
-    from rose.kafka import make_consumer, partitions_of
+    from rose.kafka.clients import make_consumer, partitions_of
 
     c = make_consumer(cfg.kafka, group)
     try:
@@ -41,7 +41,7 @@ def _lag(cfg: Config, group: str) -> int:
 
 def _decision_hist(port: int):
     """The scheduler's decision-latency histogram (bounds, cumulative counts) from /metrics."""
-    from rose.prometheus import parse
+    from rose.node.prometheus import parse
 
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -52,7 +52,7 @@ def _decision_hist(port: int):
 
 def _window_p99_ms(now, prev) -> float | None:
     """p99 of the decisions made since the previous sample (histogram delta)."""
-    from rose.prometheus import quantile
+    from rose.node.prometheus import quantile
 
     if now is None:
         return None

@@ -14,7 +14,7 @@ import sys
 import typer
 
 from rose.config import ConfigError, load_config
-from rose.events import InvalidEvent
+from rose.contract.events import InvalidEvent
 
 app = typer.Typer(
     name="rose",

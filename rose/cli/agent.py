@@ -61,18 +61,18 @@ def register(app: typer.Typer) -> None:
         signal.signal(signal.SIGINT, on_signal)
         stop = lambda: stopping["flag"]  # noqa: E731
 
-        from rose.logs import setup_logging
-        from rose.tracing import setup_tracing
+        from rose.obs.logs import setup_logging
+        from rose.obs.tracing import setup_tracing
 
         setup_logging()
         setup_tracing(cfg.tracing, service="rose-agent")
         if metrics_port is not None:
-            from rose import metrics
+            from rose.obs import metrics
 
             metrics.serve(metrics_port, health=lambda: not stopping["flag"])
 
         if nvml:
-            from rose.nvml import Nvml, NvmlUnavailable
+            from rose.node.nvml import Nvml, NvmlUnavailable
 
             if not metrics_url:
                 fail("--nvml needs --metrics-url URL (the serving engine's Prometheus endpoint)")
@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
                 nv = Nvml()
             except NvmlUnavailable as e:
                 fail(str(e), code=3)
-            from rose import prometheus
+            from rose.node import prometheus
 
             try:
                 prometheus.metric_names(cfg.telemetry.engine, cfg.telemetry.metrics)
@@ -88,10 +88,10 @@ def register(app: typer.Typer) -> None:
                 fail(str(e))
             if len(metric_url_set := metric_url_list(metrics_url)) not in (1, len(nv)):
                 fail(f"--metrics-url given {len(metric_url_set)} times for {len(nv)} GPUs (give 1 or {len(nv)})")
-            from producers.agent import NvmlOptions, run_nvml
-            from rose.telemetry_publisher import TelemetryPublisher
+            from rose.node.agent import NvmlOptions, run_nvml
+            from rose.kafka.telemetry_publisher import TelemetryPublisher
 
-            from rose.guard import default_latency_dir
+            from rose.executor.guard import default_latency_dir
 
             pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
                                      linger_ms=cfg.telemetry.linger_ms)
@@ -102,10 +102,10 @@ def register(app: typer.Typer) -> None:
                 left = pub.flush(5.0)
                 nv.close()
         else:
-            from producers.agent import SimOptions, run_simulated
-            from rose.serving_model import gpu_spec, model_size as model_preset
-            from rose.telemetry_publisher import TelemetryPublisher
-            from rose.traces import TraceError, load_trace
+            from rose.node.agent import SimOptions, run_simulated
+            from rose.sim.serving_model import gpu_spec, model_size as model_preset
+            from rose.kafka.telemetry_publisher import TelemetryPublisher
+            from rose.sim.traces import TraceError, load_trace
 
             try:
                 load_trace(simulate)  # validate before connecting anywhere
@@ -115,7 +115,7 @@ def register(app: typer.Typer) -> None:
                 fail(str(e))
             except ValueError as e:
                 fail(f"--model-size/--gpu-type: {e}")
-            from rose.guard import default_latency_dir
+            from rose.executor.guard import default_latency_dir
 
             pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
                                      linger_ms=cfg.telemetry.linger_ms)

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
             mod = benches.load(name)
         except KeyError:
             fail(f"unknown benchmark {name!r}; known: {', '.join(benches.names())}")
-        from rose.logs import setup_logging
+        from rose.obs.logs import setup_logging
 
         setup_logging("WARNING")  # stdout carries only the JSON
         result = mod.run(cli_config(), quick=quick)

@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
         trainer closing the RL loop; a live view; a report in --report."""
         from rose.cli import _state, cli_config, fail
         from rose.demo.orchestrator import DemoError, DemoOptions, run_demo
-        from rose.traces import TraceError, load_trace
+        from rose.sim.traces import TraceError, load_trace
 
         if not duration >= 20:
             fail(f"--duration must be >= 20 seconds, got {duration}")
@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
             load_trace(trace or default_trace())
         except TraceError as e:
             fail(f"--trace: {e}")
-        from rose.logs import setup_logging
+        from rose.obs.logs import setup_logging
 
         setup_logging("WARNING")
         cfg = cli_config()

@@ -34,11 +34,11 @@ def register(app: typer.Typer) -> None:
                                        (device.startswith("cuda:") and device[5:].isdigit())):
             fail(f"--device: expected cpu, cuda or cuda:N, got {device!r}")
 
-        from consumers.executor import Executor, simulated_gpus
-        from rose import metrics
-        from rose.kafka import wait_for_broker
-        from rose.logs import setup_logging
-        from rose.tracing import setup_tracing
+        from rose.executor.service import Executor, simulated_gpus
+        from rose.obs import metrics
+        from rose.kafka.clients import wait_for_broker
+        from rose.obs.logs import setup_logging
+        from rose.obs.tracing import setup_tracing
 
         cfg = cli_config()
         if job:

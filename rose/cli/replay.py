@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         from confluent_kafka import KafkaException
 
         from rose.cli import cli_config, fail
-        from rose.kafka import message_record, read_all, wait_for_broker
+        from rose.kafka.clients import message_record, read_all, wait_for_broker
 
         k = cli_config().kafka
         names = [t.strip() for t in topics.split(",") if t.strip()]
@@ -76,8 +76,8 @@ def register(app: typer.Typer) -> None:
         """Re-run the lease policy over the telemetry in LOG; one command a line, byte-identical every run."""
         from rose.cli import cli_config, fail
         from rose.config import ConfigError, load_config
-        from rose.replay import encode_commands, explain_lease_state, explain_step, first_divergence, read_log
-        from rose.replay import replay as run_replay
+        from rose.policy.replay import encode_commands, explain_lease_state, explain_step, first_divergence, read_log
+        from rose.policy.replay import replay as run_replay
 
         try:
             cfg = load_config(config) if config is not None else cli_config()

@@ -16,11 +16,11 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option("INFO"),
     ) -> None:
         """The stateless lease scheduler: telemetry in, commands out, exactly once, until SIGTERM."""
-        from consumers.scheduler import FatalSchedulerError, run_scheduler
+        from rose.scheduler.service import FatalSchedulerError, run_scheduler
         from rose.cli import cli_config, fail
-        from rose.kafka import wait_for_broker
-        from rose.logs import setup_logging
-        from rose.tracing import setup_tracing
+        from rose.kafka.clients import wait_for_broker
+        from rose.obs.logs import setup_logging
+        from rose.obs.tracing import setup_tracing
 
         cfg = cli_config()
         setup_logging(log_level)

@@ -33,8 +33,8 @@ def register(app: typer.Typer) -> None:
         import orjson
 
         from rose.cli import cli_config, fail
-        from rose.simulate import POLICIES, SimConfig, calibration, simulate as run_sim
-        from rose.traces import TraceError, load_trace
+        from rose.sim.simulate import POLICIES, SimConfig, calibration, simulate as run_sim
+        from rose.sim.traces import TraceError, load_trace
 
         names = POLICIES if policy.strip() == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
         bad = [p for p in names if p not in POLICIES]
@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:
             fail(str(e))
         if report is not None:
-            from rose.simulate_report import write_report
+            from rose.sim.report import write_report
 
             write_report(result, report)
         if not series:
@@ -111,9 +111,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """`rose simulate` on the Azure code/conv and BurstGPT traces for 7B–70B, beside the paper's claim."""
         from rose.cli import cli_config, fail
-        from rose.simulate import SimConfig, simulate as run_sim
-        from rose.simulate_report import paper_check_markdown
-        from rose.traces import TraceError, load_trace
+        from rose.sim.simulate import SimConfig, simulate as run_sim
+        from rose.sim.report import paper_check_markdown
+        from rose.sim.traces import TraceError, load_trace
 
         folder = traces or Path(__file__).resolve().parents[2].parent / "shared" / "traces"
         names = ("azure_llm2023_code.csv", "azure_llm2023_conv.csv", "burstgpt1_first400.csv")

@@ -167,9 +167,9 @@ def follow(
     """Apply the weight stream exactly once; keep OUT/weights.safetensors at the newest version."""
     import redis
 
-    from rose import metrics
+    from rose.obs import metrics
     from rose.cli import cli_config
-    from rose.logs import setup_logging
+    from rose.obs.logs import setup_logging
     from rose.weights.follower import FileStateStore, WeightFollower
 
     setup_logging()

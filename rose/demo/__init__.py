@@ -8,7 +8,7 @@ What runs (rose.demo.orchestrator starts and stops every process):
   requests replayed from the same trace on this machine's CPU (CUDA when present), its TTFT
   and TPOT measured by wall clock around the forward passes;
 * the lease scheduler (`rose scheduler`) and executors for both kinds of GPU
-  (rose.demo.executor_node: `consumers.executor.Executor` whose workers follow the trainer's
+  (rose.demo.executor_node: `rose.executor.service.Executor` whose workers follow the trainer's
   weights), a dedicated rollout worker that is always on;
 * a trainer (rose.demo.trainer) closing the RL loop: REINFORCE on the collected trajectories,
   weight deltas through Redis after every optimizer step.

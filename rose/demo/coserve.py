@@ -128,8 +128,8 @@ class CoServed:
 
         from rose.rollout.engine import MemoryBudget, TorchEngine
         from rose.rollout.policy_model import ModelSpec, init_state_dict
-        from rose.serving_model import spread
-        from rose.traces import load_trace
+        from rose.sim.serving_model import spread
+        from rose.sim.traces import load_trace
 
         self.spec, self.cfg, self.r = spec, cfg, r
         torch.set_num_threads(spec.threads)
@@ -163,11 +163,11 @@ class CoServed:
     def run(self) -> dict:
         import psutil
 
-        from producers.agent import LeaseFollower, LeaseView, telemetry_records
-        from rose.guard import LatencySample, write_latency
-        from rose.events import Latency
+        from rose.node.agent import LeaseFollower, LeaseView, telemetry_records
+        from rose.executor.guard import LatencySample, write_latency
+        from rose.contract.events import Latency
         from rose.rollout.engine import GenRequest
-        from rose.telemetry_publisher import TelemetryPublisher
+        from rose.kafka.telemetry_publisher import TelemetryPublisher
 
         spec, cfg, r = self.spec, self.cfg, self.r
         key = cfg.redis.key

@@ -1,4 +1,4 @@
-"""An executor process for the demo: `consumers.executor.Executor`, unchanged, whose rollout
+"""An executor process for the demo: `rose.executor.service.Executor`, unchanged, whose rollout
 workers follow the trainer's weight stream (`weights="follow"`) with the demo's slot count.
 
     python -m rose.demo.executor_node --gpus sim/0,sim/1 [--device cpu] [--no-guard] [--worker-cpus 1] \
@@ -20,7 +20,7 @@ import sys
 def patched_worker_argv(overrides: dict, cpus: str = ""):
     """A `worker_argv` for Executor: the stock command with WorkerSpec fields overridden, run on
     the CPU list `cpus` (taskset syntax, "" = any) — the demo's co-served "device" core."""
-    from consumers.executor import worker_command
+    from rose.executor.service import worker_command
 
     def argv(cfg, start, flag_name: str, device: str, seed: int) -> list[str]:
         out = list(worker_command(cfg, start, flag_name, device, seed))
@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import redis
 
-    from consumers.executor import Executor
+    from rose.executor.service import Executor
     from rose.config import load_config
-    from rose.kafka import wait_for_broker
-    from rose.logs import setup_logging
+    from rose.kafka.clients import wait_for_broker
+    from rose.obs.logs import setup_logging
 
     setup_logging("INFO")
     cfg = load_config()

@@ -168,7 +168,7 @@ class Demo:
         self.cuda = _cuda()
         self.real_device = "cuda:0" if self.cuda else "cpu"
         self.report_dir = Path(opts.report_dir)
-        from rose.guard import default_latency_dir
+        from rose.executor.guard import default_latency_dir
 
         self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
         # On CPU the co-served "device" is one core: the serving model and its leased rollout worker
@@ -244,8 +244,8 @@ class Demo:
                 stack.redis_down()
 
     def _run_on_stack(self) -> dict:
-        from rose.kafka import wait_for_broker
-        from rose.topics import create_topics
+        from rose.kafka.clients import wait_for_broker
+        from rose.kafka.topics import create_topics
 
         if os.path.isdir(self.report_dir / "logs"):
             shutil.rmtree(self.report_dir / "logs")
@@ -378,7 +378,7 @@ class Demo:
         would be stale before they start)."""
         from confluent_kafka import TopicPartition
 
-        from rose.kafka import make_consumer, partitions_of
+        from rose.kafka.clients import make_consumer, partitions_of
 
         k = self.cfg.kafka
         from rose.demo.observed import quiet_logger
@@ -453,7 +453,7 @@ class Demo:
             return
         import redis
 
-        from rose.topics import delete_topics, topic_specs
+        from rose.kafka.topics import delete_topics, topic_specs
 
         try:
             delete_topics(self.cfg.kafka, list(topic_specs(self.cfg.kafka)))

@@ -42,7 +42,7 @@ def spec_main(prog: str, spec_cls, make, argv: list[str] | None = None) -> int:
     import redis
 
     from rose.config import load_config
-    from rose.logs import setup_logging
+    from rose.obs.logs import setup_logging
 
     setup_logging("WARNING")
     cfg = load_config()

@@ -1,7 +1,7 @@
 """The agentic task queue on Redis Streams: the trainer submits episodes, rollout workers
 take them through one consumer group, and finished trajectories go to a results stream.
 
-Keys (`RedisConfig.key`): `tasks:{job}` (the shared stream, CONTRACT §1), `results:{job}`,
+Keys (`RedisConfig.key`): `tasks:{job}` (the shared stream, docs/contract.md §6.1), `results:{job}`,
 `tasks:{job}:to:{worker}` (directed streams: a turn routed to one worker for cache
 affinity; any worker may take it once it has waited `grace_ms`), `tasks:{job}:workers`
 (the set of directed streams), `tasks:{job}:stats` (submitted/completed per RL step),

@@ -1,4 +1,4 @@
-"""The Redis stream entry of the weight stream (CONTRACT §4), and its HMAC.
+"""The Redis stream entry of the weight stream (docs/contract.md §6), and its HMAC.
 
 Fields (all bytes): seq, version, kind (full | delta | commit), shard, part, parts, codec,
 raw (bytes of the whole shard), size (bytes of this part's payload), sum (hex checksum of

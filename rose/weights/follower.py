@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from rose import metrics
+from rose.obs import metrics
 from rose.config import RedisConfig
-from rose.logs import get_logger
+from rose.obs.logs import get_logger
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json

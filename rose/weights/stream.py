@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import orjson
 
 from rose.config import RedisConfig
-from rose.logs import get_logger
+from rose.obs.logs import get_logger
 from rose.weights import codec as wcodec
 from rose.weights.checkpoint import from_state_dict
 from rose.weights.entries import Entry, to_fields

@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from rose.codec import decode
+from rose.contract.codec import decode
 from rose.config import Config
-from rose.events import InvalidEvent, Telemetry
-from rose.kafka import read_all
-from rose.lease_policy import check_admission
-from rose.telemetry_workload import expected_commands
+from rose.contract.events import InvalidEvent, Telemetry
+from rose.kafka.clients import read_all
+from rose.policy.lease_policy import check_admission
+from rose.sim.telemetry_workload import expected_commands
 
 LEASE_ENDS = ("revoked", "expired")
 EXECUTOR_ENDS = ("expired", "rejected")  # a lease ended by the executor, not by a command

@@ -36,12 +36,12 @@ import psutil
 import pytest
 import redis as redis_lib
 
-from rose.codec import encode
-from rose.kafka import make_consumer, make_producer, partitions_of, produce, read_all
+from rose.contract.codec import encode
+from rose.kafka.clients import make_consumer, make_producer, partitions_of, produce, read_all
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.tasks import TaskQueue
 from rose.rollout.worker import WorkerSpec
-from rose.telemetry_workload import workload
+from rose.sim.telemetry_workload import workload
 from tests.faults import audit
 
 pytestmark = pytest.mark.stack

@@ -12,9 +12,9 @@ import time
 import orjson
 import pytest
 
-from consumers.executor import Executor
-from rose.codec import encode
-from rose.kafka import header, make_producer, produce, read_all
+from rose.executor.service import Executor
+from rose.contract.codec import encode
+from rose.kafka.clients import header, make_producer, produce, read_all
 from tests.examples import command_example
 
 pytestmark = pytest.mark.stack

@@ -10,10 +10,10 @@ import time
 import orjson
 import pytest
 
-from consumers.scheduler import Scheduler
-from rose.codec import encode
-from rose.kafka import header, make_producer, produce, read_all
-from rose.telemetry_workload import expected_commands, workload
+from rose.scheduler.service import Scheduler
+from rose.contract.codec import encode
+from rose.kafka.clients import header, make_producer, produce, read_all
+from rose.sim.telemetry_workload import expected_commands, workload
 
 pytestmark = pytest.mark.stack
 

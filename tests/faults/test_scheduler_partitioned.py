@@ -18,9 +18,9 @@ from collections import Counter
 import orjson
 import pytest
 
-from rose.codec import encode
-from rose.events import Latency, Telemetry
-from rose.kafka import make_producer, produce, read_all
+from rose.contract.codec import encode
+from rose.contract.events import Latency, Telemetry
+from rose.kafka.clients import make_producer, produce, read_all
 
 pytestmark = pytest.mark.stack
 GPU = "part/0"

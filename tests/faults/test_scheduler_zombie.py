@@ -17,9 +17,9 @@ from collections import Counter
 
 import pytest
 
-from rose.codec import encode
-from rose.kafka import make_producer, produce
-from rose.telemetry_workload import expected_commands, workload
+from rose.contract.codec import encode
+from rose.kafka.clients import make_producer, produce
+from rose.sim.telemetry_workload import expected_commands, workload
 from tests.kafka_checks import by_gpu, wait_for_commands
 
 pytestmark = pytest.mark.stack

@@ -1,6 +1,6 @@
 """Request traces of LLM serving, read into compact numpy arrays.
 
-Formats (CONTRACT §5), detected from the header or first line:
+Formats (docs/contract.md §7), detected from the header or first line:
 
 * Azure LLM inference CSV: ``TIMESTAMP,ContextTokens,GeneratedTokens`` with wall-clock
   timestamps ``YYYY-MM-DD HH:MM:SS.fffffff`` (Splitwise traces).

@@ -50,7 +50,7 @@ def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProv
 
 def ensure_provider() -> None:
     """Install an SDK tracer provider (exporting nothing) unless one is set, so spans get
-    real ids and every message still carries W3C trace context (CONTRACT §1) when no
+    real ids and every message still carries W3C trace context (docs/contract.md §3.3) when no
     exporter is configured or setup_tracing was never called."""
     if not isinstance(trace.get_tracer_provider(), TracerProvider):
         trace.set_tracer_provider(TracerProvider(resource=Resource.create({"service.name": "rose"})))

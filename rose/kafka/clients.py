@@ -14,9 +14,9 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from rose.codec import encode
+from rose.contract.codec import encode
 from rose.config import KafkaConfig
-from rose.events import Event
+from rose.contract.events import Event
 
 Headers = list[tuple[str, bytes]]
 

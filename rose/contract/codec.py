@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from rose.events import EVENT_TYPES, Event, InvalidEvent
+from rose.contract.events import EVENT_TYPES, Event, InvalidEvent
 
 MAX_VALUE_BYTES = 1 << 20  # 1 MiB: a telemetry or command value is < 1 KiB; more is hostile
 

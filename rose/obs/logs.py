@@ -9,7 +9,7 @@ import sys
 import orjson
 import structlog
 
-from rose.tracing import trace_ids
+from rose.obs.tracing import trace_ids
 
 
 def _add_trace_ids(_logger, _name, event_dict):

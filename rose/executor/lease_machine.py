@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Union
 
-from rose.events import Command
+from rose.contract.events import Command
 
 SEEN_MAX = 256  # command ids remembered per GPU for duplicate detection (epochs fence older ones)
 

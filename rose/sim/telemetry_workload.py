@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 import time
 
-from rose.events import Latency, Telemetry
-from rose.lease_policy import decide
+from rose.contract.events import Latency, Telemetry
+from rose.policy.lease_policy import decide
 
 GiB = 1 << 30
 

@@ -5,7 +5,7 @@ function; a second implementation of the policy anywhere is a defect. No I/O, no
 clock, no randomness: time is the event's `ts`, command ids are hashes of their cause,
 so the same telemetry log and config always give byte-identical commands.
 
-What it implements (CONTRACT §3, thresholds from `PolicyConfig`):
+What it implements (docs/contract.md §4, thresholds from `PolicyConfig`):
 
 * Headroom of an SLO metric is `1 - p99 / slo`. A GPU is *eligible* on an event when every
   metric has headroom ≥ `grant_headroom`; `streak` counts consecutive eligible events.
@@ -89,7 +89,7 @@ import hashlib
 from dataclasses import dataclass, fields
 
 from rose.config import PolicyConfig
-from rose.events import Command, InvalidEvent, LeaseState, Telemetry
+from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
 
 POLICY_VERSION = "1"
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from rose import metrics
+from rose.obs import metrics
 from rose.config import KafkaConfig
-from rose.logs import get_logger
+from rose.obs.logs import get_logger
 
 Headers = list[tuple[str, bytes]]
 
@@ -52,7 +52,7 @@ class TelemetryPublisher:
         self.producer = self._make()
 
     def _make(self):
-        from rose.kafka import make_producer
+        from rose.kafka.clients import make_producer
 
         return make_producer(self.kcfg, **{k: v for k, v in self._conf.items()})
 

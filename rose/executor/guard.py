@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 import orjson
 
-from rose.events import InvalidEvent, Latency
+from rose.contract.events import InvalidEvent, Latency
 
 
 @dataclass(frozen=True, slots=True)

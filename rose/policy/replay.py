@@ -18,9 +18,9 @@ from typing import Callable, Iterable
 
 import orjson
 
-from rose.codec import load_object
+from rose.contract.codec import load_object
 from rose.config import PolicyConfig
-from rose.events import (
+from rose.contract.events import (
     COMMAND_SCHEMA,
     LEASE_STATE_SCHEMA,
     TELEMETRY_SCHEMA,
@@ -29,7 +29,7 @@ from rose.events import (
     LeaseState,
     Telemetry,
 )
-from rose.lease_policy import Decision, GpuView, check_admission, decide, observe_lease_state
+from rose.policy.lease_policy import Decision, GpuView, check_admission, decide, observe_lease_state
 
 _GiB = float(1 << 30)
 _PLAIN = {TELEMETRY_SCHEMA: Telemetry, COMMAND_SCHEMA: Command, LEASE_STATE_SCHEMA: LeaseState}
@@ -181,7 +181,7 @@ def _fold(pending, views, gpu, lineno, record_ms, cfg, on_lease_state) -> None:
 
 
 def encode_commands(commands: Iterable[Command]) -> bytes:
-    """NDJSON, one CONTRACT §2 command a line: the byte-identical replay output."""
+    """NDJSON, one docs/contract.md §2 command a line: the byte-identical replay output."""
     return b"".join(orjson.dumps(c.to_dict()) + b"\n" for c in commands)
 
 

@@ -100,10 +100,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from rose.config import PolicyConfig
-from rose.events import Latency, Telemetry
-from rose.lease_policy import GpuView, decide
-from rose.serving_model import EngineConfig, ServingSim, gpu_spec, model_size
-from rose.traces import Trace
+from rose.contract.events import Latency, Telemetry
+from rose.policy.lease_policy import GpuView, decide
+from rose.sim.serving_model import EngineConfig, ServingSim, gpu_spec, model_size
+from rose.sim.traces import Trace
 
 POLICIES = ("static", "elastic", "share-all", "rose")
 

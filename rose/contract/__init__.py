@@ -1,0 +1,1 @@
+"""The wire: typed events, their bytes, their signatures."""

@@ -1,0 +1,445 @@
+"""`rose executor`: obey the lease command stream on one serving node and run rollout workers
+inside the leases (the imperative shell around rose.lease_machine).
+
+Which commands it reads: the executor ASSIGNS itself the partitions of rose.commands that hold
+its GPUs' keys and drops the other keys on them. ROSE's producers partition keys with murmur2
+(`rose.kafka.make_producer` sets `partitioner=murmur2_random`, the Java client's default), so
+`rose.kafka.partition_for(gpu, n)` names the partition of each GPU. Why not a consumer group:
+a group spreads partitions over its members without regard to which node owns which GPU, so
+every executor would need its own group reading every partition — N nodes × the whole command
+stream. Assignment reads only what can concern this node, needs no rebalancing (a node's GPUs do
+not move), and restarts without waiting for a group to settle. The group id (stable per GPU set)
+is used only to commit offsets; a first start reads from `executor.lookback_s` ago. Isolation is
+read_committed: the scheduler produces transactionally.
+
+State is never trusted from memory: at start the highest epoch and the last word of each GPU are
+rebuilt from the compacted lease-state topic (rose.lease_machine.restore). Each command's TTL is
+`expires_at - ts`, counted on this host's monotonic clock from receipt, less its transit age
+(now − the record's timestamp), so a command replayed after a restart cannot start a lease that
+is already over. Workers get PR_SET_PDEATHSIG=SIGTERM: if the executor dies, they drain (push
+unfinished episodes back to the queue) and exit, and serving gets its GPU back.
+
+Every transition is a `lease.apply` span, child of the command's trace context, and the
+lease-state message carries the span's context. Malformed commands (and, with
+`security.command_hmac_key` set, unsigned or badly signed ones) go to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, Message, Producer, TopicPartition
+
+from rose.executor import lease_machine as lm
+from rose.obs import metrics
+from rose.contract.codec import decode, encode
+from rose.config import Config
+from rose.contract.events import Command, InvalidEvent, LeaseState
+from rose.executor.guard import FileLatencySource, Guard, LatencySource
+from rose.kafka.clients import consume_batch, dead_letter, header, make_consumer, make_producer, partition_for, partitions_of, \
+    produce, read_partitions, retrying
+from rose.obs.logs import get_logger
+from rose.contract.signing import SIGNATURE_HEADER, verify
+from rose.obs.tracing import extract_context, inject_headers, tracer
+
+COMMANDS_IN = metrics.counter("rose_executor_commands_total", "Commands for this node's GPUs, by kind")
+TRANSITIONS = metrics.counter("rose_executor_transitions_total", "Lease states published, by state")
+DLQ = metrics.counter("rose_executor_dlq_total", "Commands sent to the dead-letter topic")
+GUARD_TRIPS = metrics.counter("rose_executor_guard_trips_total", "Local guard pauses")
+KILLS = metrics.counter("rose_executor_worker_kills_total", "Workers killed at the revoke deadline")
+WORKERS = metrics.gauge("rose_executor_workers", "Rollout workers alive")
+ROLLOUT_MEM = metrics.gauge("rose_executor_rollout_mem_bytes", "Measured rollout memory, by gpu")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def simulated_gpus(n: int) -> list[str]:
+    return [f"sim/{i}" for i in range(n)]
+
+
+def command_group(gpus: list[str]) -> str:
+    """Offsets are committed under a group id that is stable for a node's set of GPUs."""
+    return "rose-executor-" + hashlib.sha1(",".join(sorted(gpus)).encode()).hexdigest()[:16]
+
+
+def _child_setup():
+    """Runs in the forked worker before exec: SIGTERM it (drain) when the executor dies.
+    (The worker lowers its own OS priority from WorkerSpec.nice.)"""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork; the child only calls it
+
+    def setup() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    return setup
+
+
+def placeholder_command(cfg: Config, start: lm.Start, flag_name: str, device: str, seed: int) -> list[str]:
+    """A stand-in process for a worker (`executor.worker = "placeholder"`): it holds the lease's
+    slot and dies on SIGTERM, so load and soak runs exercise the whole control plane on fleets
+    of thousands of GPUs without a model per lease."""
+    return ["sleep", "infinity"]
+
+
+def worker_command(cfg: Config, start: lm.Start, flag_name: str, device: str, seed: int) -> list[str]:
+    """The argv of a rollout worker for a lease (rose.rollout.worker)."""
+    from rose.rollout.worker import WorkerSpec
+
+    spec = WorkerSpec(gpu=start.gpu, worker_id=f"{socket.gethostname()}:{start.gpu}:{start.epoch}",
+                      redis_url=cfg.redis.url, key_prefix=cfg.redis.key_prefix, job=cfg.executor.job,
+                      model=cfg.executor.model, device=device, mem_bytes=start.mem_bytes,
+                      compute_share=start.compute_share, pause_flag=flag_name, dedicated=False,
+                      nice=cfg.executor.worker_nice, seed=seed, weights=cfg.executor.worker_weights)
+    argv = list(spec.to_argv())
+    if argv and os.path.basename(argv[0]).startswith("python"):
+        return argv
+    return [sys.executable, "-m", "rose.rollout.worker", *argv]
+
+
+def measure_rollout_mem(pid: int, device: str) -> int:
+    """Bytes the worker holds: NVML per-process memory on CUDA when available, else RSS."""
+    if device.startswith("cuda"):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            idx = int(device.split(":")[1]) if ":" in device else 0
+            h = pynvml.nvmlDeviceGetHandleByIndex(idx)
+            used = sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == pid)
+            if used:
+                return int(used)
+        except Exception:  # noqa: BLE001 - NVML absent or no permission: fall back to RSS
+            pass
+    try:
+        proc = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
+
+
+@dataclass
+class WorkerHandle:
+    gpu: str
+    proc: subprocess.Popen
+    flag: object  # rose.rollout.pause_flag.PauseFlag
+    epoch: int
+    started_ns: int = field(default_factory=time.monotonic_ns)
+
+
+class Executor:
+    """One node's executor. `start()`, then `run_once()` in a loop (or `run()`), `shutdown()`."""
+
+    def __init__(self, cfg: Config, gpus: list[str], device: str = "cpu",
+                 latency_source: LatencySource | None = None, guard: bool = True,
+                 worker_argv=worker_command, log_name: str = "rose.executor"):
+        if not gpus:
+            raise ValueError("executor: no GPUs to manage")
+        self.cfg = cfg
+        self.k = cfg.kafka
+        self.gpus = list(dict.fromkeys(gpus))
+        self.device = device
+        self.params = lm.Params(revoke_deadline_s=cfg.executor.revoke_deadline_s,
+                                restart_backoff_s=cfg.executor.restart_backoff_s)
+        self.states: dict[str, lm.GpuLease] = {g: lm.initial(g) for g in self.gpus}
+        self.workers: dict[str, WorkerHandle] = {}
+        if cfg.executor.worker == "placeholder":
+            worker_argv = placeholder_command
+        elif cfg.executor.worker != "rollout":
+            raise ValueError(f"executor.worker: expected rollout or placeholder, got {cfg.executor.worker!r}")
+        self.worker_argv = worker_argv
+        self.log = get_logger(log_name, gpus=",".join(self.gpus) if len(self.gpus) <= 8 else f"{len(self.gpus)} GPUs")
+        self._tracer = tracer("rose.executor")
+        self._hmac = cfg.security.command_hmac_key or None
+        self._stopping = False
+        self._flag_seq = 0
+        self._seed = 0
+        self._last_commit = 0.0
+        self._next_housekeeping = 0.0
+        self.published: list[LeaseState] = []  # kept for in-process benches and tests (bounded)
+        self.guard: Guard | None = None
+        if guard and cfg.executor.guard_period_s > 0:
+            self.guard = Guard(self.gpus, latency_source or FileLatencySource(cfg.executor.latency_dir or None),
+                               on_trip=self._guard_pause, on_clear=None,
+                               trip_headroom=cfg.policy.revoke_headroom, clear_headroom=cfg.policy.grant_headroom,
+                               period_s=cfg.executor.guard_period_s)
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+
+    # ---- life cycle ------------------------------------------------------------------------
+    def start(self) -> "Executor":
+        self.producer = make_producer(self.k)
+        retrying(self._rebuild)
+        self.consumer = make_consumer(self.k, command_group(self.gpus), **{"fetch.wait.max.ms": 10})
+        retrying(self._assign)
+        if self.guard is not None:
+            # the guard thread must get the interpreter within its poll period, not CPython's default 5 ms
+            sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.executor.guard_period_s))
+            self.guard.start()
+        self.log.info("executor.ready", device=self.device, guard=self.guard is not None)
+        return self
+
+    def _rebuild(self) -> None:
+        topic = self.k.lease_state_topic
+        n = len(partitions_of(self.k, topic))
+        mine = sorted({partition_for(g, n) for g in self.gpus})
+        last: dict[str, LeaseState] = {}
+        highest: dict[str, int] = {}
+        for m in read_partitions(self.k, [(topic, p) for p in mine]):
+            key = m.key().decode("utf-8", "replace") if m.key() else None
+            if key not in self.states:
+                continue
+            try:
+                ls = decode(m.value(), expect=LeaseState)
+            except InvalidEvent:
+                continue  # not ours to judge here; the topic's producers are executors
+            last[key] = ls
+            highest[key] = max(highest.get(key, -1), ls.epoch)
+        for gpu, ls in last.items():
+            rec = lm.Record(ls.lease_id, max(ls.epoch, highest[gpu]), ls.state, ls.command_id)
+            self.states[gpu], actions = lm.restore(gpu, rec)
+            self._act(actions)
+        self.log.info("executor.rebuilt", gpus_with_history=len(last))
+
+    def _assign(self) -> None:
+        topic = self.k.commands_topic
+        n = len(partitions_of(self.k, topic))
+        parts = sorted({partition_for(g, n) for g in self.gpus})
+        committed = self.consumer.committed([TopicPartition(topic, p) for p in parts], timeout=10)
+        since_ms = int((time.time() - self.cfg.executor.lookback_s) * 1000)
+        need_time = [TopicPartition(topic, tp.partition, since_ms) for tp in committed if tp.offset < 0]
+        by_time = {tp.partition: tp.offset for tp in
+                   (self.consumer.offsets_for_times(need_time, timeout=10) if need_time else [])}
+        assign = []
+        for tp in committed:
+            off = tp.offset if tp.offset >= 0 else by_time.get(tp.partition, OFFSET_END)
+            assign.append(TopicPartition(topic, tp.partition, off if off >= 0 else OFFSET_END))
+        self.consumer.assign(assign)
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Until SIGTERM/SIGINT (or `stop` is set); then drain and exit cleanly."""
+        stop = stop or threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+        while not stop.is_set():
+            self.run_once()
+        self.shutdown()
+
+    def run_once(self, timeout: float | None = None) -> None:
+        timeout = self.cfg.executor.tick_s if timeout is None else timeout
+        msgs = consume_batch(self.consumer, 256, timeout) if self.consumer else []
+        for m in msgs:
+            self._message(m)
+        now = time.monotonic()
+        if now >= self._next_housekeeping:  # once a tick, however often commands arrive
+            self._next_housekeeping = now + self.cfg.executor.tick_s
+            self._housekeeping()
+        if msgs and now - self._last_commit > 0.5:
+            self._commit()
+
+    def _housekeeping(self) -> None:
+        if self.guard is not None:
+            while not self.guard.events.empty():
+                ev = self.guard.events.get_nowait()
+                self._apply(ev.gpu, lm.GuardTrip() if ev.tripped else lm.GuardClear(), None)
+        for gpu, h in list(self.workers.items()):
+            if h.proc.poll() is not None:
+                self._reap(gpu)
+        for gpu in self.gpus:
+            self._apply(gpu, lm.Tick(), None, quiet=True)
+        WORKERS.set(len(self.workers))
+        if self.producer is not None:
+            self.producer.poll(0)
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Revoke every lease (drain workers; kill at the deadline), publish the final states, flush."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.log.info("executor.stopping")
+        for gpu in self.gpus:
+            self._apply(gpu, lm.Shutdown(), None)
+        deadline = time.monotonic() + (timeout_s or self.params.revoke_deadline_s + 5.0)
+        while self.workers and time.monotonic() < deadline:
+            self._housekeeping()
+            time.sleep(self.cfg.executor.tick_s)
+        for gpu in list(self.workers):  # the kernel did not deliver the kill in time: never leave one behind
+            self.workers[gpu].proc.kill()
+            self.workers[gpu].proc.wait(5)
+            self._reap(gpu)
+        if self.guard is not None:
+            self.guard.stop()
+        if self.producer is not None:
+            self.producer.flush(10)
+        if self.consumer is not None:
+            self._commit(asynchronous=False)
+            self.consumer.close()
+            self.consumer = None
+        self.log.info("executor.stopped")
+
+    def _commit(self, asynchronous: bool = True) -> None:
+        try:
+            self.consumer.commit(asynchronous=asynchronous)
+        except Exception:  # noqa: BLE001 - nothing consumed yet, or the broker is away: retry later
+            pass
+        self._last_commit = time.monotonic()
+
+    # ---- commands --------------------------------------------------------------------------
+    def _message(self, m: Message) -> None:
+        if m.error():
+            if m.error().code() != KafkaError._PARTITION_EOF:
+                self.log.warning("executor.consume_error", error=str(m.error()))
+            return
+        key = m.key().decode("utf-8", "replace") if m.key() is not None else None
+        if key is not None and key not in self.states:
+            return  # another node's GPU sharing the partition
+        if self._hmac:
+            why = verify(self._hmac, m.value(), header(m, SIGNATURE_HEADER))
+            if why:
+                return self._dlq(m, why, SIGNATURE_HEADER)
+        try:
+            cmd = decode(m.value(), expect=Command)
+        except InvalidEvent as e:
+            return self._dlq(m, str(e), e.field)
+        if cmd.gpu not in self.states:
+            if key is not None:
+                self._dlq(m, f"gpu: {cmd.gpu!r} does not match the message key {key!r}", "gpu")
+            return
+        if key is not None and key != cmd.gpu:
+            return self._dlq(m, f"gpu: {cmd.gpu!r} does not match the message key {key!r}", "gpu")
+        COMMANDS_IN.inc(kind=cmd.kind)
+        ts_type, ts_ms = m.timestamp()
+        age = max(0.0, time.time() - ts_ms / 1000.0) if ts_ms and ts_ms > 0 else 0.0
+        self._apply(cmd.gpu, lm.Received(cmd, age_s=age), extract_context(m.headers()))
+
+    def _dlq(self, m: Message, reason: str, field_: str) -> None:
+        DLQ.inc()
+        self.log.warning("executor.dlq", reason=reason, field=field_, offset=m.offset(), partition=m.partition())
+        dead_letter(self.producer, self.k.dlq_topic, m, reason, field_, consumer="rose-executor")
+
+    # ---- the machine -----------------------------------------------------------------------
+    def _apply(self, gpu: str, inp: lm.Input, parent, quiet: bool = False) -> tuple[lm.Action, ...]:
+        now = time.monotonic()
+        before = self.states[gpu]
+        after, actions = lm.step(before, inp, now, self.params)
+        self.states[gpu] = after
+        if quiet and not actions:
+            return actions
+        attrs = {"rose.gpu": gpu, "rose.input": type(inp).__name__,
+                 "rose.epoch": after.highest_epoch, "rose.actions": ",".join(type(a).__name__ for a in actions)}
+        if isinstance(inp, lm.Received):
+            c = inp.command
+            attrs.update({"rose.kind": c.kind, "rose.command_id": c.command_id, "rose.lease_id": c.lease_id,
+                          "rose.command_epoch": c.epoch, "rose.age_s": inp.age_s})
+        with self._tracer.start_as_current_span("lease.apply", context=parent, attributes=attrs):
+            self._act(actions)
+        return actions
+
+    def _act(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, lm.Pause):
+                self._signal_flag(a.gpu, "PAUSE")
+            elif isinstance(a, lm.Resume):
+                self._signal_flag(a.gpu, "RUN")
+            elif isinstance(a, lm.Stop):
+                self._stop_worker(a.gpu)
+            elif isinstance(a, lm.Kill):
+                self._kill_worker(a.gpu)
+            elif isinstance(a, lm.Start):
+                self._start_worker(a)
+            elif isinstance(a, lm.Publish):
+                self._publish(a)
+
+    def _publish(self, a: lm.Publish) -> None:
+        h = self.workers.get(a.gpu)
+        mem = measure_rollout_mem(h.proc.pid, self.device) if h is not None else 0
+        ROLLOUT_MEM.set(mem, gpu=a.gpu)
+        r = a.record
+        ls = LeaseState(gpu=a.gpu, lease_id=r.lease_id, epoch=r.epoch, state=r.state, ts=time.time(),
+                        rollout_mem_bytes=mem, command_id=r.command_id)
+        produce(self.producer, self.k.lease_state_topic, encode(ls), a.gpu, inject_headers())
+        self.producer.poll(0)
+        TRANSITIONS.inc(state=r.state)
+        self.published.append(ls)
+        del self.published[:-1000]
+        self.log.info("lease.state", gpu=a.gpu, state=r.state, epoch=r.epoch, lease_id=r.lease_id,
+                      command_id=r.command_id, rollout_mem_bytes=mem)
+
+    # ---- workers ---------------------------------------------------------------------------
+    def _start_worker(self, a: lm.Start) -> None:
+        from rose.rollout.pause_flag import PAUSE, RUN, PauseFlag
+
+        self._flag_seq += 1
+        name = f"rose-{os.getpid()}-{self._flag_seq}"
+        flag = PauseFlag(name, create=True)
+        flag.set(PAUSE if a.paused else RUN)
+        self._seed += 1
+        argv = self.worker_argv(self.cfg, a, name, self.device, self._seed)
+        proc = subprocess.Popen(argv, preexec_fn=_child_setup(),
+                                stdin=subprocess.DEVNULL, close_fds=True)
+        self.workers[a.gpu] = WorkerHandle(a.gpu, proc, flag, a.epoch)
+        self.log.info("worker.started", gpu=a.gpu, pid=proc.pid, epoch=a.epoch, mem_bytes=a.mem_bytes,
+                      compute_share=a.compute_share, paused=a.paused)
+
+    def _signal_flag(self, gpu: str, state: str) -> None:
+        from rose.rollout import pause_flag
+
+        h = self.workers.get(gpu)
+        if h is not None:
+            h.flag.set(getattr(pause_flag, state))
+
+    def _guard_pause(self, gpu: str) -> None:
+        """Called on the guard's thread the instant headroom collapses: no queue, no Kafka."""
+        GUARD_TRIPS.inc()
+        h = self.workers.get(gpu)
+        if h is not None:
+            try:
+                from rose.rollout.pause_flag import PAUSE
+
+                h.flag.set(PAUSE)
+            except (TypeError, ValueError, AttributeError):
+                pass  # the worker is being reaped this instant; nothing left to pause
+
+    def _stop_worker(self, gpu: str) -> None:
+        from rose.rollout.pause_flag import STOP
+
+        h = self.workers.get(gpu)
+        if h is None:
+            return
+        h.flag.set(STOP)
+        try:
+            # a draining worker launches no more compute; at nice 19 on a busy host it would
+            # take seconds to get the CPU it needs to hand its episodes back and exit
+            os.setpriority(os.PRIO_PROCESS, h.proc.pid, 0)
+        except (PermissionError, ProcessLookupError, OSError):
+            pass  # lowering niceness needs CAP_SYS_NICE; draining still works, only slower
+        try:
+            h.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def _kill_worker(self, gpu: str) -> None:
+        h = self.workers.get(gpu)
+        if h is not None:
+            KILLS.inc()
+            self.log.warning("worker.killed", gpu=gpu, pid=h.proc.pid)
+            h.proc.kill()
+
+    def _reap(self, gpu: str) -> None:
+        h = self.workers.pop(gpu)
+        code = h.proc.wait()
+        flag = h.flag
+        h.flag = None
+        flag.close()
+        flag.unlink()
+        self.log.info("worker.exited", gpu=gpu, pid=h.proc.pid, code=code)
+        self._apply(gpu, lm.WorkerExited(), None)

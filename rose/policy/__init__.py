@@ -1,0 +1,1 @@
+"""The pure scheduling core: the lease policy, the fold around it, replay."""

@@ -1,0 +1,1 @@
+"""The scheduler service: telemetry in, commands out, in Kafka transactions."""

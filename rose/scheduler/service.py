@@ -1,0 +1,454 @@
+"""`rose scheduler`: the stateless elastic lease scheduler.
+
+Consume telemetry → decide (rose.lease_policy.decide, a pure function) → produce commands,
+inside ONE Kafka transaction together with the consumed offsets
+(`send_offsets_to_transaction`) and the scheduler's view changelog. Exactly once from
+telemetry to commands: a crash anywhere aborts the open transaction, and whoever owns the
+partition next resumes from the committed offsets with the view as of that commit.
+
+State (level-triggered, as a Kubernetes controller): the per-GPU views are a cache, rebuilt
+on every partition assignment from
+  1. `<prefix>scheduler-state` (compacted, key = gpu, written in the same transaction as
+     the commands and offsets, co-partitioned with telemetry: record i of telemetry
+     partition p writes its view to partition p), so the view matches the committed
+     offsets exactly — replaying the log gives byte-identical commands, restarts included;
+  2. `<prefix>lease-state` (compacted, written by executors), folded in with
+     observe_lease_state: the epoch floor rises to every epoch an executor has seen and a
+     lease an executor ended is never renewed or resurrected.
+Between rebuilds the scheduler keeps folding the lease-state stream (a plain assigned
+consumer over all its partitions, outside the consumer group; folding is idempotent) into the
+views it owns. In normal operation this changes nothing — the scheduler already knows every
+lease it granted, renewed or revoked — so live decisions stay a function of the telemetry
+log (replayable byte for byte). It matters after a fault: when the scheduler was cut off past
+a lease's TTL, the executor expired the lease by its own clock, and the backlog of telemetry
+alone would make the resumed scheduler renew a lease the executor has dropped. The executor's
+`expired` (or `rejected`) ends the lease in the view, and the next grant takes a new epoch.
+
+Rebalance: consume() is only called outside a transaction, so a rebalance callback never
+sees an open transaction; revoked partitions drop their views, assigned ones rebuild.
+Zombies: the transactional.id is stable per instance (fences a restarted instance's
+predecessor) and offsets are committed with the consumer group metadata (KIP-447 fences a
+stale group member), so two schedulers racing for a partition cannot both commit.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from rose.obs import metrics
+from rose.contract.codec import decode, encode
+from rose.config import Config
+from rose.contract.events import InvalidEvent, LeaseState, Telemetry
+from rose.kafka.clients import consume_batch, dead_letter, make_consumer, make_producer, partitions_of, produce, read_partitions, retrying
+from rose.policy.lease_policy import POLICY_VERSION, GpuView, check_admission, decide, observe_lease_state
+from rose.obs.logs import get_logger
+from rose.contract.signing import sign_headers
+from rose.obs.tracing import ensure_provider, extract_context, inject_headers, tracer
+
+EVENTS_IN = metrics.counter("rose_scheduler_events_total", "Telemetry messages consumed")
+COMMANDS_OUT = metrics.counter("rose_scheduler_commands_total", "Commands committed, by kind")
+DLQ = metrics.counter("rose_scheduler_dlq_total", "Messages sent to the dead-letter topic")
+IGNORED = metrics.counter("rose_scheduler_ignored_total", "Duplicate or out-of-order telemetry ignored")
+ABORTS = metrics.counter("rose_scheduler_aborted_transactions_total", "Transactions aborted and retried")
+LATENCY = metrics.histogram("rose_scheduler_decision_latency_seconds",
+                            "Telemetry produced (record timestamp) to command committed")
+LEASES = metrics.gauge("rose_scheduler_leases", "GPUs holding a lease in the view")
+VIEWS = metrics.gauge("rose_scheduler_gpus", "GPUs in the view (assigned partitions)")
+RESTARTS = metrics.counter("rose_scheduler_client_restarts_total", "Kafka clients replaced after fencing or a wedge")
+LAG = metrics.gauge("rose_scheduler_lag_messages", "Consumer lag over assigned telemetry partitions")
+
+
+class FatalSchedulerError(RuntimeError):
+    """The producer was fenced or hit a fatal error: this instance must stop."""
+
+
+@dataclass
+class SchedulerStats:
+    events: int = 0
+    commands: int = 0
+    dlq: int = 0
+    transactions: int = 0
+    aborts: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+
+
+class Scheduler:
+    """One scheduler instance. `run()` until stop(); `step()` processes one batch."""
+
+    def __init__(self, cfg: Config, instance: str = "0", group: str = "rose-scheduler",
+                 batch_max: int = 5000, record_latencies: bool = False, init_timeout_s: float = 30,
+                 batch_linger_s: float = 0.0):
+        self.cfg = cfg
+        self.k = cfg.kafka
+        self.instance = instance
+        self.batch_max = batch_max
+        # extra wait for a fuller batch once a message is there (fewer transactions, each a few
+        # broker round trips). 0 by default: under load the previous batch's processing time
+        # already gathers the next one, and a wait would only delay revokes when it is quiet
+        self.batch_linger_s = batch_linger_s
+        self.state_topic = self.k.topic("scheduler-state")
+        self.views: dict[str, GpuView] = {}
+        self.gpu_partition: dict[str, int] = {}
+        self.lease_floor: dict[str, LeaseState] = {}
+        self.stats = SchedulerStats()
+        self.record_latencies = record_latencies
+        self.log = get_logger("rose.scheduler", instance=instance)
+        ensure_provider()  # commands always carry trace context, exported or not
+        self._tracer = tracer("rose.scheduler")
+        self._running = True
+        self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
+        self.producer: Producer = make_producer(
+            self.k, **{"transactional.id": f"{self.k.topic_prefix}scheduler-{instance}",
+                       "transaction.timeout.ms": 10000, "linger.ms": 1})
+        self.consumer: Consumer = make_consumer(
+            self.k, f"{self.k.topic_prefix}{group}",
+            **{"partition.assignment.strategy": "cooperative-sticky", "fetch.wait.max.ms": 5,
+               "session.timeout.ms": 10000, "heartbeat.interval.ms": 1000,
+               # static membership: a restarted instance gets its partitions back at once,
+               # without waiting out the session timeout of its killed predecessor
+               "group.instance.id": f"{self.k.topic_prefix}scheduler-{instance}"})
+        self.lease_consumer: Consumer = make_consumer(
+            self.k, f"{self.k.topic_prefix}{group}-lease-state-{instance}", **{"fetch.wait.max.ms": 50})
+        try:
+            self.producer.init_transactions(init_timeout_s)
+        except KafkaException as e:  # e.g. the broker is still coming back: the caller retries
+            for c in (self.consumer, self.lease_consumer):
+                c.close()
+            raise FatalSchedulerError(f"init_transactions: {e.args[0]}") from None
+
+    # ---- state rebuild -----------------------------------------------------------------
+    def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        ps = [tp.partition for tp in parts]
+        self.log.info("partitions.assigned", partitions=ps)
+        retrying(lambda: self._rebuild(ps))
+        consumer.incremental_assign(parts)
+
+    def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        ps = {tp.partition for tp in parts}
+        self.log.info("partitions.revoked", partitions=sorted(ps))
+        for gpu in [g for g, p in self.gpu_partition.items() if p in ps]:
+            self.views.pop(gpu, None)
+            self.gpu_partition.pop(gpu, None)
+        consumer.incremental_unassign(parts)
+
+    def _rebuild(self, partitions: list[int]) -> None:
+        """Views for these telemetry partitions from the committed changelog, then the
+        executors' lease states folded in."""
+        for m in read_partitions(self.k, [(self.state_topic, p) for p in partitions]):
+            if m.value() is None:
+                continue
+            v = GpuView.from_dict(orjson.loads(m.value()))
+            self.views[v.gpu] = v
+            self.gpu_partition[v.gpu] = m.partition()
+        self.lease_floor = {}
+        lease_parts = [(self.k.lease_state_topic, p) for p in partitions_of(self.k, self.k.lease_state_topic)]
+        for m in read_partitions(self.k, lease_parts):
+            try:
+                ls = decode(m.value(), LeaseState)
+            except InvalidEvent:
+                continue
+            self.lease_floor[ls.gpu] = ls
+        for gpu, ls in self.lease_floor.items():
+            if gpu in self.views:
+                self.views[gpu] = observe_lease_state(self.views[gpu], ls, self.cfg.policy)
+        VIEWS.set(len(self.views))
+
+    def _view_for(self, gpu: str) -> GpuView | None:
+        v = self.views.get(gpu)
+        if v is None and gpu in self.lease_floor:
+            v = observe_lease_state(None, self.lease_floor[gpu], self.cfg.policy)
+        return v
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _fold_lease_states(self) -> None:
+        """Fold newly published lease states into the owned views (see module docstring)."""
+        for m in self.lease_consumer.consume(1000, timeout=0):
+            if m.error() or m.value() is None:
+                continue
+            try:
+                ls = decode(m.value(), LeaseState)
+            except InvalidEvent:
+                continue
+            self.lease_floor[ls.gpu] = ls
+            v = self.views.get(ls.gpu)
+            if v is not None:
+                nv = observe_lease_state(v, ls, self.cfg.policy)
+                if nv != v:
+                    self.log.info("lease.observed", gpu=ls.gpu, lease_id=ls.lease_id, state=ls.state,
+                                  epoch=ls.epoch, view_lease=nv.lease_id)
+                    self.views[ls.gpu] = nv
+
+    def start(self) -> None:
+        parts = retrying(lambda: partitions_of(self.k, self.k.lease_state_topic))
+        self.lease_consumer.assign([TopicPartition(self.k.lease_state_topic, p, OFFSET_BEGINNING) for p in parts])
+        self.consumer.subscribe([self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_revoke)
+
+    def stop(self, *_args) -> None:
+        self._running = False
+
+    def run(self, max_seconds: float | None = None) -> SchedulerStats:
+        self.start()
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        last_lag = 0.0
+        try:
+            while self._running and (deadline is None or time.monotonic() < deadline):
+                self.step()
+                if time.monotonic() - last_lag > 5:
+                    last_lag = time.monotonic()
+                    self._update_lag()
+        finally:
+            self.close()
+        return self.stats
+
+    def step(self, timeout: float = 0.05) -> int:
+        self._fold_lease_states()
+        msgs = consume_batch(self.consumer, self.batch_max, timeout, linger=self.batch_linger_s)
+        if not msgs:
+            return 0
+        good = []
+        for m in msgs:
+            err = m.error()
+            if err is None:
+                good.append(m)
+            elif err.code() != KafkaError._PARTITION_EOF:
+                if err.fatal():
+                    raise FatalSchedulerError(str(err))
+                self.log.warning("consume.error", error=str(err))
+        if good:
+            self._transact(good)
+        return len(good)
+
+    def _transact(self, msgs: list[Message]) -> None:
+        snapshot = {}
+        while True:
+            try:
+                self.producer.begin_transaction()
+                pending_latency = self._process(msgs, snapshot)
+                positions = self._positions(msgs)
+                meta = self.consumer.consumer_group_metadata()
+                self._bounded("send_offsets_to_transaction",
+                              lambda: self.producer.send_offsets_to_transaction(positions, meta, 10), 20)
+                self._commit()
+                now = time.time()
+                for ts_ms in pending_latency:
+                    lat = max(0.0, now - ts_ms / 1000.0)
+                    LATENCY.observe(lat)
+                    if self.record_latencies:
+                        self.stats.latencies_s.append(lat)
+                self.stats.transactions += 1
+                return
+            except KafkaException as e:
+                err = e.args[0]
+                if err.fatal() or err.code() == KafkaError._FENCED:
+                    raise FatalSchedulerError(f"producer fenced or fatal: {err}") from None
+                self.stats.aborts += 1
+                ABORTS.inc()
+                self.log.warning("transaction.abort", error=str(err), retriable=err.retriable())
+                try:
+                    self.producer.abort_transaction(10)
+                except KafkaException as e2:
+                    if e2.args[0].fatal():
+                        raise FatalSchedulerError(str(e2.args[0])) from None
+                # level-triggered recovery: restore the views of this batch, retry it
+                for gpu, v in snapshot.items():
+                    if v is None:
+                        self.views.pop(gpu, None)
+                    else:
+                        self.views[gpu] = v
+                snapshot.clear()
+                time.sleep(0.2)
+
+    def _commit(self, attempts: int = 6) -> None:
+        """Commit; a retriable error (e.g. a timeout while the broker restarts) is retried a
+        few times, then surfaces so the caller aborts and redoes the batch."""
+        for attempt in range(attempts):
+            try:
+                self._bounded("commit_transaction", lambda: self.producer.commit_transaction(10), 20)
+                return
+            except KafkaException as e:
+                if not e.args[0].retriable() or attempt == attempts - 1:
+                    raise
+                self.log.warning("transaction.commit_retry", error=str(e.args[0]), attempt=attempt + 1)
+
+    @staticmethod
+    def _bounded(what: str, fn, timeout_s: float):
+        """Run a transaction-coordinator call with a hard deadline. librdkafka can block in
+        send_offsets_to_transaction forever when its cached coordinator was decommissioned
+        (a broker that left and came back; librdkafka issue #5511), whatever timeout it was
+        given; a wedged client is replaced rather than waited on (see run_scheduler)."""
+        out: dict = {}
+
+        def call():
+            try:
+                out["v"] = fn()
+            except BaseException as e:  # handed to the caller's thread
+                out["e"] = e
+
+        t = threading.Thread(target=call, daemon=True, name=f"rose-{what}")
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            raise FatalSchedulerError(f"{what} did not return within {timeout_s:.0f}s")
+        if "e" in out:
+            raise out["e"]
+        return out.get("v")
+
+    def _positions(self, msgs: list[Message]) -> list[TopicPartition]:
+        last: dict[int, int] = {}
+        for m in msgs:
+            last[m.partition()] = m.offset()
+        return [TopicPartition(self.k.telemetry_topic, p, o + 1) for p, o in last.items()]
+
+    def _process(self, msgs: list[Message], snapshot: dict) -> list[int]:
+        """Decide for every message of the batch; produce commands, dlq records and the
+        changed views into the open transaction. Returns record timestamps of commands."""
+        policy = self.cfg.policy
+        dirty: dict[str, int] = {}
+        latency_ts: list[int] = []
+        views, gpu_partition = self.views, self.gpu_partition
+        self.stats.events += len(msgs)
+        EVENTS_IN.inc(len(msgs))
+        for m in msgs:
+            try:
+                ev = decode(m.value(), Telemetry)
+                check_admission(ev, m.timestamp()[1], m.key(), policy)
+            except InvalidEvent as e:
+                dead_letter(self.producer, self.k.dlq_topic, m, e.reason, e.field, consumer="scheduler")
+                self.stats.dlq += 1
+                DLQ.inc()
+                continue
+            gpu = ev.gpu
+            prev = views.get(gpu)
+            if gpu not in snapshot:
+                snapshot[gpu] = prev
+            if prev is None:
+                prev = self._view_for(gpu)
+            d = decide(prev, ev, policy)
+            views[gpu] = d.view
+            gpu_partition[gpu] = dirty[gpu] = m.partition()
+            if d.explain.action == "ignored":
+                # kept, not dropped: the dlq shows which producer repeats or reorders events
+                IGNORED.inc()
+                dead_letter(self.producer, self.k.dlq_topic, m, d.explain.reason, "event_id", consumer="scheduler")
+                self.stats.dlq += 1
+                DLQ.inc()
+            if d.commands:
+                parent = extract_context(m.headers())
+                for cmd in d.commands:
+                    self._emit(cmd, d, parent)
+                    latency_ts.append(m.timestamp()[1])
+        for gpu, p in dirty.items():
+            produce(self.producer, self.state_topic, orjson.dumps(self.views[gpu].to_dict()), gpu, partition=p)
+        LEASES.set(sum(1 for v in self.views.values() if v.lease_id is not None))
+        VIEWS.set(len(self.views))
+        return latency_ts
+
+    def _emit(self, cmd, d, parent) -> None:
+        ex = d.explain
+        attrs = {"rose.gpu": cmd.gpu, "rose.kind": cmd.kind, "rose.epoch": cmd.epoch,
+                 "rose.lease_id": cmd.lease_id, "rose.command_id": cmd.command_id,
+                 "rose.reason": cmd.reason, "rose.free_mem_bytes": ex.free_mem_bytes,
+                 "rose.policy_version": POLICY_VERSION, "rose.cause_event_id": cmd.cause_event_id}
+        for metric, h in ex.headroom.items():
+            attrs[f"rose.headroom.{metric}"] = h
+        with self._tracer.start_as_current_span("lease.decide", context=parent, attributes=attrs):
+            value = encode(cmd)
+            headers = inject_headers()
+            if self._hmac_key:
+                headers += sign_headers(self._hmac_key, value)
+            produce(self.producer, self.k.commands_topic, value, cmd.gpu, headers)
+            self.log.info("lease.decision", gpu=cmd.gpu, kind=cmd.kind, epoch=cmd.epoch, lease_id=cmd.lease_id,
+                          command_id=cmd.command_id, reason=cmd.reason, mem_bytes=cmd.mem_bytes,
+                          compute_share=cmd.compute_share)
+        self.stats.commands += 1
+        COMMANDS_OUT.inc(kind=cmd.kind)
+
+    def _update_lag(self) -> None:
+        try:
+            assigned = self.consumer.assignment()
+            if not assigned:
+                LAG.set(0)
+                return
+            lag = 0
+            for tp in self.consumer.position(assigned):
+                _, hi = self.consumer.get_watermark_offsets(tp, timeout=1, cached=True)
+                if tp.offset >= 0 and hi >= 0:
+                    lag += max(0, hi - tp.offset)
+            LAG.set(lag)
+        except KafkaException:
+            pass
+
+    def close(self) -> None:
+        for c in (self.consumer, self.lease_consumer):
+            try:
+                self._bounded("consumer.close", c.close, 5)
+            except (KafkaException, RuntimeError, FatalSchedulerError):
+                pass
+        self.producer.flush(5)
+
+
+def run_scheduler(cfg: Config, instance: str, metrics_port: int | None = None,
+                  max_seconds: float | None = None, max_failures: int | None = None) -> SchedulerStats:
+    """Run until SIGTERM. A client that is fenced, wedged, or cannot start (the broker is
+    down) is replaced by a fresh one (new producer and consumer; init_transactions fences the
+    old producer), which rebuilds its view from the log like any new instance. Replacement
+    backs off up to 5 s and never gives up by default: a broker outage of any length leaves
+    the process up, reporting unhealthy on /healthz until a client works again.
+    `max_failures` bounds consecutive failed clients (none of whose transactions committed)."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    stop = threading.Event()
+    current: list[Scheduler] = []
+
+    def on_signal(*_):
+        stop.set()
+        for s in current:
+            s.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    health = {"ok": True}
+    if metrics_port is not None:
+        metrics.serve(metrics_port, health=lambda: health["ok"] and not stop.is_set())
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    total = SchedulerStats()
+    restarts = failures = 0
+    log = get_logger("rose.scheduler", instance=instance)
+    log.info("scheduler.start", config=cfg.redacted()["policy"], policy_version=POLICY_VERSION)
+    while not stop.is_set():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        s = None
+        try:
+            s = Scheduler(cfg, instance=instance, init_timeout_s=30 if left is None else max(1.0, min(30.0, left)))
+            current[:] = [s]
+            health["ok"] = True  # its transactional producer is registered: the broker answers
+            if stop.is_set():
+                s.stop()
+            s.run(max_seconds=left)
+            break
+        except (FatalSchedulerError, KafkaException) as e:
+            restarts += 1
+            RESTARTS.inc()
+            health["ok"] = False
+            failures = 1 if s is not None and s.stats.transactions else failures + 1
+            log.error("scheduler.client_replaced", error=str(e), restarts=restarts, consecutive_failures=failures)
+            if max_failures is not None and failures > max_failures:
+                raise
+            stop.wait(min(5.0, 0.5 * failures))
+        finally:
+            if s is not None:
+                total.events += s.stats.events
+                total.commands += s.stats.commands
+                total.dlq += s.stats.dlq
+    log.info("scheduler.stop", events=total.events, commands=total.commands, dlq=total.dlq, restarts=restarts)
+    return total

@@ -1,0 +1,1 @@
+"""Trace-driven simulation: serving model, traces, the cluster simulator and its report."""
