@@ -10,7 +10,9 @@ DEMO_REPORT ?= reports/demo
 $(STAMP): pyproject.toml
 	@command -v java >/dev/null || (echo "installing Java 17 ..." && apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless)
 	@command -v mvn >/dev/null || (echo "installing Maven ..." && apt-get update -qq && apt-get install -y -qq maven)
-	@command -v redis-server >/dev/null || (echo "installing redis-server ..." && apt-get update -qq && apt-get install -y -qq redis-server)
+	@# the package's own service is stopped: the tests run the Redis of their own stack
+	@command -v redis-server >/dev/null || (echo "installing redis-server ..." && apt-get update -qq && apt-get install -y -qq redis-server \
+	  && (service redis-server stop >/dev/null 2>&1 || true))
 	$(PIP) install -q --disable-pip-version-check -e ".[all]"
 	@mkdir -p .rose-stack && touch $(STAMP)
 
@@ -22,10 +24,13 @@ stack-up: install
 stack-down:
 	-rose stack down
 
-# Starts the real Kafka and Redis, runs every test against them, stops them (also on failure).
+# Starts the real Kafka and Redis, runs every test against them, stops them (also on failure;
+# ROSE_KEEP_STACK=1 keeps them running). Refuses, starting nothing, when another checkout's stack
+# or another program holds the stack's ports: the tests stop and restart the services they own.
 test: install
-	rose stack up
-	ROSE_KEEP_STACK=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; rose stack down; exit $$rc
+	rose stack up --own
+	ROSE_KEEP_STACK=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	  [ "$$ROSE_KEEP_STACK" = 1 ] || rose stack down; exit $$rc
 
 # The whole system end to end on the local stack, with a live view and a report.
 demo: install

@@ -63,10 +63,15 @@ class RedisConfig:
     def key(self, *parts: str) -> str:
         return self.key_prefix + ":".join(parts)
 
+    @property
+    def safe_url(self) -> str:
+        """The URL with its password replaced, for logs and error messages."""
+        return _redact_url(self.url)
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Thresholds of the lease policy (CONTRACT §3 defaults)."""
+    """Thresholds of the lease policy (docs/contract.md §4 defaults)."""
 
     grant_headroom: float = 0.30  # every SLO metric: p99 <= (1 - this) * SLO to grant
     grant_streak: int = 3  # ... for this many consecutive telemetry events of the GPU
@@ -84,6 +89,13 @@ class PolicyConfig:
     trend_horizon_s: float = 0.5  # predict p99 this far ahead (one sampling period)
     kv_growth_revoke_frac: float = 0.5  # serving memory growth eating this much of the margin per period revokes
     max_ts_skew_s: float = 300.0  # event ts vs Kafka record ts beyond this goes to the dlq
+    # v1.1, two levels: latency pauses (throttle to share 0), memory revokes
+    max_pause_s: float = 60.0  # a lease paused this long is revoked (its memory serves nobody)
+    # serving's p99 slowdown per unit of rollout compute share, before this GPU has shown its
+    # own: 1.0 is pessimistic on purpose (two equal-priority streams sharing SMs slow each
+    # other about 1 + share); the online estimate replaces it after the first leased events
+    interference_prior: float = 1.0
+    interference_weight: float = 0.1  # EWMA weight of each new observation (base load and slowdown)
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,11 @@ class StackConfig:
     tls_port: int = 9095  # SSL listener (throw-away local CA under data_dir/tls)
     redis_port: int = 6379
     kafka_heap: str = "512m"
+    jaeger_version: str = "v1.76.0"  # Go module version of github.com/jaegertracing/jaeger (`up --jaeger`)
+    jaeger_otlp_grpc_port: int = 4317
+    jaeger_otlp_http_port: int = 4318
+    jaeger_query_port: int = 16686  # UI and /api
+    jaeger_ui_dir: str = ""  # a built jaeger-ui (index.html, static/) to serve; "" = the binary's placeholder page
 
 
 @dataclass(frozen=True)

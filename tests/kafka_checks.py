@@ -6,7 +6,7 @@ import time
 
 import orjson
 
-from rose.kafka.clients import make_consumer, read_all
+from rose.kafka.consumer import make_consumer, read_all
 
 
 def commands(cfg) -> list[dict]:

@@ -15,7 +15,8 @@ import pytest
 
 from rose.node.agent import LeaseView, SimOptions, run_simulated, telemetry_records
 from rose.contract.events import Telemetry
-from rose.kafka.clients import header, make_producer, produce_event, read_all
+from rose.kafka.consumer import header, read_all
+from rose.kafka.producer import make_producer, produce_event
 from tests.examples import command_example, lease_state_example
 
 REPO = Path(__file__).resolve().parent.parent

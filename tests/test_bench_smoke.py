@@ -1,5 +1,6 @@
 """The executor benches run end to end on the local stack (quick mode) and report their
-figures; timings are reported, never asserted."""
+figures; timings are reported, not asserted, except one loose ordering (protected serving
+p99 below unprotected) that guards the interference bench against regressions."""
 
 import pytest
 
@@ -18,10 +19,30 @@ def test_revoke_bench_reports_every_figure(cfg):
 
 
 def test_interference_bench_reports_three_phases(cfg):
+    """Every figure is there; and, a loose regression guard: protection keeps serving p99 closer to
+    its p99 alone than unprotected rollout does, while the protected worker still decodes (timing on
+    a shared machine is noisy: a run that misses is retried once)."""
     from rose.bench import interference
 
-    out = interference.run(cfg, quick=True)
-    for k in ("alone_ms", "unprotected_ms", "protected_ms"):
-        assert out[k]["n"] > 0 and out[k]["p99_ms"] > 0
-    assert out["unprotected_ms"]["rollout_loop_iters_per_s"] > 0  # the rollout worker really ran
-    assert {"unprotected_p99_over_alone", "protected_p99_over_alone", "goal_protected_p99_over_alone"} <= set(out)
+    runs = []
+    for attempt in range(2):
+        out = interference.run(cfg, quick=True, steps=400)
+        if attempt == 0:
+            for k in ("alone_ms", "unprotected_ms", "protected_ms"):
+                assert out[k]["n"] == 400 and out[k]["p99_ms"] > 0
+            for mode in ("unprotected", "protected"):  # the rollout worker really decoded, and exited cleanly
+                r = out["rollout"][mode]
+                assert r["decode_steps_per_s"] > 0 and r["tokens_per_s"] > 0 and r["worker_exit_code"] == 0
+                assert 0.0 <= r["paused_fraction"] <= 1.0
+            assert out["rollout"]["unprotected"]["paused_fraction"] == 0.0  # no guard: never paused
+            assert out["rollout"]["alone"]["paused_fraction"] is None
+            assert {"unprotected_p99_over_alone", "protected_p99_over_alone", "goal_protected_p99_over_alone",
+                    "protected_p99_over_goal", "rollout_tokens_per_s_protected", "rollout_tokens_per_s_unprotected",
+                    "protected_over_unprotected_tokens_per_s", "goal_protected_over_unprotected_tokens_per_s",
+                    "protected_tokens_per_s_over_goal"} <= set(out)
+        runs.append({k: out[k] for k in ("unprotected_p99_over_alone", "protected_p99_over_alone",
+                                          "rollout_tokens_per_s_protected", "rollout_tokens_per_s_unprotected")})
+        assert out["rollout_tokens_per_s_protected"] > 0, runs  # protection pauses rollout, never starves it
+        if out["protected_p99_over_alone"] < out["unprotected_p99_over_alone"]:
+            return
+    pytest.fail(f"protected p99/alone not below unprotected p99/alone in {len(runs)} runs: {runs}")

@@ -102,16 +102,41 @@ def test_reward_and_loss_mask():
     assert staleness([_traj([[1]], versions=(3, 4)), _traj([[1]], versions=(-1, 5))], version=6) == 3
 
 
-def test_worker_argv_is_patched_and_pinned():
-    from rose.config import Config
-    from rose.demo.executor_node import patched_worker_argv
+def test_demo_workers_get_the_stock_config_with_slots_cpus_and_the_weights_key():
+    from rose.config import Config, SecurityConfig
+    from rose.demo.executor_node import demo_worker_config
     from rose.executor.lease_machine import Start
 
+    cfg = dataclasses.replace(Config(), security=SecurityConfig(weights_hmac_key="wk"))
     start = Start(gpu="real/0", lease_id="real/0#3", epoch=3, mem_bytes=1 << 30, compute_share=0.5, paused=False)
-    argv = patched_worker_argv({"weights": "follow", "max_batch": 4}, "1")(Config(), start, "flag", "cpu", 1)
-    assert argv[:3] == ["taskset", "-c", "1"]
-    spec = json.loads(argv[argv.index("--spec") + 1])
-    assert spec["weights"] == "follow" and spec["max_batch"] == 4 and spec["gpu"] == "real/0"
+    wc = demo_worker_config(4, (1,))(cfg, start, "flag", "cpu", 1)
+    assert wc.max_batch == 4 and wc.cpus == (1,) and wc.gpu == "real/0" and wc.pause_flag == "flag"
+    assert wc.redis == cfg.redis and wc.weights_hmac_key == "wk"
+
+
+def test_demo_hands_its_children_the_run_config_in_a_private_file(tmp_path, monkeypatch):
+    import os
+
+    from rose.config import Config, SecurityConfig, load_config
+    from rose.demo.orchestrator import Demo, DemoOptions
+
+    monkeypatch.setenv("ROSE_REDIS__KEY_PREFIX", "from-the-environment:")
+    cfg = dataclasses.replace(Config(), security=SecurityConfig(weights_hmac_key="wk", command_hmac_key="ck"))
+    d = Demo(cfg, DemoOptions(report_dir=str(tmp_path)))
+    try:
+        env = d._env()
+        path = env["ROSE_CONFIG"]
+        assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(d.config_dir).st_mode & 0o777 == 0o700
+        assert not [k for k in env if k.startswith("ROSE_") and "__" in k]
+        assert "wk" not in json.dumps(env)
+        got = load_config(path, env={})
+        assert got == d.cfg and got.security.weights_hmac_key == "wk"
+        assert got.executor.worker_weights == "follow" and got.redis.key_prefix.startswith("rose:demo-")
+        assert d._argv()["dedicated"].weights_hmac_key == "wk"
+    finally:
+        import shutil
+
+        shutil.rmtree(d.config_dir, ignore_errors=True)
 
 
 @pytest.mark.stack

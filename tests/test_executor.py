@@ -19,7 +19,8 @@ import redis
 
 from rose.contract.codec import decode, encode
 from rose.contract.events import LeaseState
-from rose.kafka.clients import make_consumer, make_producer, partition_for, produce
+from rose.kafka.consumer import make_consumer
+from rose.kafka.producer import make_producer, partition_for, produce
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.tasks import TaskQueue
 from rose.obs.tracing import inject_headers, setup_tracing, tracer
@@ -243,7 +244,7 @@ def test_guard_pauses_at_once_and_commands_are_checked(cfg, tmp_path, redis_clie
     from rose.executor.service import DLQ, Executor
     from rose.contract.events import Latency
     from rose.executor.guard import LatencySample, write_latency
-    from rose.kafka.clients import read_all
+    from rose.kafka.consumer import read_all
     from rose.rollout.pause_flag import PAUSE, RUN
     from rose.contract.signing import sign_headers
 

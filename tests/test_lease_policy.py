@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 
 from rose.config import PolicyConfig
 from rose.contract.events import Latency, Telemetry
+from rose.policy.core import observe_lease_state
+from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import (
     POLICY_VERSION,
     Decision,
     GpuView,
     cooldown_for,
     decide,
-    observe_lease_state,
 )
 from tests.examples import lease_state_example
 
@@ -121,18 +122,32 @@ def test_invariants_hold_on_every_event(events):
 
         if lease is not None:
             free = total - serving - max(lease["mem"], rollout)
-            must_revoke = min(h) < cfg.revoke_headroom or free < margin
-            if must_revoke:
+            slow = min(h) < cfg.revoke_headroom
+            paused_long = lease["paused_since"] is not None and e.ts - lease["paused_since"] >= cfg.max_pause_s
+            if free < margin or paused_long:  # memory, or a pause that lasted: revoke
                 assert kinds == ["revoke"], (h, free, margin, d.explain)
+            elif slow and lease["share"] > 0:  # latency: pause on that very event, same lease
+                kv_revoke = kinds == ["revoke"] and "KV growth" in cmds[0].reason  # memory outranks it
+                assert kv_revoke or (kinds == ["throttle"] and cmds[0].compute_share == 0.0), (h, d.explain)
+            if kinds == ["revoke"]:  # only for memory, or after max_pause_s paused
+                assert free < margin or paused_long or "KV growth" in cmds[0].reason, d.explain
             assert "grant" not in kinds  # one lease at a time
-            for c in cmds:  # renew and revoke carry their lease
+            for c in cmds:  # renew, throttle and revoke carry their lease
                 assert (c.lease_id, c.epoch) == (lease["id"], lease["epoch"])
             if not cmds and lease["expires_at"] - e.ts < cfg.renew_before_s:
                 pytest.fail(f"lease {lease['id']} due for renewal got neither renew nor revoke")
-            if kinds == ["renew"]:
-                assert cmds[0].expires_at == e.ts + cfg.ttl_s
-                assert cmds[0].mem_bytes == lease["mem"]
-                lease["expires_at"] = cmds[0].expires_at
+            if kinds in (["renew"], ["throttle"]):
+                c = cmds[0]
+                assert c.expires_at == e.ts + cfg.ttl_s and c.mem_bytes == lease["mem"]
+                assert d.view.cooldown_until == decisions[decisions.index(d) - 1].view.cooldown_until
+                if kinds == ["renew"]:
+                    assert c.compute_share == lease["share"]
+                elif c.compute_share > 0:  # a resume: only after the grant streak, never while slow
+                    assert lease["share"] == 0.0 and streak >= cfg.grant_streak and not slow
+                    assert c.compute_share <= cfg.max_compute_share
+                lease.update(expires_at=c.expires_at, share=c.compute_share,
+                             paused_since=lease["paused_since"] if c.compute_share == lease["share"]
+                             else (e.ts if c.compute_share == 0.0 else None))
             elif kinds == ["revoke"]:
                 assert d.explain.action == "revoke"
                 lease, revoked_at = None, e.ts
@@ -150,7 +165,9 @@ def test_invariants_hold_on_every_event(events):
                 if revoked_at is not None:
                     assert e.ts >= revoked_at + cfg.cooldown_s
                 last_grant_epoch = g.epoch
-                lease = dict(id=g.lease_id, epoch=g.epoch, mem=g.mem_bytes, expires_at=g.expires_at)
+                assert g.compute_share > 0.0
+                lease = dict(id=g.lease_id, epoch=g.epoch, mem=g.mem_bytes, expires_at=g.expires_at,
+                             share=g.compute_share, paused_since=None)
         assert d.view.epoch == last_grant_epoch
 
 
@@ -161,11 +178,12 @@ PCT = st.one_of(st.integers(0, 140), st.integers(88, 92))  # latency in % of SLO
 @given(total_gib=st.sampled_from([16, 24, 80, 141]), serving_pct=st.integers(5, 60),
        rollout_pct=st.integers(0, 100), ttft_pct=PCT, tpot_pct=PCT,
        delta=st.integers(-(1 << 31), 1 << 31), trend=st.booleans())
-def test_revoke_on_the_very_event_that_shows_trouble(total_gib, serving_pct, rollout_pct, ttft_pct, tpot_pct,
-                                                    delta, trend):
-    """Boundaries exactly: a lease is held, then one arbitrary event; headroom < 0.10 on any
-    metric or free memory < margin must revoke on that event. Without `trend`, the trend and
-    KV-growth predictors are off (horizon 0) so the two thresholds are tested alone."""
+def test_pause_or_revoke_on_the_very_event_that_shows_trouble(total_gib, serving_pct, rollout_pct, ttft_pct,
+                                                             tpot_pct, delta, trend):
+    """Boundaries exactly: a lease is held, then one arbitrary event; free memory < margin must
+    revoke on that event, and otherwise headroom < 0.10 on any metric must pause it (throttle to
+    share 0, same lease and epoch, no cooldown). Without `trend`, the trend and KV-growth
+    predictors are off (horizon 0) so the thresholds are tested alone."""
     cfg = CFG if trend else dataclasses.replace(CFG, trend_horizon_s=0.0)
     serving = total_gib * serving_pct / 100
     ds = run(steady(3, total_gib=total_gib, serving_gib=serving), cfg)
@@ -179,8 +197,16 @@ def test_revoke_on_the_very_event_that_shows_trouble(total_gib, serving_pct, rol
     d = decide(ds[-1].view, e, cfg)
     h = min(1 - e.latency_ms.ttft_p99 / SLO.ttft_p99, 1 - e.latency_ms.tpot_p99 / SLO.tpot_p99)
     free = total - (e.mem_used_bytes - e.rollout_mem_bytes) - max(lease_mem, e.rollout_mem_bytes)
-    if h < cfg.revoke_headroom or free < margin:
+    if free < margin:
         assert [c.kind for c in d.commands] == ["revoke"]
+    elif h < cfg.revoke_headroom:
+        (c,) = d.commands
+        if trend and c.kind == "revoke":  # memory outranks latency: KV growth heading to the margin
+            assert "KV growth" in c.reason
+        else:
+            assert (c.kind, c.compute_share, c.lease_id, c.epoch) == ("throttle", 0.0, ds[-1].view.lease_id,
+                                                                       ds[-1].view.epoch)
+            assert d.view.cooldown_until == ds[-1].view.cooldown_until and d.view.paused_since == e.ts
     elif not trend:
         assert d.commands == () and d.explain.action == "hold"  # hysteresis: nothing to do
 
@@ -253,13 +279,58 @@ def test_no_grant_without_memory_for_the_minimum_lease():
     assert "< minimum lease 2.00 GiB" in ds[-1].explain.reason
 
 
-def test_revoke_on_the_very_event_that_loses_headroom_then_cooldown_with_backoff():
+def test_pause_on_the_very_event_that_loses_headroom_then_resume_after_the_streak_same_lease():
     ds = run(steady(3))
+    granted = ds[-1].commands[0]
     bad = tel(3, 101.5, tpot_frac=0.92)
+    d = decide(ds[-1].view, bad, CFG)
+    (t,) = d.commands
+    assert (t.kind, t.epoch, t.lease_id, t.cause_event_id, t.compute_share) == ("throttle", 1, "n/0#1",
+                                                                                bad.event_id, 0.0)
+    assert t.reason.startswith("pause: headroom 0.08 < 0.10 on tpot_p99") and t.mem_bytes == granted.mem_bytes
+    assert d.view.cooldown_until == 0.0 and d.view.lease_id == "n/0#1" and d.view.paused_since == 101.5
+    # still slow: held paused (renewed as it comes due), never resumed
+    view, kinds = d.view, []
+    for i in range(4, 12):
+        dd = decide(view, tel(i, 100 + 0.5 * i, tpot_frac=0.95), CFG)
+        kinds.append(dd.explain.action)
+        view = dd.view
+        assert all(c.compute_share == 0.0 for c in dd.commands)
+    assert set(kinds) <= {"hold", "renew"} and "renew" in kinds
+    # calm again: resumed on the third calm event, same lease and epoch, no cooldown
+    acts = []
+    for i in range(12, 15):
+        dd = decide(view, tel(i, 100 + 0.5 * i), CFG)
+        acts.append(dd.explain.action)
+        view = dd.view
+    assert acts == ["hold", "hold", "throttle"]
+    (r,) = dd.commands
+    assert (r.kind, r.lease_id, r.epoch) == ("throttle", "n/0#1", 1) and r.compute_share > 0.0
+    assert view.paused_since == -1.0 and view.epoch == 1
+
+
+def test_a_pause_that_lasts_max_pause_s_is_revoked_with_a_cooldown():
+    view = run(steady(3))[-1].view
+    view = decide(view, tel(3, 101.5, tpot_frac=0.95), CFG).view
+    t, i = 101.5, 4
+    while t < 101.5 + CFG.max_pause_s - 0.5:
+        t += 0.5
+        d = decide(view, tel(i, t, tpot_frac=0.95), CFG)
+        assert d.explain.action in ("hold", "renew"), d.explain
+        view, i = d.view, i + 1
+    d = decide(view, tel(i, 101.5 + CFG.max_pause_s, tpot_frac=0.95), CFG)
+    (r,) = d.commands
+    assert r.kind == "revoke" and r.reason.startswith(f"paused for {CFG.max_pause_s:.1f} s")
+    assert d.view.lease_id is None and d.view.cooldown_until == d.view.last_ts + CFG.cooldown_s
+
+
+def test_memory_revoke_starts_a_cooldown_with_backoff():
+    ds = run(steady(3))
+    lent = ds[-1].view.lease_mem_bytes / GiB
+    bad = tel(3, 101.5, serving_gib=80 - lent - 7.0)  # free 7 GiB < 8 GiB margin
     d = decide(ds[-1].view, bad, CFG)
     (r,) = d.commands
     assert (r.kind, r.epoch, r.lease_id, r.cause_event_id) == ("revoke", 1, "n/0#1", bad.event_id)
-    assert r.reason.startswith("headroom 0.08 < 0.10 on tpot_p99")
     assert d.view.cooldown_until == 101.5 + 10.0 and d.view.lease_id is None
     # healthy again, but cooling down until 111.5
     view = d.view
@@ -271,7 +342,8 @@ def test_revoke_on_the_very_event_that_loses_headroom_then_cooldown_with_backoff
     g = decide(view, tel(24, 112.0), CFG).commands[0]
     assert (g.kind, g.epoch) == ("grant", 2)
     # a second revoke soon after doubles the cooldown
-    d2 = decide(decide(view, tel(24, 112.0), CFG).view, tel(25, 112.5, ttft_frac=0.95), CFG)
+    lent = g.mem_bytes / GiB
+    d2 = decide(decide(view, tel(24, 112.0), CFG).view, tel(25, 112.5, serving_gib=80 - lent - 7.0), CFG)
     assert d2.commands[0].kind == "revoke" and d2.view.cooldown_until == 112.5 + 20.0
     assert cooldown_for(20, CFG) == CFG.cooldown_max_s
 
@@ -312,7 +384,8 @@ def test_a_single_spike_does_not_revoke_but_a_sustained_climb_does_before_the_sl
     d2 = decide(d1.view, tel(5, 102.5, tpot_frac=0.76), CFG)
     assert d2.explain.headroom["tpot_p99"] == pytest.approx(0.24)
     assert d2.explain.predicted_headroom["tpot_p99"] == pytest.approx(-0.04)
-    assert d2.commands[0].kind == "revoke" and d2.commands[0].reason.startswith("trend: tpot_p99 rising")
+    assert d2.commands[0].kind == "throttle" and d2.commands[0].compute_share == 0.0
+    assert d2.commands[0].reason.startswith("pause: trend: tpot_p99 rising")
 
 
 def test_trend_takes_the_smaller_rate_of_the_two_intervals():
@@ -341,9 +414,9 @@ def test_two_level_noise_below_the_revoke_line_never_revokes(low, high, metric, 
 
 @settings(max_examples=150, deadline=None)
 @given(base=st.integers(5, 70), step=st.integers(1, 40), metric=st.sampled_from(["ttft", "tpot"]))
-def test_a_sustained_climb_revokes_before_the_slo_is_crossed(base, step, metric):
+def test_a_sustained_climb_pauses_before_the_slo_is_crossed(base, step, metric):
     """p99 climbs from a granted GPU's level by a constant step per event. If it takes at least
-    three events to cross the SLO (two rising intervals are visible before), the revoke comes on
+    three events to cross the SLO (two rising intervals are visible before), the pause comes on
     an event before the crossing, and never before the climb shows on two intervals or the
     headroom rule fires."""
     view = run(steady(4, **{f"{metric}_frac": base / 100}))[-1].view
@@ -355,7 +428,8 @@ def test_a_sustained_climb_revokes_before_the_slo_is_crossed(base, step, metric)
     for k, f in enumerate(fracs):
         d = decide(view, tel(4 + k, 102.0 + 0.5 * k, **{f"{metric}_frac": f}), CFG)
         view = d.view
-        if d.explain.action == "revoke":
+        if d.explain.action == "throttle":
+            assert d.commands[0].compute_share == 0.0
             revoked_at = k
             break
         assert view.lease_id is not None  # held (and renewed) until then
@@ -373,7 +447,7 @@ def test_view_from_an_older_dict_without_the_trend_history_loads():
     d1 = decide(loaded, tel(4, 102.0, tpot_frac=0.48), CFG)
     assert d1.explain.predicted_headroom["tpot_p99"] == pytest.approx(0.52) and d1.commands == ()
     d2 = decide(d1.view, tel(5, 102.5, tpot_frac=0.76), CFG)
-    assert d2.commands[0].kind == "revoke"
+    assert d2.commands[0].kind == "throttle"
 
 
 def test_kv_cache_growth_revokes():
@@ -408,3 +482,91 @@ def test_observe_lease_state_ends_the_lease_and_keeps_the_epoch_floor():
                                                            state="active"), CFG)
     assert fresh.lease_id is None and fresh.epoch == 7
     assert POLICY_VERSION
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    events=st.lists(st.tuples(st.floats(0.31, 3.0), st.floats(0.0, 3.0), st.integers(20, 70),
+                              st.floats(0.0, 1.0)), min_size=1, max_size=8),
+    cooldown=st.floats(0.0, 50.0), revokes=st.integers(0, 4), epoch=st.integers(0, 5),
+    prev=st.one_of(st.none(), st.tuples(st.floats(1.0, 900.0), st.floats(1.0, 90.0), st.integers(20, 70))),
+    expired_lease=st.booleans(),
+    folded_state=st.one_of(st.none(), st.tuples(st.integers(0, 8), st.sampled_from(
+        ["active", "revoking", "revoked", "expired", "rejected"]), st.integers(0, 7))),
+)
+def test_deferred_calls_are_exact(events, cooldown, revokes, epoch, prev, expired_lease, folded_state):
+    """rose.policy.deferral: for a GPU without a lease, a run of deferrable events leaves `decide`
+    exactly where its last DEFERRED_KEPT events alone leave it, also when a lease state was folded
+    in somewhere in the run (the holder folds it at once and hands the held-back events later)."""
+    view = GpuView("sim/0", epoch=epoch, cooldown_until=cooldown, revokes_in_row=revokes)
+    if prev is not None:
+        view = GpuView("sim/0", last_ts=1.0, last_event_id="x", streak=2, epoch=epoch, cooldown_until=cooldown,
+                       revokes_in_row=revokes, prev_ttft_p99=prev[0], prev_tpot_p99=prev[1],
+                       prev_serving_mem=prev[2] << 30,
+                       **({"lease_id": f"sim/0#{epoch}", "lease_expires_at": 1.5, "lease_mem_bytes": 4 << 30}
+                          if expired_lease else {}))
+    evs = []
+    for i, (ratio, other, used_gib, util) in enumerate(events):  # ratio > 0.3: below grant headroom
+        ttft = 1000.0 * min(ratio, 0.99) if i % 2 else 1000.0 * other / 3
+        tpot = 100.0 * other / 3 if i % 2 else 100.0 * min(ratio, 0.99)
+        if 1.0 - max(ttft / 1000.0, tpot / 100.0) >= CFG.grant_headroom:
+            tpot = 100.0 * 0.8
+        evs.append(Telemetry(f"e{i}", 2.0 + 0.5 * i, "n", "sim/0", "serving", util, 80 << 30, used_gib << 30, 0,
+                             Latency(ttft, tpot), SLO, 1.0, 0))
+    ls = None
+    if folded_state is not None and view.lease_id is None:  # the holder defers only while no lease is held
+        ep, state, at = folded_state
+        ls = lease_state_example(gpu="sim/0", lease_id=f"sim/0#{ep}", epoch=ep, state=state, ts=2.0 + 0.5 * at)
+        at = min(at, len(evs))
+    folded = view
+    for i, e in enumerate(evs):
+        if ls is not None and i == at:
+            folded = observe_lease_state(folded, ls, CFG)
+        if folded.lease_id is None:
+            h = min(1.0 - e.latency_ms.ttft_p99 / SLO.ttft_p99, 1.0 - e.latency_ms.tpot_p99 / SLO.tpot_p99)
+            assert deferrable(False, h, CFG)
+        d = decide(folded, e, CFG)
+        assert d.commands == ()
+        folded = d.view
+    if ls is not None and at == len(evs):
+        folded = observe_lease_state(folded, ls, CFG)
+    held = view if ls is None else observe_lease_state(view, ls, CFG)
+    for e in evs[-DEFERRED_KEPT:]:
+        held = decide(held, e, CFG).view
+    assert held == folded
+    assert not deferrable(True, -1.0, CFG) and not deferrable(False, CFG.grant_headroom, CFG)
+
+
+def test_the_share_follows_the_interference_this_gpu_shows():
+    """The online estimate: a GPU whose serving p99 rises a lot per unit of leased share gets a
+    smaller share when it resumes than one whose p99 does not move; both stay within the cap."""
+    from rose.policy.lease_policy import compute_share_for
+
+    cfg = dataclasses.replace(CFG, max_compute_share=1.0)  # so the estimate, not the cap, sizes it
+
+    def resumed_share(leased_tpot_frac: float) -> tuple[float, float]:
+        view = run(steady(3, tpot_frac=0.6), cfg)[-1].view  # granted at load 0.6
+        for i in range(3, 23):  # leased windows: serving's p99 as the rollout share makes it
+            view = decide(view, tel(i, 100 + 0.5 * i, tpot_frac=leased_tpot_frac), cfg).view
+        view = decide(view, tel(23, 111.5, tpot_frac=0.95), cfg).view  # a burst pauses it
+        assert view.lease_compute_share == 0.0
+        for i in range(24, 27):
+            d = decide(view, tel(i, 100 + 0.5 * i, tpot_frac=0.6), cfg)
+            view = d.view
+        (c,) = d.commands
+        assert c.kind == "throttle" and 0.0 < c.compute_share <= cfg.max_compute_share
+        return c.compute_share, view.slowdown_per_share
+
+    quiet, a_quiet = resumed_share(0.6)
+    noisy, a_noisy = resumed_share(0.78)
+    assert a_noisy > a_quiet and noisy < quiet
+    # the sizing rule: headroom lands mid-hysteresis under the estimated slowdown
+    target = (CFG.grant_headroom + CFG.revoke_headroom) / 2
+    for load, a in ((0.6, 4.0), (0.6, 0.3), (0.75, 0.3)):
+        share = compute_share_for(load, a, CFG)
+        slowdown = 1 + a * share
+        if share < CFG.max_compute_share:
+            assert load * slowdown == pytest.approx(1 - target, rel=1e-3)
+        else:
+            assert load * slowdown <= 1 - target
+    assert compute_share_for(0.85, 4.0, CFG) == 0.0  # no room left: no share

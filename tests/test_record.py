@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from rose.scheduler.service import Scheduler
 from rose.cli import app
-from rose.kafka.clients import make_producer, produce_event, read_all
+from rose.kafka.consumer import read_all
+from rose.kafka.producer import make_producer, produce_event
 from rose.sim.telemetry_workload import workload
 from tests.examples import lease_state_example
 

@@ -207,7 +207,7 @@ def test_explain_prints_each_event_of_the_gpu_with_its_view_and_reason(plain_log
     assert steps[0].endswith("NONE: headroom streak 1 < 3") or "NONE:" in steps[0]
     assert "view before: (none: first event)" in out and '"streak":' in out
     grants = [c for c in expected if c.gpu == "az/0" and c.kind == "grant"]
-    assert out.count("GRANT:") == len(grants) and f"-> grant az/0#1 epoch 1" in out
+    assert out.count("GRANT:") == len(grants) and "-> grant az/0#1 epoch 1" in out
     assert "az/1" not in out.replace('"gpu":"az/0"', "")
     r = invoke("replay", plain_log, "--explain", "nope/0")
     assert r.exit_code == 2 and "--explain: no telemetry for gpu 'nope/0'" in r.stderr

@@ -11,12 +11,13 @@ pytestmark = pytest.mark.cuda
 
 
 def _spec(**kw):
-    from rose.rollout.worker import WorkerSpec
+    from rose.config import RedisConfig
+    from rose.rollout.launcher import WorkerConfig
 
-    base = dict(gpu="g0", worker_id="w", redis_url="redis://127.0.0.1:6379/0", key_prefix="x:", job="j",
+    base = dict(gpu="g0", worker_id="w", redis=RedisConfig("redis://127.0.0.1:6379/0", "x:"), job="j",
                 model="m", device="cuda:0", mem_bytes=1 << 30)
     base.update(kw)
-    return WorkerSpec(**base)
+    return WorkerConfig(**base)
 
 
 def test_rollout_stream_has_the_lowest_priority():
@@ -33,9 +34,9 @@ def test_memory_cap_is_enforced_in_the_worker_process():
     """In a fresh process (the fraction is process-wide): under the cap allocates, over it fails."""
     code = textwrap.dedent(f"""
         import torch
-        from rose.rollout.worker import WorkerSpec, protect
-        spec = WorkerSpec.from_json({_spec(mem_bytes=1 << 30).to_json()!r})
-        protect(spec)
+        from rose.rollout.launcher import WorkerConfig
+        from rose.rollout.worker import protect
+        protect(WorkerConfig.from_json({_spec(mem_bytes=1 << 30).to_json()!r}))
         ok = torch.empty(512 << 20, dtype=torch.uint8, device="cuda:0")
         try:
             torch.empty(2 << 30, dtype=torch.uint8, device="cuda:0")

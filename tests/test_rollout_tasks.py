@@ -5,26 +5,29 @@ import collections
 import math
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
 import orjson
 import pytest
 
+from rose.config import RedisConfig
 from rose.rollout.episode import Task, ToolLatency
+from rose.rollout.launcher import WorkerConfig, launch
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
 from rose.rollout.tasks import TaskQueue
-from rose.rollout.worker import EXIT_BAD_SPEC, EXIT_BUDGET, WorkerSpec
+from rose.rollout.worker import EXIT_BAD_CONFIG, EXIT_BUDGET
 
 SMALL = {"d_model": 64, "n_heads": 4, "d_ff": 128, "n_layers": 2, "max_seq": 512}
 JOB = "job"
 
 
-def spec(cfg, wid, **kw) -> WorkerSpec:
-    base = dict(gpu=f"sim/{wid}", worker_id=wid, redis_url=cfg.redis.url, key_prefix=cfg.redis.key_prefix,
-                job=JOB, model="policy", model_spec=SMALL, max_batch=8, min_idle_ms=1500, reclaim_every_ms=200)
+def spec(cfg, wid, **kw) -> WorkerConfig:
+    base = dict(gpu=f"sim/{wid}", worker_id=wid, redis=cfg.redis, job=JOB, model="policy", model_spec=SMALL,
+                max_batch=8, min_idle_ms=1500, reclaim_every_ms=200)
     base.update(kw)
-    return WorkerSpec(**base)
+    return WorkerConfig(**base)
 
 
 def tasks(n, turns=3, tpt=12, tool_s=0.02, prefix="t"):
@@ -32,8 +35,17 @@ def tasks(n, turns=3, tpt=12, tool_s=0.02, prefix="t"):
                  obs_tokens=10, tool=ToolLatency(mu=math.log(tool_s), sigma=0.0), seed=i) for i in range(n)]
 
 
-def start(s: WorkerSpec) -> subprocess.Popen:
-    return subprocess.Popen(s.to_argv(), stderr=subprocess.PIPE, text=True)
+def start(s: WorkerConfig) -> subprocess.Popen:
+    return launch(s, stderr=subprocess.PIPE, text=True)
+
+
+def run(s: WorkerConfig, timeout: float) -> subprocess.CompletedProcess:
+    p = launch(s, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        p.kill()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def wait_for(cond, timeout=60.0, what="condition"):
@@ -76,7 +88,7 @@ def _nothing_pending(q) -> bool:
 def test_worker_completes_episodes(cfg, redis_client, queue):
     for t in tasks(5):
         queue.submit(t)
-    p = subprocess.run(spec(cfg, "w0", max_episodes=5).to_argv(), capture_output=True, text=True, timeout=120)
+    p = run(spec(cfg, "w0", max_episodes=5), timeout=120)
     assert p.returncode == 0, p.stderr
     res = queue.all_results()
     assert sorted(t["task_id"] for t in res) == [f"t{i}" for i in range(5)]
@@ -259,27 +271,44 @@ def test_policy_version_switches_between_steps(cfg, redis_client, queue):
 
 
 def test_worker_refuses_a_budget_below_the_model():
-    s = WorkerSpec(gpu="g", worker_id="w", redis_url="redis://127.0.0.1:1/0", key_prefix="x:", job="j",
-                   model="m", mem_bytes=100_000, model_spec=SMALL)
-    p = subprocess.run(s.to_argv(), capture_output=True, text=True, timeout=60)
+    s = WorkerConfig(gpu="g", worker_id="w", redis=RedisConfig("redis://127.0.0.1:1/0", "x:"), job="j",
+                     model="m", mem_bytes=100_000, model_spec=SMALL)
+    p = run(s, timeout=60)
     assert p.returncode == EXIT_BUDGET
     assert p.stderr.count("\n") == 1 and "mem_bytes 100000" in p.stderr
 
 
-def test_worker_rejects_a_bad_spec_in_one_line():
-    argv = WorkerSpec(gpu="g", worker_id="w", redis_url="r", key_prefix="x:", job="j", model="m").to_argv()
-    argv[-1] = argv[-1].replace('"mem_bytes":1073741824', '"mem_bytes":"lots"')
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert p.returncode == EXIT_BAD_SPEC
-    assert p.stderr.strip() == "rose-worker: mem_bytes: expected int, got 'lots'"
+@pytest.mark.parametrize("change, message", [
+    (('"mem_bytes":1073741824', '"mem_bytes":"lots"'), "mem_bytes: expected int, got 'lots'"),
+    (('"key_prefix":"x:"', '"key_prefix":7'), "redis.key_prefix: expected str, got 7"),
+    (('"job":"j",', ''), "job: missing required field"),
+    (('"seed":0', '"sede":0'), "sede: unknown WorkerConfig field"),
+    (('{', '['), "worker config: not valid JSON (Expecting ',' delimiter)"),
+])
+def test_worker_rejects_a_bad_config_in_one_line(change, message):
+    """Read from stdin, the default descriptor (`python -m rose.rollout.worker < worker.json`)."""
+    text = WorkerConfig(gpu="g", worker_id="w", redis=RedisConfig("r", "x:"), job="j", model="m").to_json()
+    assert change[0] in text
+    p = subprocess.run([sys.executable, "-m", "rose.rollout.worker"], input=text.replace(change[0], change[1], 1),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == EXIT_BAD_CONFIG
+    assert p.stderr.strip() == f"rose-worker: {message}"
 
 
-def test_spec_round_trips_through_argv():
-    s = WorkerSpec(gpu="n/0", worker_id="w", redis_url="redis://h:1/0", key_prefix="p:", job="j", model="m",
-                   device="cuda:0", mem_bytes=5 << 30, compute_share=0.4, pause_flag="f", dedicated=True, nice=5, seed=9)
-    argv = s.to_argv()
-    assert argv[1:4] == ["-m", "rose.rollout.worker", "--spec"]
-    assert WorkerSpec.from_json(argv[4]) == s
+def test_config_round_trips_through_a_descriptor():
+    import os
+
+    from rose.rollout.launcher import _config_file, read_config
+
+    s = WorkerConfig(gpu="n/0", worker_id="w", redis=RedisConfig("redis://u:pw@h:1/0", "p:"), job="j", model="m",
+                     weights_hmac_key="wk", device="cuda:0", mem_bytes=5 << 30, compute_share=0.4, pause_flag="f",
+                     dedicated=True, nice=5, cpus=(0, 3), seed=9, model_spec={"d_model": 64})
+    assert WorkerConfig.from_json(s.to_json()) == s
+    fd = _config_file(s.to_json().encode())
+    assert read_config(fd) == s
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the worker's side closed it
+    assert "wk" not in repr(s)
 
 
 @pytest.mark.stack

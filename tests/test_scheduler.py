@@ -16,10 +16,12 @@ import pytest
 
 from rose.scheduler.service import Scheduler
 from rose.contract.codec import encode
-from rose.kafka.clients import header, make_producer, produce, produce_event, read_all
+from rose.kafka.consumer import header, read_all
+from rose.kafka.producer import make_producer, produce, produce_event
 from tests.examples import telemetry_example
 from rose.sim.telemetry_workload import expected_commands, workload
 from tests.kafka_checks import by_gpu, commands, wait_for_commands
+from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
 
@@ -103,8 +105,7 @@ def test_sigkill_under_load_loses_and_duplicates_nothing(cfg, tmp_path):
     want = expected_commands(events, cfg.policy)
     n_want = sum(map(len, want.values()))
     got = wait_for_commands(cfg, n_want)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
+    exit_s = terminate_all({"scheduler": proc})
     ids = Counter(c["command_id"] for c in got)
     dups = [i for i, n in ids.items() if n > 1]
     print(f"\n[sigkill] kills={len(at_kill)} committed-at-each-kill={at_kill} events={len(events)} "
@@ -112,6 +113,7 @@ def test_sigkill_under_load_loses_and_duplicates_nothing(cfg, tmp_path):
     assert at_kill[-1] < n_want, "the kills must land before the work is done"
     assert not dups
     assert by_gpu(got) == want
+    assert exit_s["scheduler"] <= SHUTDOWN_BOUND_S, exit_s
 
 
 def test_trace_context_flows_from_telemetry_to_command(cfg):
@@ -147,7 +149,11 @@ def test_trace_context_flows_from_telemetry_to_command(cfg):
     assert decide.parent is not None
     assert decide.attributes["rose.kind"] == "grant"
     assert "rose.headroom.tpot_p99" in decide.attributes
-    assert spans["lease.apply"].parent.span_id == decide.context.span_id
+    by_id = {s.context.span_id: s for s in exp.get_finished_spans()}
+    assert by_id[decide.parent.span_id].name == f"process {cfg.kafka.telemetry_topic}"
+    # the command carries the context of its `send` span, a child of lease.decide
+    send = by_id[spans["lease.apply"].parent.span_id]
+    assert send.name == f"send {cfg.kafka.commands_topic}" and send.parent.span_id == decide.context.span_id
 
 
 def test_commands_carry_trace_context_without_an_exporter(cfg):

@@ -9,11 +9,11 @@ import time
 import uuid
 
 import pytest
-from confluent_kafka import KafkaException
-from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
 
 from rose.config import load_config
-from rose.kafka.clients import make_admin, make_producer, produce
+from rose.kafka.admin import KafkaException, ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion, \
+    make_admin
+from rose.kafka.producer import make_producer, produce
 from tests.kafka_checks import consume_one
 
 pytestmark = pytest.mark.stack

@@ -7,9 +7,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rose.sim.serving_model import (
-    GPUS, MODELS, EngineConfig, ServingSim, gpu_spec, model_size, spread, windows,
-)
+from rose.sim.models import GPUS, MODELS, EngineConfig, gpu_spec, model_size
+from rose.sim.serving_model import ServingSim, spread, windows
 from rose.sim.traces import Trace
 
 GiB = 1 << 30

@@ -1,5 +1,6 @@
 """`rose simulate`: every trace format feeds it, its invariants hold every window, it is
-deterministic, the deferred policy calls are exact, and the done-when claim through the CLI."""
+deterministic, and the done-when claim through the CLI. (The exactness of its deferred policy
+calls is tested beside the policy, tests/test_lease_policy.py.)"""
 
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ import sys
 import numpy as np
 import orjson
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from rose.config import PolicyConfig
-from rose.contract.events import Latency, Telemetry
-from rose.policy.lease_policy import GpuView, decide
-from rose.sim.simulate import (POLICIES, SLO_TOLERANCE, EpisodeModel, Ledger, SimConfig, calibration,
-                           simulate)
+from rose.sim.engine import POLICIES, SimConfig, calibration, simulate
+from rose.sim.ledger import Ledger
+from rose.sim.models import EpisodeModel
+from rose.sim.report import SLO_TOLERANCE
 from rose.sim.traces import load_trace
 
 TRACES = ["azure_llm2023_code.csv", "azure_llm2023_conv.csv", "burstgpt1_first400.csv",
@@ -79,45 +77,6 @@ def test_deterministic_for_a_seed(traces_dir):
     c = simulate(tr, SimConfig(n_gpus=6, duration_s=120, seed=8))
     c.pop("wall_s")
     assert orjson.dumps(a) != orjson.dumps(c)
-
-
-_SLO = Latency(1000.0, 100.0)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    events=st.lists(st.tuples(st.floats(0.31, 3.0), st.floats(0.0, 3.0), st.integers(20, 70),
-                              st.floats(0.0, 1.0)), min_size=1, max_size=8),
-    cooldown=st.floats(0.0, 50.0), revokes=st.integers(0, 4), epoch=st.integers(0, 5),
-    prev=st.one_of(st.none(), st.tuples(st.floats(1.0, 900.0), st.floats(1.0, 90.0), st.integers(20, 70))),
-    expired_lease=st.booleans(),
-)
-def test_deferred_policy_calls_are_exact(events, cooldown, revokes, epoch, prev, expired_lease):
-    """The simulator's shortcut: for a GPU without a lease, a run of events whose headroom is below
-    the grant threshold leaves `decide` exactly where its last two events alone leave it."""
-    cfg = PolicyConfig()
-    view = GpuView("sim/0", epoch=epoch, cooldown_until=cooldown, revokes_in_row=revokes)
-    if prev is not None:
-        view = GpuView("sim/0", last_ts=1.0, last_event_id="x", streak=2, epoch=epoch, cooldown_until=cooldown,
-                       revokes_in_row=revokes, prev_ttft_p99=prev[0], prev_tpot_p99=prev[1],
-                       prev_serving_mem=prev[2] << 30,
-                       **({"lease_id": f"sim/0#{epoch}", "lease_expires_at": 1.5, "lease_mem_bytes": 4 << 30}
-                          if expired_lease else {}))
-    evs = []
-    for i, (ratio, other, used_gib, util) in enumerate(events):  # ratio > 0.3: below grant headroom
-        ttft = 1000.0 * min(ratio, 0.99) if i % 2 else 1000.0 * other / 3
-        tpot = 100.0 * other / 3 if i % 2 else 100.0 * min(ratio, 0.99)
-        if 1.0 - max(ttft / 1000.0, tpot / 100.0) >= cfg.grant_headroom:
-            tpot = 100.0 * 0.8
-        evs.append(Telemetry(f"e{i}", 2.0 + 0.5 * i, "n", "sim/0", "serving", util, 80 << 30, used_gib << 30, 0,
-                             Latency(ttft, tpot), _SLO, 1.0, 0))
-    folded = view
-    for e in evs:
-        folded = decide(folded, e, cfg).view
-    last_two = view
-    for e in evs[-2:]:
-        last_two = decide(last_two, e, cfg).view
-    assert last_two == folded
 
 
 def test_calibration_from_bench_results():

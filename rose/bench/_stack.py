@@ -15,7 +15,7 @@ def private_stack(cfg: Config, tag: str, kafka: bool = True):
     """`cfg` with its own topics (created, deleted after; only with `kafka`) and Redis keys (deleted after)."""
     import redis
 
-    from rose.kafka.clients import wait_for_broker
+    from rose.kafka.admin import wait_for_broker
     from rose.kafka.topics import create_topics, delete_topics, topic_specs
 
     u = uuid.uuid4().hex[:8]

@@ -53,7 +53,7 @@ def _real_path_us_per_event(n: int) -> float:
 
 def run(cfg, quick: bool) -> dict:
     from rose.node.agent import SimOptions, run_simulated
-    from rose.kafka.clients import wait_for_broker
+    from rose.kafka.admin import wait_for_broker
     from rose.kafka.telemetry_publisher import TelemetryPublisher
     from rose.kafka.topics import create_topics, delete_topics
     from rose.sim.traces import TraceError

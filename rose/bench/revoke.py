@@ -21,7 +21,8 @@ def run(cfg, quick: bool) -> dict:
     from rose.contract.codec import decode, encode
     from rose.contract.events import Command, LeaseState, Latency
     from rose.executor.guard import LatencySample, default_latency_dir, write_latency
-    from rose.kafka.clients import make_consumer, make_producer, produce
+    from rose.kafka.consumer import make_consumer
+    from rose.kafka.producer import make_producer, produce
     from rose.obs.logs import setup_logging
     from rose.rollout.pause_flag import PAUSE, RUN
 

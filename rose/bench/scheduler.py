@@ -13,7 +13,7 @@ GOAL_P99_MS = 20.0
 
 def _fill(cfg: Config, events) -> None:
     from rose.contract.codec import encode
-    from rose.kafka.clients import make_producer, produce
+    from rose.kafka.producer import make_producer, produce
 
     p = make_producer(cfg.kafka, **{"linger.ms": 20})
     topic = cfg.kafka.telemetry_topic
@@ -26,7 +26,7 @@ def _raw_rate(cfg: Config, n: int) -> float:
     """Consume and decode the same messages, no decisions: the ceiling for the scheduler."""
     from rose.contract.codec import decode
     from rose.contract.events import Telemetry
-    from rose.kafka.clients import make_consumer
+    from rose.kafka.consumer import make_consumer
 
     c = make_consumer(cfg.kafka, f"{cfg.kafka.topic_prefix}raw", **{"fetch.wait.max.ms": 5})
     c.subscribe([cfg.kafka.telemetry_topic])
@@ -65,7 +65,7 @@ def _scheduler_rate(cfg: Config, n: int) -> tuple[float, int]:
 def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
     """The latency bench's telemetry source: a tick of every GPU's event at `rate_per_s`."""
     from rose.contract.codec import encode
-    from rose.kafka.clients import make_producer, produce
+    from rose.kafka.producer import make_producer, produce
     from rose.sim.telemetry_workload import workload
 
     events = workload(n_gpus, ticks, seed=5, prefix="lat")

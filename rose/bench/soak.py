@@ -23,9 +23,8 @@ def _trace() -> str:
 
 def _lag(cfg: Config, group: str) -> int:
     """Committed offsets of the scheduler's group vs the end of the telemetry topic."""
-    from confluent_kafka import TopicPartition
-
-    from rose.kafka.clients import make_consumer, partitions_of
+    from rose.kafka.admin import partitions_of
+    from rose.kafka.consumer import TopicPartition, make_consumer
 
     c = make_consumer(cfg.kafka, group)
     try:

@@ -1,7 +1,7 @@
 """The `rose` command line.
 
 Each module in this package adds its commands with `register(app)`; heavy imports
-(torch, confluent_kafka) happen inside the commands, so `rose --help` is instant and
+(torch, the Kafka client) happen inside the commands, so `rose --help` is instant and
 the control plane runs without the rollout extra installed.
 """
 

@@ -29,10 +29,9 @@ def register(app: typer.Typer) -> None:
                                                    help="Serve /metrics and /healthz on this port."),
         feed_guard: bool = typer.Option(False, "--feed-guard",
                                         help="Also write each window's p99 for the executor's local guard "
-                                             "(executor.latency_dir; simulated)."),
+                                             "(executor.latency_dir)."),
     ) -> None:
         """Publish one rose.telemetry.v1 per GPU per period until the run ends or SIGTERM."""
-        import signal
         import socket
         import sys
 
@@ -52,14 +51,10 @@ def register(app: typer.Typer) -> None:
         if not cfg.telemetry.period_s > 0:
             fail(f"telemetry.period_s must be > 0, got {cfg.telemetry.period_s}")
 
-        stopping = {"flag": False}
+        from rose.shutdown import Shutdown
 
-        def on_signal(_sig, _frm):
-            stopping["flag"] = True
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        stop = lambda: stopping["flag"]  # noqa: E731
+        shutdown = Shutdown.install(name="rose-agent")
+        stop = shutdown.stop.is_set
 
         from rose.obs.logs import setup_logging
         from rose.obs.tracing import setup_tracing
@@ -69,7 +64,7 @@ def register(app: typer.Typer) -> None:
         if metrics_port is not None:
             from rose.obs import metrics
 
-            metrics.serve(metrics_port, health=lambda: not stopping["flag"])
+            metrics.serve(metrics_port, health=lambda: not shutdown.requested)
 
         if nvml:
             from rose.node.nvml import Nvml, NvmlUnavailable
@@ -96,14 +91,15 @@ def register(app: typer.Typer) -> None:
             pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
                                      linger_ms=cfg.telemetry.linger_ms)
             try:
-                summary = run_nvml(cfg, NvmlOptions(metric_url_set, node or socket.gethostname(), rollout_pids),
-                                   nv, stop, publisher=pub)
+                guard_dir = (cfg.executor.latency_dir or str(default_latency_dir())) if feed_guard else None
+                summary = run_nvml(cfg, NvmlOptions(metric_url_set, node or socket.gethostname(), rollout_pids,
+                                                    guard_dir=guard_dir), nv, stop, publisher=pub)
             finally:
                 left = pub.flush(5.0)
                 nv.close()
         else:
             from rose.node.agent import SimOptions, run_simulated
-            from rose.sim.serving_model import gpu_spec, model_size as model_preset
+            from rose.sim.models import gpu_spec, model_size as model_preset
             from rose.kafka.telemetry_publisher import TelemetryPublisher
             from rose.sim.traces import TraceError, load_trace
 

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serving (trace-driven + one real co-served device), scheduler, executors, rollout workers and a
         trainer closing the RL loop; a live view; a report in --report."""
-        from rose.cli import _state, cli_config, fail
+        from rose.cli import cli_config, fail
         from rose.demo.orchestrator import DemoError, DemoOptions, run_demo
         from rose.sim.traces import TraceError, load_trace
 
@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
         setup_logging("WARNING")
         cfg = cli_config()
         try:
-            rep = run_demo(cfg, opts, _state.get("config_path"), echo=lambda s: typer.echo(s, err=True))
+            rep = run_demo(cfg, opts, echo=lambda s: typer.echo(s, err=True))
         except DemoError as e:
             fail(str(e), code=1)
         except KeyboardInterrupt:

@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
 
         from rose.executor.service import Executor, simulated_gpus
         from rose.obs import metrics
-        from rose.kafka.clients import wait_for_broker
+        from rose.kafka.admin import wait_for_broker
         from rose.obs.logs import setup_logging
         from rose.obs.tracing import setup_tracing
 
@@ -49,15 +49,17 @@ def register(app: typer.Typer) -> None:
             ids, dev = simulated_gpus(simulate), device or "cpu"
         else:
             dev = device or _default_device(ids)
-        try:
-            wait_for_broker(cfg.kafka, timeout_s=30)
-        except TimeoutError as e:
-            fail(str(e), code=1)
+        from rose.shutdown import Shutdown
+
+        shutdown = Shutdown.install(name="rose-executor")  # SIGTERM is bounded from here on
+        # while Kafka is down: one line saying so, then retries until it answers or SIGTERM
+        if not wait_for_broker(cfg.kafka, timeout_s=None, stop=shutdown.stop):
+            return
         ex = Executor(cfg, ids, device=dev, guard=not no_guard)
         port = metrics_port if metrics_port is not None else (cfg.executor.metrics_port or None)
         if port is not None:
             metrics.serve(port, health=lambda: ex.consumer is not None)
-        ex.start().run()
+        ex.start().run(shutdown.stop)
 
 
 def _default_device(ids: list[str]) -> str:

@@ -26,10 +26,9 @@ def register(app: typer.Typer) -> None:
         Reads committed messages only (read_committed), each topic up to its end offsets at
         the time it is read."""
         import orjson
-        from confluent_kafka import KafkaException
-
         from rose.cli import cli_config, fail
-        from rose.kafka.clients import message_record, read_all, wait_for_broker
+        from rose.kafka.admin import KafkaException, wait_for_broker
+        from rose.kafka.consumer import message_record, read_all
 
         k = cli_config().kafka
         names = [t.strip() for t in topics.split(",") if t.strip()]

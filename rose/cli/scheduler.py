@@ -18,18 +18,20 @@ def register(app: typer.Typer) -> None:
         """The stateless lease scheduler: telemetry in, commands out, exactly once, until SIGTERM."""
         from rose.scheduler.service import FatalSchedulerError, run_scheduler
         from rose.cli import cli_config, fail
-        from rose.kafka.clients import wait_for_broker
+        from rose.kafka.admin import wait_for_broker
         from rose.obs.logs import setup_logging
         from rose.obs.tracing import setup_tracing
+
+        from rose.shutdown import Shutdown
 
         cfg = cli_config()
         setup_logging(log_level)
         setup_tracing(cfg.tracing, service="rose-scheduler")
+        shutdown = Shutdown.install(name="rose-scheduler")  # SIGTERM is bounded from here on
+        # while Kafka is down: one line saying so, then retries until it answers or SIGTERM
+        if not wait_for_broker(cfg.kafka, timeout_s=None, stop=shutdown.stop):
+            return
         try:
-            wait_for_broker(cfg.kafka, timeout_s=30)
-        except TimeoutError as e:
-            fail(str(e), code=1)
-        try:
-            run_scheduler(cfg, instance, metrics_port, duration)
+            run_scheduler(cfg, instance, metrics_port, duration, shutdown=shutdown)
         except FatalSchedulerError as e:
             fail(f"scheduler stopped: {e}", code=1)

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         import orjson
 
         from rose.cli import cli_config, fail
-        from rose.sim.simulate import POLICIES, SimConfig, calibration, simulate as run_sim
+        from rose.sim.engine import POLICIES, SimConfig, calibration, simulate as run_sim
         from rose.sim.traces import TraceError, load_trace
 
         names = POLICIES if policy.strip() == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
@@ -111,7 +111,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """`rose simulate` on the Azure code/conv and BurstGPT traces for 7B–70B, beside the paper's claim."""
         from rose.cli import cli_config, fail
-        from rose.sim.simulate import SimConfig, simulate as run_sim
+        from rose.sim.engine import SimConfig, simulate as run_sim
         from rose.sim.report import paper_check_markdown
         from rose.sim.traces import TraceError, load_trace
 

@@ -6,7 +6,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    stack = typer.Typer(help="The local Apache Kafka (KRaft) + Redis stack on loopback.", no_args_is_help=True)
+    stack = typer.Typer(help="The local Apache Kafka (KRaft) + Redis (+ Jaeger) stack on loopback.", no_args_is_help=True)
     topics = typer.Typer(help="Kafka topics of the contract.", no_args_is_help=True)
     app.add_typer(stack, name="stack")
     app.add_typer(topics, name="topics")
@@ -18,18 +18,26 @@ def register(app: typer.Typer) -> None:
         return LocalStack.from_config(cli_config())
 
     @stack.command("up")
-    def up() -> None:
-        """Start Kafka and Redis (idempotent); wait until both answer."""
+    def up(
+        jaeger: bool = typer.Option(False, "--jaeger", help="Also run Jaeger v2 (traces UI; built once from the Go module proxy)."),
+        own: bool = typer.Option(False, "--own", help="Fail, starting nothing, when another stack or program holds this stack's ports."),
+    ) -> None:
+        """Start Kafka and Redis (idempotent); wait until both answer. Says whose stack it uses
+        when another checkout's stack already answers on these ports."""
         from rose.cli import fail
         from rose.stack import StackError
 
         s = _stack()
         try:
-            s.up()
+            s.up(jaeger=jaeger, own=own)
         except StackError as e:
             fail(str(e), code=1)
         typer.echo(f"kafka bootstrap: {s.kafka_bootstrap}")
         typer.echo(f"redis url:       {s.redis_url}")
+        if jaeger:
+            typer.echo(f"jaeger ui:       {s.jaeger_query_url}")
+            typer.echo(f"otlp endpoint:   {s.jaeger_otlp_endpoint} (http), {s.jaeger_otlp_grpc_endpoint} (grpc); "
+                       f"ROSE_TRACING__EXPORTER=otlp ROSE_TRACING__OTLP_ENDPOINT={s.jaeger_otlp_endpoint}/v1/traces")
 
     @stack.command("down")
     def down() -> None:
@@ -39,20 +47,25 @@ def register(app: typer.Typer) -> None:
 
     @stack.command("status")
     def status() -> None:
-        """Exit 0 only when both Kafka and Redis answer."""
-        st = _stack().status()
+        """Exit 0 only when both Kafka and Redis answer (and Jaeger, if `up --jaeger` started it).
+        Names the other stack when one answers on this stack's ports."""
+        s = _stack()
+        st = s.status(jaeger=True)
+        required = {"kafka", "redis"} | ({"jaeger"} if s.jaeger_started() else set())
+        theirs = {h.service: h for h in s.foreign(list(st))}
         for k, v in st.items():
-            typer.echo(f"{k}: {'up' if v else 'down'}")
-        raise typer.Exit(0 if all(st.values()) else 1)
+            note = f" ({theirs[k].describe()})" if k in theirs else ""
+            if k == "jaeger" and not v and k not in required:
+                note = " (not started; rose stack up --jaeger)"
+            typer.echo(f"{k}: {'up' if v else 'down'}{note}")
+        raise typer.Exit(0 if all(st[k] for k in required) else 1)
 
     @topics.command("create")
     def create() -> None:
         """Create telemetry, commands, lease-state (compacted), scheduler-state, dlq; idempotent."""
-        from confluent_kafka import KafkaException
-
         from rose.cli import cli_config, fail
-        from rose.kafka import wait_for_broker
-        from rose.topics import create_topics
+        from rose.kafka.admin import KafkaException, wait_for_broker
+        from rose.kafka.topics import create_topics
 
         cfg = cli_config()
         try:

@@ -172,13 +172,16 @@ def follow(
     from rose.obs.logs import setup_logging
     from rose.weights.follower import FileStateStore, WeightFollower
 
+    from rose.shutdown import Shutdown
+
     setup_logging()
     cfg = cli_config()
+    shutdown = Shutdown.install(name="rose-weights-follow")
     r = redis.Redis.from_url(cfg.redis.url)
     f = WeightFollower(r, cfg.redis, model, FileStateStore(out), hmac_key=cfg.security.weights_hmac_key)
     if metrics_port is not None:
-        metrics.serve(metrics_port)
-    f.follow(until_version=until_version, idle_s=idle_s)
+        metrics.serve(metrics_port, health=lambda: not shutdown.requested)
+    f.follow(until_version=until_version, idle_s=idle_s, stop=shutdown.stop)
     snap = f.receiver.visible()
     typer.echo(orjson.dumps({"version": snap.version if snap else None, **{
         k: v for k, v in f.stats.__dict__.items() if k != "applied_versions"}}).decode())

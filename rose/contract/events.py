@@ -17,8 +17,8 @@ TELEMETRY_SCHEMA = "rose.telemetry.v1"
 COMMAND_SCHEMA = "rose.command.v1"
 LEASE_STATE_SCHEMA = "rose.lease_state.v1"
 
-COMMAND_KINDS = ("grant", "renew", "revoke")
-LEASE_STATES = ("active", "revoking", "revoked", "expired", "rejected")
+COMMAND_KINDS = ("grant", "renew", "throttle", "revoke")  # throttle: v1.1
+LEASE_STATES = ("active", "paused", "revoking", "revoked", "expired", "rejected")  # paused: v1.1
 
 MAX_ID_LEN = 256
 MAX_REASON_LEN = 1024

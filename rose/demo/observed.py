@@ -150,9 +150,8 @@ class Collector:
         return self
 
     def _run(self) -> None:
-        from confluent_kafka import OFFSET_BEGINNING, TopicPartition
-
-        from rose.kafka.clients import make_consumer, partitions_of
+        from rose.kafka.admin import partitions_of
+        from rose.kafka.consumer import OFFSET_BEGINNING, TopicPartition, make_consumer
 
         k = self.cfg.kafka
         consumer = make_consumer(k, f"{k.topic_prefix}demo-view", **{"fetch.wait.max.ms": 50, "logger": quiet_logger()})
@@ -184,7 +183,7 @@ def read_final(cfg, job: str) -> Observed:
     """Everything the run left in Kafka and Redis, read to the end (for the report)."""
     import redis
 
-    from rose.kafka.clients import read_all
+    from rose.kafka.consumer import read_all
 
     obs = Observed()
     k = cfg.kafka

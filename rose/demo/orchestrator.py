@@ -6,33 +6,42 @@ calibrates its SLO; no scheduler, so no lease) → phase 2 at t1 (the scheduler 
 come and go) → t_end → shutdown (executors first: they revoke their leases and drain their
 workers; then the rest) → the final read of every topic and key → the report.
 
+Every process gets the run's configuration in one piece: `Demo.cfg` (the caller's config with
+the run's topic and key prefixes, job, model and guard settings) is written to a 0600 TOML
+file in a private directory, and each child loads it through `ROSE_CONFIG`, nothing else (the
+caller's own ROSE_* settings are already in it and are not passed on). The dedicated rollout
+worker gets its `WorkerConfig` from `rose.rollout.launcher.launch`, off the command line.
+
 Shutdown is SIGTERM, then SIGKILL after a deadline, for every process this module started,
-also on Ctrl-C or an error; children also get PR_SET_PDEATHSIG so that none outlives a killed
-orchestrator. The local stack is stopped at the end only if this run started it. The run's
-topics and Redis keys are deleted at the end unless `keep` is set.
+also on Ctrl-C or an error; children also get PR_SET_PDEATHSIG (`rose.rollout.launcher.spawn`)
+so that none outlives a killed orchestrator. The local stack is stopped at the end only if this
+run started it. The run's topics and Redis keys are deleted at the end unless `keep` is set;
+the config file always is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
-from rose.config import Config
+from rose.config import Config, load_config
+from rose.rollout.launcher import WorkerConfig, launch, spawn
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_TRACE = "azure_llm2023_conv.csv"
 GiB = 1 << 30
-_PR_SET_PDEATHSIG = 1
+# what load_config reads from the environment: the children get none of it but ROSE_CONFIG
+_CONFIG_VARS = ("ROSE_CONFIG", "ROSE_KAFKA_BOOTSTRAP", "ROSE_REDIS_URL")
 
 
 class DemoError(RuntimeError):
@@ -71,23 +80,21 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
         self.reported: set[str] = set()
 
-    def start(self, name: str, argv: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
-        """Start `argv` in its own session (Ctrl-C reaches only the orchestrator), SIGTERMed by the
-        kernel if the orchestrator dies, on the CPUs `cpus` (None: any)."""
-        import ctypes
-
+    def start(self, name: str, what: list[str] | WorkerConfig, cpus: set[int] | None = None) -> subprocess.Popen:
+        """Start `what` (an argv, or a rollout worker's config) in its own session (Ctrl-C reaches
+        only the orchestrator), SIGTERMed by the kernel if the orchestrator dies, on the CPUs
+        `cpus` (None: any; a worker config names its own)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork; the child only calls it
-
-        def setup() -> None:
-            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
-        p = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True, preexec_fn=setup, cwd=str(REPO))
-        log.close()
+        io = {"env": self.env, "stdin": subprocess.DEVNULL, "stdout": log, "stderr": subprocess.STDOUT,
+              "start_new_session": True, "cwd": str(REPO)}
+        try:
+            if isinstance(what, WorkerConfig):
+                p = launch(dataclasses.replace(what, cpus=tuple(sorted(cpus or what.cpus))), **io)
+            else:
+                p = spawn(what, cpus=sorted(cpus or ()), **io)
+        finally:
+            log.close()
         self.procs[name] = p
         return p
 
@@ -153,24 +160,25 @@ def _cuda() -> bool:
 
 
 class Demo:
-    def __init__(self, cfg: Config, opts: DemoOptions, config_path: str | None = None,
-                 echo: Callable[[str], None] = print):
+    def __init__(self, cfg: Config, opts: DemoOptions, echo: Callable[[str], None] = print):
+        from rose.executor.guard import default_latency_dir
+
         self.opts, self.echo = opts, echo
         self.run_id = uuid.uuid4().hex[:8]
         self.trace = str(Path(opts.trace) if opts.trace else default_trace())
+        self.job, self.model = "demo", "policy"
+        self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
         self.cfg = dataclasses.replace(
             cfg,
             kafka=dataclasses.replace(cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}demo-{self.run_id}.", partitions=4),
-            redis=dataclasses.replace(cfg.redis, key_prefix=f"{cfg.redis.key_prefix}demo-{self.run_id}:"))
-        self.config_path = config_path
-        self.job, self.model = "demo", "policy"
+            redis=dataclasses.replace(cfg.redis, key_prefix=f"{cfg.redis.key_prefix}demo-{self.run_id}:"),
+            executor=dataclasses.replace(cfg.executor, job=self.job, model=self.model, worker_weights="follow",
+                                         latency_dir=str(self.latency_dir), guard_period_s=0.002))
+        self.config_dir: str | None = None  # holds the run's config file (secrets: 0700 / 0600)
         self.real_gpu = "real/0"
         self.cuda = _cuda()
         self.real_device = "cuda:0" if self.cuda else "cpu"
         self.report_dir = Path(opts.report_dir)
-        from rose.executor.guard import default_latency_dir
-
-        self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
         # On CPU the co-served "device" is one core: the serving model and its leased rollout worker
         # run there, every other process of the demo on the remaining cores.
         cpus = sorted(os.sched_getaffinity(0))
@@ -182,25 +190,31 @@ class Demo:
         self.timeline: dict = {}
 
     # ---- set-up ------------------------------------------------------------------------------
+    def _write_config(self) -> str:
+        """The run's config as a TOML file only this user can read; its path."""
+        self.config_dir = tempfile.mkdtemp(prefix=f"rose-demo-{self.run_id}-")
+        path = os.path.join(self.config_dir, "config.toml")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(config_toml(self.cfg))
+        if load_config(path, env={}) != self.cfg:
+            raise DemoError("the run's config does not survive its TOML file (a value TOML cannot hold?)")
+        return path
+
     def _env(self) -> dict:
-        c = self.cfg
-        env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": c.kafka.bootstrap, "ROSE_REDIS_URL": c.redis.url,
-               "ROSE_KAFKA__TOPIC_PREFIX": c.kafka.topic_prefix, "ROSE_REDIS__KEY_PREFIX": c.redis.key_prefix,
-               "ROSE_EXECUTOR__JOB": self.job, "ROSE_EXECUTOR__MODEL": self.model,
-               "ROSE_EXECUTOR__LATENCY_DIR": str(self.latency_dir), "ROSE_EXECUTOR__GUARD_PERIOD_S": "0.002",
-               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
-        if self.config_path:
-            env["ROSE_CONFIG"] = str(Path(self.config_path).resolve())
+        env = {k: v for k, v in os.environ.items()
+               if k not in _CONFIG_VARS and not (k.startswith("ROSE_") and "__" in k)}
+        env.update({"ROSE_CONFIG": self._write_config(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                    "MKL_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))})
         return env
 
-    def _argv(self) -> dict[str, list[str]]:
+    def _argv(self) -> dict[str, list[str] | WorkerConfig]:
         from rose.demo.coserve import CoserveSpec
         from rose.demo.trainer import TrainerSpec
-        from rose.rollout.worker import WorkerSpec
 
-        py, o, c = sys.executable, self.opts, self.cfg
-        worker = json.dumps({"weights": "follow", "max_batch": o.max_batch})
+        py, o = sys.executable, self.opts
+        worker = ["--max-batch", str(o.max_batch)]
         sims = ",".join(f"sim/{i}" for i in range(o.gpus))
         return {
             "coserve": [py, "-m", "rose.demo.coserve", "--spec", CoserveSpec(
@@ -209,13 +223,12 @@ class Demo:
             "agent": [py, "-m", "rose", "agent", "--simulate", self.trace, "--gpus", str(o.gpus), "--speed", str(o.speed)],
             "trainer": [py, "-m", "rose.demo.trainer", "--spec", TrainerSpec(
                 job=self.job, model=self.model, inflight=max(24, 4 * o.max_batch * (o.gpus + 2))).to_json()],
-            "dedicated": WorkerSpec(
-                gpu="rollout/0", worker_id=f"dedicated-{self.run_id}", redis_url=c.redis.url,
-                key_prefix=c.redis.key_prefix, job=self.job, model=self.model, device="cpu", mem_bytes=2 * GiB,
-                compute_share=0.5, dedicated=True, nice=0, seed=11, weights="follow", max_batch=o.max_batch).to_argv(),
-            "executor-sim": [py, "-m", "rose.demo.executor_node", "--gpus", sims, "--no-guard", "--worker", worker],
+            "dedicated": WorkerConfig.from_config(
+                self.cfg, gpu="rollout/0", worker_id=f"dedicated-{self.run_id}", device="cpu", mem_bytes=2 * GiB,
+                compute_share=0.5, dedicated=True, nice=0, seed=11, weights="follow", max_batch=o.max_batch),
+            "executor-sim": [py, "-m", "rose.demo.executor_node", "--gpus", sims, "--no-guard", *worker],
             "executor-real": [py, "-m", "rose.demo.executor_node", "--gpus", self.real_gpu, "--device",
-                              self.real_device, "--worker", worker, "--worker-cpus",
+                              self.real_device, *worker, "--worker-cpus",
                               ",".join(map(str, sorted(self.device_cpus or ())))],
             "scheduler": [py, "-m", "rose", "scheduler", "--instance", f"demo-{self.run_id}"],
         }
@@ -244,7 +257,7 @@ class Demo:
                 stack.redis_down()
 
     def _run_on_stack(self) -> dict:
-        from rose.kafka.clients import wait_for_broker
+        from rose.kafka.admin import wait_for_broker
         from rose.kafka.topics import create_topics
 
         if os.path.isdir(self.report_dir / "logs"):
@@ -376,9 +389,8 @@ class Demo:
         """Commit the scheduler group's offsets at the end of the telemetry topic: a scheduler that
         starts at t1 decides on telemetry from t1 on, not on phase 1's backlog (whose leases
         would be stale before they start)."""
-        from confluent_kafka import TopicPartition
-
-        from rose.kafka.clients import make_consumer, partitions_of
+        from rose.kafka.admin import partitions_of
+        from rose.kafka.consumer import TopicPartition, make_consumer
 
         k = self.cfg.kafka
         from rose.demo.observed import quiet_logger
@@ -392,7 +404,7 @@ class Demo:
                 ends.append(TopicPartition(k.telemetry_topic, p, hi))
             c.commit(offsets=ends, asynchronous=False)
 
-        from confluent_kafka import KafkaException
+        from rose.kafka.admin import KafkaException
 
         deadline = time.monotonic() + 20.0
         try:
@@ -411,10 +423,9 @@ class Demo:
         """Stop every process (so the executors' final lease states are in), then read and report."""
         import platform
 
-        from confluent_kafka import KafkaException
-
         from rose.demo import report
         from rose.demo.observed import read_final
+        from rose.kafka.admin import KafkaException
 
         self._stop(procs, collector)
         live_obs = collector.obs if collector is not None else None
@@ -449,6 +460,8 @@ class Demo:
 
     def _cleanup(self) -> None:
         shutil.rmtree(self.latency_dir, ignore_errors=True)
+        if self.config_dir is not None:
+            shutil.rmtree(self.config_dir, ignore_errors=True)
         if self.opts.keep:
             return
         import redis
@@ -470,8 +483,7 @@ class Demo:
             r.close()
 
 
-def run_demo(cfg: Config, opts: DemoOptions, config_path: str | None = None,
-             echo: Callable[[str], None] = print) -> dict:
+def run_demo(cfg: Config, opts: DemoOptions, echo: Callable[[str], None] = print) -> dict:
     """The in-process API behind `rose demo`: run it, write the report, return report.json's content."""
     prev = signal.getsignal(signal.SIGTERM)
 
@@ -481,7 +493,7 @@ def run_demo(cfg: Config, opts: DemoOptions, config_path: str | None = None,
     if threading_main():
         signal.signal(signal.SIGTERM, on_term)
     try:
-        return Demo(cfg, opts, config_path, echo).run()
+        return Demo(cfg, opts, echo).run()
     finally:
         if threading_main():
             signal.signal(signal.SIGTERM, prev)
@@ -491,3 +503,35 @@ def threading_main() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
+
+
+def config_toml(cfg: Config) -> str:
+    """`cfg` as a TOML document that `load_config` reads back to an equal Config."""
+    lines: list[str] = []
+    tables: list[tuple[str, Mapping]] = []
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(part):
+            v = getattr(part, f.name)
+            if isinstance(v, Mapping):
+                tables.append((f"{section.name}.{f.name}", v))
+            else:
+                lines.append(f"{f.name} = {_toml_value(v)}")
+    for name, table in tables:
+        lines.append(f"[{name}]")
+        lines += [f"{_toml_value(str(k))} = {_toml_value(str(v))}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)  # 0.5, 1e-05, inf: all TOML floats
+    body = "".join(
+        {'"': '\\"', "\\": "\\\\"}.get(ch, ch) if ord(ch) >= 0x20 and ord(ch) != 0x7F else f"\\u{ord(ch):04x}"
+        for ch in str(v))
+    return f'"{body}"'

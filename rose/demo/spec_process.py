@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
+
+from rose.shutdown import Shutdown
 
 
 class JsonSpec:
@@ -48,8 +49,7 @@ def spec_main(prog: str, spec_cls, make, argv: list[str] | None = None) -> int:
     cfg = load_config()
     r = redis.Redis.from_url(cfg.redis.url)
     obj = make(spec, cfg, r)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(obj, "stop", True))
-    signal.signal(signal.SIGINT, lambda *_: setattr(obj, "stop", True))
+    Shutdown.install(name=prog, hooks=(lambda: setattr(obj, "stop", True),))
     try:
         obj.run()
     finally:

@@ -1,8 +1,9 @@
 """The demo's trainer: a closed RL loop on the reference policy.
 
-    python -m rose.demo.trainer --spec '<TrainerSpec JSON>'      (config from ROSE_* env)
+    python -m rose.demo.trainer --spec '<TrainerSpec JSON>'      (config: $ROSE_CONFIG, ROSE_* env)
 
-1. Publishes the initial policy as version 1 (a keyframe) through `rose.weights.WeightPublisher`.
+1. Publishes the initial policy as version 1 (a keyframe) through `rose.weights.WeightPublisher`,
+   signed with `security.weights_hmac_key` when it is set (keyed workers refuse anything else).
 2. Keeps `inflight` agentic episodes queued on `rose:tasks:{job}` (rose.rollout.tasks.TaskQueue),
    each tagged with the policy version current when it was submitted (`step`).
 3. Whenever at least `batch_min` trajectories have arrived on `rose:results:{job}`, takes one
@@ -111,7 +112,7 @@ class Trainer:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=spec.lr)
         self.q = TaskQueue(r, cfg.redis, spec.job)
         self.q.ensure_group()
-        self.pub = WeightPublisher(r, cfg.redis, spec.model)
+        self.pub = WeightPublisher(r, cfg.redis, spec.model, hmac_key=cfg.security.weights_hmac_key)
         self.version = 0
         self.submitted = 0
         self.received = 0

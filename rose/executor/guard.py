@@ -106,12 +106,12 @@ class FileLatencySource:
 
 
 def tripped_next(tripped: bool, headroom: float | None, trip_headroom: float, clear_headroom: float) -> bool:
-    """The hysteresis rule (pure): no signal keeps the current state."""
+    """The hysteresis rule (pure): trip below `trip_headroom`; once tripped, stay tripped below
+    `clear_headroom` (needs trip_headroom <= clear_headroom); no signal keeps the current state.
+    Also elementwise over numpy arrays (`rose simulate` runs it for a whole fleet)."""
     if headroom is None:
         return tripped
-    if not tripped:
-        return headroom < trip_headroom
-    return headroom < clear_headroom
+    return (headroom < trip_headroom) | (tripped & (headroom < clear_headroom))
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,11 @@ exits, guard trips and the passage of time into inputs. Because it is pure, the 
 property-tested (tests/test_lease_machine.py) over arbitrary command and time sequences:
 
 - the one rollout worker of a GPU is started only inside a lease and with that lease's
-  `mem_bytes` / `compute_share`; a resize or an ended lease stops it before anything new starts;
+  `mem_bytes` / `compute_share`; a memory resize or an ended lease stops it before anything new
+  starts;
+- two levels (v1.1): a `throttle` (or any command) that changes only the compute share is applied
+  to the running worker (`Throttle`; share 0 pauses it, `paused` is published): its process,
+  weights, KV cache and in-flight episodes stay; memory is the only thing a lease ends for;
 - fencing: a command whose epoch is below the highest seen for the GPU is ignored and answered
   `rejected`; a command id seen before is a no-op;
 - a lease ends on revoke, on expiry (TTL = expires_at - ts, counted from receipt on the monotonic
@@ -47,7 +51,8 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class Worker:
-    """The GPU's rollout worker as the machine believes it to be (until the shell reports its exit)."""
+    """The GPU's rollout worker as the machine believes it to be (until the shell reports its exit).
+    `compute_share` is the share last handed to it (at start or by `Throttle`)."""
 
     mem_bytes: int
     compute_share: float
@@ -135,6 +140,8 @@ class Start:
 
 
 class Pause(_OnWorker):
+    """The local guard's pause (orthogonal to the lease's share)."""
+
     __slots__ = ()
 
 
@@ -143,9 +150,16 @@ class Resume(_OnWorker):
 
 
 @dataclass(frozen=True, slots=True)
+class Throttle:
+    """Set the running worker's compute share; 0 pauses it within one decode step."""
+
+    gpu: str
+    compute_share: float
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     gpu: str
-    deadline_s: float
 
 
 class Kill(_OnWorker):
@@ -158,7 +172,7 @@ class Publish:
     record: Record
 
 
-Action = Union[Start, Pause, Resume, Stop, Kill, Publish]
+Action = Union[Start, Pause, Resume, Throttle, Stop, Kill, Publish]
 
 TERMINAL = ("revoked", "expired")
 
@@ -177,7 +191,7 @@ def restore(gpu: str, last: Record | None) -> tuple[GpuLease, tuple[Action, ...]
     if last is None:
         return s, ()
     s = replace(s, highest_epoch=last.epoch, truth=last)
-    if last.state in ("active", "revoking"):
+    if last.state in ("active", "paused", "revoking"):
         rec = Record(last.lease_id, last.epoch, "expired", last.command_id)
         return replace(s, truth=rec), (Publish(gpu, rec),)
     return s, ()
@@ -232,14 +246,14 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
                 s = _end(s, "revoked", out, c.command_id)
             return _ended_unheld(s, Record(c.lease_id, c.epoch, "revoked", c.command_id))
         return s  # revoke of a lease that already ended: nothing to do
-    # grant or renew: both state the desired lease (level-triggered)
+    # grant, renew or throttle: each states the desired lease (level-triggered)
     if held:
         lease = s.lease
         resized = (lease.mem_bytes, lease.compute_share) != (c.mem_bytes, c.compute_share)
         s = replace(s, lease=replace(lease, expires_at=max(lease.expires_at, now + ttl_left),
                                      mem_bytes=c.mem_bytes, compute_share=c.compute_share))
         if resized:
-            rec = Record(lease.lease_id, lease.epoch, "active", c.command_id)
+            rec = Record(lease.lease_id, lease.epoch, lease_state(c.compute_share), c.command_id)
             out.append(Publish(s.gpu, rec))
             s = replace(s, truth=rec)
         return s
@@ -253,7 +267,7 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
     if ttl_left <= 0:
         return _ended_unheld(s, Record(c.lease_id, c.epoch, "expired", c.command_id))
     lease = Lease(c.lease_id, c.epoch, c.mem_bytes, c.compute_share, now + ttl_left, c.command_id)
-    rec = Record(c.lease_id, c.epoch, "active", c.command_id)
+    rec = Record(c.lease_id, c.epoch, lease_state(c.compute_share), c.command_id)
     out.append(Publish(s.gpu, rec))
     return replace(s, lease=lease, truth=rec, restart_at=now)
 
@@ -279,14 +293,22 @@ def _end(s: GpuLease, state: str, out: list[Action], command_id: str | None = No
     return replace(s, lease=None, ended=s.ended + (Record(lease.lease_id, lease.epoch, state, cid),))
 
 
+def lease_state(compute_share: float) -> str:
+    """The published state of a live lease: `paused` while its compute share is 0."""
+    return "active" if compute_share > 0 else "paused"
+
+
 def _reconcile(s: GpuLease, now: float, p: Params, out: list[Action]) -> GpuLease:
     w, want = s.worker, s.lease
-    if w is not None and not w.stopping and (
-            want is None or (w.mem_bytes, w.compute_share) != (want.mem_bytes, want.compute_share)):
-        if not any(isinstance(a, Pause) for a in out):
-            out.append(Pause(s.gpu))
-        out.append(Stop(s.gpu, p.revoke_deadline_s))
-        w = replace(w, stopping=True, kill_at=now + p.revoke_deadline_s)
+    if w is not None and not w.stopping:
+        if want is None or w.mem_bytes != want.mem_bytes:  # memory is the contract: a new one restarts
+            if not any(isinstance(a, Pause) for a in out):
+                out.append(Pause(s.gpu))
+            out.append(Stop(s.gpu))
+            w = replace(w, stopping=True, kill_at=now + p.revoke_deadline_s)
+        elif w.compute_share != want.compute_share:  # compute yields in place
+            out.append(Throttle(s.gpu, want.compute_share))
+            w = replace(w, compute_share=want.compute_share)
     if w is not None and w.stopping and not w.killed and now >= w.kill_at:
         out.append(Kill(s.gpu))
         w = replace(w, killed=True)
@@ -297,7 +319,7 @@ def _reconcile(s: GpuLease, now: float, p: Params, out: list[Action]) -> GpuLeas
             if rec.epoch >= s.highest_epoch:
                 s = replace(s, truth=rec)
         s = replace(s, ended=())
-    if w is None and want is not None and now >= s.restart_at and want.mem_bytes > 0 and want.compute_share > 0:
+    if w is None and want is not None and now >= s.restart_at and want.mem_bytes > 0:
         out.append(Start(s.gpu, want.lease_id, want.epoch, want.mem_bytes, want.compute_share, s.guard_paused))
         s = replace(s, worker=Worker(want.mem_bytes, want.compute_share))
     return s
@@ -310,13 +332,8 @@ def _with_truth(s: GpuLease, out: list[Action]) -> tuple[Action, ...]:
     return tuple(out)
 
 
-def rollout_cap_bytes(s: GpuLease) -> int:
-    """Memory the GPU's rollout side may hold now by the machine's own account."""
-    return s.worker.mem_bytes if s.worker is not None else 0
-
-
 __all__ = [
     "Params", "Lease", "Worker", "Record", "GpuLease", "Received", "Tick", "WorkerExited", "GuardTrip",
-    "GuardClear", "Shutdown", "Start", "Pause", "Resume", "Stop", "Kill", "Publish", "initial", "restore",
-    "step", "rollout_cap_bytes", "TERMINAL",
+    "GuardClear", "Shutdown", "Start", "Pause", "Resume", "Throttle", "Stop", "Kill", "Publish", "initial",
+    "restore", "step", "lease_state", "TERMINAL",
 ]

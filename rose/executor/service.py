@@ -3,14 +3,14 @@ inside the leases (the imperative shell around rose.lease_machine).
 
 Which commands it reads: the executor ASSIGNS itself the partitions of rose.commands that hold
 its GPUs' keys and drops the other keys on them. ROSE's producers partition keys with murmur2
-(`rose.kafka.make_producer` sets `partitioner=murmur2_random`, the Java client's default), so
-`rose.kafka.partition_for(gpu, n)` names the partition of each GPU. Why not a consumer group:
-a group spreads partitions over its members without regard to which node owns which GPU, so
-every executor would need its own group reading every partition — N nodes × the whole command
-stream. Assignment reads only what can concern this node, needs no rebalancing (a node's GPUs do
-not move), and restarts without waiting for a group to settle. The group id (stable per GPU set)
-is used only to commit offsets; a first start reads from `executor.lookback_s` ago. Isolation is
-read_committed: the scheduler produces transactionally.
+(`rose.kafka.producer.make_producer` sets `partitioner=murmur2_random`, the Java client's
+default), so `rose.kafka.producer.partition_for(gpu, n)` names the partition of each GPU. Why
+not a consumer group: a group spreads partitions over its members without regard to which node
+owns which GPU, so every executor would need its own group reading every partition — N nodes ×
+the whole command stream. Assignment reads only what can concern this node, needs no
+rebalancing (a node's GPUs do not move), and restarts without waiting for a group to settle. The
+group id (stable per GPU set) is used only to commit offsets; a first start reads from
+`executor.lookback_s` ago. Isolation is read_committed: the scheduler produces transactionally.
 
 State is never trusted from memory: at start the highest epoch and the last word of each GPU are
 rebuilt from the compacted lease-state topic (rose.lease_machine.restore). Each command's TTL is
@@ -19,14 +19,15 @@ rebuilt from the compacted lease-state topic (rose.lease_machine.restore). Each 
 is already over. Workers get PR_SET_PDEATHSIG=SIGTERM: if the executor dies, they drain (push
 unfinished episodes back to the queue) and exit, and serving gets its GPU back.
 
-Every transition is a `lease.apply` span, child of the command's trace context, and the
-lease-state message carries the span's context. Malformed commands (and, with
-`security.command_hmac_key` set, unsigned or badly signed ones) go to the dead-letter topic.
+Every command for this node's GPUs is a `process {topic}` span (child of, and linked to, the
+command's trace context); each transition is a `lease.apply` span inside it, and its
+lease-state message carries the context of a `send {topic}` span inside that. Malformed
+commands (and, with `security.command_hmac_key` set, unsigned or badly signed ones) go to the
+dead-letter topic.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import signal
@@ -38,19 +39,22 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, Message, Producer, TopicPartition
 
 from rose.executor import lease_machine as lm
 from rose.obs import metrics
 from rose.contract.codec import decode, encode
 from rose.config import Config
+from rose.shutdown import Shutdown
 from rose.contract.events import Command, InvalidEvent, LeaseState
 from rose.executor.guard import FileLatencySource, Guard, LatencySource
-from rose.kafka.clients import consume_batch, dead_letter, header, make_consumer, make_producer, partition_for, partitions_of, \
-    produce, read_partitions, retrying
+from rose.rollout.launcher import WorkerConfig, launch, spawn
+from rose.kafka.admin import partitions_of, retrying
+from rose.kafka.consumer import OFFSET_END, Consumer, KafkaError, Message, TopicPartition, consume_batch, header, \
+    make_consumer, read_partitions
+from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
 from rose.obs.logs import get_logger
 from rose.contract.signing import SIGNATURE_HEADER, verify
-from rose.obs.tracing import extract_context, inject_headers, tracer
+from rose.obs.tracing import inject_headers, process_span, send_span, tracer
 
 COMMANDS_IN = metrics.counter("rose_executor_commands_total", "Commands for this node's GPUs, by kind")
 TRANSITIONS = metrics.counter("rose_executor_transitions_total", "Lease states published, by state")
@@ -59,8 +63,6 @@ GUARD_TRIPS = metrics.counter("rose_executor_guard_trips_total", "Local guard pa
 KILLS = metrics.counter("rose_executor_worker_kills_total", "Workers killed at the revoke deadline")
 WORKERS = metrics.gauge("rose_executor_workers", "Rollout workers alive")
 ROLLOUT_MEM = metrics.gauge("rose_executor_rollout_mem_bytes", "Measured rollout memory, by gpu")
-
-_PR_SET_PDEATHSIG = 1
 
 
 def simulated_gpus(n: int) -> list[str]:
@@ -72,37 +74,20 @@ def command_group(gpus: list[str]) -> str:
     return "rose-executor-" + hashlib.sha1(",".join(sorted(gpus)).encode()).hexdigest()[:16]
 
 
-def _child_setup():
-    """Runs in the forked worker before exec: SIGTERM it (drain) when the executor dies.
-    (The worker lowers its own OS priority from WorkerSpec.nice.)"""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork; the child only calls it
-
-    def setup() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-    return setup
+# A stand-in process for a worker (`executor.worker = "placeholder"`): it holds the lease's slot
+# and dies on SIGTERM, so load and soak runs exercise the whole control plane on fleets of
+# thousands of GPUs without a model per lease.
+PLACEHOLDER_ARGV = ("sleep", "infinity")
 
 
-def placeholder_command(cfg: Config, start: lm.Start, flag_name: str, device: str, seed: int) -> list[str]:
-    """A stand-in process for a worker (`executor.worker = "placeholder"`): it holds the lease's
-    slot and dies on SIGTERM, so load and soak runs exercise the whole control plane on fleets
-    of thousands of GPUs without a model per lease."""
-    return ["sleep", "infinity"]
-
-
-def worker_command(cfg: Config, start: lm.Start, flag_name: str, device: str, seed: int) -> list[str]:
-    """The argv of a rollout worker for a lease (rose.rollout.worker)."""
-    from rose.rollout.worker import WorkerSpec
-
-    spec = WorkerSpec(gpu=start.gpu, worker_id=f"{socket.gethostname()}:{start.gpu}:{start.epoch}",
-                      redis_url=cfg.redis.url, key_prefix=cfg.redis.key_prefix, job=cfg.executor.job,
-                      model=cfg.executor.model, device=device, mem_bytes=start.mem_bytes,
-                      compute_share=start.compute_share, pause_flag=flag_name, dedicated=False,
-                      nice=cfg.executor.worker_nice, seed=seed, weights=cfg.executor.worker_weights)
-    argv = list(spec.to_argv())
-    if argv and os.path.basename(argv[0]).startswith("python"):
-        return argv
-    return [sys.executable, "-m", "rose.rollout.worker", *argv]
+def worker_config(cfg: Config, start: lm.Start, flag_name: str, device: str, seed: int) -> WorkerConfig:
+    """The configuration of a lease's rollout worker (rose.rollout.worker): the lease's share,
+    and `cfg`'s Redis connection, weights key, job and model. `rose.rollout.launcher.launch`
+    hands it to the worker off the command line."""
+    return WorkerConfig.from_config(
+        cfg, gpu=start.gpu, worker_id=f"{socket.gethostname()}:{start.gpu}:{start.epoch}", device=device,
+        mem_bytes=start.mem_bytes, compute_share=start.compute_share, pause_flag=flag_name, dedicated=False,
+        nice=cfg.executor.worker_nice, seed=seed, weights=cfg.executor.worker_weights)
 
 
 def measure_rollout_mem(pid: int, device: str) -> int:
@@ -140,7 +125,7 @@ class Executor:
 
     def __init__(self, cfg: Config, gpus: list[str], device: str = "cpu",
                  latency_source: LatencySource | None = None, guard: bool = True,
-                 worker_argv=worker_command, log_name: str = "rose.executor"):
+                 worker_config=worker_config, log_name: str = "rose.executor"):
         if not gpus:
             raise ValueError("executor: no GPUs to manage")
         self.cfg = cfg
@@ -151,11 +136,9 @@ class Executor:
                                 restart_backoff_s=cfg.executor.restart_backoff_s)
         self.states: dict[str, lm.GpuLease] = {g: lm.initial(g) for g in self.gpus}
         self.workers: dict[str, WorkerHandle] = {}
-        if cfg.executor.worker == "placeholder":
-            worker_argv = placeholder_command
-        elif cfg.executor.worker != "rollout":
+        if cfg.executor.worker not in ("rollout", "placeholder"):
             raise ValueError(f"executor.worker: expected rollout or placeholder, got {cfg.executor.worker!r}")
-        self.worker_argv = worker_argv
+        self.worker_config = worker_config  # (cfg, Start, flag name, device, seed) -> WorkerConfig
         self.log = get_logger(log_name, gpus=",".join(self.gpus) if len(self.gpus) <= 8 else f"{len(self.gpus)} GPUs")
         self._tracer = tracer("rose.executor")
         self._hmac = cfg.security.command_hmac_key or None
@@ -173,12 +156,14 @@ class Executor:
                                period_s=cfg.executor.guard_period_s)
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        self.group = command_group(self.gpus)
+        self._lease_partitions: int | None = None  # partition count of lease-state, for spans
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self) -> "Executor":
         self.producer = make_producer(self.k)
         retrying(self._rebuild)
-        self.consumer = make_consumer(self.k, command_group(self.gpus), **{"fetch.wait.max.ms": 10})
+        self.consumer = make_consumer(self.k, self.group, **{"fetch.wait.max.ms": 10})
         retrying(self._assign)
         if self.guard is not None:
             # the guard thread must get the interpreter within its poll period, not CPython's default 5 ms
@@ -189,7 +174,7 @@ class Executor:
 
     def _rebuild(self) -> None:
         topic = self.k.lease_state_topic
-        n = len(partitions_of(self.k, topic))
+        n = self._lease_partitions = len(partitions_of(self.k, topic))
         mine = sorted({partition_for(g, n) for g in self.gpus})
         last: dict[str, LeaseState] = {}
         highest: dict[str, int] = {}
@@ -225,11 +210,10 @@ class Executor:
         self.consumer.assign(assign)
 
     def run(self, stop: threading.Event | None = None) -> None:
-        """Until SIGTERM/SIGINT (or `stop` is set); then drain and exit cleanly."""
-        stop = stop or threading.Event()
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: stop.set())
+        """Until SIGTERM/SIGINT (or `stop` is set); then drain and exit cleanly. A caller that
+        passes `stop` owns the signal handling (rose.shutdown)."""
+        if stop is None:
+            stop = Shutdown.install(name="rose-executor").stop
         while not stop.is_set():
             self.run_once()
         self.shutdown()
@@ -302,6 +286,11 @@ class Executor:
         key = m.key().decode("utf-8", "replace") if m.key() is not None else None
         if key is not None and key not in self.states:
             return  # another node's GPU sharing the partition
+        with process_span(self._tracer, m, self.group):
+            self._command(m, key)
+
+    def _command(self, m: Message, key: str | None) -> None:
+        """Check, decode and apply a command for one of this node's GPUs (inside its span)."""
         if self._hmac:
             why = verify(self._hmac, m.value(), header(m, SIGNATURE_HEADER))
             if why:
@@ -319,7 +308,7 @@ class Executor:
         COMMANDS_IN.inc(kind=cmd.kind)
         ts_type, ts_ms = m.timestamp()
         age = max(0.0, time.time() - ts_ms / 1000.0) if ts_ms and ts_ms > 0 else 0.0
-        self._apply(cmd.gpu, lm.Received(cmd, age_s=age), extract_context(m.headers()))
+        self._apply(cmd.gpu, lm.Received(cmd, age_s=age), None)  # a child of the `process` span
 
     def _dlq(self, m: Message, reason: str, field_: str) -> None:
         DLQ.inc()
@@ -350,6 +339,8 @@ class Executor:
                 self._signal_flag(a.gpu, "PAUSE")
             elif isinstance(a, lm.Resume):
                 self._signal_flag(a.gpu, "RUN")
+            elif isinstance(a, lm.Throttle):
+                self._throttle(a)
             elif isinstance(a, lm.Stop):
                 self._stop_worker(a.gpu)
             elif isinstance(a, lm.Kill):
@@ -366,7 +357,9 @@ class Executor:
         r = a.record
         ls = LeaseState(gpu=a.gpu, lease_id=r.lease_id, epoch=r.epoch, state=r.state, ts=time.time(),
                         rollout_mem_bytes=mem, command_id=r.command_id)
-        produce(self.producer, self.k.lease_state_topic, encode(ls), a.gpu, inject_headers())
+        topic, n = self.k.lease_state_topic, self._lease_partitions
+        with send_span(self._tracer, topic, key=a.gpu, partition=partition_for(a.gpu, n) if n else None):
+            produce(self.producer, topic, encode(ls), a.gpu, inject_headers())
         self.producer.poll(0)
         TRANSITIONS.inc(state=r.state)
         self.published.append(ls)
@@ -382,10 +375,12 @@ class Executor:
         name = f"rose-{os.getpid()}-{self._flag_seq}"
         flag = PauseFlag(name, create=True)
         flag.set(PAUSE if a.paused else RUN)
+        flag.set_share(a.compute_share)
         self._seed += 1
-        argv = self.worker_argv(self.cfg, a, name, self.device, self._seed)
-        proc = subprocess.Popen(argv, preexec_fn=_child_setup(),
-                                stdin=subprocess.DEVNULL, close_fds=True)
+        if self.cfg.executor.worker == "placeholder":
+            proc = spawn(PLACEHOLDER_ARGV, stdin=subprocess.DEVNULL)
+        else:
+            proc = launch(self.worker_config(self.cfg, a, name, self.device, self._seed), stdin=subprocess.DEVNULL)
         self.workers[a.gpu] = WorkerHandle(a.gpu, proc, flag, a.epoch)
         self.log.info("worker.started", gpu=a.gpu, pid=proc.pid, epoch=a.epoch, mem_bytes=a.mem_bytes,
                       compute_share=a.compute_share, paused=a.paused)
@@ -396,6 +391,14 @@ class Executor:
         h = self.workers.get(gpu)
         if h is not None:
             h.flag.set(getattr(pause_flag, state))
+
+    def _throttle(self, a: lm.Throttle) -> None:
+        """The lease's new compute share, in place: 0 pauses the worker at its next decode step;
+        its process, weights, KV cache and in-flight episodes stay."""
+        h = self.workers.get(a.gpu)
+        if h is not None:
+            h.flag.set_share(a.compute_share)
+            self.log.info("worker.throttled", gpu=a.gpu, pid=h.proc.pid, compute_share=a.compute_share)
 
     def _guard_pause(self, gpu: str) -> None:
         """Called on the guard's thread the instant headroom collapses: no queue, no Kafka."""

@@ -1,8 +1,8 @@
 """Publishing telemetry without ever blocking the serving node.
 
-An idempotent producer (rose.kafka.make_producer: enable.idempotence, acks=all, ordered per
-partition) with ``linger.ms`` = telemetry.linger_ms (5 ms: a period's batch of a whole
-fleet leaves in one request, and an event waits at most 5 ms). Delivery reports come only
+An idempotent producer (rose.kafka.producer.make_producer: enable.idempotence, acks=all,
+ordered per partition) with ``linger.ms`` = telemetry.linger_ms (5 ms: a period's batch of a
+whole fleet leaves in one request, and an event waits at most 5 ms). Delivery reports come only
 for failures (``delivery.report.only.error``), so the hot path pays no callback per event.
 
 Bounded buffering: librdkafka's own queue is capped at `queue_max` messages; beyond it
@@ -12,7 +12,11 @@ once per `log_every_s`. `publish` and `tick` never wait on the network: they han
 librdkafka with `produce` (which raises BufferError when its queue is full instead of
 blocking) and serve callbacks with `poll(0)`. When the broker returns librdkafka reconnects
 by itself and the backlog drains, oldest first, so order per GPU is kept. A fatal producer
-error (possible for idempotent producers after message timeouts) rebuilds the producer.
+error (possible for idempotent producers after message timeouts) rebuilds the producer. That
+no broker answers is said once (`kafka.unreachable`, rose.kafka.base), not on every error.
+
+Each `publish` is a `send {topic}` span (PRODUCER, a child of the caller's span) whose context
+the batch's records carry, unless the caller passes headers of its own.
 """
 
 from __future__ import annotations
@@ -22,10 +26,9 @@ from collections import deque
 
 from rose.obs import metrics
 from rose.config import KafkaConfig
+from rose.kafka.base import CONNECTION_ERRORS, Headers, error_callback
 from rose.obs.logs import get_logger
-
-Headers = list[tuple[str, bytes]]
-
+from rose.obs.tracing import inject_headers, send_span, tracer
 
 SENT = metrics.gauge("rose_agent_events_sent", "Telemetry events delivered or in flight to Kafka")
 DROPPED = metrics.counter("rose_agent_events_dropped_total", "Telemetry events dropped (buffer full, oldest first)")
@@ -46,13 +49,15 @@ class TelemetryPublisher:
         self._last_log = 0.0
         self._dropped_logged = 0
         self._fatal = False
+        self._report = error_callback(kcfg.bootstrap)
+        self._tracer = tracer("rose.agent")
         self._conf = {"linger.ms": linger_ms, "queue.buffering.max.messages": queue_max,
                       "message.timeout.ms": message_timeout_ms, "delivery.report.only.error": True,
                       "on_delivery": self._on_delivery, "error_cb": self._on_error, **overrides}
         self.producer = self._make()
 
     def _make(self):
-        from rose.kafka.clients import make_producer
+        from rose.kafka.producer import make_producer
 
         return make_producer(self.kcfg, **{k: v for k, v in self._conf.items()})
 
@@ -64,7 +69,10 @@ class TelemetryPublisher:
     def _on_error(self, err) -> None:
         if err.fatal():
             self._fatal = True
-        self._maybe_log("kafka error", error=str(err))
+        if err.code() in CONNECTION_ERRORS and not err.fatal():
+            self._report(err)
+        else:
+            self._maybe_log("kafka error", error=str(err))
 
     def _maybe_log(self, what: str, **kw) -> None:
         now = time.monotonic()
@@ -93,7 +101,15 @@ class TelemetryPublisher:
     # ---- the hot path -----------------------------------------------------------------
     def publish(self, items: list[tuple[bytes, bytes]], headers: Headers | None = None, ts_ms: int = 0) -> None:
         """Queue (value, key) pairs; never blocks. `ts_ms` (the event time) becomes the Kafka
-        record timestamp; 0 lets the producer stamp its clock."""
+        record timestamp; 0 lets the producer stamp its clock. Without `headers`, the records
+        carry the context of this batch's `send` span."""
+        if headers is None:
+            with send_span(self._tracer, self.topic, batch=len(items)):
+                self._queue(items, inject_headers(), ts_ms)
+        else:
+            self._queue(items, headers, ts_ms)
+
+    def _queue(self, items: list[tuple[bytes, bytes]], headers: Headers | None, ts_ms: int) -> None:
         buf = self.buffer
         room = buf.maxlen - len(buf)
         if len(items) > room:

@@ -6,7 +6,8 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
 
 from rose.config import KafkaConfig
-from rose.kafka.clients import MAX_RECORD_BYTES, make_admin
+from rose.kafka.admin import make_admin
+from rose.kafka.base import MAX_RECORD_BYTES
 
 # Compaction keeps the newest lease state per GPU forever: the scheduler's rebuild source.
 COMPACTED = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": "600000"}

@@ -1,6 +1,6 @@
 """Serving-node agents: one rose.telemetry.v1 per GPU per period, published to Kafka.
 
-Two sources, one publishing path (rose.telemetry_publisher: idempotent, keyed by GPU,
+Two sources, one publishing path (rose.kafka.telemetry_publisher: idempotent, keyed by GPU,
 trace context in headers, bounded buffer, never blocking):
 
 * `run_simulated`: a request trace spread over N simulated GPUs (`{node}/{i}`) and turned
@@ -17,6 +17,11 @@ trace context in headers, bounded buffer, never blocking):
   One metrics URL per GPU in index order, or a single URL for an engine that spans all
   of the node's GPUs (tensor parallel). A GPU whose engine cannot be scraped publishes
   nothing that period: without telemetry its lease is not renewed and expires (safe).
+  A window in which no request finished has no latency sample (`LatencyCarry`): it carries
+  the last measured p99, and a GPU publishes nothing before its first sample, so an idle
+  engine never reads as 0 ms, full headroom.
+
+Both can feed the executor's local guard (`feed_guard`, `--feed-guard`) with each window's p99.
 """
 
 from __future__ import annotations
@@ -65,9 +70,7 @@ class LeaseFollower:
     """Reads lease-state and commands from their beginning, without ever blocking."""
 
     def __init__(self, cfg: Config, view: LeaseView, dlq: Callable | None = None):
-        from confluent_kafka import OFFSET_BEGINNING, TopicPartition
-
-        from rose.kafka.clients import make_consumer
+        from rose.kafka.consumer import OFFSET_BEGINNING, TopicPartition, make_consumer
 
         self.k, self.view, self.dlq = cfg.kafka, view, dlq
         self.consumer = make_consumer(cfg.kafka, group_id=f"rose-agent-{uuid.uuid4().hex[:12]}",
@@ -148,11 +151,11 @@ def telemetry_records(*, ts: float, node: str, gpus: list[str], pool: str, slo: 
     return out
 
 
-def _span_headers(name: str, **attrs):
-    from rose.obs.tracing import inject_headers, tracer
+def _span(name: str, **attrs):
+    """The span of one published window; the publisher's `send` span is its child."""
+    from rose.obs.tracing import tracer
 
-    with tracer("rose.agent").start_as_current_span(name, attributes=attrs):
-        return inject_headers()
+    return tracer("rose.agent").start_as_current_span(name, attributes=attrs)
 
 
 def feed_guard(directory: str, gpus: list[str], ts: float, ttft_ms, tpot_ms, slo: tuple[float, float]) -> None:
@@ -185,7 +188,8 @@ class SimOptions:
 def run_simulated(cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambda: False,
                   publisher=None, follow_leases: bool = True) -> dict:
     """Publish simulated telemetry until the duration ends or `stop()`; returns counters."""
-    from rose.sim.serving_model import ServingSim, gpu_spec, model_size, spread, windows
+    from rose.sim.models import gpu_spec, model_size
+    from rose.sim.serving_model import ServingSim, spread, windows
     from rose.kafka.telemetry_publisher import TelemetryPublisher
     from rose.sim.traces import load_trace
 
@@ -201,7 +205,7 @@ def run_simulated(cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambd
     view = LeaseView(default_share=cfg.policy.max_compute_share)
     follower = None
     if follow_leases:
-        from rose.kafka.clients import dead_letter
+        from rose.kafka.producer import dead_letter
 
         follower = LeaseFollower(cfg, view, dlq=lambda m, reason, fld: dead_letter(
             pub.producer, cfg.kafka.dlq_topic, m, reason, fld, consumer="rose-agent"))
@@ -234,7 +238,8 @@ def run_simulated(cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambd
                 util=s.gpu_util.tolist(), mem_total=int(s.mem_total_bytes), mem_used=s.mem_used_bytes.tolist(),
                 rollout_mem=s.rollout_mem_bytes.tolist(), ttft_ms=s.ttft_p99_ms.tolist(),
                 tpot_ms=s.tpot_p99_ms.tolist(), rps=s.rps.tolist(), queue=s.queue_depth.tolist())
-            pub.publish(recs, _span_headers("telemetry.window", gpus=len(gpus), window=w), ts_ms=int(ts * 1000))
+            with _span("telemetry.window", gpus=len(gpus), window=w):
+                pub.publish(recs, ts_ms=int(ts * 1000))
             if opt.guard_dir:
                 feed_guard(opt.guard_dir, gpus, ts, s.ttft_p99_ms, s.tpot_p99_ms, slo)
             windows_done += 1
@@ -255,6 +260,33 @@ class NvmlOptions:
     rollout_pids: str | None = None
     period_s: float | None = None  # default telemetry.period_s (never below nvml.MIN_PERIOD_S)
     scrape_timeout_s: float = 2.0
+    guard_dir: str | None = None  # also feed each measured window's p99 to the executor's local guard here
+
+
+@dataclass
+class LatencyCarry:
+    """The p99s one GPU publishes, window after window.
+
+    A window in which no request finished has no latency sample (`prometheus.window` gives
+    None: the histogram delta is empty), and publishing 0 ms would read as full headroom.
+    Telemetry v1 requires both p99s, so per metric such a window carries the last measured
+    p99: the policy sees the value it already acted on (no new evidence; a flat value adds no
+    trend). Before both metrics have been measured once the GPU publishes nothing, as when its
+    engine cannot be scraped. The local guard is fed only windows that measured something."""
+
+    last: dict[str, float] = field(default_factory=dict)  # metric -> last measured p99, ms
+
+    def update(self, ttft_ms: float | None, tpot_ms: float | None) -> tuple[float, float, bool] | None:
+        """(ttft_p99, tpot_p99, measured): what to publish, and whether this window measured either;
+        None while a metric has never been measured."""
+        measured = False
+        for m, v in (("ttft_p99", ttft_ms), ("tpot_p99", tpot_ms)):
+            if v is not None:
+                self.last[m] = v
+                measured = True
+        if len(self.last) < 2:
+            return None
+        return self.last["ttft_p99"], self.last["tpot_p99"], measured
 
 
 def scrape(url: str, timeout_s: float) -> str:
@@ -281,6 +313,9 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
     pub = publisher or TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=tc.buffer_max,
                                           linger_ms=tc.linger_ms)
     prev: dict[str, tuple[float, prometheus.Scrape]] = {}
+    carry = [LatencyCarry() for _ in range(n)]
+    counts = {"carried": 0, "no_latency_yet": 0}  # GPU-windows published with carried p99s / not published
+    warned_missing: set[tuple[str, str]] = set()
     run_id = uuid.uuid4().hex[:12]
     slo = (tc.slo_ttft_ms, tc.slo_tpot_ms)
     seq, next_t, last_warn = 0, time.monotonic(), 0.0
@@ -300,10 +335,27 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
                 continue
             t = time.monotonic()
             p = prev.get(url)
-            windows_by_url[url] = prometheus.window(sc, p[1] if p else None, t - p[0] if p else 0.0, names)
+            w = windows_by_url[url] = prometheus.window(sc, p[1] if p else None, t - p[0] if p else 0.0, names)
             prev[url] = (t, sc)
+            for role in w.missing:
+                if (url, role) not in warned_missing:
+                    warned_missing.add((url, role))
+                    log.warning("serving metrics lack a latency histogram: no p99 from it (a GPU publishes "
+                                "nothing until both have been measured)", url=url, role=role,
+                                looked_for=list(names[role]))
         pids = read_pids(opt.rollout_pids)
-        idx = [i for i in range(n) if windows_by_url.get(urls[i]) is not None]
+        idx, lat = [], []
+        for i in range(n):
+            w = windows_by_url.get(urls[i])
+            if w is None:
+                continue
+            p99 = carry[i].update(w.ttft_p99_ms, w.tpot_p99_ms)
+            if p99 is None:
+                counts["no_latency_yet"] += 1
+                continue
+            counts["carried"] += not p99[2]
+            idx.append(i)
+            lat.append(p99)
         if idx:
             samples = [nvml.sample(i, pids) for i in idx]
             ws = [windows_by_url[urls[i]] for i in idx]
@@ -311,12 +363,17 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
                 ts=now_wall, node=opt.node, gpus=[gpus[i] for i in idx], pool=tc.pool, slo=slo, run_id=run_id,
                 seq=seq, util=[s.util for s in samples], mem_total=[s.mem_total_bytes for s in samples], mem_used=[s.mem_used_bytes for s in samples],
                 rollout_mem=[s.rollout_mem_bytes for s in samples],
-                ttft_ms=[w.ttft_p99_ms or 0.0 for w in ws], tpot_ms=[w.tpot_p99_ms or 0.0 for w in ws],
+                ttft_ms=[x[0] for x in lat], tpot_ms=[x[1] for x in lat],
                 rps=[w.rps or 0.0 for w in ws], queue=[w.queue_depth or 0 for w in ws])
-            pub.publish(recs, _span_headers("telemetry.sample", gpus=len(idx)), ts_ms=int(now_wall * 1000))
+            with _span("telemetry.sample", gpus=len(idx)):
+                pub.publish(recs, ts_ms=int(now_wall * 1000))
+            fed = [k for k, x in enumerate(lat) if x[2]]  # windows that measured something
+            if opt.guard_dir and fed:
+                feed_guard(opt.guard_dir, [gpus[idx[k]] for k in fed], now_wall, [lat[k][0] for k in fed],
+                           [lat[k][1] for k in fed], slo)
         seq += 1
         while (left := next_t - time.monotonic()) > 0 and not stop():
             pub.tick()
             time.sleep(min(left, 0.02))
-    return {"samples": seq, "gpus": n, **pub.counters()}
+    return {"samples": seq, "gpus": n, **counts, **pub.counters()}
 

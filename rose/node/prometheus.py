@@ -9,7 +9,11 @@ histogram bucket deltas (linear interpolation inside the bucket, as PromQL's
 Series are summed over all labels but ``le`` (one engine may report per model or per
 finish reason). A counter or histogram whose value went down was reset (the engine
 restarted): the window then counts what the new process has seen since it started, as
-PromQL's ``rate`` does. A metric that is absent yields None, reported as 0 ms / 0 rps.
+PromQL's ``rate`` does. A window without a figure yields None, never 0: a latency histogram
+that gained no observation (no request finished: an idle engine, or the first scrape, which
+has nothing to compare with) has no p99, and 0 ms would read as full headroom;
+`ServingWindow.missing` names the latency roles whose histogram is not on the page at all (a
+misconfigured metric name). What the agent publishes for such windows: rose.node.agent.
 
 Metric names per engine are configuration (`ENGINES`, overridable per role through
 ``[telemetry.metrics]``), so other engines fit without code.
@@ -207,6 +211,7 @@ class ServingWindow:
     rps: float | None
     queue_depth: int | None
     running: int | None
+    missing: tuple[str, ...] = ()  # latency roles ("ttft", "tpot") whose histogram the page lacks
 
 
 def _first(d: Mapping, names: tuple[str, ...]):
@@ -218,9 +223,11 @@ def _first(d: Mapping, names: tuple[str, ...]):
 
 def window(now: Scrape, prev: Scrape | None, dt_s: float, names: Mapping[str, tuple[str, ...]]) -> ServingWindow:
     """The window between two scrapes `dt_s` apart (`prev` None: the first scrape)."""
-    out = {}
+    out, missing = {}, []
     for role in ("ttft", "tpot"):
         h = _first(now.histograms, names[role])
+        if h is None:
+            missing.append(role)
         ph = _first(prev.histograms, names[role]) if prev else None
         d = _delta_hist(h, ph) if h is not None else None
         q = quantile(0.99, h.bounds, d) if d is not None else None
@@ -234,4 +241,4 @@ def window(now: Scrape, prev: Scrape | None, dt_s: float, names: Mapping[str, tu
     running = _first(now.values, names["running"])
     return ServingWindow(out["ttft"], out["tpot"], rps,
                          None if waiting is None else max(0, int(round(waiting))),
-                         None if running is None else max(0, int(round(running))))
+                         None if running is None else max(0, int(round(running))), tuple(missing))

@@ -2,6 +2,10 @@
 
 Every Kafka message ROSE produces carries `traceparent` (and `tracestate`) so a lease
 decision, the telemetry that caused it and the executor that obeyed it share one trace.
+Sending and processing a message are spans after OpenTelemetry's messaging conventions for
+Kafka: `send {topic}` (PRODUCER) around handing a message to the client, its context in the
+message's headers; `process {topic}` (CONSUMER) around using one, a child of and linked to
+that context (`send_span`, `process_span`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from rose.config import TracingConfig
@@ -89,6 +94,40 @@ def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, b
     carrier: dict[str, str] = {}
     _propagator.inject(carrier, context=ctx)
     return [(k, v.encode()) for k, v in carrier.items()]
+
+
+def _messaging(operation: str, topic: str, key, partition: int | None) -> dict:
+    attrs = {"messaging.system": "kafka", "messaging.operation.type": operation,
+             "messaging.operation.name": operation, "messaging.destination.name": topic}
+    if partition is not None and partition >= 0:
+        attrs["messaging.destination.partition.id"] = str(partition)
+    if key is not None:
+        attrs["messaging.kafka.message.key"] = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+    return attrs
+
+
+def send_span(tr: trace.Tracer, topic: str, *, key: str | bytes | None = None, partition: int | None = None,
+              batch: int | None = None):
+    """`send {topic}` (kind PRODUCER), current while a message (or a batch of `batch`) is
+    handed to the producer; `inject_headers()` inside it carries its context in the message."""
+    attrs = _messaging("send", topic, key, partition)
+    if batch is not None:
+        attrs["messaging.batch.message_count"] = batch
+    return tr.start_as_current_span(f"send {topic}", kind=SpanKind.PRODUCER, attributes=attrs)
+
+
+def process_span(tr: trace.Tracer, msg, group: str, *, start_time: int | None = None):
+    """`process {topic}` (kind CONSUMER) around using one consumed message: a child of the
+    producer's context carried in its headers, and linked to it (a root span when it carries
+    none). `start_time` (ns since the epoch) when the processing began before the span."""
+    parent = extract_context(msg.headers())
+    sc = trace.get_current_span(parent).get_span_context()
+    attrs = _messaging("process", msg.topic(), msg.key(), msg.partition())
+    attrs["messaging.kafka.offset"] = msg.offset()
+    attrs["messaging.consumer.group.name"] = group
+    return tr.start_as_current_span(f"process {msg.topic()}", context=parent, kind=SpanKind.CONSUMER,
+                                    links=[Link(sc)] if sc.is_valid else None, attributes=attrs,
+                                    start_time=start_time)
 
 
 def trace_ids() -> dict[str, str]:

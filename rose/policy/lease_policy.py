@@ -1,101 +1,25 @@
-"""The lease policy: one pure step `(view, telemetry, config) -> (view', commands)`.
+"""The lease policy: one pure step `decide(view, telemetry, config) -> (view', commands, explanation)`.
 
-Every caller (the scheduler service, `rose replay`, `rose simulate`) runs this one
-function; a second implementation of the policy anywhere is a defect. No I/O, no wall
-clock, no randomness: time is the event's `ts`, command ids are hashes of their cause,
-so the same telemetry log and config always give byte-identical commands.
-
-What it implements (docs/contract.md §4, thresholds from `PolicyConfig`):
-
-* Headroom of an SLO metric is `1 - p99 / slo`. A GPU is *eligible* on an event when every
-  metric has headroom ≥ `grant_headroom`; `streak` counts consecutive eligible events.
-* Memory. `serving = mem_used - rollout_mem`, `margin = mem_margin_frac * total`,
-  `free = total - serving - max(lease_mem, rollout_mem)`: memory neither serving holds nor is
-  promised to (or taken by) rollout. A grant needs `free - margin ≥ min_lease_bytes`, and its
-  `mem_bytes ≤ free - margin ≤ total - serving - margin`. Capacity always comes from the GPU's
-  own telemetry, so heterogeneous fleets need no global constant.
-* Revoke conditions, any one suffices and revoke outranks everything:
-  1. headroom < `revoke_headroom` on any metric;
-  2. `free < margin` (serving grew into the lease or rollout exceeds it);
-  3. trend (see "The trend predictor" below): per metric, a p99 that rose on each of the last
-     two intervals, extrapolated at the smaller of the two rates: `p99 + slope *
-     trend_horizon_s > slo` (the SLO would be crossed before the next sample);
-  4. KV-cache growth: serving memory rising at a rate that, over `trend_horizon_s`, grows by
-     ≥ `kv_growth_revoke_frac * margin`, or would push `free` below the margin.
-  On a GPU without a lease, the same conditions block a grant.
-* Hysteresis: between the two thresholds a lease is held and renewed; nothing is granted.
-* Leases last `ttl_s` from the event that granted or renewed them; renewed once less than
-  `renew_before_s` is left. A lease whose `expires_at ≤ ts` is over (the executor revoked
-  itself): it is forgotten, never renewed nor revoked.
-* Renewals keep the lease's size: the headroom seen while a lease is held already includes
-  the rollout's interference, so it cannot size the lease without a model; resizing is
-  revoke + a fresh grant.
-* Cooldown after a revoke: `cooldown_s * cooldown_backoff ** (n - 1)` for the n-th revoke in
-  a row, capped at `cooldown_max_s`; a lease that lived `cooldown_reset_s` resets n.
-* Epochs strictly increase per GPU from grant to grant; renew and revoke carry their lease's.
-* Lease size (grant only), with `h` the smallest headroom:
-  `mem_bytes = max(min_lease, floor_to_granularity(avail * (0.5 + 0.5 * s)))`, where
-  `avail = free - margin` and `s = (h - grant_headroom) / (1 - grant_headroom)` in [0, 1]:
-  half the available memory at the grant threshold (room for the KV cache to grow under
-  load), all of it on an idle GPU.
-  `compute_share`: if serving is compute-bound, giving a share `c` slows it by `1 / (1 - c)`,
-  so the p99 after the grant is about `(1 - h) / (1 - c) * slo`. Choose `c` so that headroom
-  lands mid-hysteresis, `target = (grant_headroom + revoke_headroom) / 2`:
-  `c = 1 - (1 - h) / (1 - target)`, capped at `max_compute_share`, then scaled by
-  `1 - gpu_util / 2` (NVML utilisation counts any-kernel-running time, so a busy GPU can still
-  have SM headroom: it halves the share at 100 %, never zeroes it).
-* Duplicate or out-of-order telemetry (`ts ≤ last_ts`, or the same `event_id` as the last)
-  is ignored: counter + 1, no commands, nothing else changes.
-
-The trend predictor
--------------------
-Its intent: revoke *before* the SLO is crossed when latency is genuinely climbing (a queue
-building up), rather than on the event that already shows headroom < `revoke_headroom`.
-Its input is noisy: a window's p99 is a small-sample tail, and under chunked prefill a GPU's
-TPOT p99 is bimodal: a plain decode step (~8 ms for 7B on an H100) in a window without
-prefill, the prefill-chunk stall (~70 ms) in one with it. Extrapolating one jump between two
-such windows (`8 -> 70 ms` in 0.5 s: +62 ms in the next 0.5 s) crosses a 139 ms SLO, so a
-two-point predictor revoked on window-to-window noise (in `rose simulate` on the Azure
-traces, 190 of 192 revokes; each revoke starts a cooldown, and the backoff kept most GPUs
-out). So the predictor now needs the climb to be sustained:
-
-    samples (t2, p2), (t1, p1), (t0, p0), oldest first, t0 this event
-    rising only if p2 < p1 < p0
-    slope = min((p1 - p2) / (t1 - t2), (p0 - p1) / (t0 - t1))
-    predicted p99 = p0 + slope * trend_horizon_s;  revoke if it exceeds the SLO
-
-A single spike predicts nothing (`8, 8, 70`: the first interval did not rise; the two-point
-predictor said 132 ms), and a spike followed by a plateau or a small further rise predicts
-little (`8, 70, 71`: 72 ms). A steady ramp gives its own slope, so it is revoked on the last
-sample before it would cross the SLO, as the two-point predictor did, once it has risen for
-two intervals (one more sample than before); a climb steep enough to go from grant-level
-headroom past the SLO in two samples is left to the headroom rule and the executor's local
-guard, as it was before for one sample. The smaller rate is a
-lower bound on the climb over both intervals, so noise that happens to rise twice must rise
-steeply twice to revoke. Why not an EWMA-smoothed slope: its state depends on every past
-sample (the simulator's exact deferral of ineligible events relies on a bounded history),
-and a time constant long enough to average out the bimodal p99 (several windows) delays a
-genuine climb by as much. The cost is one more sample (ts and both p99s) in `GpuView`:
-`prev2_*`, `_NEVER` until seen, so a view from an older `to_dict` loads with no history and
-the trend starts two events later. The headroom and memory conditions need no history and
-still revoke on the very event. KV-cache growth (condition 4) stays a two-point rate on
-purpose: running out of memory is not a late token but a failed or preempted request, so
-one large prompt's KV growth is reason enough to give the memory back.
+The rules and their defaults are docs/contract.md §4; docs/policy.md explains the design
+(lease sizing, hysteresis, cooldown, the trend predictor). No I/O, no wall clock, no
+randomness: time is the event's `ts`, command ids are hashes of their cause, so the same
+telemetry log and config always give byte-identical commands. Its callers (the scheduler
+service, `rose replay`, `rose simulate`) share one fold around it, `rose.policy.core`: the
+per-GPU views, the executors' lease states folded into them, admission.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from rose.config import PolicyConfig
-from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
+from rose.contract.events import Command, Telemetry
 
-POLICY_VERSION = "1"
+POLICY_VERSION = "1.1"
 
 _GiB = float(1 << 30)
 _NEVER = -1.0  # "no previous sample" for ts, p99 and memory fields (real values are ≥ 0)
-_LEASE_ENDING_STATES = frozenset(("revoking", "revoked", "expired", "rejected"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +46,12 @@ class GpuView:
     prev2_ts: float = _NEVER  # the fresh event before the last: the trend predictor's third sample
     prev2_ttft_p99: float = _NEVER
     prev2_tpot_p99: float = _NEVER
+    paused_since: float = _NEVER  # event time the held lease was throttled to share 0 (v1.1)
+    # the online interference estimate (docs/policy.md "Interference estimate"): serving's load
+    # (worst p99 / SLO) on calm events with no rollout running, and its slowdown per unit of
+    # compute share while a lease runs, both EWMAs; _NEVER until first seen
+    base_load: float = _NEVER
+    slowdown_per_share: float = _NEVER
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in _VIEW_FIELDS}
@@ -145,7 +75,7 @@ class Explanation:
     headroom: dict[str, float]  # per SLO metric, 1 - p99/slo
     predicted_headroom: dict[str, float]  # after the trend predictor (== headroom unless rising)
     free_mem_bytes: int  # total - serving - max(lease, rollout)
-    action: str  # grant | renew | revoke | hold | none | ignored
+    action: str  # grant | renew | throttle | revoke | hold | none | ignored
     reason: str
 
     def to_dict(self) -> dict:
@@ -174,12 +104,23 @@ def cooldown_for(revokes_in_row: int, cfg: PolicyConfig) -> float:
     return min(cfg.cooldown_s * cfg.cooldown_backoff ** (revokes_in_row - 1), cfg.cooldown_max_s)
 
 
+def memory_margin(total: int, cfg: PolicyConfig) -> int:
+    """Memory of a GPU never lent: `mem_margin_frac` of its total."""
+    return int(total * cfg.mem_margin_frac)
+
+
+def free_memory(total: int, serving: int, lease_mem: int, rollout: int) -> int:
+    """Memory neither serving holds nor is promised to (`lease_mem`) or taken by (`rollout`)
+    rollout: `total - serving - max(lease_mem, rollout)`."""
+    return total - serving - (lease_mem if lease_mem > rollout else rollout)
+
+
 def _gib(b: float) -> str:
     return f"{b / _GiB:.2f} GiB"
 
 
-def _lease_size(avail: int, h: float, util: float, cfg: PolicyConfig) -> tuple[int, float]:
-    """(mem_bytes, compute_share) of a new lease; see the module docstring."""
+def _lease_mem(avail: int, h: float, cfg: PolicyConfig) -> int:
+    """mem_bytes of a new lease; docs/policy.md "What `decide()` implements"."""
     g = cfg.grant_headroom
     s = (h - g) / (1.0 - g) if g < 1.0 else 1.0
     s = 0.0 if s < 0.0 else 1.0 if s > 1.0 else s
@@ -187,19 +128,35 @@ def _lease_size(avail: int, h: float, util: float, cfg: PolicyConfig) -> tuple[i
     mem = int(avail * (0.5 + 0.5 * s))
     if gran > 0:
         mem -= mem % gran
-    mem = max(cfg.min_lease_bytes, mem)
-    target = (g + cfg.revoke_headroom) / 2.0
-    share = 1.0 - (1.0 - h) / (1.0 - target) if target < 1.0 else 0.0
-    share = min(share, cfg.max_compute_share) * (1.0 - util / 2.0)
-    share = 0.0 if share < 0.0 else 1.0 if share > 1.0 else round(share, 4)
-    return mem, share
+    return max(cfg.min_lease_bytes, mem)
+
+
+def compute_share_for(load: float, slowdown_per_share: float, cfg: PolicyConfig) -> float:
+    """The compute share that lands serving's headroom mid-hysteresis, `target = (grant_headroom
+    + revoke_headroom) / 2`, given its load now (worst p99 / SLO, rollout not running) and its
+    slowdown `1 + a * share` (`a`: the GPU's estimate, the prior before it has one). No credit
+    is taken for a time-slicing bound: the estimate is what this GPU showed."""
+    a = slowdown_per_share if slowdown_per_share > 0.0 else cfg.interference_prior
+    target = (cfg.grant_headroom + cfg.revoke_headroom) / 2.0
+    room = (1.0 - target) / load if load > 0.0 else float("inf")  # slowdown serving can take
+    if room <= 1.0:
+        return 0.0
+    share = min((room - 1.0) / a, cfg.max_compute_share)
+    return 0.0 if share < 0.0 else 1.0 if share > 1.0 else round(share, 4)
+
+
+def _ewma(old: float, x: float, w: float) -> float:
+    return x if old < 0.0 else old + w * (x - old)
+
+
+_SLOWDOWN_BOUNDS = (0.01, 50.0)  # keeps one freak window from zeroing or exploding the estimate
 
 
 def _trend(metric: str, p99: float, prev: float, prev2: float, slo: float, dt: float, dt2: float,
            horizon: float, why: list[str]) -> float:
     """Predicted headroom `horizon` seconds ahead: only when p99 rose on each of the last two
     intervals (`dt2` then `dt` long), extrapolated at the smaller of the two rates; appends a
-    revoke reason if it crosses the SLO (module docstring: "The trend predictor")."""
+    revoke reason if it crosses the SLO (docs/policy.md "The trend predictor")."""
     if not 0.0 <= prev2 < prev < p99:
         return 1.0 - p99 / slo
     slope = (p99 - prev) / dt
@@ -218,12 +175,8 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
     if ts <= view.last_ts or event.event_id == view.last_event_id:
         why = (f"duplicate event_id {event.event_id}" if event.event_id == view.last_event_id
                else f"stale: ts {ts:.3f} <= last {view.last_ts:.3f}")
-        v = GpuView(view.gpu, view.last_ts, view.last_event_id, view.streak, view.epoch, view.lease_id,
-                    view.lease_expires_at, view.lease_mem_bytes, view.lease_compute_share,
-                    view.lease_granted_at, view.cooldown_until, view.revokes_in_row, view.prev_ttft_p99,
-                    view.prev_tpot_p99, view.prev_serving_mem, view.ignored_stale + 1, view.prev2_ts,
-                    view.prev2_ttft_p99, view.prev2_tpot_p99)
-        return Decision(v, (), Explanation({}, {}, 0, "ignored", why))
+        return Decision(replace(view, ignored_stale=view.ignored_stale + 1), (),
+                        Explanation({}, {}, 0, "ignored", why))
 
     lat, slo = event.latency_ms, event.slo_ms
     h_ttft = 1.0 - lat.ttft_p99 / slo.ttft_p99
@@ -232,7 +185,7 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
     total = event.mem_total_bytes
     rollout = event.rollout_mem_bytes
     serving = event.mem_used_bytes - rollout
-    margin = int(total * cfg.mem_margin_frac)
+    margin = memory_margin(total, cfg)
 
     # The lease as of this event: one whose expiry passed is over (the executor revoked itself).
     lease_id = view.lease_id
@@ -241,17 +194,19 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         expired_note = f"lease {lease_id} expired at {view.lease_expires_at:.3f} without renewal; "
         lease_id = None
     lease_mem = view.lease_mem_bytes if lease_id is not None else 0
-    free = total - serving - (lease_mem if lease_mem > rollout else rollout)
+    free = free_memory(total, serving, lease_mem, rollout)
 
-    # Revoke conditions (also block grants on a GPU without a lease).
-    why: list[str] = []
+    # Two levels (v1.1). Latency conditions pause a lease's compute (throttle to share 0); memory
+    # conditions revoke it. On a GPU without a lease, either blocks a grant.
+    slow: list[str] = []  # latency: headroom below the revoke threshold, or the trend crosses the SLO
+    short: list[str] = []  # memory: free memory below the margin, or KV growth heading there
     rv = cfg.revoke_headroom
     if h_ttft < rv:
-        why.append(f"headroom {h_ttft:.2f} < {rv:.2f} on ttft_p99")
+        slow.append(f"headroom {h_ttft:.2f} < {rv:.2f} on ttft_p99")
     if h_tpot < rv:
-        why.append(f"headroom {h_tpot:.2f} < {rv:.2f} on tpot_p99")
+        slow.append(f"headroom {h_tpot:.2f} < {rv:.2f} on tpot_p99")
     if free < margin:
-        why.append(f"free memory {_gib(free)} < margin {_gib(margin)}")
+        short.append(f"free memory {_gib(free)} < margin {_gib(margin)}")
     dt = ts - view.last_ts if view.last_ts >= 0.0 else 0.0
     p_ttft, p_tpot = h_ttft, h_tpot
     horizon = cfg.trend_horizon_s
@@ -259,19 +214,19 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         dt2 = view.last_ts - view.prev2_ts
         if view.prev2_ts >= 0.0 and dt2 > 0.0:
             p_ttft = _trend("ttft_p99", lat.ttft_p99, view.prev_ttft_p99, view.prev2_ttft_p99, slo.ttft_p99,
-                            dt, dt2, horizon, why)
+                            dt, dt2, horizon, slow)
             p_tpot = _trend("tpot_p99", lat.tpot_p99, view.prev_tpot_p99, view.prev2_tpot_p99, slo.tpot_p99,
-                            dt, dt2, horizon, why)
+                            dt, dt2, horizon, slow)
         prev_mem = view.prev_serving_mem
         if 0 <= prev_mem < serving and margin > 0:
             growth = (serving - prev_mem) / dt * horizon
             limit = cfg.kv_growth_revoke_frac * margin
             if growth >= limit:
-                why.append(f"KV growth {_gib(growth)} per {horizon:g} s >= {_gib(limit)} "
-                           f"({cfg.kv_growth_revoke_frac:g} x margin {_gib(margin)})")
+                short.append(f"KV growth {_gib(growth)} per {horizon:g} s >= {_gib(limit)} "
+                             f"({cfg.kv_growth_revoke_frac:g} x margin {_gib(margin)})")
             elif free - growth < margin <= free:
-                why.append(f"KV growth {_gib(growth)} per {horizon:g} s would leave "
-                           f"{_gib(free - growth)} < margin {_gib(margin)}")
+                short.append(f"KV growth {_gib(growth)} per {horizon:g} s would leave "
+                             f"{_gib(free - growth)} < margin {_gib(margin)}")
     predicted = {"ttft_p99": p_ttft, "tpot_p99": p_tpot}
 
     g = cfg.grant_headroom
@@ -282,32 +237,72 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
     expires_at = view.lease_expires_at if lease_id is not None else 0.0
     share = view.lease_compute_share if lease_id is not None else 0.0
     granted_at = view.lease_granted_at if lease_id is not None else 0.0
+    paused_since = view.paused_since if lease_id is not None else _NEVER
     cooldown_until, revokes_in_row = view.cooldown_until, view.revokes_in_row
     commands: tuple[Command, ...] = ()
     gpu = view.gpu
 
+    # The interference estimate: serving's load alone on calm events with no rollout running
+    # (never on an event deferral may hold back: those have h_min < grant_headroom), and its
+    # slowdown per unit of share on events where a lease runs.
+    load = 1.0 - h_min
+    base_load, per_share = view.base_load, view.slowdown_per_share
+    w_est = cfg.interference_weight
+    if lease_id is not None and share > 0.0:
+        if base_load > 0.0:
+            obs = (load / base_load - 1.0) / share
+            lo, hi = _SLOWDOWN_BOUNDS
+            per_share = _ewma(per_share, lo if obs < lo else hi if obs > hi else obs, w_est)
+    elif h_min >= g:
+        base_load = _ewma(base_load, load, w_est)
+
+    def command(kind: str, mem: int, cshare: float, expires: float, why: str) -> tuple[Command, ...]:
+        return (Command(command_id(event.event_id, kind, gpu, epoch), ts, kind, gpu, lease_id, epoch, mem,
+                        cshare, expires, why, event.event_id),)
+
     if lease_id is not None:
-        if why:
-            action, reason = "revoke", "; ".join(why)
+        paused_for = ts - paused_since if paused_since >= 0.0 else 0.0
+        if short or paused_for >= cfg.max_pause_s:
+            action = "revoke"
+            reason = "; ".join(short) if short else f"paused for {paused_for:.1f} s >= {cfg.max_pause_s:g} s"
             lived = ts - granted_at
             revokes_in_row = 1 if lived >= cfg.cooldown_reset_s else revokes_in_row + 1
             cool = cooldown_for(revokes_in_row, cfg)
             cooldown_until = ts + cool
             reason += f"; cooldown {cool:g} s"
-            commands = (Command(command_id(event.event_id, "revoke", gpu, epoch), ts, "revoke", gpu, lease_id,
-                                epoch, 0, 0.0, ts, reason, event.event_id),)
-            lease_id, lease_mem, share, expires_at, granted_at = None, 0, 0.0, 0.0, 0.0
+            commands = command("revoke", 0, 0.0, ts, reason)
+            lease_id, lease_mem, share, expires_at, granted_at, paused_since = None, 0, 0.0, 0.0, 0.0, _NEVER
+        elif slow and share > 0.0:
+            action, reason = "throttle", "pause: " + "; ".join(slow)
+            share, paused_since, expires_at = 0.0, ts, ts + cfg.ttl_s
+            commands = command("throttle", lease_mem, share, expires_at, reason)
+        elif share == 0.0 and not slow and streak >= cfg.grant_streak:
+            share = compute_share_for(max(load, base_load), per_share, cfg)
+            if share > 0.0:
+                action = "throttle"
+                reason = (f"resume: headroom {h_min:.2f} >= {g:.2f} for {streak} events after "
+                          f"{paused_for:.1f} s paused; share {share:g}")
+                paused_since, expires_at = _NEVER, ts + cfg.ttl_s
+                commands = command("throttle", lease_mem, share, expires_at, reason)
+            else:
+                action, reason = "hold", f"paused: serving load {max(load, base_load):.2f} leaves no share"
+                if expires_at - ts < cfg.renew_before_s:
+                    action, expires_at = "renew", ts + cfg.ttl_s
+                    commands = command("renew", lease_mem, 0.0, expires_at, reason)
         elif expires_at - ts < cfg.renew_before_s:
             action = "renew"
-            reason = f"min headroom {h_min:.2f} >= {rv:.2f}, free memory {_gib(free)} >= margin {_gib(margin)}"
+            state = "paused" if share == 0.0 else f"min headroom {h_min:.2f} >= {rv:.2f}"
+            reason = f"{state}, free memory {_gib(free)} >= margin {_gib(margin)}"
             expires_at = ts + cfg.ttl_s
-            commands = (Command(command_id(event.event_id, "renew", gpu, epoch), ts, "renew", gpu, lease_id,
-                                epoch, lease_mem, share, expires_at, reason, event.event_id),)
+            commands = command("renew", lease_mem, share, expires_at, reason)
         else:
             action = "hold"
-            reason = f"lease {lease_id} live until {expires_at:.3f}; min headroom {h_min:.2f} >= {rv:.2f}"
+            reason = (f"lease {lease_id} live until {expires_at:.3f}; "
+                      + (f"paused {paused_for:.1f} s, headroom streak {streak}" if share == 0.0
+                         else f"min headroom {h_min:.2f} >= {rv:.2f}"))
     else:
         avail = free - margin
+        why = slow + short
         if why:
             action, reason = "none", "no grant: " + "; ".join(why)
         elif streak < cfg.grant_streak:
@@ -321,67 +316,26 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         elif avail < cfg.min_lease_bytes:
             action, reason = "none", (f"free memory after margin {_gib(avail)} < minimum lease "
                                       f"{_gib(cfg.min_lease_bytes)}")
+        elif (grant_share := compute_share_for(max(load, base_load), per_share, cfg)) <= 0.0:
+            action, reason = "none", f"serving load {max(load, base_load):.2f} leaves no compute share"
         else:
             action = "grant"
             epoch += 1
             lease_id = lease_id_for(gpu, epoch)
-            lease_mem, share = _lease_size(avail, h_min, event.gpu_util, cfg)
+            lease_mem, share = _lease_mem(avail, h_min, cfg), grant_share
             expires_at = ts + cfg.ttl_s
             granted_at = ts
             reason = (f"headroom {h_min:.2f} >= {g:.2f} for {streak} events, free memory after margin "
-                      f"{_gib(avail)} >= {_gib(cfg.min_lease_bytes)}")
-            commands = (Command(command_id(event.event_id, "grant", gpu, epoch), ts, "grant", gpu, lease_id,
-                                epoch, lease_mem, share, expires_at, reason, event.event_id),)
+                      f"{_gib(avail)} >= {_gib(cfg.min_lease_bytes)}; share {share:g}")
+            commands = command("grant", lease_mem, share, expires_at, reason)
     if expired_note and not commands:  # commands stay the same whether the executor's `expired` came first
         reason = expired_note + reason
 
-    v = GpuView(gpu, ts, event.event_id, streak, epoch, lease_id, expires_at, lease_mem, share, granted_at,
-                cooldown_until, revokes_in_row, lat.ttft_p99, lat.tpot_p99, serving, view.ignored_stale,
-                view.last_ts, view.prev_ttft_p99, view.prev_tpot_p99)
+    v = GpuView(gpu=gpu, last_ts=ts, last_event_id=event.event_id, streak=streak, epoch=epoch, lease_id=lease_id,
+                lease_expires_at=expires_at, lease_mem_bytes=lease_mem, lease_compute_share=share,
+                lease_granted_at=granted_at, cooldown_until=cooldown_until, revokes_in_row=revokes_in_row,
+                prev_ttft_p99=lat.ttft_p99, prev_tpot_p99=lat.tpot_p99, prev_serving_mem=serving,
+                ignored_stale=view.ignored_stale, prev2_ts=view.last_ts, prev2_ttft_p99=view.prev_ttft_p99,
+                prev2_tpot_p99=view.prev_tpot_p99, paused_since=paused_since, base_load=base_load,
+                slowdown_per_share=per_share)
     return Decision(v, commands, Explanation(headroom, predicted, free, action, reason))
-
-
-def check_admission(event: Telemetry, record_ts_ms: int | None, key: bytes | str | None,
-                    cfg: PolicyConfig) -> None:
-    """Raise InvalidEvent for telemetry the scheduler must not decide on (it goes to the dlq):
-    an event time further than `max_ts_skew_s` from the Kafka record time (a broken clock
-    would otherwise poison the GPU's view: every later event would look stale), or a message
-    key that is not the event's GPU (it would land on another GPU's partition)."""
-    if record_ts_ms is not None and record_ts_ms > 0:
-        skew = event.ts - record_ts_ms / 1000.0
-        if abs(skew) > cfg.max_ts_skew_s:
-            raise InvalidEvent("ts", f"event time {event.ts:.3f} is {skew:+.0f}s from the record time "
-                                     f"(limit ±{cfg.max_ts_skew_s:.0f}s)")
-    if key is not None:
-        k = key.encode() if isinstance(key, str) else key
-        if k != event.gpu.encode():
-            raise InvalidEvent("gpu", f"message key {k[:64]!r} does not match gpu {event.gpu!r}")
-
-
-def observe_lease_state(view: GpuView | None, state: LeaseState, cfg: PolicyConfig) -> GpuView:
-    """Fold an executor's lease state into the view (rebuild after restart, live updates).
-
-    The epoch floor rises to every epoch seen, so a new grant never reuses one. A
-    revoking/revoked/expired/rejected state of the current (or a newer, unknown) lease ends
-    it: no renew afterwards. An `active` state never creates a lease the view does not hold:
-    its expiry is unknown here, and renewing a lease the executor may already have dropped
-    would resurrect it. A revoke the view did not know of starts a cooldown.
-    """
-    if view is None:
-        view = GpuView(gpu=state.gpu)
-    epoch = view.epoch if view.epoch >= state.epoch else state.epoch
-    lease_id, expires_at, mem, share, granted_at = (view.lease_id, view.lease_expires_at, view.lease_mem_bytes,
-                                                    view.lease_compute_share, view.lease_granted_at)
-    cooldown_until, revokes_in_row = view.cooldown_until, view.revokes_in_row
-    if state.state in _LEASE_ENDING_STATES:
-        current = lease_id is not None and state.lease_id == lease_id
-        unknown = state.epoch > view.epoch
-        if current or (lease_id is not None and unknown):
-            lease_id, expires_at, mem, share, granted_at = None, 0.0, 0, 0.0, 0.0
-        if (current or unknown) and state.state in ("revoking", "revoked"):
-            revokes_in_row += 1
-            cooldown_until = max(cooldown_until, state.ts + cooldown_for(revokes_in_row, cfg))
-    return GpuView(view.gpu, view.last_ts, view.last_event_id, view.streak, epoch, lease_id, expires_at, mem,
-                   share, granted_at, cooldown_until, revokes_in_row, view.prev_ttft_p99, view.prev_tpot_p99,
-                   view.prev_serving_mem, view.ignored_stale, view.prev2_ts, view.prev2_ttft_p99,
-                   view.prev2_tpot_p99)

@@ -2,13 +2,12 @@
 lease policy over its telemetry, compare with the commands it recorded, explain decisions.
 
 Offline by design (no Kafka client here): a log from production can be replayed on a laptop.
-Replay runs `rose.lease_policy.decide`, the very function the scheduler runs, per GPU in log
-order, admits telemetry with the scheduler's own rule (`check_admission`), and folds the
-executors' lease states into the views as the scheduler does (`observe_lease_state`, placed
-by Kafka record time). So on a log recorded after the scheduler caught up, the replayed
-commands equal the recorded ones byte for byte. The one thing a log cannot tell exactly is
-when the live scheduler saw a lease state relative to the telemetry it was deciding on; if an
-executor's `expired`/`rejected` raced a decision, `--diff` points at it.
+Replay feeds the log through `rose.policy.core.SchedulingCore`, the very fold the scheduler
+runs: telemetry admitted by the scheduler's rule, in log order, and the executors' lease
+states placed by their Kafka record time. So on a log recorded after the scheduler caught up,
+the replayed commands equal the recorded ones byte for byte. The one thing a log cannot tell
+exactly is when the live scheduler saw a lease state relative to the telemetry it was deciding
+on; if an executor's `expired`/`rejected` raced a decision, `--diff` points at it.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ from rose.contract.events import (
     LeaseState,
     Telemetry,
 )
-from rose.policy.lease_policy import Decision, GpuView, check_admission, decide, observe_lease_state
+from rose.policy.core import SchedulingCore, check_admission
+from rose.policy.lease_policy import Decision, GpuView
 
 _GiB = float(1 << 30)
 _PLAIN = {TELEMETRY_SCHEMA: Telemetry, COMMAND_SCHEMA: Command, LEASE_STATE_SCHEMA: LeaseState}
@@ -131,36 +131,36 @@ def replay(telemetry: Iterable[tuple[int, Telemetry]], cfg: PolicyConfig,
            lease_states: Iterable[tuple[int, LeaseState]] = (), record_ms: dict[int, int] | None = None,
            on_lease_state: Callable[[int, LeaseState, GpuView | None, GpuView], None] | None = None,
            ) -> tuple[list[Command], dict[str, GpuView]]:
-    """Run the policy over the telemetry in order; the commands in decision order, and the
-    final views. `on_decision(lineno, event, view_before, decision)` sees every step.
+    """Run the telemetry through the scheduling core in order; the commands in decision order,
+    and the final views. `on_decision(lineno, event, view_before, decision)` sees every step,
+    `on_lease_state(lineno, state, view_before, view_after)` every lease state folded, each
+    with the view the GPU's next decision meets before and after it.
 
-    Lease states are folded into their GPU's view (observe_lease_state) as the scheduler
-    folds them: before the first telemetry event of that GPU that was recorded at or after
-    the lease state (Kafka record times, `record_ms`); for plain lines, that comes later in
-    the file. In normal operation folding changes nothing but the epoch floor of leases
-    granted before the log began, and executors' `expired`/`rejected` verdicts."""
+    A lease state reaches the core as it reached the scheduler: before the first telemetry
+    event of its GPU that was recorded at or after it (Kafka record times, `record_ms`); for
+    plain lines, that comes later in the file. (GPUs are independent, so placing a state per
+    GPU is placing it in time.)"""
     record_ms = record_ms or {}
     pending: dict[str, list[tuple[int, LeaseState]]] = {}
     for n, ls in sorted(lease_states, key=lambda x: (record_ms.get(x[0], -1), x[0])):
         pending.setdefault(ls.gpu, []).append((n, ls))
-    views: dict[str, GpuView] = {}
+    core = SchedulingCore(cfg)
     out: list[Command] = []
     for lineno, ev in telemetry:
         gpu = ev.gpu
         if pending and gpu in pending:
-            _fold(pending, views, gpu, lineno, record_ms, cfg, on_lease_state)
-        before = views.get(gpu)
-        d = decide(before, ev, cfg)
-        views[gpu] = d.view
+            _feed_lease_states(pending, core, gpu, lineno, record_ms, on_lease_state)
+        before = core.view_for(gpu) if on_decision is not None else None
+        d = core.decide(ev)
         if d.commands:
             out.extend(d.commands)
         if on_decision is not None:
             on_decision(lineno, ev, before, d)
-    return out, views
+    return out, core.views
 
 
-def _fold(pending, views, gpu, lineno, record_ms, cfg, on_lease_state) -> None:
-    """Fold the lease states of `gpu` that the scheduler had seen before telemetry line `lineno`."""
+def _feed_lease_states(pending, core: SchedulingCore, gpu, lineno, record_ms, on_lease_state) -> None:
+    """Feed the core the lease states of `gpu` that the scheduler had seen before telemetry line `lineno`."""
     queue = pending[gpu]
     t = record_ms.get(lineno)
     i = 0
@@ -169,10 +169,10 @@ def _fold(pending, views, gpu, lineno, record_ms, cfg, on_lease_state) -> None:
         seen = ls_ms <= t if (t is not None and ls_ms is not None) else n < lineno
         if not seen:
             break
-        before = views.get(gpu)
-        views[gpu] = observe_lease_state(before, ls, cfg)
+        before = core.view_for(gpu) if on_lease_state is not None else None
+        core.observe(ls)
         if on_lease_state is not None:
-            on_lease_state(n, ls, before, views[gpu])
+            on_lease_state(n, ls, before, core.view_for(gpu))
         i += 1
     if i:
         del queue[:i]

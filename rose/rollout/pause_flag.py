@@ -1,9 +1,12 @@
 """A pause flag in shared memory: the executor (or its local fast guard) raises it and the
 rollout worker sees it at its next decode step, with no network hop.
 
-Layout (40 bytes, little endian, each field naturally aligned so a store is one machine
+Layout (48 bytes, little endian, each field naturally aligned so a store is one machine
 write): state u8 @0 | heartbeat u64 @8 | paused_seen_ns i64 @16 | set_ns i64 @24 |
-steps u64 @32.
+steps u64 @32 | yield_ppm u32 @40.
+`yield_ppm` is the lease's compute share as the part of the time the worker must leave idle,
+in millionths (0: the whole share, a fresh flag; 1,000,000: share 0, paused): the executor
+sets it on `throttle`, the worker keeps the duty cycle between its decode steps.
 `set_ns` is when the flag last changed, `paused_seen_ns` when the worker last observed
 PAUSE or STOP (both CLOCK_MONOTONIC, which is one clock for every process on the host),
 so `paused_seen_ns - set_ns` is the flag-raised → worker-paused latency.
@@ -22,8 +25,9 @@ PAUSE = 1
 STOP = 2
 STATES = (RUN, PAUSE, STOP)
 
-SIZE = 40
-_STATE, _BEAT, _SEEN, _SET, _STEPS = 0, 8, 16, 24, 32
+SIZE = 48
+_STATE, _BEAT, _SEEN, _SET, _STEPS, _YIELD = 0, 8, 16, 24, 32, 40
+_PPM = 1_000_000
 
 
 class PauseFlag:
@@ -53,12 +57,30 @@ class PauseFlag:
     def get(self) -> int:
         return self._buf[_STATE]
 
+    def set_share(self, share: float) -> None:
+        """The compute share the worker may use, 0..1; 0 pauses it like PAUSE does."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share: expected 0..1, got {share!r}")
+        struct.pack_into("<q", self._buf, _SET, time.monotonic_ns())
+        struct.pack_into("<I", self._buf, _YIELD, round((1.0 - share) * _PPM))
+
+    @property
+    def share(self) -> float:
+        return 1.0 - struct.unpack_from("<I", self._buf, _YIELD)[0] / _PPM
+
+    def effective(self) -> int:
+        """The state the worker obeys: PAUSE also while the share is 0."""
+        st = self._buf[_STATE]
+        if st == RUN and struct.unpack_from("<I", self._buf, _YIELD)[0] >= _PPM:
+            return PAUSE
+        return st
+
     # worker side -----------------------------------------------------------------------
     def beat(self) -> int:
-        """Count one worker loop iteration; returns the state read in the same call."""
+        """Count one worker loop iteration; returns the effective state read in the same call."""
         n = struct.unpack_from("<Q", self._buf, _BEAT)[0] + 1
         struct.pack_into("<Q", self._buf, _BEAT, n & 0xFFFFFFFFFFFFFFFF)
-        return self._buf[_STATE]
+        return self.effective()
 
     def count_steps(self, n: int = 1) -> None:
         """Count decode steps launched (the worker is the only writer)."""

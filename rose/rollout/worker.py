@@ -1,7 +1,13 @@
 """The rollout worker: a separate process the executor starts inside a lease (or on a
 dedicated rollout GPU) that runs agentic episodes from the task queue.
 
-    python -m rose.rollout.worker --spec '<WorkerSpec JSON>'      (WorkerSpec.to_argv())
+    python -m rose.rollout.worker --config-fd N      (rose.rollout.launcher.launch(WorkerConfig))
+
+Its one configuration, `rose.rollout.launcher.WorkerConfig`, arrives as JSON on descriptor N
+(default 0, stdin), never on the command line: it carries the Redis connection and the
+weights HMAC key. Redis client, task queue and weight follower are all built from it; with
+`weights_hmac_key` set, followed weight entries that are unsigned or wrongly signed are
+refused (counted and logged) and the worker keeps running its last good version.
 
 One loop, one decode step per iteration (continuous batching): read the pause flag and
 beat the heartbeat; switch policy versions if a new one is complete; admit tasks into free
@@ -15,93 +21,23 @@ Protection of serving: a hard memory cap (CUDA: the allocator's per-process frac
 CPU: `MemoryBudget`, which sizes the KV cache and every forward — the worker exits 3 with
 one line when the model and one sequence do not fit), rollout kernels on the lowest-
 priority CUDA stream, OS nice and a thread count from `compute_share` on CPU.
-Exit codes: 0 drained, 2 bad spec, 3 memory budget too small.
+Exit codes: 0 drained, 2 bad config, 3 memory budget too small.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import signal
 import sys
 import time
-from dataclasses import dataclass, field
 
+from rose.rollout.launcher import WorkerConfig, read_config
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
+from rose.shutdown import Shutdown
 
-EXIT_BAD_SPEC = 2
+EXIT_BAD_CONFIG = 2
 EXIT_BUDGET = 3
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    gpu: str
-    worker_id: str
-    redis_url: str
-    key_prefix: str
-    job: str
-    model: str  # weights stream name (rose:weights:{model})
-    device: str = "cpu"  # "cpu" or "cuda:N"
-    mem_bytes: int = 1 << 30  # hard cap of everything the worker allocates
-    compute_share: float = 1.0
-    pause_flag: str = ""  # shared-memory name of the PauseFlag; "" = none
-    dedicated: bool = False
-    nice: int = 10
-    seed: int = 0
-    # additions ---------------------------------------------------------------------------
-    max_batch: int = 32  # KV-cache slots at most (the budget may allow fewer)
-    min_idle_ms: int = 30_000  # reclaim other consumers' tasks idle this long
-    reclaim_every_ms: int = 1_000
-    affinity_grace_ms: int = 500
-    long_tail_tokens: int = 192
-    straggler_frac: float = 0.8
-    weights: str = "static"  # "static" (seeded policy) | "follow" (rose.weights follower)
-    model_spec: dict = field(default_factory=dict)  # ModelSpec overrides
-    max_episodes: int = 0  # exit 0 after completing this many (0: run until STOP)
-    temperature: float = 1.0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    def to_argv(self) -> list[str]:
-        return [sys.executable, "-m", "rose.rollout.worker", "--spec", self.to_json()]
-
-    @classmethod
-    def from_json(cls, text: str) -> "WorkerSpec":
-        """Parse and check; ValueError names the field."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--spec: not valid JSON ({e.msg})") from None
-        if not isinstance(d, dict):
-            raise ValueError("--spec: expected a JSON object")
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        for k in d:
-            if k not in known:
-                raise ValueError(f"{k}: unknown WorkerSpec field")
-        for f in dataclasses.fields(cls):
-            if f.name not in d:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise ValueError(f"{f.name}: missing required field")
-                continue
-            want = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict}[f.type]
-            v = d[f.name]
-            if not isinstance(v, want) or (f.type in ("int", "float") and isinstance(v, bool)):
-                raise ValueError(f"{f.name}: expected {f.type}, got {v!r}")
-        s = cls(**d)
-        if s.mem_bytes <= 0:
-            raise ValueError(f"mem_bytes: must be > 0, got {s.mem_bytes}")
-        if not 0 < s.compute_share <= 1:
-            raise ValueError(f"compute_share: must be in (0, 1], got {s.compute_share}")
-        if not (s.device == "cpu" or s.device.startswith("cuda")):
-            raise ValueError(f"device: expected 'cpu' or 'cuda:N', got {s.device!r}")
-        if s.weights not in ("static", "follow"):
-            raise ValueError(f"weights: expected 'static' or 'follow', got {s.weights!r}")
-        if s.max_batch < 1:
-            raise ValueError("max_batch: must be >= 1")
-        return s
 
 
 def lowest_priority_stream(device):
@@ -112,20 +48,20 @@ def lowest_priority_stream(device):
     return torch.cuda.Stream(device=device, priority=low)
 
 
-def protect(spec: WorkerSpec):
+def protect(config: WorkerConfig):
     """Apply the serving protections to this process; the CUDA stream to run on (or None).
     CPU: OS nice and a thread count from compute_share. CUDA: the allocator's hard cap at
     mem_bytes (per-process memory fraction) and the lowest-priority stream."""
     import torch
 
-    if spec.device == "cpu":
-        if spec.nice:
-            os.nice(spec.nice)
-        torch.set_num_threads(max(1, int(spec.compute_share * (os.cpu_count() or 1))))
+    if config.device == "cpu":
+        if config.nice:
+            os.nice(config.nice)
+        torch.set_num_threads(max(1, int(config.compute_share * (os.cpu_count() or 1))))
         return None
-    dev = torch.device(spec.device)
+    dev = torch.device(config.device)
     total = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, spec.mem_bytes / total), dev)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, config.mem_bytes / total), dev)
     return lowest_priority_stream(dev)
 
 
@@ -134,16 +70,14 @@ class Worker:
     VIEW_S = 0.25
     WEIGHTS_S = 0.05
 
-    def __init__(self, spec: WorkerSpec, r, queue, engine, weights, flag: PauseFlag | None):
-        from rose.config import RedisConfig
+    def __init__(self, config: WorkerConfig, r, queue, engine, weights, flag: PauseFlag | None):
         from rose.rollout.placement import PlacementConfig
 
-        self.spec, self.r, self.q, self.engine, self.weights, self.flag = spec, r, queue, engine, weights, flag
-        self.rcfg = RedisConfig(url=spec.redis_url, key_prefix=spec.key_prefix)
-        self.hb_key = self.rcfg.key("workers", spec.worker_id)
-        self.pcfg = PlacementConfig(long_tail_tokens=spec.long_tail_tokens, straggler_frac=spec.straggler_frac,
-                                    affinity_grace_ms=spec.affinity_grace_ms)
-        self.directed = queue.register_worker(spec.worker_id)
+        self.config, self.r, self.q, self.engine, self.weights, self.flag = config, r, queue, engine, weights, flag
+        self.hb_key = config.redis.key("workers", config.worker_id)
+        self.pcfg = PlacementConfig(long_tail_tokens=config.long_tail_tokens, straggler_frac=config.straggler_frac,
+                                    affinity_grace_ms=config.affinity_grace_ms)
+        self.directed = queue.register_worker(config.worker_id)
         self.active: dict[str, tuple] = {}  # seq id -> (Claimed, Episode)
         self.stop_requested = False
         self.paused = False
@@ -168,7 +102,7 @@ class Worker:
 
     def _should_pause(self) -> bool:
         """The engine's pause_check, before every forward: records the first sighting."""
-        st = self.flag.get() if self.flag is not None else RUN
+        st = self.flag.effective() if self.flag is not None else RUN
         if self.stop_requested or st != RUN:
             self._mark()
             return True
@@ -180,7 +114,7 @@ class Worker:
             self._marked = True
 
     def publish(self, state: str) -> None:
-        s = self.spec
+        s = self.config
         p = self.r.pipeline(transaction=False)
         p.hset(self.hb_key, mapping={
             "worker_id": s.worker_id, "gpu": s.gpu, "job": s.job, "dedicated": int(s.dedicated),
@@ -199,7 +133,7 @@ class Worker:
             ids = [x.decode() for x in self.r.smembers(self.q.workers_key)]
             p = self.r.pipeline(transaction=False)
             for w in ids:
-                p.hmget(self.rcfg.key("workers", w), "dedicated", "free_slots", "state", "ts")
+                p.hmget(self.config.redis.key("workers", w), "dedicated", "free_slots", "state", "ts")
             views = []
             for w, (ded, free, st, ts) in zip(ids, p.execute()):
                 if ded is None:
@@ -220,12 +154,12 @@ class Worker:
     def _here(self):
         from rose.rollout.placement import WorkerView
 
-        return WorkerView(self.spec.worker_id, self.spec.dedicated, self.engine.free_slots())
+        return WorkerView(self.config.worker_id, self.config.dedicated, self.engine.free_slots())
 
     def _decide(self, ep, now: float):
         from rose.rollout.placement import STAY, place
 
-        if self.spec.dedicated:
+        if self.config.dedicated:
             return STAY
         return place(ep.remaining_tokens, ep.task.moves, self._here(), self._views_now(now),
                      self._step_done_frac(ep.task.step, now), self.pcfg)
@@ -272,15 +206,32 @@ class Worker:
             now = time.monotonic()
             self._housekeeping(now)
             worked = self._tools(now)
-            worked |= self._decode_step(now)
-            if self.spec.max_episodes and self.stats["episodes"] >= self.spec.max_episodes:
+            t_step = time.monotonic()
+            stepped = self._decode_step(now)
+            if self.config.max_episodes and self.stats["episodes"] >= self.config.max_episodes:
                 self.drain()
                 return 0
-            if not worked:
+            if stepped:
+                self._keep_duty_cycle(time.monotonic() - t_step)
+            elif not worked:
                 time.sleep(0.001)
 
+    def _keep_duty_cycle(self, busy_s: float) -> None:
+        """Leave `busy_s * (1 - share) / share` idle after a step of `busy_s`, so the worker
+        uses its lease's compute share; the idle time is cut short the moment the flag says
+        PAUSE or STOP (the wait is sliced at 1 ms)."""
+        share = self.flag.share if self.flag is not None else 1.0
+        if share >= 1.0 or share <= 0.0:
+            return
+        until = time.monotonic() + busy_s * (1.0 - share) / share
+        while not self.stop_requested and self.flag.effective() == RUN:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.001))
+
     def _housekeeping(self, now: float) -> None:
-        s = self.spec
+        s = self.config
         if self._due("weights", now, self.WEIGHTS_S):
             if self.weights.poll() is not None:  # a complete version; loaded between decode steps
                 v, sd = self.weights.current()
@@ -304,20 +255,20 @@ class Worker:
                 self._admit(c, now)
 
     def _steal(self, n: int):
-        g = self.spec.affinity_grace_ms
+        g = self.config.affinity_grace_ms
         out = []
         for v in self._views_now(time.monotonic()):
-            if len(out) >= n or v.worker_id == self.spec.worker_id:
+            if len(out) >= n or v.worker_id == self.config.worker_id:
                 continue
             # a leased worker leaves a live dedicated worker's turns alone longer: they are long tails
-            grace = g * 10 if (v.dedicated and v.alive and not self.spec.dedicated) else g
-            out += self.q.steal(self.spec.worker_id, self.q.directed(v.worker_id), grace, count=n - len(out))
+            grace = g * 10 if (v.dedicated and v.alive and not self.config.dedicated) else g
+            out += self.q.steal(self.config.worker_id, self.q.directed(v.worker_id), grace, count=n - len(out))
         return out
 
     def _admit(self, c, now: float) -> None:
         from rose.rollout.episode import DONE, Episode
 
-        s = self.spec
+        s = self.config
         if c.task.total_tokens > self.engine.spec.max_seq:
             self.q.dead_letter(c.stream, c.entry_id, json.dumps(c.task.to_dict()).encode(),
                                f"task: {c.task.total_tokens} tokens > max_seq {self.engine.spec.max_seq}")
@@ -344,7 +295,7 @@ class Worker:
             if d.move:  # route the next turn elsewhere (per-turn placement)
                 self.engine.release(key)
                 del self.active[key]
-                if self.q.requeue(c, self.spec.worker_id, ep.continuation(), to=d.to):
+                if self.q.requeue(c, self.config.worker_id, ep.continuation(), to=d.to):
                     self.stats["moved"] += 1
         return worked
 
@@ -389,13 +340,13 @@ class Worker:
         """Push every unfinished episode back as a continuation (acked atomically)."""
         self.publish("draining")
         for key, (c, ep) in list(self.active.items()):
-            if self.q.requeue(c, self.spec.worker_id, ep.continuation()):
+            if self.q.requeue(c, self.config.worker_id, ep.continuation()):
                 self.stats["requeued"] += 1
             else:
                 self.stats["lost"] += 1  # another worker already holds it
             self.engine.release(key)
             del self.active[key]
-        self.q.retire_worker(self.spec.worker_id)
+        self.q.retire_worker(self.config.worker_id)
         self.publish("stopped")
 
 
@@ -404,58 +355,58 @@ def _fail(msg: str, code: int) -> int:
     return code
 
 
-def _weights(spec: WorkerSpec, mspec, r):
-    from rose.config import RedisConfig
+def weight_source(config: WorkerConfig, mspec, r):
+    """The worker's policy source: the seeded policy, or the trainer's weight stream followed
+    with the config's HMAC key (unsigned or wrongly signed entries are refused)."""
     from rose.rollout.weight_source import FollowedWeights, StaticWeights
 
-    if spec.weights == "static":
-        return StaticWeights(mspec, spec.seed)
+    if config.weights == "static":
+        return StaticWeights(mspec, config.seed)
     from rose.weights.follower import WeightFollower
 
-    f = WeightFollower(r, RedisConfig(url=spec.redis_url, key_prefix=spec.key_prefix), spec.model)
+    f = WeightFollower(r, config.redis, config.model, hmac_key=config.weights_hmac_key)
     f.poll()
-    return FollowedWeights(f, mspec, spec.seed)
+    return FollowedWeights(f, mspec, config.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rose.rollout.worker")
-    ap.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    ap.add_argument("--config-fd", type=int, default=0,
+                    help="Descriptor to read the WorkerConfig JSON from (default: stdin)")
     a = ap.parse_args(argv)
     try:
-        spec = WorkerSpec.from_json(a.spec)
+        config = read_config(a.config_fd)
     except ValueError as e:
-        return _fail(str(e), EXIT_BAD_SPEC)
-    if spec.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
-        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(spec.compute_share * 100))))
+        return _fail(str(e), EXIT_BAD_CONFIG)
+    if config.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
+        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
     import redis
 
-    from rose.config import RedisConfig
     from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
     from rose.rollout.policy_model import ModelSpec
     from rose.rollout.tasks import TaskQueue
 
-    stream = protect(spec)
+    stream = protect(config)
     try:
-        mspec = ModelSpec(**spec.model_spec)
+        mspec = ModelSpec(**config.model_spec)
     except TypeError as e:
-        return _fail(f"model_spec: {e}", EXIT_BAD_SPEC)
+        return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
     try:
-        engine = TorchEngine(mspec, MemoryBudget(spec.mem_bytes, mspec), max_batch=spec.max_batch,
-                             device=spec.device, stream=stream, temperature=spec.temperature)
+        engine = TorchEngine(mspec, MemoryBudget(config.mem_bytes, mspec), max_batch=config.max_batch,
+                             device=config.device, stream=stream, temperature=config.temperature)
     except BudgetError as e:
         return _fail(str(e), EXIT_BUDGET)
-    r = redis.Redis.from_url(spec.redis_url)
+    r = redis.Redis.from_url(config.redis.url)
     try:
-        weights = _weights(spec, mspec, r)
+        weights = weight_source(config, mspec, r)
     except ValueError as e:
-        return _fail(str(e), EXIT_BAD_SPEC)
+        return _fail(str(e), EXIT_BAD_CONFIG)
     v, sd = weights.current()
     engine.load_weights(v, sd)
-    flag = PauseFlag(spec.pause_flag) if spec.pause_flag else None
-    q = TaskQueue(r, RedisConfig(url=spec.redis_url, key_prefix=spec.key_prefix), spec.job)
-    w = Worker(spec, r, q, engine, weights, flag)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(w, "stop_requested", True))
-    signal.signal(signal.SIGINT, lambda *_: setattr(w, "stop_requested", True))
+    flag = PauseFlag(config.pause_flag) if config.pause_flag else None
+    q = TaskQueue(r, config.redis, config.job)
+    w = Worker(config, r, q, engine, weights, flag)
+    Shutdown.install(name="rose-worker", hooks=(lambda: setattr(w, "stop_requested", True),))
     try:
         code = w.run()
     finally:

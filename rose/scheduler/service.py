@@ -1,8 +1,10 @@
 """`rose scheduler`: the stateless elastic lease scheduler.
 
-Consume telemetry → decide (rose.lease_policy.decide, a pure function) → produce commands,
+Consume telemetry → decide (rose.policy.core, the fold around the pure decide()) → produce commands,
 inside ONE Kafka transaction together with the consumed offsets
-(`send_offsets_to_transaction`) and the scheduler's view changelog. Exactly once from
+(`send_offsets_to_transaction`) and the scheduler's view changelog. The transactions themselves
+(retries, abort and restore, the coordinator-call deadline) are rose.kafka.transactional's
+`Transactor`; this module decodes, decides and emits. Exactly once from
 telemetry to commands: a crash anywhere aborts the open transaction, and whoever owns the
 partition next resumes from the committed offsets with the view as of that commit.
 
@@ -34,22 +36,26 @@ stale group member), so two schedulers racing for a partition cannot both commit
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 
 import orjson
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from rose.obs import metrics
 from rose.contract.codec import decode, encode
 from rose.config import Config
+from rose.shutdown import Shutdown
 from rose.contract.events import InvalidEvent, LeaseState, Telemetry
-from rose.kafka.clients import consume_batch, dead_letter, make_consumer, make_producer, partitions_of, produce, read_partitions, retrying
-from rose.policy.lease_policy import POLICY_VERSION, GpuView, check_admission, decide, observe_lease_state
+from rose.kafka.admin import partitions_of, retrying
+from rose.kafka.consumer import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition, \
+    consume_batch, make_consumer, read_partitions
+from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
+from rose.kafka.transactional import FatalTransactionError, Transactor, bounded
+from rose.policy.core import SchedulingCore
+from rose.policy.lease_policy import POLICY_VERSION, GpuView
 from rose.obs.logs import get_logger
 from rose.contract.signing import sign_headers
-from rose.obs.tracing import ensure_provider, extract_context, inject_headers, tracer
+from rose.obs.tracing import ensure_provider, inject_headers, process_span, send_span, tracer
 
 EVENTS_IN = metrics.counter("rose_scheduler_events_total", "Telemetry messages consumed")
 COMMANDS_OUT = metrics.counter("rose_scheduler_commands_total", "Commands committed, by kind")
@@ -64,8 +70,9 @@ RESTARTS = metrics.counter("rose_scheduler_client_restarts_total", "Kafka client
 LAG = metrics.gauge("rose_scheduler_lag_messages", "Consumer lag over assigned telemetry partitions")
 
 
-class FatalSchedulerError(RuntimeError):
-    """The producer was fenced or hit a fatal error: this instance must stop."""
+class FatalSchedulerError(FatalTransactionError):
+    """The producer was fenced or hit a fatal error, or a coordinator call wedged: this
+    instance's clients must be replaced."""
 
 
 @dataclass
@@ -93,9 +100,9 @@ class Scheduler:
         # already gathers the next one, and a wait would only delay revokes when it is quiet
         self.batch_linger_s = batch_linger_s
         self.state_topic = self.k.topic("scheduler-state")
-        self.views: dict[str, GpuView] = {}
+        self.core = SchedulingCore(cfg.policy)  # the views and lease floor of the GPUs this instance owns
+        self.views: dict[str, GpuView] = self.core.views
         self.gpu_partition: dict[str, int] = {}
-        self.lease_floor: dict[str, LeaseState] = {}
         self.stats = SchedulerStats()
         self.record_latencies = record_latencies
         self.log = get_logger("rose.scheduler", instance=instance)
@@ -115,12 +122,15 @@ class Scheduler:
                "group.instance.id": f"{self.k.topic_prefix}scheduler-{instance}"})
         self.lease_consumer: Consumer = make_consumer(
             self.k, f"{self.k.topic_prefix}{group}-lease-state-{instance}", **{"fetch.wait.max.ms": 50})
+        self.group = f"{self.k.topic_prefix}{group}"
+        self._command_partitions: int | None = None  # known after start(); names the partition on spans
+        self.tx = Transactor(self.producer, self.consumer, self.log, fatal=FatalSchedulerError)
         try:
-            self.producer.init_transactions(init_timeout_s)
-        except KafkaException as e:  # e.g. the broker is still coming back: the caller retries
+            self.tx.init(init_timeout_s)
+        except FatalSchedulerError:  # e.g. the broker is still coming back: the caller retries
             for c in (self.consumer, self.lease_consumer):
                 c.close()
-            raise FatalSchedulerError(f"init_transactions: {e.args[0]}") from None
+            raise
 
     # ---- state rebuild -----------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
@@ -139,35 +149,28 @@ class Scheduler:
 
     def _rebuild(self, partitions: list[int]) -> None:
         """Views for these telemetry partitions from the committed changelog, then the
-        executors' lease states folded in."""
+        executors' lease states folded in (SchedulingCore.restore over this instance's views)."""
+        views = []
         for m in read_partitions(self.k, [(self.state_topic, p) for p in partitions]):
             if m.value() is None:
                 continue
             v = GpuView.from_dict(orjson.loads(m.value()))
-            self.views[v.gpu] = v
+            views.append(v)
             self.gpu_partition[v.gpu] = m.partition()
-        self.lease_floor = {}
+        lease_states = []
         lease_parts = [(self.k.lease_state_topic, p) for p in partitions_of(self.k, self.k.lease_state_topic)]
         for m in read_partitions(self.k, lease_parts):
             try:
-                ls = decode(m.value(), LeaseState)
+                lease_states.append(decode(m.value(), LeaseState))
             except InvalidEvent:
                 continue
-            self.lease_floor[ls.gpu] = ls
-        for gpu, ls in self.lease_floor.items():
-            if gpu in self.views:
-                self.views[gpu] = observe_lease_state(self.views[gpu], ls, self.cfg.policy)
+        self.core.restore(views, lease_states)
         VIEWS.set(len(self.views))
-
-    def _view_for(self, gpu: str) -> GpuView | None:
-        v = self.views.get(gpu)
-        if v is None and gpu in self.lease_floor:
-            v = observe_lease_state(None, self.lease_floor[gpu], self.cfg.policy)
-        return v
 
     # ---- the loop ----------------------------------------------------------------------
     def _fold_lease_states(self) -> None:
         """Fold newly published lease states into the owned views (see module docstring)."""
+        core = self.core
         for m in self.lease_consumer.consume(1000, timeout=0):
             if m.error() or m.value() is None:
                 continue
@@ -175,17 +178,14 @@ class Scheduler:
                 ls = decode(m.value(), LeaseState)
             except InvalidEvent:
                 continue
-            self.lease_floor[ls.gpu] = ls
-            v = self.views.get(ls.gpu)
-            if v is not None:
-                nv = observe_lease_state(v, ls, self.cfg.policy)
-                if nv != v:
-                    self.log.info("lease.observed", gpu=ls.gpu, lease_id=ls.lease_id, state=ls.state,
-                                  epoch=ls.epoch, view_lease=nv.lease_id)
-                    self.views[ls.gpu] = nv
+            folded = core.observe(ls)
+            if folded is not None and folded[1] != folded[0]:
+                self.log.info("lease.observed", gpu=ls.gpu, lease_id=ls.lease_id, state=ls.state,
+                              epoch=ls.epoch, view_lease=folded[1].lease_id)
 
     def start(self) -> None:
         parts = retrying(lambda: partitions_of(self.k, self.k.lease_state_topic))
+        self._command_partitions = len(retrying(lambda: partitions_of(self.k, self.k.commands_topic)))
         self.lease_consumer.assign([TopicPartition(self.k.lease_state_topic, p, OFFSET_BEGINNING) for p in parts])
         self.consumer.subscribe([self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_revoke)
@@ -226,112 +226,53 @@ class Scheduler:
         return len(good)
 
     def _transact(self, msgs: list[Message]) -> None:
-        snapshot = {}
-        while True:
-            try:
-                self.producer.begin_transaction()
-                pending_latency = self._process(msgs, snapshot)
-                positions = self._positions(msgs)
-                meta = self.consumer.consumer_group_metadata()
-                self._bounded("send_offsets_to_transaction",
-                              lambda: self.producer.send_offsets_to_transaction(positions, meta, 10), 20)
-                self._commit()
-                now = time.time()
-                for ts_ms in pending_latency:
-                    lat = max(0.0, now - ts_ms / 1000.0)
-                    LATENCY.observe(lat)
-                    if self.record_latencies:
-                        self.stats.latencies_s.append(lat)
-                self.stats.transactions += 1
-                return
-            except KafkaException as e:
-                err = e.args[0]
-                if err.fatal() or err.code() == KafkaError._FENCED:
-                    raise FatalSchedulerError(f"producer fenced or fatal: {err}") from None
-                self.stats.aborts += 1
-                ABORTS.inc()
-                self.log.warning("transaction.abort", error=str(err), retriable=err.retriable())
-                try:
-                    self.producer.abort_transaction(10)
-                except KafkaException as e2:
-                    if e2.args[0].fatal():
-                        raise FatalSchedulerError(str(e2.args[0])) from None
-                # level-triggered recovery: restore the views of this batch, retry it
-                for gpu, v in snapshot.items():
-                    if v is None:
-                        self.views.pop(gpu, None)
-                    else:
-                        self.views[gpu] = v
-                snapshot.clear()
-                time.sleep(0.2)
+        """The batch's commands, views and offsets in one transaction (rose.kafka.transactional);
+        an aborted attempt restores the views this batch changed before it is redone."""
+        snapshot: dict[str, GpuView | None] = {}
 
-    def _commit(self, attempts: int = 6) -> None:
-        """Commit; a retriable error (e.g. a timeout while the broker restarts) is retried a
-        few times, then surfaces so the caller aborts and redoes the batch."""
-        for attempt in range(attempts):
-            try:
-                self._bounded("commit_transaction", lambda: self.producer.commit_transaction(10), 20)
-                return
-            except KafkaException as e:
-                if not e.args[0].retriable() or attempt == attempts - 1:
-                    raise
-                self.log.warning("transaction.commit_retry", error=str(e.args[0]), attempt=attempt + 1)
+        def restore() -> None:
+            self.stats.aborts += 1
+            ABORTS.inc()
+            for gpu, v in snapshot.items():
+                if v is None:
+                    self.views.pop(gpu, None)
+                else:
+                    self.views[gpu] = v
+            snapshot.clear()
 
-    @staticmethod
-    def _bounded(what: str, fn, timeout_s: float):
-        """Run a transaction-coordinator call with a hard deadline. librdkafka can block in
-        send_offsets_to_transaction forever when its cached coordinator was decommissioned
-        (a broker that left and came back; librdkafka issue #5511), whatever timeout it was
-        given; a wedged client is replaced rather than waited on (see run_scheduler)."""
-        out: dict = {}
-
-        def call():
-            try:
-                out["v"] = fn()
-            except BaseException as e:  # handed to the caller's thread
-                out["e"] = e
-
-        t = threading.Thread(target=call, daemon=True, name=f"rose-{what}")
-        t.start()
-        t.join(timeout_s)
-        if t.is_alive():
-            raise FatalSchedulerError(f"{what} did not return within {timeout_s:.0f}s")
-        if "e" in out:
-            raise out["e"]
-        return out.get("v")
-
-    def _positions(self, msgs: list[Message]) -> list[TopicPartition]:
-        last: dict[int, int] = {}
-        for m in msgs:
-            last[m.partition()] = m.offset()
-        return [TopicPartition(self.k.telemetry_topic, p, o + 1) for p, o in last.items()]
+        pending_latency = self.tx.run(msgs, lambda: self._process(msgs, snapshot), restore)
+        now = time.time()
+        for ts_ms in pending_latency:
+            lat = max(0.0, now - ts_ms / 1000.0)
+            LATENCY.observe(lat)
+            if self.record_latencies:
+                self.stats.latencies_s.append(lat)
+        self.stats.transactions += 1
 
     def _process(self, msgs: list[Message], snapshot: dict) -> list[int]:
         """Decide for every message of the batch; produce commands, dlq records and the
         changed views into the open transaction. Returns record timestamps of commands."""
-        policy = self.cfg.policy
+        core = self.core
         dirty: dict[str, int] = {}
         latency_ts: list[int] = []
         views, gpu_partition = self.views, self.gpu_partition
         self.stats.events += len(msgs)
         EVENTS_IN.inc(len(msgs))
+        time_ns = time.time_ns
         for m in msgs:
+            t0 = time_ns()
             try:
                 ev = decode(m.value(), Telemetry)
-                check_admission(ev, m.timestamp()[1], m.key(), policy)
+                core.admit(ev, m.timestamp()[1], m.key())
             except InvalidEvent as e:
                 dead_letter(self.producer, self.k.dlq_topic, m, e.reason, e.field, consumer="scheduler")
                 self.stats.dlq += 1
                 DLQ.inc()
                 continue
             gpu = ev.gpu
-            prev = views.get(gpu)
             if gpu not in snapshot:
-                snapshot[gpu] = prev
-            if prev is None:
-                prev = self._view_for(gpu)
-            d = decide(prev, ev, policy)
-            views[gpu] = d.view
+                snapshot[gpu] = views.get(gpu)
+            d = core.decide(ev)
             gpu_partition[gpu] = dirty[gpu] = m.partition()
             if d.explain.action == "ignored":
                 # kept, not dropped: the dlq shows which producer repeats or reorders events
@@ -340,17 +281,20 @@ class Scheduler:
                 self.stats.dlq += 1
                 DLQ.inc()
             if d.commands:
-                parent = extract_context(m.headers())
-                for cmd in d.commands:
-                    self._emit(cmd, d, parent)
-                    latency_ts.append(m.timestamp()[1])
+                # a span only where the event caused commands: most events change nothing
+                with process_span(self._tracer, m, self.group, start_time=t0):
+                    for cmd in d.commands:
+                        self._emit(cmd, d)
+                        latency_ts.append(m.timestamp()[1])
         for gpu, p in dirty.items():
             produce(self.producer, self.state_topic, orjson.dumps(self.views[gpu].to_dict()), gpu, partition=p)
         LEASES.set(sum(1 for v in self.views.values() if v.lease_id is not None))
         VIEWS.set(len(self.views))
         return latency_ts
 
-    def _emit(self, cmd, d, parent) -> None:
+    def _emit(self, cmd, d) -> None:
+        """Produce one command in a `lease.decide` span (child of the event's `process` span)
+        that holds the decision's why, and a `send` span whose context the command carries."""
         ex = d.explain
         attrs = {"rose.gpu": cmd.gpu, "rose.kind": cmd.kind, "rose.epoch": cmd.epoch,
                  "rose.lease_id": cmd.lease_id, "rose.command_id": cmd.command_id,
@@ -358,12 +302,14 @@ class Scheduler:
                  "rose.policy_version": POLICY_VERSION, "rose.cause_event_id": cmd.cause_event_id}
         for metric, h in ex.headroom.items():
             attrs[f"rose.headroom.{metric}"] = h
-        with self._tracer.start_as_current_span("lease.decide", context=parent, attributes=attrs):
+        topic, n = self.k.commands_topic, self._command_partitions
+        with self._tracer.start_as_current_span("lease.decide", attributes=attrs):
             value = encode(cmd)
-            headers = inject_headers()
-            if self._hmac_key:
-                headers += sign_headers(self._hmac_key, value)
-            produce(self.producer, self.k.commands_topic, value, cmd.gpu, headers)
+            with send_span(self._tracer, topic, key=cmd.gpu, partition=partition_for(cmd.gpu, n) if n else None):
+                headers = inject_headers()
+                if self._hmac_key:
+                    headers += sign_headers(self._hmac_key, value)
+                produce(self.producer, topic, value, cmd.gpu, headers)
             self.log.info("lease.decision", gpu=cmd.gpu, kind=cmd.kind, epoch=cmd.epoch, lease_id=cmd.lease_id,
                           command_id=cmd.command_id, reason=cmd.reason, mem_bytes=cmd.mem_bytes,
                           compute_share=cmd.compute_share)
@@ -388,33 +334,29 @@ class Scheduler:
     def close(self) -> None:
         for c in (self.consumer, self.lease_consumer):
             try:
-                self._bounded("consumer.close", c.close, 5)
-            except (KafkaException, RuntimeError, FatalSchedulerError):
+                bounded("consumer.close", c.close, 5, FatalSchedulerError)
+            except (KafkaException, RuntimeError):
                 pass
         self.producer.flush(5)
 
 
 def run_scheduler(cfg: Config, instance: str, metrics_port: int | None = None,
-                  max_seconds: float | None = None, max_failures: int | None = None) -> SchedulerStats:
+                  max_seconds: float | None = None, max_failures: int | None = None,
+                  shutdown: Shutdown | None = None) -> SchedulerStats:
     """Run until SIGTERM. A client that is fenced, wedged, or cannot start (the broker is
     down) is replaced by a fresh one (new producer and consumer; init_transactions fences the
     old producer), which rebuilds its view from the log like any new instance. Replacement
     backs off up to 5 s and never gives up by default: a broker outage of any length leaves
     the process up, reporting unhealthy on /healthz until a client works again.
-    `max_failures` bounds consecutive failed clients (none of whose transactions committed)."""
+    `max_failures` bounds consecutive failed clients (none of whose transactions committed).
+    `shutdown`: the process's SIGTERM handling, when the caller installed it already."""
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
-    stop = threading.Event()
     current: list[Scheduler] = []
-
-    def on_signal(*_):
-        stop.set()
-        for s in current:
-            s.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    shutdown = shutdown or Shutdown.install(name="rose-scheduler")
+    shutdown.hooks.append(lambda: [s.stop() for s in current])
+    stop = shutdown.stop
     health = {"ok": True}
     if metrics_port is not None:
         metrics.serve(metrics_port, health=lambda: health["ok"] and not stop.is_set())

@@ -1,1 +1,2 @@
-"""Trace-driven simulation: serving model, traces, the cluster simulator and its report."""
+"""Trace-driven simulation: serving model, traces, and the cluster simulator (`rose.sim.engine`)
+with its models, requests, ledger, runs and report (docs/simulator.md)."""

@@ -1,13 +1,83 @@
-"""The `rose simulate --report DIR` files: report.json, report.md and PNG plots (matplotlib, Agg)."""
+"""What `rose simulate` reports: the result object (`--json`), the `--report DIR` files
+(report.json, report.md and PNG plots, matplotlib Agg) and the paper-check table."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
+if TYPE_CHECKING:
+    from rose.sim.engine import SimConfig
+    from rose.sim.models import ModelSize
+    from rose.sim.runs import Run, RunContext
+    from rose.sim.traces import Trace
+
+SLO_TOLERANCE = 0.005  # ROSE's attainment counts as equal to static's within this
 PLOTS = ("serving_p99_vs_slo.png", "throughput.png", "leased_gpus.png")
 COLORS = {"static": "tab:gray", "elastic": "tab:blue", "share-all": "tab:red", "rose": "tab:green"}
+
+
+def result_of(trace: Trace, cfg: SimConfig, ctx: RunContext, model: ModelSize, load: dict, runs: dict[str, Run],
+              static_episodes: int) -> dict:
+    """The JSON-ready result of a run: per policy, its tallies (gain over `static_episodes`, the
+    static pool's); the configuration with the load mapping's figures (`load`); the series."""
+    hours = ctx.n_win * ctx.dt / 3600.0
+    ep = ctx.ep
+    pol: dict[str, dict] = {}
+    for p, run in runs.items():
+        led = run.ledger
+        res = {
+            "episodes": led.completed,
+            "episodes_per_hour": round(led.completed / hours, 2),
+            "rl_steps": led.steps(),
+            "rl_steps_per_hour": round(led.steps() / hours, 3),
+            "gain_vs_static": round(led.completed / static_episodes, 4) if static_episodes > 0 else None,
+            "slo_attainment": round(run.slo_ok_gpu_windows / max(1, run.gpu_windows), 5),
+            "slo_attainment_all_gpus": round(run.slo_ok_windows / max(1, run.windows), 5),
+            "revokes": run.revokes,
+            "throttles": run.throttles,
+            "weight_sync_bytes": int(run.weight_bytes),
+            "weight_sync_bytes_full_broadcast": int(run.weight_bytes_full),
+            "work": {"produced": round(led.produced, 4), "completed": led.completed,
+                     "in_flight": round(run.in_flight(), 4), "parked": round(led.parked, 4),
+                     "recomputed": round(led.recomputed, 4),
+                     "consumed": led.steps() * ep.episodes_per_step,
+                     "buffered": led.completed - led.steps() * ep.episodes_per_step},
+            "min_free_mem_bytes": run.min_free_bytes,
+        }
+        if p in ("share-all", "rose"):
+            res.update(mean_leased_gpus=round(run.lease_gpu_s / (hours * 3600.0), 3),
+                       mean_leased_compute=round(run.lease_share_s / (hours * 3600.0), 3),
+                       leases_unusable=run.leases_unusable)
+        if p == "rose":
+            res.update(grants=run.grants, expiries=run.expiries, guard_pauses=run.guard_pauses,
+                       decide_calls=run.decide_calls)
+        if p == "elastic":
+            res.update(external_gpu_hours=round(run.ext_gpu_s / 3600.0, 3), external_gpu_cap=run.cap)
+        pol[p] = res
+    rollout, slo = ctx.rollout, ctx.slo
+    out: dict = {"policies": pol, "config": {
+        "trace": trace.name, "trace_format": trace.fmt, "gpus": ctx.G, "dedicated": ctx.M, "model_size": model.name,
+        "gpu": ctx.gpu.name, "duration_s": ctx.n_win * ctx.dt, "period_s": ctx.dt, "windows": ctx.n_win,
+        "seed": cfg.seed, "load": cfg.load, "decide_every": ctx.decide_every,
+        "telemetry_period_s": ctx.decide_every * ctx.dt,
+        "slo_ms": {"ttft_p99": slo.ttft_p99, "tpot_p99": slo.tpot_p99},
+        **load,
+        "interference_alpha": cfg.alpha, "interference_alpha_source": cfg.alpha_source,
+        "weight_delta_ratio": cfg.weight_delta_ratio, "weight_delta_ratio_source": cfg.weight_ratio_source,
+        "episode": asdict(ep),
+        "rollout": {"dedicated_batch": rollout.dedicated_batch,
+                    "dedicated_episodes_per_s": round(rollout.dedicated_rate, 5),
+                    "policy_weight_bytes_per_gpu": model.weight_bytes_per_gpu,
+                    "kv_bytes_per_episode": int(rollout.kv_episode)},
+        "slo_tolerance": SLO_TOLERANCE,
+    }}
+    if cfg.record_series:
+        out["series"] = {p: run.series for p, run in runs.items()}
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -31,15 +101,15 @@ def markdown(result: dict) -> str:
         f"{c['rollout']['dedicated_episodes_per_s']:g} episodes/s each; "
         f"{c['episode']['episodes_per_step']} episodes per RL step.",
         "",
-        "| policy | episodes/h | RL steps/h | gain vs static | SLO attainment | revokes | weight sync GB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| policy | episodes/h | RL steps/h | gain vs static | SLO attainment | revokes | throttles | weight sync GB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p, r in result["policies"].items():
         lines.append(f"| {p} | {r['episodes_per_hour']:.1f} | {r['rl_steps_per_hour']:.2f} | "
-                     f"{r['gain_vs_static']:.3f} | {r['slo_attainment']:.5f} | {r['revokes']} | "
+                     f"{r['gain_vs_static']:.3f} | {r['slo_attainment']:.5f} | {r['revokes']} | {r['throttles']} | "
                      f"{r['weight_sync_bytes'] / 1e9:.1f} |")
     lines += ["", "SLO attainment is the fraction of (GPU, window) pairs whose TTFT and TPOT p99 are both within "
-              "the SLO. The model behind every figure is described in `rose/simulate.py`.", ""]
+              "the SLO. The model behind every figure is described in `docs/simulator.md`.", ""]
     lines += [f"![{name}]({name})" for name in PLOTS if "series" in result]
     return "\n".join(lines) + "\n"
 

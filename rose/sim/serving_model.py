@@ -2,82 +2,11 @@
 
 Pure: no I/O, no wall clock, no randomness (only `spread` draws, from its seed). Used by
 `rose agent --simulate`, `rose simulate` and the demo. One call to `ServingSim.advance`
-moves every GPU of a fleet through one sampling window with a handful of numpy operations,
-so 1,000 GPUs × an hour of 0.5 s windows runs in seconds.
-
-Model sizes (`MODELS`). Weight bytes are bf16, 2 bytes × parameters. KV-cache bytes per token
-are ``2 (K and V) × layers × kv_heads × head_dim × 2 bytes``:
-
-======  ==================  =========  ======  ========  ========  ===  ============
-name    representative      params     layers  kv_heads  head_dim  tp   KV B/token
-======  ==================  =========  ======  ========  ========  ===  ============
-7B      Llama-2-7B          6.74e9     32      32 (MHA)  128       1    524,288
-14B     Qwen-14B (v1)       14.17e9    40      40 (MHA)  128       1    819,200
-32B     Qwen2.5-32B         32.76e9    64      8 (GQA)   128       1    262,144
-70B     Llama-2-70B         68.98e9    80      8 (GQA)   128       2    327,680
-======  ==================  =========  ======  ========  ========  ===  ============
-
-Sources: the models' published `config.json` (num_hidden_layers, num_key_value_heads,
-hidden_size / num_attention_heads) and parameter counts from their model cards / papers
-(Llama 2 paper Table 1; Qwen technical report; Qwen2.5 model card). 70B in bf16 (138 GB)
-does not fit one 80 GB GPU with room for a KV cache, so it is served tensor-parallel over
-`tp = 2` GPUs. A TP group of tp GPUs serving tp× the traffic is, per GPU, the same as one
-GPU holding ``weights / tp`` that sees its own share of traffic (each GPU holds 1/tp of the
-group's tp× larger KV cache and does 1/tp of its tp× larger FLOPs), plus two all-reduces per
-layer per iteration (`GpuSpec.allreduce_s`). So every GPU is modelled alone.
-
-GPUs (`GPUS`). H100 SXM5: 80 GiB HBM3 (81,559 MiB as NVML reports it), 3.35 TB/s,
-989 TFLOP/s dense bf16. H200 SXM: 141 GB HBM3e (143,771 MiB per NVML), 4.8 TB/s, same
-compute (NVIDIA datasheets). Achieved fractions: 75% of peak HBM bandwidth in decode
-(attention + GEMV kernels reach 70–85%), 45% MFU in prefill (large GEMMs; vLLM/SGLang
-prefill measures 40–55%).
-
-Roofline of one engine iteration (continuous batching, as vLLM/SGLang run it):
-
-* Decode step with B running requests holding C context tokens in KV cache reads every
-  weight once and every cached K/V once: ``t_mem = (W/tp + C × kv) / (bw × 0.75)``; it does
-  ``2 × params × B`` FLOPs: ``t_cmp = 2 P B / (peak × 0.45)``. Step time is
-  ``overhead + max(t_mem, t_cmp) + comm``: memory-bound for any realistic B (for 7B on H100
-  the crossover is B ≈ 300), so TPOT grows with batch mostly through the KV term.
-  ``overhead`` = 2 ms: scheduling, sampling and launch per iteration.
-* Prefill is compute-bound: ``p = 2 P / (peak × 0.45)`` seconds per prompt token (30 µs for 7B
-  on H100; the attention term ``∝ prompt²`` is below 10% up to 8k tokens and is ignored).
-* Chunked prefill: an iteration carries the decode batch plus up to `chunk_tokens` (2048)
-  prompt tokens, so a prompt costs ``P × p + ceil(P / chunk) × step`` and every decode token
-  produced in such an iteration waits ``step + min(chunk, P) × p`` — the inter-token stall
-  that dominates TPOT p99 in practice.
-
-Per-window fluid approximation (what `advance` computes, vectorised over GPUs):
-
-1. Prefill is a FIFO server. Requests of the window, preceded by the queue carried from the
-   previous window as one job at the window's start, get waits by the Lindley recursion
-   ``W_i = max(0, W_{i-1} + S_{i-1} - (a_i - a_{i-1}))``, computed in closed form
-   (``W = Y - cummin(Y)`` of the cumulated ``S - gap``, segmented per GPU). TTFT = wait + own
-   service. When batch slots or free KV cache cannot take the window's demand, every
-   service time is stretched by demand / capacity (admission blocks prefill).
-2. TTFT p99 per GPU is the nearest-rank p99 of that window's requests; a window without
-   arrivals reports what a request arriving at its end would wait beyond its own prefill.
-3. Decode: the running set is tracked as counts (requests N, remaining output tokens R,
-   context tokens C) with exponentially distributed remaining lengths (mean R/N): after k
-   iterations ``N·(1-e^{-k/m})`` requests have finished. k counts the prefill iterations
-   and the pure decode steps that fill the rest of the window. Requests whose prefill ends
-   inside the window join the running set at its end.
-4. TPOT p99 is the token-weighted 99th percentile of a two-point mix: tokens made in
-   prefill iterations (stalled by the largest prompt chunk of the window) and plain steps;
-   an idle GPU reports the step time a new request would see.
-5. Memory = weights/tp + runtime reserve + C × kv + rollout memory. The KV cache grows with
-   demand (an engine with an elastic KV pool, the premise of lending memory; engines that
-   preallocate a fixed pool report a constant instead). When rollout memory leaves less
-   room than the running set needs, the excess is preempted back to the queue
-   (recomputed), so memory never exceeds the total.
-6. Utilisation is NVML's busy fraction: prefill time plus the expected time until the
-   longest running request ends (m × H_N steps), plus a running rollout's `compute_share`
-   of the remaining time.
-
-Interference: while a rollout lease with `compute_share` x is granted and running (not
-paused), every serving step and prefill time is multiplied by ``1 + alpha × x``. ``ALPHA = 1``
-is the linearisation of the 1/(1-x) slowdown of fair time-slicing at small x; it is a
-parameter, to be calibrated with `rose bench interference`.
+moves every GPU of a fleet through one sampling window with a handful of numpy operations
+(a roofline of each engine iteration with chunked prefill, a fluid FIFO prefill queue, a
+decode running set, memory with an elastic KV cache, rollout interference `1 + alpha × share`),
+so 1,000 GPUs × an hour of 0.5 s windows runs in seconds. The model, its sources and its
+approximations: docs/simulator.md "The serving model". GPU and model presets: `rose.sim.models`.
 """
 
 from __future__ import annotations
@@ -88,91 +17,12 @@ from typing import Iterator
 
 import numpy as np
 
-GiB = 1 << 30
-MiB = 1 << 20
+from rose.sim.models import GiB, EngineConfig, GpuSpec, ModelSize
 
-ALPHA = 1.0  # serving slowdown per unit of rollout compute share (see module docstring)
+ALPHA = 1.0  # serving slowdown per unit of rollout compute share (docs/simulator.md "Interference")
 P99 = 0.99
 MAX_TTFT_S = 3600.0  # a wait beyond an hour is reported as an hour (schema bound is 1e9 ms)
 MAX_STRETCH = 1000.0  # demand/capacity stretch cap when admission is blocked
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """Shape of a served model: what sets weight memory, KV memory and FLOPs."""
-
-    name: str
-    params: float
-    layers: int
-    kv_heads: int
-    head_dim: int
-    tp: int = 1  # GPUs per replica (tensor parallel)
-    bytes_per_param: int = 2  # bf16
-
-    @property
-    def weight_bytes(self) -> int:
-        return int(self.params * self.bytes_per_param)
-
-    @property
-    def weight_bytes_per_gpu(self) -> int:
-        return self.weight_bytes // self.tp
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
-
-
-MODELS: dict[str, ModelSize] = {
-    "7B": ModelSize("7B", 6.74e9, layers=32, kv_heads=32, head_dim=128),  # Llama-2-7B
-    "14B": ModelSize("14B", 14.17e9, layers=40, kv_heads=40, head_dim=128),  # Qwen-14B
-    "32B": ModelSize("32B", 32.76e9, layers=64, kv_heads=8, head_dim=128),  # Qwen2.5-32B
-    "70B": ModelSize("70B", 68.98e9, layers=80, kv_heads=8, head_dim=128, tp=2),  # Llama-2-70B
-}
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """One accelerator: memory, peak rates and the fractions of them an engine achieves."""
-
-    name: str
-    mem_bytes: int
-    hbm_bytes_per_s: float
-    bf16_flops: float
-    bw_efficiency: float = 0.75
-    prefill_mfu: float = 0.45
-    decode_mfu: float = 0.45
-    allreduce_s: float = 10e-6  # one small NVLink all-reduce (per layer, twice per iteration, tp > 1)
-
-
-GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec("H100", 81_559 * MiB, 3.35e12, 989e12),
-    "H200": GpuSpec("H200", 143_771 * MiB, 4.8e12, 989e12),
-}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The serving engine's scheduler settings (vLLM names in comments)."""
-
-    max_slots: int = 256  # max_num_seqs
-    chunk_tokens: int = 2048  # max_num_batched_tokens with chunked prefill (latency setting)
-    step_overhead_s: float = 0.002  # scheduling, sampling, launch per iteration
-    runtime_reserve_bytes: int = 2 * GiB  # CUDA context, activations, graphs
-
-
-def model_size(name: str) -> ModelSize:
-    """A preset by name ('7B', '14b', ...); ValueError naming the choices otherwise."""
-    m = MODELS.get(name.upper())
-    if m is None:
-        raise ValueError(f"unknown model size {name!r} (known: {', '.join(MODELS)})")
-    return m
-
-
-def gpu_spec(name: str) -> GpuSpec:
-    g = GPUS.get(name.upper())
-    if g is None:
-        raise ValueError(f"unknown GPU {name!r} (known: {', '.join(GPUS)})")
-    return g
 
 
 @dataclass
@@ -193,7 +43,7 @@ class WindowStats:
 
 
 class ServingSim:
-    """Every GPU of a fleet serving one model with continuous batching; see module docstring.
+    """Every GPU of a fleet serving one model with continuous batching (docs/simulator.md "The serving model").
 
     `advance(t_until, gpu_idx, arrival_s, prompt_tokens, output_tokens)` takes the requests
     that arrive in [t, t_until) (any order; `gpu_idx` says which GPU each goes to) and returns

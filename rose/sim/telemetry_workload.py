@@ -7,7 +7,7 @@ import random
 import time
 
 from rose.contract.events import Latency, Telemetry
-from rose.policy.lease_policy import decide
+from rose.policy.core import SchedulingCore
 
 GiB = 1 << 30
 
@@ -47,12 +47,10 @@ def workload(n_gpus: int, n_events: int, seed: int = 7, t0: float | None = None,
 
 
 def expected_commands(events: list[Telemetry], policy) -> dict[str, list[dict]]:
-    """What the pure policy decides, per GPU, in order: the reference for exactly-once."""
-    views: dict = {}
+    """What the pure scheduling core decides, per GPU, in order: the reference for exactly-once."""
+    core = SchedulingCore(policy)
     out: dict[str, list[dict]] = {}
     for ev in events:
-        d = decide(views.get(ev.gpu), ev, policy)
-        views[ev.gpu] = d.view
-        for c in d.commands:
+        for c in core.decide(ev).commands:
             out.setdefault(c.gpu, []).append(c.to_dict())
     return out

@@ -265,6 +265,7 @@ class WeightFollower:
                  *, hmac_key: str = "", batch: int = 16):
         self.redis = redis
         self.stream = rcfg.key("weights", model)
+        self.redis_url = rcfg.safe_url
         self.meta = meta_key(self.stream)
         self.store = state_store
         self.batch = batch
@@ -328,19 +329,28 @@ class WeightFollower:
 
         return snap.version, to_tensors(snap.layout, snap.flat)
 
-    def follow(self, until_version: int | None = None, idle_s: float | None = None, block_ms: int = 1000) -> None:
-        """Poll until `until_version` is visible, or nothing arrived for `idle_s` seconds."""
+    def follow(self, until_version: int | None = None, idle_s: float | None = None, block_ms: int = 1000,
+               stop: threading.Event | None = None) -> None:
+        """Poll until `until_version` is visible, nothing arrived for `idle_s` seconds, or `stop`."""
         import redis
 
         last = time.monotonic()
-        while True:
+        unreachable_said = -1e9
+        while stop is None or not stop.is_set():
             try:
                 v = self.poll(block_ms)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 # Redis restarts: refused connections, then LOADING (BusyLoadingError) while it
-                # replays its append-only file
-                self.log.warning("weights_redis_unavailable", error=str(e))
-                time.sleep(0.5)
+                # replays its append-only file. Said once, then every 30 s; retried every 0.5 s.
+                if time.monotonic() - unreachable_said >= 30:
+                    unreachable_said = time.monotonic()
+                    self.log.error("redis.unreachable", url=self.redis_url, error=str(e),
+                                   hint="start a local stack with `rose stack up`, or point ROSE_REDIS_URL "
+                                        "at your Redis; retrying")
+                if stop is not None:
+                    stop.wait(0.5)
+                else:
+                    time.sleep(0.5)
                 continue
             snap = self.receiver.visible()
             if v is not None:

@@ -110,9 +110,6 @@ class WeightPublisher:
             pass
         self._keyframe_next = True
 
-    def request_keyframe(self) -> None:
-        self._keyframe_next = True
-
     # -- publishing ----------------------------------------------------------------------
 
     def publish(self, state: Mapping[str, Any], *, keyframe: bool = False, version: int | None = None) -> PublishStats:

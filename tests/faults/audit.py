@@ -33,8 +33,8 @@ import orjson
 from rose.contract.codec import decode
 from rose.config import Config
 from rose.contract.events import InvalidEvent, Telemetry
-from rose.kafka.clients import read_all
-from rose.policy.lease_policy import check_admission
+from rose.kafka.consumer import read_all
+from rose.policy.core import check_admission
 from rose.sim.telemetry_workload import expected_commands
 
 LEASE_ENDS = ("revoked", "expired")

@@ -6,7 +6,6 @@ policy's. Counted: outage seconds, scheduler restarts (none allowed), commands, 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -16,9 +15,10 @@ from collections import Counter
 import pytest
 
 from rose.contract.codec import encode
-from rose.kafka.clients import make_producer, produce
+from rose.kafka.producer import make_producer, produce
 from rose.sim.telemetry_workload import expected_commands, workload
 from tests.kafka_checks import by_gpu, wait_for_commands
+from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
 
@@ -57,14 +57,13 @@ def test_broker_restart_under_load(cfg, stack, tmp_path):
         got = wait_for_commands(cfg, n_want)
         alive = sched.poll() is None
     finally:
-        if sched.poll() is None:
-            sched.send_signal(signal.SIGTERM)
-            sched.wait(30)
+        exit_s = terminate_all({"scheduler": sched})
     ids = Counter(c["command_id"] for c in got)
     log = (tmp_path / "scheduler.log").read_text(errors="replace")
     print(f"\n[broker-restart] outage={outage:.1f}s scheduler alive={alive} aborted transactions="
           f"{log.count('transaction.abort')} commands expected={n_want} got={len(got)} "
           f"duplicates={sum(n > 1 for n in ids.values())}")
     assert alive, "scheduler died during the broker outage"
+    assert exit_s["scheduler"] <= SHUTDOWN_BOUND_S, f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {exit_s}"
     assert all(n == 1 for n in ids.values())
     assert by_gpu(got) == want

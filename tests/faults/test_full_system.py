@@ -37,12 +37,15 @@ import pytest
 import redis as redis_lib
 
 from rose.contract.codec import encode
-from rose.kafka.clients import make_consumer, make_producer, partitions_of, produce, read_all
+from rose.kafka.admin import partitions_of
+from rose.kafka.consumer import TopicPartition, make_consumer, read_all
+from rose.kafka.producer import make_producer, produce
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.tasks import TaskQueue
-from rose.rollout.worker import WorkerSpec
+from rose.rollout.launcher import WorkerConfig, launch
 from rose.sim.telemetry_workload import workload
 from tests.faults import audit
+from tests.processes import SHUTDOWN_BOUND_S
 
 pytestmark = pytest.mark.stack
 
@@ -88,12 +91,14 @@ class Proc:
     proc: subprocess.Popen | None = None
     starts: int = 0
     kills: list[float] = field(default_factory=list)
+    stop_s: float | None = None
 
-    def start(self, argv: list[str] | None = None) -> "Proc":
+    def start(self, argv: list[str] | None = None, worker: WorkerConfig | None = None) -> "Proc":
         self.starts += 1
-        self.proc = subprocess.Popen(argv or self.argv, env=self.env, stdin=subprocess.DEVNULL,
-                                     stdout=open(self.logs / f"{self.name}.{self.starts}.out", "wb"),
-                                     stderr=open(self.logs / f"{self.name}.{self.starts}.log", "wb"))
+        io = {"env": self.env, "stdin": subprocess.DEVNULL,
+              "stdout": open(self.logs / f"{self.name}.{self.starts}.out", "wb"),
+              "stderr": open(self.logs / f"{self.name}.{self.starts}.log", "wb")}
+        self.proc = launch(worker, **io) if worker is not None else subprocess.Popen(argv or self.argv, **io)
         return self
 
     def alive(self) -> bool:
@@ -107,7 +112,9 @@ class Proc:
         return t
 
     def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM; `stop_s` is how long the process took to be gone."""
         if self.alive():
+            t0 = time.monotonic()
             self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -115,6 +122,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+            self.stop_s = round(time.monotonic() - t0, 2)
         return self.proc.returncode if self.proc else None
 
     def lines(self) -> list[dict]:
@@ -171,17 +179,17 @@ class System:
         self.worker_restarts = 0
         self._threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
+        self.stop_s: dict[str, float | None] = {}  # seconds from SIGTERM to gone, per process
 
     # ---- parts ---------------------------------------------------------------------------
-    def worker_argv(self) -> list[str]:
+    def worker_config(self) -> WorkerConfig:
         n = self.procs["worker"].starts + 1
-        return WorkerSpec(gpu="rollout/0", worker_id=f"dedicated-{n}", redis_url=self.cfg.redis.url,
-                          key_prefix=self.cfg.redis.key_prefix, job=JOB, model=MODEL, dedicated=True, nice=5,
-                          max_batch=4, model_spec=SMALL, min_idle_ms=3000, reclaim_every_ms=500,
-                          seed=n).to_argv()
+        return WorkerConfig(gpu="rollout/0", worker_id=f"dedicated-{n}", redis=self.cfg.redis, job=JOB, model=MODEL,
+                            dedicated=True, nice=5, max_batch=4, model_spec=SMALL, min_idle_ms=3000,
+                            reclaim_every_ms=500, seed=n)
 
     def start_worker(self) -> None:
-        self.procs["worker"].start(self.worker_argv())
+        self.procs["worker"].start(worker=self.worker_config())
 
     def start_agent(self) -> None:
         left = max(5.0, self.duration_s - (time.time() - self.t0))
@@ -315,8 +323,6 @@ class System:
         k = self.cfg.kafka
         c = make_consumer(k, f"{k.topic_prefix}rose-scheduler")
         try:
-            from confluent_kafka import TopicPartition
-
             tps = [TopicPartition(k.telemetry_topic, p) for p in partitions_of(k, k.telemetry_topic)]
             committed = c.committed(tps, timeout=10)
             for tp in committed:
@@ -347,6 +353,7 @@ class System:
         for name in ("agent", "scheduler", "executor", "worker", "follower"):
             if name in self.procs:
                 codes[name] = self.procs[name].stop()
+                self.stop_s[name] = self.procs[name].stop_s
         return codes
 
     def print_log_tails(self, n: int = 30) -> None:
@@ -377,11 +384,13 @@ class System:
         }
 
 
-def report(tag: str, fault: dict, counts: dict, codes: dict) -> None:
+def report(tag: str, fault: dict, counts: dict, codes: dict, stop_s: dict) -> None:
     print(f"\n[full-system/{tag}] fault: {orjson.dumps(fault).decode()}")
     for k, v in counts.items():
         print(f"[full-system/{tag}] {k}: {orjson.dumps(v).decode()}")
-    print(f"[full-system/{tag}] exit codes after SIGTERM: {codes}")
+    print(f"[full-system/{tag}] exit codes after SIGTERM: {codes}; seconds to exit: {stop_s}")
+    slow = {n: s for n, s in stop_s.items() if s is not None and s > SHUTDOWN_BOUND_S}
+    assert not slow, f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {slow}"
 
 
 def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: int, duration_s: float) -> None:
@@ -437,7 +446,7 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
     finally:
         sysm.stop_all()
     counts["trainer"] = {"versions": sysm.published, "redis_retries": sysm.trainer_retries}
-    report(f"sigkill-{target}", fault, counts, codes)
+    report(f"sigkill-{target}", fault, counts, codes, sysm.stop_s)
     assert fault["restarted"] >= 1, "no kill landed while the process ran"
     assert codes["scheduler"] == 0 and codes["executor"] == 0, codes
 
@@ -497,7 +506,7 @@ def run_with_outage(which: str, cfg, stack, tmp_path: Path, outages: int, durati
     fault["dedicated_worker_restarts"] = sysm.worker_restarts
     fault["starts"] = {n: p.starts for n, p in sysm.procs.items()}
     fault["leased_worker_starts"] = sum(ln.get("event") == "worker.started" for ln in sysm.procs["executor"].lines())
-    report(f"{which}-restart", fault, counts, codes)
+    report(f"{which}-restart", fault, counts, codes, sysm.stop_s)
     assert codes["scheduler"] == 0 and codes["executor"] == 0, codes
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from rose.executor.service import Executor
 from rose.contract.codec import encode
-from rose.kafka.clients import header, make_producer, produce, read_all
+from rose.kafka.consumer import header, read_all
+from rose.kafka.producer import make_producer, produce
 from tests.examples import command_example
 
 pytestmark = pytest.mark.stack

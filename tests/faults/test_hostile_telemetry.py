@@ -12,7 +12,8 @@ import pytest
 
 from rose.scheduler.service import Scheduler
 from rose.contract.codec import encode
-from rose.kafka.clients import header, make_producer, produce, read_all
+from rose.kafka.consumer import header, read_all
+from rose.kafka.producer import make_producer, produce
 from rose.sim.telemetry_workload import expected_commands, workload
 
 pytestmark = pytest.mark.stack

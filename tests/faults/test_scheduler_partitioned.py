@@ -20,7 +20,9 @@ import pytest
 
 from rose.contract.codec import encode
 from rose.contract.events import Latency, Telemetry
-from rose.kafka.clients import make_producer, produce, read_all
+from rose.kafka.consumer import read_all
+from rose.kafka.producer import make_producer, produce
+from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
 GPU = "part/0"
@@ -83,10 +85,8 @@ def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
         stop_feed.set()
         feeder.join()
         for proc in (sch, ex):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+            proc.send_signal(signal.SIGCONT)
+        exit_s = terminate_all({"scheduler": sch, "executor": ex})
     cmds = [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]  # offset order
     ids = Counter(c["command_id"] for c in cmds)
     epoch = int(lease.rsplit("#", 1)[1])
@@ -102,3 +102,4 @@ def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
     assert new_grant is not None, "the resumed scheduler never learned that the lease expired"
     assert not any(c["lease_id"] == lease for c in cmds[new_grant:]), "expired lease renewed after the new grant"
     assert all(n == 1 for n in ids.values())
+    assert max(exit_s.values()) <= SHUTDOWN_BOUND_S, f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {exit_s}"

@@ -14,13 +14,16 @@ import sys
 import threading
 import time
 from collections import Counter
+from datetime import datetime, timezone
 
+import orjson
 import pytest
 
 from rose.contract.codec import encode
-from rose.kafka.clients import make_producer, produce
+from rose.kafka.producer import make_producer, produce
 from rose.sim.telemetry_workload import expected_commands, workload
 from tests.kafka_checks import by_gpu, wait_for_commands
+from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
 
@@ -48,7 +51,9 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
     try:
         time.sleep(6)
         a.send_signal(signal.SIGSTOP)  # A freezes mid-stream; B gets its partitions after the session timeout
+        frozen_at = datetime.now(timezone.utc)
         time.sleep(14)
+        thawed_at = datetime.now(timezone.utc)
         a.send_signal(signal.SIGCONT)  # A wakes up as a zombie
         feeder.join()
         want = expected_commands(events, cfg.policy)
@@ -57,14 +62,36 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
     finally:
         for p in (a, b):
             p.send_signal(signal.SIGCONT)
-            p.send_signal(signal.SIGTERM)
-        for p in (a, b):
-            p.wait(60)  # a zombie may first wait out a bounded coordinator call (20 s)
+        exit_s = terminate_all({"a": a, "b": b})
     logs = {n: (tmp_path / f"{n}.log").read_text(errors="replace") for n in ("a", "b")}
     aborts = {n: log.count("transaction.abort") for n, log in logs.items()}
     ids = Counter(c["command_id"] for c in got)
     dups = sum(n > 1 for n in ids.values())
+    held_by_a = owned_partitions(logs["a"], until=frozen_at)
+    held_by_b = owned_partitions(logs["b"], until=thawed_at)
     print(f"\n[zombie] commands expected={n_want} got={len(got)} duplicates={dups} aborted transactions={aborts} "
-          f"partitions handed over={'partitions.assigned' in logs['b']}")
+          f"A held {sorted(held_by_a)} when frozen, B held {sorted(held_by_b)} when A thawed; exit after SIGTERM {exit_s}")
+    assert held_by_a, "A owned no partition when it was frozen: the test would not exercise a zombie"
+    assert held_by_a <= held_by_b, "B did not take over the partitions of the frozen A"
     assert dups == 0
     assert by_gpu(got) == want
+    assert all(t <= SHUTDOWN_BOUND_S for t in exit_s.values()), f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {exit_s}"
+
+
+def owned_partitions(log: str, until: datetime) -> set[int]:
+    """The partitions a scheduler owned at `until`, from its partitions.assigned/revoked log lines."""
+    owned: set[int] = set()
+    for line in log.splitlines():
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or rec.get("event") not in ("partitions.assigned", "partitions.revoked"):
+            continue
+        if datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")) > until:
+            break
+        if rec["event"] == "partitions.assigned":
+            owned |= set(rec["partitions"])
+        else:
+            owned -= set(rec["partitions"])
+    return owned

@@ -1,0 +1,196 @@
+"""Starting rollout workers: the worker's one typed configuration and the launcher that hands
+it over, plus the child-process set-up every ROSE supervisor uses.
+
+`WorkerConfig` is everything a worker process needs: its lease (GPU, memory cap, compute
+share, pause flag), device, job and model, the `RedisConfig` it connects with, and the one
+secret it needs, `weights_hmac_key` (the command key stays with the executor). The worker
+builds its Redis client, task queue and weight follower from this object alone.
+
+`launch(config)` starts `python -m rose.rollout.worker --config-fd N`: the config travels as
+JSON in an anonymous in-memory file (memfd; an unlinked 0600 temporary file where memfd is
+missing) passed as descriptor N, which the worker reads once and closes. Neither the HMAC key
+nor a Redis password ever appears on the command line (`ps`, /proc/<pid>/cmdline) or in the
+environment. By hand: `python -m rose.rollout.worker < worker.json` (the default fd is stdin).
+
+`spawn(argv)` is the shared way to start a supervised child: PR_SET_PDEATHSIG=SIGTERM, so
+the child drains and exits when its parent dies, and optionally pinned to a set of CPUs
+before exec (every thread the child ever starts inherits the affinity).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from rose.config import Config, RedisConfig
+
+WORKER_MODULE = "rose.rollout.worker"
+MAX_CONFIG_BYTES = 1 << 20
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    gpu: str
+    worker_id: str
+    redis: RedisConfig
+    job: str
+    model: str  # weights stream name (rose:weights:{model})
+    weights_hmac_key: str = field(default="", repr=False)  # "" = followed weights are not verified
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    mem_bytes: int = 1 << 30  # hard cap of everything the worker allocates
+    compute_share: float = 1.0
+    pause_flag: str = ""  # shared-memory name of the PauseFlag; "" = none
+    dedicated: bool = False
+    nice: int = 10
+    cpus: tuple[int, ...] = ()  # CPUs the launcher pins the process to before exec; () = any
+    seed: int = 0
+    max_batch: int = 32  # KV-cache slots at most (the budget may allow fewer)
+    min_idle_ms: int = 30_000  # reclaim other consumers' tasks idle this long
+    reclaim_every_ms: int = 1_000
+    affinity_grace_ms: int = 500
+    long_tail_tokens: int = 192
+    straggler_frac: float = 0.8
+    weights: str = "static"  # "static" (seeded policy) | "follow" (rose.weights follower)
+    model_spec: dict = field(default_factory=dict)  # ModelSpec overrides
+    max_episodes: int = 0  # exit 0 after completing this many (0: run until STOP)
+    temperature: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: Config, **fields) -> "WorkerConfig":
+        """A worker of this deployment: `cfg`'s Redis connection, weights key, job and model,
+        then `fields`."""
+        base = {"redis": cfg.redis, "weights_hmac_key": cfg.security.weights_hmac_key,
+                "job": cfg.executor.job, "model": cfg.executor.model}
+        return cls(**{**base, **fields})
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "WorkerConfig":
+        """Parse and check; ValueError names the field."""
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"worker config: not valid JSON ({getattr(e, 'msg', e)})") from None
+        if not isinstance(d, dict):
+            raise ValueError("worker config: expected a JSON object")
+        c = cls(**_typed_fields(cls, d))
+        if c.mem_bytes <= 0:
+            raise ValueError(f"mem_bytes: must be > 0, got {c.mem_bytes}")
+        if not 0 < c.compute_share <= 1:
+            raise ValueError(f"compute_share: must be in (0, 1], got {c.compute_share}")
+        if not (c.device == "cpu" or c.device.startswith("cuda")):
+            raise ValueError(f"device: expected 'cpu' or 'cuda:N', got {c.device!r}")
+        if c.weights not in ("static", "follow"):
+            raise ValueError(f"weights: expected 'static' or 'follow', got {c.weights!r}")
+        if c.max_batch < 1:
+            raise ValueError("max_batch: must be >= 1")
+        return c
+
+
+_SCALARS = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict}
+
+
+def _typed_fields(cls, d: dict, where: str = "") -> dict:
+    """`d`'s values checked against `cls`'s field types (str, int, float, bool, dict,
+    tuple[int, ...], a nested dataclass such as RedisConfig); unknown and missing fields refused."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for k in d:
+        if k not in known:
+            raise ValueError(f"{where}{k}: unknown {cls.__name__} field")
+    out = {}
+    for f in known.values():
+        name = where + f.name
+        if f.name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{name}: missing required field")
+            continue
+        v = d[f.name]
+        if f.type == "RedisConfig":
+            if not isinstance(v, dict):
+                raise ValueError(f"{name}: expected an object, got {v!r}")
+            out[f.name] = RedisConfig(**_typed_fields(RedisConfig, v, name + "."))
+        elif f.type == "tuple[int, ...]":
+            if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in v):
+                raise ValueError(f"{name}: expected a list of integers, got {v!r}")
+            out[f.name] = tuple(v)
+        else:
+            want = _SCALARS.get(f.type, object)
+            if not isinstance(v, want) or (f.type in ("int", "float") and isinstance(v, bool)):
+                raise ValueError(f"{name}: expected {f.type}, got {v!r}")
+            out[f.name] = v
+    return out
+
+
+# ---- child processes -----------------------------------------------------------------------
+def die_with_parent(cpus: Sequence[int] = ()) -> Callable[[], None]:
+    """A `preexec_fn`: SIGTERM the child when its parent dies (PR_SET_PDEATHSIG), and pin it to
+    `cpus` (empty: any) before it execs."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork; the child only calls it
+    cpus = set(cpus)
+
+    def setup() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+def spawn(argv: Sequence[str], *, cpus: Sequence[int] = (), **popen) -> subprocess.Popen:
+    """`subprocess.Popen(argv, **popen)` for a supervised child (see `die_with_parent`)."""
+    return subprocess.Popen(list(argv), preexec_fn=die_with_parent(cpus), **popen)
+
+
+def _config_file(data: bytes) -> int:
+    """A descriptor of an anonymous file holding `data`, positioned at its start."""
+    try:
+        fd = os.memfd_create("rose-worker-config")
+    except (AttributeError, OSError):  # no memfd: an unlinked temporary file, 0600
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    ok = False
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+        ok = True
+    finally:
+        if not ok:
+            os.close(fd)
+    return fd
+
+
+def launch(config: WorkerConfig, **popen) -> subprocess.Popen:
+    """Start a rollout worker for `config` (see the module docstring); `popen` as for Popen
+    (stdin, stdout, stderr, env, start_new_session, ...)."""
+    fd = _config_file(config.to_json().encode())
+    try:
+        return spawn([sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)], cpus=config.cpus,
+                     pass_fds=(fd,), **popen)
+    finally:
+        os.close(fd)
+
+
+def read_config(fd: int = 0) -> WorkerConfig:
+    """The worker's side: read its config from descriptor `fd` (and close it); ValueError if
+    it is unreadable or invalid."""
+    try:
+        with os.fdopen(fd, "rb", closefd=fd != 0) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"worker config: cannot read descriptor {fd} ({e.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"worker config: larger than {MAX_CONFIG_BYTES} bytes")
+    return WorkerConfig.from_json(data)

@@ -1,0 +1,237 @@
+"""`rose simulate`: a serving cluster driven by a real request trace, plus an agentic RL job,
+under four rollout policies (the paper's baselines and ROSE). `simulate(trace, SimConfig)`
+runs every policy over the same windows and the same requests and returns the JSON-ready
+result (`rose.sim.report.result_of`). Pure apart from reading the trace.
+
+The model behind every figure: docs/simulator.md. This module holds the time loop, the
+invariants checked every window (tests), and calibration from benchmark results.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rose.config import PolicyConfig
+from rose.sim.ledger import Ledger
+from rose.sim.models import EngineConfig, EpisodeModel, RolloutModel, gpu_spec, model_size
+from rose.sim.report import result_of
+from rose.sim.requests import (LONG_TRACE_S, RequestStream, balance, peak_to_mean, request_costs_s, slo_for,
+                               trace_compression)
+from rose.sim.runs import POLICIES, RUNS, RoseRun, Run, RunContext, ShareAllRun
+from rose.sim.serving_model import ServingSim
+from rose.sim.traces import Trace
+
+PERIOD_S = 0.5  # telemetry period (TelemetryConfig.period_s), one serving window
+DEFAULT_LOAD = 0.7  # fraction of a GPU's roofline capacity the trace's busiest minute uses
+# Measured defaults (the JSON behind each is in docs/paper-check/; pass a fresh result file to
+# `rose simulate --interference-bench / --weights-bench` to use your own):
+# `rose bench interference --quick --json` on this project's 2-core CPU box: a serving step's p99
+# beside an unprotected rollout worker is 4.157× its p99 alone -> alpha = 3.157 (see `calibration`).
+ALPHA_MEASURED = 3.157
+# `rose bench weights --quick --json`: lossless delta bytes per RL step / full bf16 = 0.02128.
+WEIGHT_DELTA_RATIO = 0.02128
+DECIDE_CALLS_BUDGET = 2_000_000  # decide() costs ~12 µs a call in CPython: ~25 s of a run
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    n_gpus: int = 64
+    dedicated: int = 0  # 0: n_gpus // 8 (at least 1)
+    model: str = "7B"
+    gpu: str = "H100"
+    duration_s: float = 0.0  # 0: the trace's span, at most an hour
+    seed: int = 0
+    load: float = DEFAULT_LOAD
+    period_s: float = PERIOD_S
+    decide_every: int = 0  # 0: auto (every window up to DECIDE_CALLS_BUDGET calls, then coarser)
+    alpha: float = ALPHA_MEASURED
+    alpha_source: str = "rose bench interference --quick on 2 CPU cores (docs/paper-check/interference.json)"
+    weight_delta_ratio: float = WEIGHT_DELTA_RATIO
+    weight_ratio_source: str = "rose bench weights --quick (docs/paper-check/weights.json)"
+    check_invariants: bool = False  # assert the simulator's invariants every window (tests)
+    policies: tuple[str, ...] = POLICIES
+    episode: EpisodeModel = field(default_factory=EpisodeModel)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    record_series: bool = True  # per-window series for plots
+
+    @property
+    def pool(self) -> int:
+        return self.dedicated if self.dedicated > 0 else max(1, self.n_gpus // 8)
+
+
+def simulate(trace: Trace, cfg: SimConfig) -> dict:
+    """Run every policy of `cfg.policies` on `trace`; the JSON-ready result (rose.sim.report.result_of)."""
+    t_wall = time.perf_counter()
+    for p in cfg.policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
+    if cfg.n_gpus < 1:
+        raise ValueError(f"n_gpus must be >= 1, got {cfg.n_gpus}")
+    if cfg.decide_every < 0:
+        raise ValueError(f"decide_every must be >= 0, got {cfg.decide_every}")
+    gpu, model = gpu_spec(cfg.gpu), model_size(cfg.model)
+    G, M, ep = cfg.n_gpus, cfg.pool, cfg.episode
+    probe = ServingSim(gpu, model, 1, engine=cfg.engine)
+    rollout = RolloutModel(probe, ep, cfg.engine.runtime_reserve_bytes)
+    if rollout.dedicated_batch < 1:
+        raise ValueError(f"model {model.name} leaves no room for one episode on {gpu.name}")
+    slo = slo_for(probe, trace)
+    costs = request_costs_s(probe, trace.prompt_tokens, trace.output_tokens)
+    cost = float(costs.mean())
+    duration = cfg.duration_s if cfg.duration_s > 0 else min(LONG_TRACE_S, max(trace.duration_s, cfg.period_s))
+    n_win = max(1, math.ceil(duration / cfg.period_s - 1e-9))
+    compress = trace_compression(trace)
+    peak = peak_to_mean(trace, costs, n_win * cfg.period_s, compress)
+    rps_gpu = cfg.load / cost / peak
+    stream = RequestStream(trace, rps_gpu * G, n_win * cfg.period_s, cfg.seed)
+    ded_rate = M * rollout.dedicated_rate
+    every = cfg.decide_every or auto_decide_every(G, n_win, cfg.period_s, cfg.policy)
+    ctx = RunContext(G, M, ep, cfg.policy, gpu, rollout, slo, cfg.period_s, n_win, every,
+                     model.weight_bytes_per_gpu, ded_rate, M * rollout.dedicated_batch / 2.0,
+                     ep.episodes_per_step / ded_rate, cfg.weight_delta_ratio)
+
+    want = [p for p in POLICIES if p in cfg.policies]
+    sims: dict[str, ServingSim] = {}
+    if {"static", "elastic"} & set(want):
+        sims["base"] = ServingSim(gpu, model, G, engine=cfg.engine, alpha=cfg.alpha)
+    for p in ("share-all", "rose"):
+        if p in want:
+            sims[p] = ServingSim(gpu, model, G, engine=cfg.engine, alpha=cfg.alpha)
+    runs = {p: RUNS[p](p, ctx, sims.get(p)) for p in want}
+    series_every = max(1, n_win // 720)
+
+    for w in range(n_win):
+        t1 = (w + 1) * cfg.period_s
+        arr, P, O = stream.window(w, w * cfg.period_s, t1)
+        stats = {k: sim.advance(t1, balance(w, arr.size, sim.N + sim.qn, cfg.seed), arr, P, O)
+                 for k, sim in sims.items()}
+        for p, run in runs.items():
+            st = stats.get(p, stats.get("base"))
+            n_ok = _tally_slo(run, st, slo)
+            run.step(w, t1, st)
+            if cfg.check_invariants:
+                check_invariants(run, st)
+            steps = run.ledger.steps()
+            if steps > run.last_steps:  # weight sync to every GPU running rollout
+                full = (steps - run.last_steps) * run.rollout_gpus() * ctx.wfull
+                run.last_steps = steps
+                run.weight_bytes_full += full
+                run.weight_bytes += full * (cfg.weight_delta_ratio if p == "rose" else 1.0)
+                run.synced(steps)
+            if cfg.record_series and (w % series_every == 0 or w == n_win - 1):
+                _record_series(run, t1, st, slo, n_ok / G)
+
+    load = {"request_cost_s": round(cost, 6), "peak_to_mean": round(peak, 4), "rps_per_gpu": round(rps_gpu, 4),
+            "trace_compress": round(stream.compress, 4), "trace_copies": stream.copies,
+            "trace_keep": round(stream.keep, 5)}
+    # gain over the static pool: measured when static ran, else its (deterministic) rate
+    static = runs["static"].ledger.completed if "static" in runs else _static_episodes(ctx)
+    out = result_of(trace, cfg, ctx, model, load, runs, static)
+    out["wall_s"] = round(time.perf_counter() - t_wall, 3)
+    return out
+
+
+def _tally_slo(run: Run, st, slo) -> int:
+    """Count the window's SLO attainment and free memory into the run; GPUs within the SLO."""
+    ok = (st.ttft_p99_ms <= slo.ttft_p99) & (st.tpot_p99_ms <= slo.tpot_p99)
+    n_ok = int(ok.sum())
+    run.slo_ok_gpu_windows += n_ok
+    run.gpu_windows += ok.size
+    run.windows += 1
+    run.slo_ok_windows += int(n_ok == ok.size)
+    run.min_free_bytes = min(run.min_free_bytes, int((st.mem_total_bytes - st.mem_used_bytes).min()))
+    return n_ok
+
+
+def _record_series(run: Run, t1: float, st, slo, ok_frac: float) -> None:
+    s = run.series
+    leased, running = run.leased_counts()
+    s["t"].append(round(t1, 3))
+    s["ttft_p99_max_ratio"].append(round(float(st.ttft_p99_ms.max()) / slo.ttft_p99, 4))
+    s["tpot_p99_max_ratio"].append(round(float(st.tpot_p99_ms.max()) / slo.tpot_p99, 4))
+    s["slo_ok_frac"].append(round(ok_frac, 4))
+    s["leased"].append(leased)
+    s["running"].append(running)
+    s["episodes"].append(run.ledger.completed)
+    s["external_gpus"].append(run.external())
+
+
+def check_invariants(run: Run, st) -> None:
+    """What must hold after every window (AssertionError naming the broken one)."""
+    c, led = run.ctx, run.ledger
+    assert (st.mem_used_bytes <= st.mem_total_bytes).all(), "memory used exceeds the GPU"
+    assert (st.mem_used_bytes >= st.rollout_mem_bytes).all(), "rollout memory exceeds memory used"
+    assert (st.ttft_p99_ms >= 0).all() and (st.tpot_p99_ms >= 0).all(), "negative latency"
+    if run.sim is not None:
+        s = run.sim
+        assert (s.qn >= -1e-9).all() and (s.N >= -1e-9).all() and (s.C >= -1e-6).all(), "negative serving state"
+    w = [run.ded_w] + [getattr(run, k) for k in ("w", "ext_w") if hasattr(run, k)]
+    assert all((x >= -1e-9).all() for x in w), "negative in-flight work"
+    assert led.parked >= -1e-9 and led.recomputed >= -1e-9, "negative parked or recomputed work"
+    total = led.completed + run.in_flight() + led.parked + led.recomputed
+    assert abs(led.produced - total) <= 1e-6 * max(1.0, led.produced), \
+        f"work ledger: produced {led.produced} != completed+in flight+parked+recomputed {total}"
+    consumed = led.steps() * c.ep.episodes_per_step
+    assert 0 <= led.completed - consumed < c.ep.episodes_per_step, "trainer consumed more than completed"
+    if isinstance(run, RoseRun):
+        pc = c.policy
+        assert (run.share <= pc.max_compute_share + 1e-9).all() and (run.share >= 0).all(), "share out of bounds"
+        for g, room in run.grant_room.items():  # a grant never lends memory serving holds or the margin
+            assert not run.leased[g] or run.mem[g] <= room, f"lease of {run.mem[g]} B > free {room} B on GPU {g}"
+        run.grant_room.clear()
+        assert (run.mem[run.leased] <= st.mem_total_bytes - run.sim.static_bytes).all(), "lease beyond the GPU"
+        assert (run.mem[~run.leased] == 0).all() and (run.share[~run.leased] == 0).all(), "lease left behind"
+        assert (run.worker == run.leased).all(), "a lease without its worker, or a worker without a lease"
+        assert not (run.running() & run.tripped).any(), "rollout running while the guard is tripped"
+    if isinstance(run, ShareAllRun):
+        assert (run.mem <= st.mem_total_bytes - run.sim.static_bytes).all(), "share-all lends beyond the GPU"
+
+
+def calibration(interference: dict | None, weights: dict | None) -> dict:
+    """SimConfig fields from benchmark results (`rose bench interference|weights --json` objects).
+
+    Interference: the bench measures a serving step's p99 alone and beside a rollout worker
+    running flat out with no protection (every core, no priority, no guard); that phase is a
+    share of 1, so ``alpha = unprotected_p99_over_alone - 1``. The unprotected phase is used
+    because the simulator models the protection (the guard's pause) itself; the bench's nice-19
+    priority is not credited, which makes alpha an upper bound. Weights: ``bytes_ratio_per_step``.
+    """
+    out: dict = {}
+    if interference is not None:
+        r = interference.get("unprotected_p99_over_alone")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+            raise ValueError("--interference-bench: expected a positive unprotected_p99_over_alone "
+                             "(the output of `rose bench interference --json`)")
+        out["alpha"] = round(max(0.0, float(r) - 1.0), 4)
+        out["alpha_source"] = (f"rose bench interference ({interference.get('_source', 'result')}, device "
+                               f"{interference.get('device', '?')}): unprotected p99 / alone = {r}")
+    if weights is not None:
+        r = weights.get("bytes_ratio_per_step")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise ValueError("--weights-bench: expected bytes_ratio_per_step in (0, 1] "
+                             "(the output of `rose bench weights --json`)")
+        out["weight_delta_ratio"] = float(r)
+        out["weight_ratio_source"] = f"rose bench weights ({weights.get('_source', 'result')})"
+    return out
+
+
+def auto_decide_every(n_gpus: int, n_win: int, period_s: float, pc: PolicyConfig) -> int:
+    """Windows per policy event: 1 while the run needs at most DECIDE_CALLS_BUDGET calls, else the
+    smallest factor under it, kept below the lease renewal margin (so leases never lapse)."""
+    k = max(1, math.ceil(n_gpus * n_win / DECIDE_CALLS_BUDGET))
+    cap = max(1, math.floor((pc.renew_before_s - 1e-9) / period_s))
+    return min(k, cap)
+
+
+def _static_episodes(ctx: RunContext) -> int:
+    """Episodes the static pool completes in the run (its ledger alone; no serving involved)."""
+    led = Ledger(ctx.ep)
+    w = np.zeros(1)
+    for _ in range(ctx.n_win):
+        led.progress(w, np.array([ctx.ded_fill]), np.array([ctx.ded_rate * ctx.dt]))
+    return led.completed

@@ -1,0 +1,116 @@
+"""The trace mapped onto the cluster: what a request costs a GPU, the load that sizes the fleet,
+the serving SLO, the arrivals of every window and their balancing over GPUs.
+
+Pure apart from seeded draws. The mapping (roofline capacity, time compression, shifted
+copies, power-of-two-choices balancing) and the SLO rule: docs/simulator.md "Load mapping"
+and "SLO".
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rose.contract.events import Latency
+from rose.sim.serving_model import ServingSim
+from rose.sim.traces import Trace
+
+PEAK_BIN_S = 60.0  # the provisioning time scale: capacity is sized for the busiest minute
+B_REF = 32  # running requests at which the capacity estimate amortises a decode step
+COPY_JITTER_S = 60.0  # trace copies are shifted by uniform offsets in [0, this)
+LONG_TRACE_S = 3600.0  # traces longer than this are compressed to span it
+TTFT_SLO_SCALE = 5.0  # × unloaded TTFT of the trace's p99 prompt
+TPOT_SLO_SCALE = 2.0  # × unloaded decode step beside a full prefill chunk
+
+
+def request_costs_s(sim: ServingSim, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
+    """GPU-seconds each request costs at the roofline (docs/simulator.md "Load mapping")."""
+    P = prompt.astype(np.float64)
+    O = output.astype(np.float64)
+    ctx = B_REF * float(np.mean(P + O / 2)) if P.size else 0.0
+    step = float(sim.step_time(np.array([B_REF]), np.array([ctx]))[0])
+    return P * sim.p_tok + np.ceil(P / sim.engine.chunk_tokens) * sim.engine.step_overhead_s + O * step / B_REF
+
+
+def peak_to_mean(trace: Trace, costs: np.ndarray, duration_s: float, compress: float) -> float:
+    """Busiest minute's GPU-seconds over the mean minute, in the part of the trace the run plays."""
+    t = trace.arrival_s / compress
+    span = float(t[-1]) if t.size else 0.0
+    upto = min(duration_s, span) if span > 0 else duration_s
+    sel = t <= upto
+    bins = np.bincount(np.floor(t[sel] / PEAK_BIN_S).astype(np.int64), weights=costs[sel])
+    n_bins = max(1, math.ceil(upto / PEAK_BIN_S))
+    mean = float(bins.sum()) / n_bins
+    return float(bins.max()) / mean if mean > 0 else 1.0
+
+
+def slo_for(sim: ServingSim, trace: Trace) -> Latency:
+    """The serving SLO (ms) of this model on this GPU for this trace (docs/simulator.md "SLO")."""
+    p99 = float(np.percentile(trace.prompt_tokens, 99))
+    idle = float(sim.step_time(np.array([1.0]), np.array([0.0]))[0])
+    ttft = p99 * sim.p_tok + math.ceil(p99 / sim.engine.chunk_tokens) * idle
+    tpot = idle + sim.engine.chunk_tokens * sim.p_tok
+    return Latency(round(TTFT_SLO_SCALE * ttft * 1000, 3), round(TPOT_SLO_SCALE * tpot * 1000, 3))
+
+
+def trace_compression(trace: Trace) -> float:
+    """Time compression of a trace longer than LONG_TRACE_S (1: played as recorded)."""
+    return trace.duration_s / LONG_TRACE_S if trace.duration_s > LONG_TRACE_S else 1.0
+
+
+class RequestStream:
+    """The trace mapped onto the cluster: per window, the arrivals (docs/simulator.md "Load mapping")."""
+
+    def __init__(self, trace: Trace, need_rps: float, duration_s: float, seed: int):
+        if len(trace) == 0:
+            raise ValueError("trace has no requests")
+        self.compress = trace_compression(trace)
+        a = trace.arrival_s / self.compress
+        gap = (a[-1] / (len(a) - 1)) if len(a) > 1 else 1.0
+        period = float(a[-1]) + gap  # the loop length: the next lap starts one mean gap later
+        rate = len(a) / period
+        self.trace_rps = rate
+        self.copies = max(1, math.ceil(need_rps / rate))
+        self.keep = float(min(1.0, need_rps / (self.copies * rate)))
+        rng = np.random.default_rng([seed, 1])
+        self.offsets = np.sort(rng.uniform(0.0, COPY_JITTER_S, self.copies))
+        laps = np.arange(-1, math.ceil(duration_s / period) + 1)
+        self.base_t = (a[None, :] + laps[:, None] * period).ravel()
+        self.base_i = np.tile(np.arange(len(a)), len(laps))
+        self.P, self.O = trace.prompt_tokens, trace.output_tokens
+        self.seed = seed
+
+    def window(self, w: int, t0: float, t1: float):
+        """(arrival_s, prompt, output) of the requests in [t0, t1), sorted by arrival."""
+        lo = np.searchsorted(self.base_t, t0 - COPY_JITTER_S, side="left")
+        hi = np.searchsorted(self.base_t, t1, side="left")
+        bt = self.base_t[lo:hi]
+        # copy j holds base request i in this window iff t0 <= bt_i + off_j < t1
+        j0 = np.searchsorted(self.offsets, t0 - bt, side="left")
+        j1 = np.searchsorted(self.offsets, t1 - bt, side="left")
+        n = j1 - j0
+        tot = int(n.sum())
+        if tot == 0:
+            z = np.zeros(0)
+            return z, z, z
+        rep = np.repeat(np.arange(bt.size), n)
+        first = np.repeat(np.cumsum(n) - n, n)
+        j = np.repeat(j0, n) + (np.arange(tot) - first)
+        t = bt[rep] + self.offsets[j]
+        src = self.base_i[lo:hi][rep]
+        if self.keep < 1.0:
+            keep = np.random.default_rng([self.seed, 2, w]).random(tot) < self.keep
+            t, src = t[keep], src[keep]
+        o = np.argsort(t, kind="stable")
+        t, src = t[o], src[o]
+        return t, self.P[src].astype(np.float64), self.O[src].astype(np.float64)
+
+
+def balance(w: int, n_req: int, in_system: np.ndarray, seed: int) -> np.ndarray:
+    """Power of two choices on the load reported at the window start (same draws per policy)."""
+    G = in_system.size
+    if G == 1:
+        return np.zeros(n_req, dtype=np.int64)
+    c = np.random.default_rng([seed, 3, w]).integers(0, G, size=(n_req, 2))
+    return np.where(in_system[c[:, 0]] <= in_system[c[:, 1]], c[:, 0], c[:, 1])

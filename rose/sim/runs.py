@@ -1,0 +1,372 @@
+"""The rollout side of each policy: the dedicated pool every policy has, whole external GPUs
+(`elastic`), a fixed share of every serving GPU (`share-all`), and ROSE's leases (`rose`),
+each with its tallies. What each policy does: docs/simulator.md "Policies"; how ROSE's side
+runs the system's own scheduling core, lease machine and guard rule: docs/simulator.md
+"ROSE's executors and guard in the simulator".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rose.config import PolicyConfig
+from rose.contract.events import Latency, LeaseState, Telemetry
+from rose.executor import lease_machine as lm
+from rose.executor.guard import tripped_next
+from rose.policy.core import SchedulingCore
+from rose.policy.deferral import DEFERRED_KEPT, deferrable
+from rose.policy.lease_policy import free_memory, memory_margin
+from rose.sim.ledger import Ledger
+from rose.sim.models import EpisodeModel, GpuSpec, RolloutModel
+from rose.sim.serving_model import ServingSim
+
+SHARE_ALL_SHARE = 0.5  # = PolicyConfig.max_compute_share: the most ROSE would ever lend
+SHARE_ALL_MEM_FRAC = 0.5  # of the memory serving does not hold at start
+ELASTIC_PROVISION_S = 180.0  # request -> usable external GPU (VM/pod start, image, weights)
+ELASTIC_CAP_FRAC = 0.25  # cost cap: external GPUs at once, as a fraction of the static pool
+ELASTIC_TARGET_STEP_FRAC = 0.8  # add GPUs while a step would take longer than this × static's
+
+
+@dataclass
+class RunContext:
+    """What every policy run shares."""
+
+    G: int  # serving GPUs
+    M: int  # dedicated rollout GPUs
+    ep: EpisodeModel
+    policy: PolicyConfig
+    gpu: GpuSpec
+    rollout: RolloutModel
+    slo: Latency
+    dt: float  # window, s
+    n_win: int
+    decide_every: int
+    wfull: int  # full policy weights per GPU, bytes
+    ded_rate: float  # episodes/s of the dedicated pool
+    ded_fill: float  # its pipeline fill, episode units
+    step_static_s: float  # one RL step's rollout on the dedicated pool alone, s
+    delta_ratio: float  # weight delta bytes / full, per RL step
+
+
+class Run:
+    """The rollout side and the tallies of one policy."""
+
+    def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None):
+        self.name, self.ctx, self.sim = name, ctx, sim  # sim None: serving shared (no rollout on it)
+        self.ledger = Ledger(ctx.ep)
+        self.ded_w = np.zeros(1)
+        self.slo_ok_gpu_windows = self.gpu_windows = self.slo_ok_windows = self.windows = 0
+        self.revokes = self.grants = self.expiries = self.guard_pauses = self.leases_unusable = 0
+        self.throttles = 0  # v1.1: pauses and resumes of a live lease (memory and worker stay)
+        self.decide_calls = 0
+        self.weight_bytes = self.weight_bytes_full = 0.0
+        self.lease_gpu_s = self.lease_share_s = self.ext_gpu_s = 0.0
+        self.last_steps = 0
+        self.min_free_bytes = 1 << 62
+        self.series: dict[str, list] = {k: [] for k in (
+            "t", "ttft_p99_max_ratio", "tpot_p99_max_ratio", "slo_ok_frac", "leased", "running", "episodes",
+            "external_gpus")}
+        self.load_weights(ctx.M)  # the dedicated pool loads the policy once
+
+    def load_weights(self, n: int) -> None:
+        self.weight_bytes += n * self.ctx.wfull
+        self.weight_bytes_full += n * self.ctx.wfull
+
+    # hooks
+    def in_flight(self) -> float:
+        return float(self.ded_w.sum())
+
+    def rollout_gpus(self) -> int:
+        return self.ctx.M
+
+    def leased_counts(self) -> tuple[int, int]:
+        return 0, 0
+
+    def external(self) -> int:
+        return 0
+
+    def synced(self, steps: int) -> None:
+        """Every rollout GPU now holds the weights of RL step `steps`."""
+
+    def step(self, w: int, t1: float, st) -> None:
+        """One window: the dedicated pool (resuming parked continuations first), then the rest."""
+        c = self.ctx
+        if c.M > 0:
+            self.ded_w[0] += self.ledger.unpark()
+            self.ledger.progress(self.ded_w, np.array([c.ded_fill]), np.array([c.ded_rate * c.dt]))
+        self.extra(w, t1, st)
+
+    def extra(self, w: int, t1: float, st) -> None:
+        pass
+
+
+class ElasticRun(Run):
+    """Static pool + whole external GPUs on backlog, after a provisioning delay, under a cost cap."""
+
+    def __init__(self, name, ctx, sim):
+        super().__init__(name, ctx, sim)
+        self.ext_w = np.zeros(0)
+        self.requested: list[float] = []  # ready times of requested GPUs not yet arrived
+        self.cap = max(1, math.floor(ELASTIC_CAP_FRAC * ctx.M))
+
+    def in_flight(self) -> float:
+        return float(self.ded_w.sum() + self.ext_w.sum())
+
+    def rollout_gpus(self) -> int:
+        return self.ctx.M + self.ext_w.size
+
+    def external(self) -> int:
+        return int(self.ext_w.size)
+
+    def extra(self, w, t1, st):
+        c, led = self.ctx, self.ledger
+        arrived = sum(1 for t in self.requested if t <= t1)
+        if arrived:
+            self.requested = [t for t in self.requested if t > t1]
+            fill = c.rollout.dedicated_batch / 2.0
+            new = np.array([led.unpark(fill) for _ in range(arrived)])
+            self.ext_w = np.concatenate([self.ext_w, new])
+            self.load_weights(arrived)
+        n = self.ext_w.size
+        if n:
+            led.progress(self.ext_w, np.full(n, c.rollout.dedicated_batch / 2.0),
+                         np.full(n, c.rollout.dedicated_rate * c.dt))
+            self.ext_gpu_s += n * c.dt
+        backlog = c.ep.episodes_per_step - led.completed % c.ep.episodes_per_step
+        per_gpu = c.rollout.dedicated_rate * ELASTIC_TARGET_STEP_FRAC * c.step_static_s
+        want = min(self.cap, max(0, math.ceil(backlog / per_gpu) - c.M))
+        more = want - n - len(self.requested)
+        if more > 0:
+            self.requested += [t1 + ELASTIC_PROVISION_S] * more
+
+
+class ShareAllRun(Run):
+    """Every serving GPU lends a fixed share and memory from the start; never revoked."""
+
+    def __init__(self, name, ctx, sim):
+        super().__init__(name, ctx, sim)
+        room = ctx.gpu.mem_bytes - sim.static_bytes
+        self.mem = np.full(ctx.G, int(room * SHARE_ALL_MEM_FRAC), dtype=np.int64)
+        self.batch = ctx.rollout.batch_for(self.mem)
+        self.usable = self.batch > 0
+        self.w = np.zeros(ctx.G)
+        self.leases_unusable = int((~self.usable).sum())
+        sim.set_rollout(slice(None), SHARE_ALL_SHARE, self.usable, self.mem)
+        self.load_weights(int(self.usable.sum()))
+
+    def in_flight(self):
+        return float(self.ded_w.sum() + self.w.sum())
+
+    def rollout_gpus(self):
+        return self.ctx.M + int(self.usable.sum())
+
+    def leased_counts(self):
+        return self.ctx.G, int(self.usable.sum())
+
+    def extra(self, w, t1, st):
+        c = self.ctx
+        self.ledger.progress(self.w, self.batch / 2.0, c.rollout.rate(self.mem, SHARE_ALL_SHARE) * c.dt)
+        self.lease_gpu_s += c.G * c.dt
+        self.lease_share_s += float(self.usable.sum()) * SHARE_ALL_SHARE * c.dt
+
+
+class RoseRun(Run):
+    """Static pool + leases: each serving GPU's telemetry through the scheduling core, the
+    commands through the executors' lease machine, the executors' guard on every window."""
+
+    _PEND = ("ts", "util", "used", "rmem", "ttft", "tpot", "rps", "qd")
+
+    def __init__(self, name, ctx, sim):
+        super().__init__(name, ctx, sim)
+        G = ctx.G
+        self.core = SchedulingCore(ctx.policy)
+        self.machines = [lm.initial(f"sim/{g}") for g in range(G)]
+        self.view_lease = np.zeros(G, dtype=bool)  # the policy's view holds a lease
+        # the executors' leases, as their lease machines hold them
+        self.leased = np.zeros(G, dtype=bool)
+        self.mem = np.zeros(G, dtype=np.int64)
+        self.share = np.zeros(G)
+        self.exp = np.zeros(G)
+        self.batch = np.zeros(G, dtype=np.int64)  # episodes the lease holds (0: too small to run rollout)
+        self.worker = np.zeros(G, dtype=bool)  # the lease's rollout worker, started by the machine
+        self.worker_paused = np.zeros(G, dtype=bool)
+        self.tripped = np.zeros(G, dtype=bool)  # the executors' local guard, per serving GPU
+        self.w = np.zeros(G)
+        # telemetry held back (rose.policy.deferral), newest first; `held` of them per GPU
+        self.held = np.zeros(G, dtype=np.int64)
+        self.pend = [{k: np.zeros(G) for k in self._PEND} for _ in range(DEFERRED_KEPT)]
+        self.acc_ttft = np.zeros(G)
+        self.acc_tpot = np.zeros(G)
+        self.version = np.full(G, -1, dtype=np.int64)  # policy version held by the node, -1 none
+        self.grant_room: dict[int, int] = {}  # GPU -> free memory after margin at its grant (checks)
+        self._ended = np.zeros(G, dtype=bool)  # leases ended in the current apply
+        self._granted: list[int] = []
+
+    def synced(self, steps: int) -> None:
+        self.version[self.leased & (self.batch > 0)] = steps
+
+    def in_flight(self):
+        return float(self.ded_w.sum() + self.w.sum())
+
+    def rollout_gpus(self):
+        return self.ctx.M + int((self.leased & (self.batch > 0)).sum())
+
+    def leased_counts(self):
+        return int(self.leased.sum()), int(self.running().sum())
+
+    def running(self) -> np.ndarray:
+        return self.worker & ~self.worker_paused & (self.batch > 0)
+
+    def extra(self, w, t1, st):
+        c, pc = self.ctx, self.ctx.policy
+        run_mask = self.running()
+        self.ledger.progress(self.w, self.batch / 2.0,
+                             np.where(run_mask, c.rollout.rate(self.mem, self.share), 0.0) * c.dt)
+        self.lease_gpu_s += float(self.leased.sum()) * c.dt
+        self.lease_share_s += float(self.share[run_mask].sum()) * c.dt
+        # the executors' local guard, on the window's latency sample
+        tripped = tripped_next(self.tripped, min_headroom(st.ttft_p99_ms, st.tpot_p99_ms, c.slo),
+                               pc.revoke_headroom, pc.grant_headroom)
+        self.guard_pauses += int((tripped & ~self.tripped & self.leased).sum())
+        for g in np.flatnonzero(tripped != self.tripped).tolist():
+            self._step(g, lm.GuardTrip() if tripped[g] else lm.GuardClear(), t1)
+        self.tripped = tripped
+        # the scheduler, every `decide_every` windows, on the worst p99 of those windows
+        np.maximum(self.acc_ttft, st.ttft_p99_ms, out=self.acc_ttft)
+        np.maximum(self.acc_tpot, st.tpot_p99_ms, out=self.acc_tpot)
+        if (w + 1) % c.decide_every and w != c.n_win - 1:
+            return
+        commands = self.decide_all(w, t1, st)
+        self.acc_ttft[:] = 0.0
+        self.acc_tpot[:] = 0.0
+        self.apply(commands, t1)
+
+    def decide_all(self, w: int, ts: float, st) -> list:
+        c, pc, slo = self.ctx, self.ctx.policy, self.ctx.slo
+        ttft, tpot = self.acc_ttft, self.acc_tpot
+        defer = deferrable(self.view_lease, min_headroom(ttft, tpot, slo), pc)
+        vals = {"ts": ts, "util": st.gpu_util, "used": st.mem_used_bytes, "rmem": st.rollout_mem_bytes,
+                "ttft": ttft, "tpot": tpot, "rps": st.rps, "qd": st.queue_depth}
+        pend = self.pend
+        for k, v in vals.items():
+            for i in range(DEFERRED_KEPT - 1, 0, -1):
+                pend[i][k][defer] = pend[i - 1][k][defer]
+            pend[0][k][defer] = v[defer] if isinstance(v, np.ndarray) else v
+        self.held[defer] = np.minimum(self.held[defer] + 1, DEFERRED_KEPT)
+        call = np.flatnonzero(~defer)
+        held = self.held[call].tolist()
+        self.held[call] = 0
+        total = st.mem_total_bytes
+        util, used, rmem = st.gpu_util.tolist(), st.mem_used_bytes.tolist(), st.rollout_mem_bytes.tolist()
+        rps, qd, lt, lp = st.rps.tolist(), st.queue_depth.tolist(), ttft.tolist(), tpot.tolist()
+        out = []
+        core = self.core
+        for g, n in zip(call.tolist(), held):
+            for p in pend[n - 1::-1] if n else ():  # the held-back events first, oldest first
+                core.decide(_telemetry(g, f"d{int(p['ts'][g] / c.dt)}", float(p["ts"][g]), float(p["util"][g]),
+                                       total, int(p["used"][g]), int(p["rmem"][g]), float(p["ttft"][g]),
+                                       float(p["tpot"][g]), slo, float(p["rps"][g]), int(p["qd"][g])))
+                self.decide_calls += 1
+            d = core.decide(_telemetry(g, w, ts, util[g], total, used[g], rmem[g], lt[g], lp[g], slo, rps[g], qd[g]))
+            self.decide_calls += 1
+            self.view_lease[g] = d.view.lease_id is not None
+            for cmd in d.commands:
+                out.append((g, cmd))
+                if cmd.kind == "grant":
+                    self.grant_room[g] = (free_memory(total, used[g] - rmem[g], 0, rmem[g])
+                                          - memory_margin(total, pc))
+        return out
+
+    def apply(self, commands: list, t1: float) -> None:
+        """The executors: expiry, then the commands, each through the GPU's lease machine;
+        effective from the next window."""
+        c = self.ctx
+        self._ended[:] = False
+        self._granted = []
+        for g in np.flatnonzero(self.leased & (self.exp <= t1)).tolist():
+            self._step(g, lm.Tick(), t1)
+        for g, cmd in commands:
+            if cmd.kind == "revoke":
+                self.revokes += 1
+            elif cmd.kind == "throttle":
+                self.throttles += 1
+            self._step(g, lm.Received(cmd), t1)
+        ended = self._ended
+        if ended.any():
+            wv = self.w[ended]
+            self.ledger.park(wv, self.batch[ended])
+            self.w[ended] = wv
+        self.batch[~self.leased] = 0
+        if self._granted:
+            new = np.array(self._granted, dtype=np.int64)
+            self.batch[new] = c.rollout.batch_for(self.mem[new])
+            ok = new[self.batch[new] > 0]
+            self.leases_unusable += int(new.size - ok.size)
+            # the node keeps the last weights it had in host memory: a GPU that held a lease
+            # before only fetches the deltas it missed (never more than a full copy)
+            missed = self.ledger.steps() - self.version[ok]
+            full = float(c.wfull)
+            self.weight_bytes += float(np.where(self.version[ok] < 0, full,
+                                                np.minimum(full, missed * c.delta_ratio * full)).sum())
+            self.weight_bytes_full += full * ok.size
+            self.version[ok] = self.ledger.steps()
+            for g in ok.tolist():  # resume parked continuations first
+                self.w[g] = self.ledger.unpark(self.batch[g] / 2.0)
+        # a worker too small for the policy's weights and one episode holds nothing
+        self.sim.set_rollout(slice(None), self.share, self.running(), np.where(self.batch > 0, self.mem, 0))
+
+    def _step(self, g: int, inp, now: float) -> None:
+        """One input to GPU g's lease machine, and its actions carried out: the modelled worker
+        starts, pauses and resumes at once and exits as soon as it is stopped; every lease
+        state published is folded into the scheduling core."""
+        before = self.machines[g]
+        s, actions = lm.step(before, inp, now)
+        while any(type(a) is lm.Stop for a in actions):
+            self._act(g, actions, now)
+            s, actions = lm.step(s, lm.WorkerExited(), now)
+        self._act(g, actions, now)
+        self.machines[g] = s
+        old, new = before.lease, s.lease
+        if old is not None and (new is None or new.lease_id != old.lease_id):
+            self._ended[g] = True
+            if type(inp) is lm.Tick:
+                self.expiries += 1
+        if new is not None and (old is None or new.lease_id != old.lease_id):
+            self.grants += 1
+            self._granted.append(g)
+        self.leased[g] = new is not None
+        self.mem[g], self.share[g], self.exp[g] = ((new.mem_bytes, new.compute_share, new.expires_at)
+                                                   if new is not None else (0, 0.0, 0.0))
+
+    def _act(self, g: int, actions, now: float) -> None:
+        for a in actions:
+            t = type(a)
+            if t is lm.Start:
+                self.worker[g], self.worker_paused[g] = True, a.paused
+            elif t is lm.Pause or t is lm.Resume:
+                self.worker_paused[g] = t is lm.Pause
+            elif t is lm.Stop:
+                self.worker[g] = self.worker_paused[g] = False
+            elif t is lm.Publish:
+                r = a.record
+                self.core.observe(LeaseState(gpu=a.gpu, lease_id=r.lease_id, epoch=r.epoch, state=r.state, ts=now,
+                                             rollout_mem_bytes=0, command_id=r.command_id))
+
+
+RUNS = {"static": Run, "elastic": ElasticRun, "share-all": ShareAllRun, "rose": RoseRun}
+POLICIES = tuple(RUNS)
+
+
+def min_headroom(ttft_ms: np.ndarray, tpot_ms: np.ndarray, slo: Latency) -> np.ndarray:
+    """Per GPU, the smallest headroom over the SLO metrics, `1 - p99 / slo`."""
+    return np.minimum(1.0 - ttft_ms / slo.ttft_p99, 1.0 - tpot_ms / slo.tpot_p99)
+
+
+def _telemetry(g: int, w, ts: float, util: float, total: int, used: int, rollout: int, ttft: float,
+               tpot: float, slo: Latency, rps: float, qd: int) -> Telemetry:
+    return Telemetry(f"sim/{g}@{w}", ts, f"node-{g // 8}", f"sim/{g}", "serving",
+                     0.0 if util < 0.0 else 1.0 if util > 1.0 else util, total, used, rollout,
+                     Latency(ttft, tpot), slo, rps, qd)
