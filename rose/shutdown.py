@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 GRACE_S = 8.0  # leaves 2 s of the 10 s bound for the interpreter and the kernel to let go
 EXIT_FORCED = 3
@@ -35,8 +35,13 @@ class Shutdown:
         self._timer: threading.Timer | None = None
 
     @classmethod
-    def install(cls, stop: threading.Event | None = None, grace_s: float = GRACE_S, name: str = "rose",
-                hooks: tuple[Callable[[], None], ...] = ()) -> "Shutdown":
+    def install(
+        cls,
+        stop: threading.Event | None = None,
+        grace_s: float = GRACE_S,
+        name: str = "rose",
+        hooks: tuple[Callable[[], None], ...] = (),
+    ) -> Shutdown:
         s = cls(stop, grace_s, name)
         s.hooks.extend(hooks)
         if threading.current_thread() is threading.main_thread():
@@ -64,7 +69,9 @@ class Shutdown:
                 hook()
             except Exception:  # a stop hook must never keep the process alive
                 pass
-        self._timer = threading.Timer(self.grace_s, self._exit, args=(f"{why}: graceful stop took over {self.grace_s:.0f}s",))
+        self._timer = threading.Timer(
+            self.grace_s, self._exit, args=(f"{why}: graceful stop took over {self.grace_s:.0f}s",)
+        )
         self._timer.daemon = True
         self._timer.name = "rose-shutdown-deadline"
         self._timer.start()

@@ -63,8 +63,11 @@ class Holder:
         return self.ports[0]
 
     def describe(self) -> str:
-        where = (f"{self.service} port 127.0.0.1:{self.port}" if len(self.ports) == 1 else
-                 f"{self.service} ports 127.0.0.1:{','.join(map(str, self.ports))}")
+        where = (
+            f"{self.service} port 127.0.0.1:{self.port}"
+            if len(self.ports) == 1
+            else f"{self.service} ports 127.0.0.1:{','.join(map(str, self.ports))}"
+        )
         held = f"{where} {'is' if len(self.ports) == 1 else 'are'} held by"
         if self.pid is None:
             return f"{held} a process this user cannot see"
@@ -74,8 +77,11 @@ class Holder:
 
 
 # the environment variables that set each service's ports (`ROSE_STACK__<NAME>`)
-_PORT_ENV = {"kafka": ["KAFKA_PORT", "CONTROLLER_PORT", "SASL_PORT", "TLS_PORT"], "redis": ["REDIS_PORT"],
-             "jaeger": ["JAEGER_QUERY_PORT", "JAEGER_OTLP_GRPC_PORT", "JAEGER_OTLP_HTTP_PORT"]}
+_PORT_ENV = {
+    "kafka": ["KAFKA_PORT", "CONTROLLER_PORT", "SASL_PORT", "TLS_PORT"],
+    "redis": ["REDIS_PORT"],
+    "jaeger": ["JAEGER_QUERY_PORT", "JAEGER_OTLP_GRPC_PORT", "JAEGER_OTLP_HTTP_PORT"],
+}
 
 
 def _listening(port: int) -> bool:
@@ -95,7 +101,7 @@ class LocalStack:
     redis_url: str
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "LocalStack":
+    def from_config(cls, cfg: Config) -> LocalStack:
         return cls(
             cfg.stack,
             kafka_bootstrap=f"127.0.0.1:{cfg.stack.kafka_port}",
@@ -125,12 +131,24 @@ class LocalStack:
         tmp = self.libs.with_suffix(".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         r = subprocess.run(
-            ["mvn", "-q", "-B", "-f", str(POM), f"-Dkafka.version={self.scfg.kafka_version}",
-             "dependency:copy-dependencies", f"-DoutputDirectory={tmp}", "-DincludeScope=runtime"],
-            capture_output=True, text=True,
+            [
+                "mvn",
+                "-q",
+                "-B",
+                "-f",
+                str(POM),
+                f"-Dkafka.version={self.scfg.kafka_version}",
+                "dependency:copy-dependencies",
+                f"-DoutputDirectory={tmp}",
+                "-DincludeScope=runtime",
+            ],
+            capture_output=True,
+            text=True,
         )
         if r.returncode != 0:
-            raise StackError(f"mvn could not fetch Kafka {self.scfg.kafka_version}: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+            raise StackError(
+                f"mvn could not fetch Kafka {self.scfg.kafka_version}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
+            )
         tmp.rename(self.libs)
 
     @property
@@ -149,20 +167,62 @@ class LocalStack:
         ext = d / "san.ext"
         ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
         steps = [
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=rose-local-ca",
-             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem")],
-            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
-             "-keyout", str(d / "server.key"), "-out", str(d / "server.csr")],
-            ["openssl", "x509", "-req", "-in", str(d / "server.csr"), "-CA", str(d / "ca.pem"), "-CAkey",
-             str(d / "ca.key"), "-CAcreateserial", "-days", "3650", "-extfile", str(ext), "-out", str(d / "server.crt")],
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "3650",
+                "-subj",
+                "/CN=rose-local-ca",
+                "-keyout",
+                str(d / "ca.key"),
+                "-out",
+                str(d / "ca.pem"),
+            ],
+            [
+                "openssl",
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-subj",
+                "/CN=localhost",
+                "-keyout",
+                str(d / "server.key"),
+                "-out",
+                str(d / "server.csr"),
+            ],
+            [
+                "openssl",
+                "x509",
+                "-req",
+                "-in",
+                str(d / "server.csr"),
+                "-CA",
+                str(d / "ca.pem"),
+                "-CAkey",
+                str(d / "ca.key"),
+                "-CAcreateserial",
+                "-days",
+                "3650",
+                "-extfile",
+                str(ext),
+                "-out",
+                str(d / "server.crt"),
+            ],
         ]
         for cmd in steps:
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise StackError(f"openssl failed making the local TLS certificate: {r.stderr[-500:]}")
         # Kafka's PEM keystore: the PKCS#8 private key followed by the certificate chain
-        (d / "server.pem").write_text((d / "server.key").read_text() + (d / "server.crt").read_text()
-                                      + (d / "ca.pem").read_text())
+        (d / "server.pem").write_text(
+            (d / "server.key").read_text() + (d / "server.crt").read_text() + (d / "ca.pem").read_text()
+        )
         return True
 
     def server_properties(self) -> dict[str, str]:
@@ -172,8 +232,10 @@ class LocalStack:
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{s.controller_port}",
-            "listeners": (f"PLAINTEXT://127.0.0.1:{s.kafka_port},CONTROLLER://127.0.0.1:{s.controller_port},"
-                          f"SASL_PLAINTEXT://127.0.0.1:{s.sasl_port}"),
+            "listeners": (
+                f"PLAINTEXT://127.0.0.1:{s.kafka_port},CONTROLLER://127.0.0.1:{s.controller_port},"
+                f"SASL_PLAINTEXT://127.0.0.1:{s.sasl_port}"
+            ),
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{s.kafka_port},SASL_PLAINTEXT://127.0.0.1:{s.sasl_port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
@@ -181,10 +243,8 @@ class LocalStack:
             # a SCRAM listener, so secured client configs (sasl.*) are tested against a real broker;
             # users are created with AdminClient.alter_user_scram_credentials
             "sasl.enabled.mechanisms": "SCRAM-SHA-256,SCRAM-SHA-512",
-            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config":
-                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
-            "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config":
-                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required;",
             "log.dirs": str(self.root / "kafka-data"),
             "num.partitions": "1",
             "offsets.topic.replication.factor": "1",
@@ -247,20 +307,43 @@ class LocalStack:
         if not (data / "meta.properties").exists():
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
             r = subprocess.run(
-                [java, "-cp", cp, "kafka.tools.StorageTool", "format", "--standalone",
-                 "-t", cluster_id, "-c", str(props)],
-                capture_output=True, text=True,
+                [
+                    java,
+                    "-cp",
+                    cp,
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "--standalone",
+                    "-t",
+                    cluster_id,
+                    "-c",
+                    str(props),
+                ],
+                capture_output=True,
+                text=True,
             )
             if r.returncode != 0:
                 raise StackError(f"kafka storage format failed: {r.stdout[-1500:]}{r.stderr[-1500:]}")
         self._mark()
         out = open(self.root / "kafka.out", "ab")
         proc = subprocess.Popen(
-            [java, f"-Xmx{self.scfg.kafka_heap}", f"-Xms{self.scfg.kafka_heap}", "-XX:+UseG1GC",
-             "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true",
-             f"-Dlog4j2.configurationFile={self.root}/log4j2.properties",
-             f"-Dkafka.logs.dir={self.root}", "-cp", cp, "kafka.Kafka", str(props)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                java,
+                f"-Xmx{self.scfg.kafka_heap}",
+                f"-Xms{self.scfg.kafka_heap}",
+                "-XX:+UseG1GC",
+                "-XX:TieredStopAtLevel=1",
+                "-Djava.awt.headless=true",
+                f"-Dlog4j2.configurationFile={self.root}/log4j2.properties",
+                f"-Dkafka.logs.dir={self.root}",
+                "-cp",
+                cp,
+                "kafka.Kafka",
+                str(props),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self._pidfile("kafka").write_text(str(proc.pid))
         deadline = time.monotonic() + timeout_s
@@ -271,14 +354,17 @@ class LocalStack:
             if self.kafka_alive() and self._partitions_led():
                 return
             time.sleep(0.3)
-        raise StackError(f"Kafka did not answer on {self.kafka_bootstrap} within {timeout_s}s; see {self.root}/kafka-server.log")
+        raise StackError(
+            f"Kafka did not answer on {self.kafka_bootstrap} within {timeout_s}s; see {self.root}/kafka-server.log"
+        )
 
     def kafka_alive(self, timeout_s: float = 2.0) -> bool:
         from rose.kafka.admin import AdminClient, KafkaException
 
         try:
-            md = AdminClient({"bootstrap.servers": self.kafka_bootstrap, "socket.timeout.ms": 1000,
-                              "log_level": 0}).list_topics(timeout=timeout_s)
+            md = AdminClient(
+                {"bootstrap.servers": self.kafka_bootstrap, "socket.timeout.ms": 1000, "log_level": 0}
+            ).list_topics(timeout=timeout_s)
             return bool(md.brokers)
         except KafkaException:
             return False
@@ -304,8 +390,12 @@ class LocalStack:
             return exe
         if os.geteuid() == 0 and shutil.which("apt-get"):
             _log("installing redis-server from Debian's packages ...")
-            subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=False,
-                           stdout=subprocess.DEVNULL, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+            subprocess.run(
+                ["apt-get", "install", "-y", "-qq", "redis-server"],
+                check=False,
+                stdout=subprocess.DEVNULL,
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            )
             exe = shutil.which("redis-server")
             if exe:
                 return exe
@@ -320,10 +410,28 @@ class LocalStack:
         self._mark()
         out = open(self.root / "redis.out", "ab")
         proc = subprocess.Popen(
-            [exe, "--port", str(self.scfg.redis_port), "--bind", "127.0.0.1", "--dir", str(rdir),
-             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
-             "--protected-mode", "yes"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                exe,
+                "--port",
+                str(self.scfg.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(rdir),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self._pidfile("redis").write_text(str(proc.pid))
         deadline = time.monotonic() + timeout_s
@@ -482,8 +590,14 @@ exporters:
         conf.write_text(self.jaeger_config())
         self._mark()
         with open(self.root / "jaeger.log", "ab") as out:
-            proc = subprocess.Popen([str(binary), "--config", str(conf)], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
+            proc = subprocess.Popen(
+                [str(binary), "--config", str(conf)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.root,
+            )
         self._pidfile("jaeger").write_text(str(proc.pid))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -494,8 +608,10 @@ exporters:
             if self.jaeger_alive() and all(_listening(p) for p in self._ports("jaeger")[1:]):
                 return
             time.sleep(0.1)
-        raise StackError(f"Jaeger's query API did not answer on {self.jaeger_query_url} within {timeout_s}s; "
-                         f"see {self.root}/jaeger.log")
+        raise StackError(
+            f"Jaeger's query API did not answer on {self.jaeger_query_url} within {timeout_s}s; "
+            f"see {self.root}/jaeger.log"
+        )
 
     def jaeger_alive(self, timeout_s: float = 1.0) -> bool:
         """The query API answers /api/services with its JSON envelope."""
@@ -543,8 +659,10 @@ exporters:
             main = next((h for h in theirs if self._ports(name)[0] in h.ports), None)
             if main is None or not getattr(self, f"{name}_alive")():
                 raise StackError(self._not_owned_message(theirs))
-            _log(f"using {name} of {'another stack' if main.root else 'another program'}: {main.describe()}; "
-                 f"this stack ({self.root}) does not own it, and `rose stack down` here will not stop it")
+            _log(
+                f"using {name} of {'another stack' if main.root else 'another program'}: {main.describe()}; "
+                f"this stack ({self.root}) does not own it, and `rose stack down` here will not stop it"
+            )
             used.append(main)
         return used
 
@@ -577,8 +695,9 @@ exporters:
         import json
 
         self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / "stack.json").write_text(json.dumps({"checkout": os.getcwd(), "state_dir": str(self.root),
-                                                          "rose": str(REPO_ROOT)}) + "\n")
+        (self.root / "stack.json").write_text(
+            json.dumps({"checkout": os.getcwd(), "state_dir": str(self.root), "rose": str(REPO_ROOT)}) + "\n"
+        )
 
     def holders(self, names: list[str] | tuple[str, ...] = ("kafka", "redis", "jaeger")) -> list[Holder]:
         """Who listens on each port of these services right now (ports nobody holds are left out)."""
@@ -624,14 +743,14 @@ exporters:
         if cwd is not None:
             candidates += [cwd.parent] if cwd.name == "redis" else [cwd]
         for root in candidates:
-            if (root / "stack.json").exists() or any((root / f).exists() for f in
-                                                        ("kafka.pid", "redis.pid", "jaeger.pid", "server.properties")):
+            if (root / "stack.json").exists() or any(
+                (root / f).exists() for f in ("kafka.pid", "redis.pid", "jaeger.pid", "server.properties")
+            ):
                 h.root = root.resolve()
                 try:
                     h.checkout = json.loads((root / "stack.json").read_text())["checkout"]
                 except (OSError, ValueError, KeyError):
-                    h.checkout = str(cwd if cwd is not None and cwd.name != "redis" and cwd != root
-                                     else h.root.parent)
+                    h.checkout = str(cwd if cwd is not None and cwd.name != "redis" and cwd != root else h.root.parent)
                 break
         return h
 
@@ -642,11 +761,9 @@ exporters:
     def _not_owned_message(self, foreign: list[Holder], using: bool = True) -> str:
         whose = "; ".join(h.describe() for h in foreign)
         fixes = sorted({h.checkout for h in foreign if h.checkout})
-        env = " ".join(f"ROSE_STACK__{v}=…" for n in dict.fromkeys(h.service for h in foreign)
-                       for v in _PORT_ENV[n])
-        stop = (f"run `rose stack down` in {' and '.join(fixes)}" if fixes
-                else "stop that process")
-        return (f"{whose} — not this stack ({self.root}); {stop}, or give this stack other ports ({env})")
+        env = " ".join(f"ROSE_STACK__{v}=…" for n in dict.fromkeys(h.service for h in foreign) for v in _PORT_ENV[n])
+        stop = f"run `rose stack down` in {' and '.join(fixes)}" if fixes else "stop that process"
+        return f"{whose} — not this stack ({self.root}); {stop}, or give this stack other ports ({env})"
 
     def _adopt(self, name: str) -> int | None:
         """The pid of this stack's `name` when its pid file is gone or stale (two `up`s raced
@@ -665,8 +782,11 @@ exporters:
                 continue
             try:
                 p = psutil.Process(c.pid)
-                ours = (Path(p.cwd()) == self.root / "redis" if name == "redis"
-                        else any(str(self.root) in a for a in p.cmdline()))
+                ours = (
+                    Path(p.cwd()) == self.root / "redis"
+                    if name == "redis"
+                    else any(str(self.root) in a for a in p.cmdline())
+                )
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             if ours:

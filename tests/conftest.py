@@ -60,8 +60,7 @@ def cfg(stack, base_cfg) -> Config:
     from rose.kafka.topics import create_topics, delete_topics, topic_specs
 
     tag = uuid.uuid4().hex[:10]
-    kafka = dataclasses.replace(base_cfg.kafka, bootstrap=stack.kafka_bootstrap,
-                                topic_prefix=f"t{tag}.", partitions=4)
+    kafka = dataclasses.replace(base_cfg.kafka, bootstrap=stack.kafka_bootstrap, topic_prefix=f"t{tag}.", partitions=4)
     redis = dataclasses.replace(base_cfg.redis, url=stack.redis_url, key_prefix=f"t{tag}:")
     c = dataclasses.replace(base_cfg, kafka=kafka, redis=redis)
     create_topics(c.kafka)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from rose.node.agent import LeaseView, SimOptions, run_simulated, telemetry_records
 from rose.contract.events import Telemetry
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce_event
+from rose.node.agent import LeaseView, SimOptions, run_simulated, telemetry_records
 from tests.examples import command_example, lease_state_example
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,8 +24,11 @@ GiB = 1 << 30
 
 
 def agent_env(cfg) -> dict:
-    return {**os.environ, "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
-            "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix}
+    return {
+        **os.environ,
+        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+    }
 
 
 def telemetry_by_gpu(cfg):
@@ -47,9 +50,24 @@ def telemetry_by_gpu(cfg):
 @pytest.mark.stack
 def test_simulated_agent_fills_the_topic(cfg, traces_dir):
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "rose", "agent", "--simulate", str(traces_dir / "azure_llm2023_conv.csv"),
-                        "--gpus", "8", "--duration", "10"], env=agent_env(cfg), capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rose",
+            "agent",
+            "--simulate",
+            str(traces_dir / "azure_llm2023_conv.csv"),
+            "--gpus",
+            "8",
+            "--duration",
+            "10",
+        ],
+        env=agent_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert time.time() - t0 < 30
     by_gpu = telemetry_by_gpu(cfg)
@@ -73,8 +91,12 @@ def test_nvml_absent_is_one_line_and_nonzero():
         pytest.skip("NVML works on this machine")
     except Exception:  # noqa: BLE001 - any NVML failure is the case under test
         pass
-    r = subprocess.run([sys.executable, "-m", "rose", "agent", "--nvml", "--metrics-url", "http://127.0.0.1:9/metrics"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "rose", "agent", "--nvml", "--metrics-url", "http://127.0.0.1:9/metrics"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "NVML" in lines[0] and "Traceback" not in r.stderr
@@ -110,10 +132,23 @@ def test_lease_view_state_and_share():
 
 
 def test_records_validate():
-    recs = telemetry_records(ts=1.7e9, node="n", gpus=["n/0", "n/1"], pool="serving", slo=(1000.0, 100.0),
-                             run_id="r", seq=3, util=[0.5, 2.0], mem_total=80 * GiB, mem_used=[GiB, 2 * GiB],
-                             rollout_mem=[0, 5 * GiB], ttft_ms=[1.0, 2.0], tpot_ms=[3.0, 4.0], rps=[0.0, 1.5],
-                             queue=[0, 2])
+    recs = telemetry_records(
+        ts=1.7e9,
+        node="n",
+        gpus=["n/0", "n/1"],
+        pool="serving",
+        slo=(1000.0, 100.0),
+        run_id="r",
+        seq=3,
+        util=[0.5, 2.0],
+        mem_total=80 * GiB,
+        mem_used=[GiB, 2 * GiB],
+        rollout_mem=[0, 5 * GiB],
+        ttft_ms=[1.0, 2.0],
+        tpot_ms=[3.0, 4.0],
+        rps=[0.0, 1.5],
+        queue=[0, 2],
+    )
     evs = [Telemetry.from_dict(json.loads(v)) for v, _ in recs]
     assert [k for _, k in recs] == [b"n/0", b"n/1"]
     assert evs[1].gpu_util == 1.0 and evs[1].rollout_mem_bytes == 2 * GiB and evs[0].event_id != evs[1].event_id
@@ -128,14 +163,24 @@ def test_active_lease_adds_interference_and_revoke_restores(cfg, traces_dir):
 
     p = make_producer(cfg.kafka)
     produce_event(p, cfg.kafka.commands_topic, command_example(gpu="sim/0", lease_id="L1", compute_share=0.5))
-    produce_event(p, cfg.kafka.lease_state_topic, lease_state_example(
-        gpu="sim/0", lease_id="L1", epoch=1, state="active", rollout_mem_bytes=8 * GiB, ts=time.time()))
+    produce_event(
+        p,
+        cfg.kafka.lease_state_topic,
+        lease_state_example(
+            gpu="sim/0", lease_id="L1", epoch=1, state="active", rollout_mem_bytes=8 * GiB, ts=time.time()
+        ),
+    )
     p.flush(10)
 
     def revoke_later():
         time.sleep(3.0)
-        produce_event(p, cfg.kafka.lease_state_topic, lease_state_example(
-            gpu="sim/0", lease_id="L1", epoch=1, state="revoked", rollout_mem_bytes=0, ts=time.time()))
+        produce_event(
+            p,
+            cfg.kafka.lease_state_topic,
+            lease_state_example(
+                gpu="sim/0", lease_id="L1", epoch=1, state="revoked", rollout_mem_bytes=0, ts=time.time()
+            ),
+        )
         p.flush(10)
 
     th = threading.Thread(target=revoke_later)
@@ -162,8 +207,8 @@ def test_active_lease_adds_interference_and_revoke_restores(cfg, traces_dir):
 
 def test_simulated_agent_feeds_the_local_guard(tmp_path, traces_dir):
     """`--feed-guard`: each window's p99 lands where the executor's guard reads it."""
-    from rose.node.agent import feed_guard
     from rose.executor.guard import FileLatencySource
+    from rose.node.agent import feed_guard
 
     feed_guard(str(tmp_path), ["sim/0", "sim/1"], 1000.0, [120.0, 900.0], [10.0, 95.0], (1000.0, 100.0))
     src = FileLatencySource(tmp_path)

@@ -86,15 +86,24 @@ IDLE = [vllm_text([0, 5] + Z[2:], [0, 7] + Z[2:], success=5)] * len(BUSY_THEN_ID
 
 def agent_cfg(base=None):
     cfg = base or load_config()
-    return dataclasses.replace(cfg, telemetry=dataclasses.replace(
-        cfg.telemetry, period_s=0.1, slo_ttft_ms=SLO[0], slo_tpot_ms=SLO[1], engine="vllm"))
+    return dataclasses.replace(
+        cfg,
+        telemetry=dataclasses.replace(
+            cfg.telemetry, period_s=0.1, slo_ttft_ms=SLO[0], slo_tpot_ms=SLO[1], engine="vllm"
+        ),
+    )
 
 
 def run_agent(cfg, urls: list[str], busy, guard_dir, publisher) -> tuple[dict, FixedGpus]:
     """`run_nvml` until the busy engine's last page has been scraped (one scrape per window)."""
     gpus = FixedGpus(len(urls))
-    out = run_nvml(cfg, NvmlOptions(urls, "n", period_s=0.1, guard_dir=str(guard_dir)), gpus,
-                   stop=lambda: busy.served >= len(busy.pages), publisher=publisher)
+    out = run_nvml(
+        cfg,
+        NvmlOptions(urls, "n", period_s=0.1, guard_dir=str(guard_dir)),
+        gpus,
+        stop=lambda: busy.served >= len(busy.pages),
+        publisher=publisher,
+    )
     return out, gpus
 
 
@@ -138,8 +147,13 @@ def test_no_guard_files_without_feed_guard(engines, tmp_path):
     url0, busy = engines(BUSY_THEN_IDLE)
     gpus = FixedGpus(1)
     pub = Collect()
-    run_nvml(agent_cfg(), NvmlOptions([url0], "n", period_s=0.1), gpus,
-             stop=lambda: busy.served >= len(busy.pages), publisher=pub)
+    run_nvml(
+        agent_cfg(),
+        NvmlOptions([url0], "n", period_s=0.1),
+        gpus,
+        stop=lambda: busy.served >= len(busy.pages),
+        publisher=pub,
+    )
     assert len(pub.events) == 4 and not any(tmp_path.iterdir())
 
 

@@ -17,9 +17,24 @@ from tests.test_agent import agent_env, telemetry_by_gpu
 def test_agent_survives_broker_outage(cfg, stack, traces_dir):
     duration = 14
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "rose", "agent", "--simulate",
-                             str(traces_dir / "azure_llm2023_conv.csv"), "--gpus", "8", "--duration", str(duration)],
-                            env=agent_env(cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rose",
+            "agent",
+            "--simulate",
+            str(traces_dir / "azure_llm2023_conv.csv"),
+            "--gpus",
+            "8",
+            "--duration",
+            str(duration),
+        ],
+        env=agent_env(cfg),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(3.0)
         try:

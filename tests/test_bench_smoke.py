@@ -36,12 +36,28 @@ def test_interference_bench_reports_three_phases(cfg):
                 assert 0.0 <= r["paused_fraction"] <= 1.0
             assert out["rollout"]["unprotected"]["paused_fraction"] == 0.0  # no guard: never paused
             assert out["rollout"]["alone"]["paused_fraction"] is None
-            assert {"unprotected_p99_over_alone", "protected_p99_over_alone", "goal_protected_p99_over_alone",
-                    "protected_p99_over_goal", "rollout_tokens_per_s_protected", "rollout_tokens_per_s_unprotected",
-                    "protected_over_unprotected_tokens_per_s", "goal_protected_over_unprotected_tokens_per_s",
-                    "protected_tokens_per_s_over_goal"} <= set(out)
-        runs.append({k: out[k] for k in ("unprotected_p99_over_alone", "protected_p99_over_alone",
-                                          "rollout_tokens_per_s_protected", "rollout_tokens_per_s_unprotected")})
+            assert {
+                "unprotected_p99_over_alone",
+                "protected_p99_over_alone",
+                "goal_protected_p99_over_alone",
+                "protected_p99_over_goal",
+                "rollout_tokens_per_s_protected",
+                "rollout_tokens_per_s_unprotected",
+                "protected_over_unprotected_tokens_per_s",
+                "goal_protected_over_unprotected_tokens_per_s",
+                "protected_tokens_per_s_over_goal",
+            } <= set(out)
+        runs.append(
+            {
+                k: out[k]
+                for k in (
+                    "unprotected_p99_over_alone",
+                    "protected_p99_over_alone",
+                    "rollout_tokens_per_s_protected",
+                    "rollout_tokens_per_s_unprotected",
+                )
+            }
+        )
         assert out["rollout_tokens_per_s_protected"] > 0, runs  # protection pauses rollout, never starves it
         if out["protected_p99_over_alone"] < out["unprotected_p99_over_alone"]:
             return

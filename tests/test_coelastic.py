@@ -20,7 +20,7 @@ from rose.kafka.producer import make_producer, produce_event
 from tests.examples import telemetry_example
 from tests.kafka_checks import commands
 from tests.processes import terminate_all
-from tests.test_executor import GPU, GiB, ExecutorProc, LeaseStates, env_for, submit, wait_until
+from tests.test_executor import GPU, ExecutorProc, GiB, LeaseStates, env_for, submit, wait_until
 
 pytestmark = pytest.mark.stack
 
@@ -28,8 +28,11 @@ pytestmark = pytest.mark.stack
 class Feeder:
     """One telemetry event for GPU every 0.5 s, in the mode the test sets."""
 
-    MODES = {"calm": (Latency(200.0, 20.0), 30 * GiB), "spike": (Latency(200.0, 97.0), 30 * GiB),
-             "memory": (Latency(200.0, 20.0), 78 * GiB)}
+    MODES = {
+        "calm": (Latency(200.0, 20.0), 30 * GiB),
+        "spike": (Latency(200.0, 97.0), 30 * GiB),
+        "memory": (Latency(200.0, 20.0), 78 * GiB),
+    }
 
     def __init__(self, cfg):
         self.cfg, self.mode, self.sent = cfg, "calm", []  # sent: (event_id, mode)
@@ -42,8 +45,15 @@ class Feeder:
         i = 0
         while not self._stop.is_set():
             lat, used = self.MODES[self.mode]
-            ev = telemetry_example(event_id=f"co-{i}", ts=time.time(), node="sim", gpu=GPU, latency_ms=lat,
-                                   mem_total_bytes=80 * GiB, mem_used_bytes=used)
+            ev = telemetry_example(
+                event_id=f"co-{i}",
+                ts=time.time(),
+                node="sim",
+                gpu=GPU,
+                latency_ms=lat,
+                mem_total_bytes=80 * GiB,
+                mem_used_bytes=used,
+            )
             produce_event(p, self.cfg.kafka.telemetry_topic, ev)
             p.flush(5)
             self.sent.append((ev.event_id, self.mode))
@@ -62,8 +72,12 @@ def test_spike_pauses_calm_resumes_memory_revokes_with_one_worker_process(cfg, t
     env = env_for(cfg, tmp_path)
     submit(cfg, 60, turns=4)
     states = LeaseStates(cfg)
-    sched = subprocess.Popen([sys.executable, "-m", "rose", "scheduler", "--instance", "co"], env=env,
-                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "scheduler.log", "wb"))
+    sched = subprocess.Popen(
+        [sys.executable, "-m", "rose", "scheduler", "--instance", "co"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "scheduler.log", "wb"),
+    )
     ex = ExecutorProc(env)
     feed = Feeder(cfg)
     r = redis.Redis.from_url(cfg.redis.url)
@@ -87,8 +101,11 @@ def test_spike_pauses_calm_resumes_memory_revokes_with_one_worker_process(cfg, t
         assert _tokens(r, cfg) == tokens_paused, "a paused worker kept decoding"
 
         feed.mode = "calm"
-        wait_until(lambda: any(s == ("active", 1) for s in states.states()[states.states().index(("paused", 1)):]),
-                   20, "calm did not resume the paused lease")
+        wait_until(
+            lambda: any(s == ("active", 1) for s in states.states()[states.states().index(("paused", 1)) :]),
+            20,
+            "calm did not resume the paused lease",
+        )
         resumed = next(s for s, _ in reversed(states.seen) if s.state == "active")
         assert resumed.command_id != active.command_id
         assert (resumed.lease_id, resumed.epoch) == (active.lease_id, active.epoch)

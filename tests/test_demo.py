@@ -17,13 +17,26 @@ from rose.demo.trainer import advantages, reward, sequence_and_mask, staleness
 
 
 def _ls(gpu, lid, state, ts, cid="c", epoch=1):
-    return {"gpu": gpu, "lease_id": lid, "epoch": epoch, "state": state, "ts": ts, "rollout_mem_bytes": 0,
-            "command_id": cid, "_record_ms": int(ts * 1000)}
+    return {
+        "gpu": gpu,
+        "lease_id": lid,
+        "epoch": epoch,
+        "state": state,
+        "ts": ts,
+        "rollout_mem_bytes": 0,
+        "command_id": cid,
+        "_record_ms": int(ts * 1000),
+    }
 
 
 def test_lease_intervals_open_close_and_still_open():
-    states = [_ls("g", "g#1", "active", 10), _ls("g", "g#1", "revoking", 15), _ls("g", "g#1", "revoked", 15.2),
-              _ls("g", "g#2", "active", 30, epoch=2), _ls("h", "h#1", "active", 5)]
+    states = [
+        _ls("g", "g#1", "active", 10),
+        _ls("g", "g#1", "revoking", 15),
+        _ls("g", "g#1", "revoked", 15.2),
+        _ls("g", "g#2", "active", 30, epoch=2),
+        _ls("h", "h#1", "active", 5),
+    ]
     iv = report.lease_intervals(states, t_end=40)
     assert iv["g"] == [(10, 15), (30, 40)]
     assert iv["h"] == [(5, 40)]
@@ -42,8 +55,10 @@ def test_slo_attainment_counts_windows_of_every_gpu_inside_the_run():
 def test_revoke_latency_matches_lease_states_by_command_id():
     obs = Observed()
     obs.event_ms = {"ev1": 990}
-    obs.commands = [{"kind": "grant", "command_id": "g1", "_record_ms": 500},
-                    {"kind": "revoke", "command_id": "r1", "cause_event_id": "ev1", "_record_ms": 1000}]
+    obs.commands = [
+        {"kind": "grant", "command_id": "g1", "_record_ms": 500},
+        {"kind": "revoke", "command_id": "r1", "cause_event_id": "ev1", "_record_ms": 1000},
+    ]
     obs.lease_states = [_ls("g", "g#1", "revoking", 1.02, "r1"), _ls("g", "g#1", "revoked", 1.25, "r1")]
     rv = report.revoke_latency(obs)
     assert rv["revokes"] == 1 and rv["p50"] == 250 and rv["p99"] == 250
@@ -53,8 +68,9 @@ def test_revoke_latency_matches_lease_states_by_command_id():
 
 def test_throughput_phases_and_sources():
     obs = Observed()
-    obs.episodes = ([{"finished_at": 1.0 + i * 0.1, "dedicated": True, "gpu": "rollout/0"} for i in range(10)]
-                    + [{"finished_at": 20.0 + i * 0.1, "dedicated": i % 2 == 0, "gpu": "sim/0"} for i in range(40)])
+    obs.episodes = [{"finished_at": 1.0 + i * 0.1, "dedicated": True, "gpu": "rollout/0"} for i in range(10)] + [
+        {"finished_at": 20.0 + i * 0.1, "dedicated": i % 2 == 0, "gpu": "sim/0"} for i in range(40)
+    ]
     tp = report.throughput(obs, t0=0.0, t1=10.0, t_end=30.0)
     assert tp["dedicated_only"] == 60.0  # 10 episodes in 10 s
     assert tp["with_leases"] == 120.0  # 40 in 20 s
@@ -88,8 +104,12 @@ def test_calibrated_slo_and_scaled_lengths():
 
 
 def _traj(actions, obs=(7, 7), versions=(1,), dedicated=False):
-    return {"prompt": [1, 2, 3], "turns": [{"action": list(a), "observation": list(obs)} for a in actions],
-            "versions": list(versions), "dedicated": dedicated}
+    return {
+        "prompt": [1, 2, 3],
+        "turns": [{"action": list(a), "observation": list(obs)} for a in actions],
+        "versions": list(versions),
+        "dedicated": dedicated,
+    }
 
 
 def test_reward_and_loss_mask():
@@ -147,8 +167,11 @@ def test_demo_end_to_end(stack, base_cfg, tmp_path):
 
     from rose.demo.orchestrator import DemoOptions, run_demo
 
-    cfg = dataclasses.replace(base_cfg, kafka=dataclasses.replace(base_cfg.kafka, bootstrap=stack.kafka_bootstrap),
-                              redis=dataclasses.replace(base_cfg.redis, url=stack.redis_url))
+    cfg = dataclasses.replace(
+        base_cfg,
+        kafka=dataclasses.replace(base_cfg.kafka, bootstrap=stack.kafka_bootstrap),
+        redis=dataclasses.replace(base_cfg.redis, url=stack.redis_url),
+    )
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     rep = run_demo(cfg, DemoOptions(duration_s=40, report_dir=str(tmp_path), live=False), echo=lambda s: None)
     on_disk = json.loads((tmp_path / "report.json").read_text())

@@ -17,14 +17,14 @@ import psutil
 import pytest
 import redis
 
+from rose.config import TracingConfig
 from rose.contract.codec import decode, encode
 from rose.contract.events import LeaseState
 from rose.kafka.consumer import make_consumer
 from rose.kafka.producer import make_producer, partition_for, produce
+from rose.obs.tracing import inject_headers, setup_tracing, tracer
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.tasks import TaskQueue
-from rose.obs.tracing import inject_headers, setup_tracing, tracer
-from rose.config import TracingConfig
 from tests.examples import command_example
 
 pytestmark = pytest.mark.stack
@@ -36,12 +36,18 @@ JOB = "exec-test"
 
 def env_for(cfg, tmp_path, **extra) -> dict:
     env = dict(os.environ)
-    env.update({
-        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap, "ROSE_REDIS_URL": cfg.redis.url,
-        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix, "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
-        "ROSE_EXECUTOR__LATENCY_DIR": str(tmp_path / "latency"), "ROSE_EXECUTOR__JOB": JOB,
-        "ROSE_EXECUTOR__REVOKE_DEADLINE_S": "3", "ROSE_EXECUTOR__WORKER_NICE": "5",
-    })
+    env.update(
+        {
+            "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+            "ROSE_REDIS_URL": cfg.redis.url,
+            "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+            "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
+            "ROSE_EXECUTOR__LATENCY_DIR": str(tmp_path / "latency"),
+            "ROSE_EXECUTOR__JOB": JOB,
+            "ROSE_EXECUTOR__REVOKE_DEADLINE_S": "3",
+            "ROSE_EXECUTOR__WORKER_NICE": "5",
+        }
+    )
     env.update(extra)
     return env
 
@@ -50,8 +56,12 @@ class ExecutorProc:
     """`rose executor --simulate 1` with its JSON log lines collected."""
 
     def __init__(self, env: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "rose", "executor", "--simulate", "1"],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rose", "executor", "--simulate", "1"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         self.lines: list[dict] = []
         threading.Thread(target=self._read, daemon=True).start()
         self.wait_log("executor.ready", 60)
@@ -111,10 +121,24 @@ class LeaseStates:
 
 def send(cfg, producer, kind, epoch, cid, ttl=30.0, headers=None, mem=GiB, value=None):
     now = time.time()
-    cmd = command_example(kind=kind, gpu=GPU, epoch=epoch, command_id=cid, lease_id=f"{GPU}#{epoch}",
-                          mem_bytes=mem, compute_share=0.5, ts=now, expires_at=now + ttl)
-    produce(producer, cfg.kafka.commands_topic, value if value is not None else encode(cmd), GPU,
-            headers if headers is not None else inject_headers())
+    cmd = command_example(
+        kind=kind,
+        gpu=GPU,
+        epoch=epoch,
+        command_id=cid,
+        lease_id=f"{GPU}#{epoch}",
+        mem_bytes=mem,
+        compute_share=0.5,
+        ts=now,
+        expires_at=now + ttl,
+    )
+    produce(
+        producer,
+        cfg.kafka.commands_topic,
+        value if value is not None else encode(cmd),
+        GPU,
+        headers if headers is not None else inject_headers(),
+    )
     producer.flush(10)
     return cmd
 
@@ -123,8 +147,17 @@ def submit(cfg, n: int, turns: int = 2) -> TaskQueue:
     q = TaskQueue(redis.Redis.from_url(cfg.redis.url), cfg.redis, JOB)
     q.ensure_group()
     for i in range(n):
-        q.submit(Task(task_id=f"task-{i}", prompt=[1 + i % 200, 2, 3, 4], max_turns=turns, tokens_per_turn=8,
-                      obs_tokens=4, tool=ToolLatency(mu=-4.0, sigma=0.0), seed=i))
+        q.submit(
+            Task(
+                task_id=f"task-{i}",
+                prompt=[1 + i % 200, 2, 3, 4],
+                max_turns=turns,
+                tokens_per_turn=8,
+                obs_tokens=4,
+                tool=ToolLatency(mu=-4.0, sigma=0.0),
+                seed=i,
+            )
+        )
     return q
 
 
@@ -142,8 +175,12 @@ def test_murmur2_partition_matches_the_producer(cfg):
     got = {}
     keys = [f"sim/{i}" for i in range(32)] + ["node-3/0", "ab", "abc"]
     for k in keys:
-        p.produce(cfg.kafka.commands_topic, b"{}", key=k,
-                  on_delivery=lambda err, m: got.__setitem__(m.key().decode(), m.partition()))
+        p.produce(
+            cfg.kafka.commands_topic,
+            b"{}",
+            key=k,
+            on_delivery=lambda err, m: got.__setitem__(m.key().decode(), m.partition()),
+        )
     p.flush(10)
     assert {k: partition_for(k, cfg.kafka.partitions) for k in keys} == got
 
@@ -241,17 +278,20 @@ def test_guard_pauses_at_once_and_commands_are_checked(cfg, tmp_path, redis_clie
     revoke; unsigned, badly signed and malformed commands go to the dead-letter topic."""
     import dataclasses
 
-    from rose.executor.service import DLQ, Executor
     from rose.contract.events import Latency
+    from rose.contract.signing import sign_headers
     from rose.executor.guard import LatencySample, write_latency
+    from rose.executor.service import DLQ, Executor
     from rose.kafka.consumer import read_all
     from rose.rollout.pause_flag import PAUSE, RUN
-    from rose.contract.signing import sign_headers
 
     key = "k-" + uuid.uuid4().hex
     lat_dir = tmp_path / "lat"
-    c = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, command_hmac_key=key),
-                            executor=dataclasses.replace(cfg.executor, latency_dir=str(lat_dir), job=JOB))
+    c = dataclasses.replace(
+        cfg,
+        security=dataclasses.replace(cfg.security, command_hmac_key=key),
+        executor=dataclasses.replace(cfg.executor, latency_dir=str(lat_dir), job=JOB),
+    )
     submit(cfg, 20)
     ex = Executor(c, [GPU]).start()
     stop = threading.Event()
@@ -261,8 +301,16 @@ def test_guard_pauses_at_once_and_commands_are_checked(cfg, tmp_path, redis_clie
     dlq0 = DLQ.value()
     try:
         now = time.time()
-        good = command_example(kind="grant", gpu=GPU, epoch=1, command_id="g1", lease_id=f"{GPU}#1",
-                               mem_bytes=GiB, ts=now, expires_at=now + 30)
+        good = command_example(
+            kind="grant",
+            gpu=GPU,
+            epoch=1,
+            command_id="g1",
+            lease_id=f"{GPU}#1",
+            mem_bytes=GiB,
+            ts=now,
+            expires_at=now + 30,
+        )
         v = encode(good)
         send(cfg, p, "grant", 1, "g1", value=v, headers=inject_headers())  # unsigned
         send(cfg, p, "grant", 1, "g1", value=v, headers=sign_headers("wrong", v))
@@ -270,8 +318,12 @@ def test_guard_pauses_at_once_and_commands_are_checked(cfg, tmp_path, redis_clie
         send(cfg, p, "grant", 1, "g1", value=v, headers=sign_headers(key, v))
         wait_until(lambda: GPU in ex.workers, 20, "the signed grant started no worker")
         assert DLQ.value() - dlq0 == 3
-        reasons = sorted(dict(m.headers())["rose.dlq.reason"].decode()[:30] for m in read_all(cfg.kafka, [cfg.kafka.dlq_topic]))
-        assert len(reasons) == 3 and any("missing" in r for r in reasons) and any("does not match" in r for r in reasons)
+        reasons = sorted(
+            dict(m.headers())["rose.dlq.reason"].decode()[:30] for m in read_all(cfg.kafka, [cfg.kafka.dlq_topic])
+        )
+        assert (
+            len(reasons) == 3 and any("missing" in r for r in reasons) and any("does not match" in r for r in reasons)
+        )
         flag = ex.workers[GPU].flag
         assert flag.get() == RUN
         slo = Latency(ttft_p99=1000.0, tpot_p99=100.0)

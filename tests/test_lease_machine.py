@@ -20,8 +20,17 @@ P = lm.Params(revoke_deadline_s=2.0, restart_backoff_s=1.0)
 
 
 def cmd(kind: str, epoch: int, cid: str, mem: int = 4 * GiB, share: float = 0.3, ttl: float = 5.0):
-    return command_example(kind=kind, gpu=GPU, epoch=epoch, command_id=cid, lease_id=f"{GPU}#{epoch}",
-                           mem_bytes=mem, compute_share=share, ts=1000.0, expires_at=1000.0 + ttl)
+    return command_example(
+        kind=kind,
+        gpu=GPU,
+        epoch=epoch,
+        command_id=cid,
+        lease_id=f"{GPU}#{epoch}",
+        mem_bytes=mem,
+        compute_share=share,
+        ts=1000.0,
+        expires_at=1000.0 + ttl,
+    )
 
 
 class World:
@@ -92,10 +101,22 @@ class World:
 
 
 ops = st.one_of(
-    st.tuples(st.just("grant"), st.integers(-2, 2), st.integers(1, 8), st.sampled_from([0.3, 0.5]),
-              st.sampled_from([0.0, 1.0, 5.0]), st.sampled_from([0.0, 0.5, 6.0])),
-    st.tuples(st.just("renew"), st.integers(-1, 1), st.integers(1, 8), st.sampled_from([0.3, 0.5]),
-              st.sampled_from([1.0, 5.0]), st.just(0.0)),
+    st.tuples(
+        st.just("grant"),
+        st.integers(-2, 2),
+        st.integers(1, 8),
+        st.sampled_from([0.3, 0.5]),
+        st.sampled_from([0.0, 1.0, 5.0]),
+        st.sampled_from([0.0, 0.5, 6.0]),
+    ),
+    st.tuples(
+        st.just("renew"),
+        st.integers(-1, 1),
+        st.integers(1, 8),
+        st.sampled_from([0.3, 0.5]),
+        st.sampled_from([1.0, 5.0]),
+        st.just(0.0),
+    ),
     st.tuples(st.just("revoke"), st.integers(-1, 1)),
     st.tuples(st.just("dup"), st.integers(0, 50)),
     st.tuples(st.just("tick"), st.sampled_from([0.01, 0.5, 1.0, 2.5, 6.0])),

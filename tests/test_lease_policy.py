@@ -28,16 +28,34 @@ CFG = PolicyConfig()
 SLO = Latency(ttft_p99=1000.0, tpot_p99=100.0)
 
 
-def tel(i: int, ts: float, ttft_frac: float = 0.2, tpot_frac: float = 0.2, total_gib: float = 80,
-        serving_gib: float = 30, rollout_gib: float = 0, util: float = 0.4, gpu: str = "n/0",
-        event_id: str | None = None) -> Telemetry:
+def tel(
+    i: int,
+    ts: float,
+    ttft_frac: float = 0.2,
+    tpot_frac: float = 0.2,
+    total_gib: float = 80,
+    serving_gib: float = 30,
+    rollout_gib: float = 0,
+    util: float = 0.4,
+    gpu: str = "n/0",
+    event_id: str | None = None,
+) -> Telemetry:
     total = int(total_gib * GiB)
     rollout = int(rollout_gib * GiB)
     return Telemetry(
-        event_id=event_id or f"{gpu}-e{i}", ts=ts, node=gpu.split("/")[0], gpu=gpu, pool="serving",
-        gpu_util=util, mem_total_bytes=total, mem_used_bytes=int(serving_gib * GiB) + rollout,
-        rollout_mem_bytes=rollout, latency_ms=Latency(SLO.ttft_p99 * ttft_frac, SLO.tpot_p99 * tpot_frac),
-        slo_ms=SLO, rps=2.0, queue_depth=0,
+        event_id=event_id or f"{gpu}-e{i}",
+        ts=ts,
+        node=gpu.split("/")[0],
+        gpu=gpu,
+        pool="serving",
+        gpu_util=util,
+        mem_total_bytes=total,
+        mem_used_bytes=int(serving_gib * GiB) + rollout,
+        rollout_mem_bytes=rollout,
+        latency_ms=Latency(SLO.ttft_p99 * ttft_frac, SLO.tpot_p99 * tpot_frac),
+        slo_ms=SLO,
+        rps=2.0,
+        queue_depth=0,
     )
 
 
@@ -64,9 +82,15 @@ MEM_STEPS = [-5, -1, 0, 0, 0, 0, 0, 0, 1, 2, 8]
 DTS = [0.5] * 12 + [0.25, 1.0, 3.0, 6.0, 0.0, -0.7]  # 0 and negative: stale
 
 
-STEP = st.tuples(st.sampled_from(DTS), st.sampled_from(LAT_STEPS), st.sampled_from(LAT_STEPS),
-                 st.sampled_from(MEM_STEPS), st.sampled_from([None] * 20 + [0.0, 0.1, 0.3, 1.0]),
-                 st.sampled_from([0.0, 0.3, 0.9, 1.0]), st.integers(0, 30))
+STEP = st.tuples(
+    st.sampled_from(DTS),
+    st.sampled_from(LAT_STEPS),
+    st.sampled_from(LAT_STEPS),
+    st.sampled_from(MEM_STEPS),
+    st.sampled_from([None] * 20 + [0.0, 0.1, 0.3, 1.0]),
+    st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+    st.integers(0, 30),
+)
 
 
 @st.composite
@@ -77,7 +101,8 @@ def sequences(draw):
     rollout_frac = 0.0
     ts, events = 1_000.0, []
     for i, (dt, d_ttft, d_tpot, d_mem, new_rollout, util, dup) in enumerate(
-            draw(st.lists(STEP, min_size=30, max_size=100))):
+        draw(st.lists(STEP, min_size=30, max_size=100))
+    ):
         ts = max(0.0, ts + dt)
         ttft = min(140, max(1, ttft + d_ttft))
         tpot = min(140, max(1, tpot + d_tpot))
@@ -85,8 +110,19 @@ def sequences(draw):
         rollout_frac = rollout_frac if new_rollout is None else new_rollout
         serving_gib = total * serving / 100
         eid = events[-1].event_id if events and dup == 0 else None
-        events.append(tel(i, ts, ttft / 100, tpot / 100, total, serving_gib,
-                          (total - serving_gib) * rollout_frac, util, event_id=eid))
+        events.append(
+            tel(
+                i,
+                ts,
+                ttft / 100,
+                tpot / 100,
+                total,
+                serving_gib,
+                (total - serving_gib) * rollout_frac,
+                util,
+                event_id=eid,
+            )
+        )
     return events
 
 
@@ -145,9 +181,13 @@ def test_invariants_hold_on_every_event(events):
                 elif c.compute_share > 0:  # a resume: only after the grant streak, never while slow
                     assert lease["share"] == 0.0 and streak >= cfg.grant_streak and not slow
                     assert c.compute_share <= cfg.max_compute_share
-                lease.update(expires_at=c.expires_at, share=c.compute_share,
-                             paused_since=lease["paused_since"] if c.compute_share == lease["share"]
-                             else (e.ts if c.compute_share == 0.0 else None))
+                lease.update(
+                    expires_at=c.expires_at,
+                    share=c.compute_share,
+                    paused_since=lease["paused_since"]
+                    if c.compute_share == lease["share"]
+                    else (e.ts if c.compute_share == 0.0 else None),
+                )
             elif kinds == ["revoke"]:
                 assert d.explain.action == "revoke"
                 lease, revoked_at = None, e.ts
@@ -166,8 +206,14 @@ def test_invariants_hold_on_every_event(events):
                     assert e.ts >= revoked_at + cfg.cooldown_s
                 last_grant_epoch = g.epoch
                 assert g.compute_share > 0.0
-                lease = dict(id=g.lease_id, epoch=g.epoch, mem=g.mem_bytes, expires_at=g.expires_at,
-                             share=g.compute_share, paused_since=None)
+                lease = dict(
+                    id=g.lease_id,
+                    epoch=g.epoch,
+                    mem=g.mem_bytes,
+                    expires_at=g.expires_at,
+                    share=g.compute_share,
+                    paused_since=None,
+                )
         assert d.view.epoch == last_grant_epoch
 
 
@@ -175,11 +221,18 @@ PCT = st.one_of(st.integers(0, 140), st.integers(88, 92))  # latency in % of SLO
 
 
 @settings(max_examples=300, deadline=None)
-@given(total_gib=st.sampled_from([16, 24, 80, 141]), serving_pct=st.integers(5, 60),
-       rollout_pct=st.integers(0, 100), ttft_pct=PCT, tpot_pct=PCT,
-       delta=st.integers(-(1 << 31), 1 << 31), trend=st.booleans())
-def test_pause_or_revoke_on_the_very_event_that_shows_trouble(total_gib, serving_pct, rollout_pct, ttft_pct,
-                                                             tpot_pct, delta, trend):
+@given(
+    total_gib=st.sampled_from([16, 24, 80, 141]),
+    serving_pct=st.integers(5, 60),
+    rollout_pct=st.integers(0, 100),
+    ttft_pct=PCT,
+    tpot_pct=PCT,
+    delta=st.integers(-(1 << 31), 1 << 31),
+    trend=st.booleans(),
+)
+def test_pause_or_revoke_on_the_very_event_that_shows_trouble(
+    total_gib, serving_pct, rollout_pct, ttft_pct, tpot_pct, delta, trend
+):
     """Boundaries exactly: a lease is held, then one arbitrary event; free memory < margin must
     revoke on that event, and otherwise headroom < 0.10 on any metric must pause it (throttle to
     share 0, same lease and epoch, no cooldown). Without `trend`, the trend and KV-growth
@@ -204,8 +257,12 @@ def test_pause_or_revoke_on_the_very_event_that_shows_trouble(total_gib, serving
         if trend and c.kind == "revoke":  # memory outranks latency: KV growth heading to the margin
             assert "KV growth" in c.reason
         else:
-            assert (c.kind, c.compute_share, c.lease_id, c.epoch) == ("throttle", 0.0, ds[-1].view.lease_id,
-                                                                       ds[-1].view.epoch)
+            assert (c.kind, c.compute_share, c.lease_id, c.epoch) == (
+                "throttle",
+                0.0,
+                ds[-1].view.lease_id,
+                ds[-1].view.epoch,
+            )
             assert d.view.cooldown_until == ds[-1].view.cooldown_until and d.view.paused_since == e.ts
     elif not trend:
         assert d.commands == () and d.explain.action == "hold"  # hysteresis: nothing to do
@@ -220,9 +277,17 @@ def test_deterministic_and_view_survives_json(events):
 
 
 @settings(max_examples=60, deadline=None)
-@given(sequences(), st.lists(st.tuples(st.integers(0, 119), st.integers(0, 6),
-                                       st.sampled_from(["active", "revoking", "revoked", "expired", "rejected"])),
-                             max_size=10))
+@given(
+    sequences(),
+    st.lists(
+        st.tuples(
+            st.integers(0, 119),
+            st.integers(0, 6),
+            st.sampled_from(["active", "revoking", "revoked", "expired", "rejected"]),
+        ),
+        max_size=10,
+    ),
+)
 def test_lease_states_never_resurrect_and_raise_the_epoch_floor(events, states):
     """Folding executor lease states between events: epochs still strictly increase and
     no lease the view does not hold ever appears (no renew/revoke without a grant)."""
@@ -256,6 +321,7 @@ def test_lease_states_never_resurrect_and_raise_the_epoch_floor(events, states):
 
 # --- readable examples ---------------------------------------------------------------------
 
+
 def steady(n, start=0, t0=100.0, **kw):
     return [tel(start + i, t0 + 0.5 * (start + i), **kw) for i in range(n)]
 
@@ -285,8 +351,13 @@ def test_pause_on_the_very_event_that_loses_headroom_then_resume_after_the_strea
     bad = tel(3, 101.5, tpot_frac=0.92)
     d = decide(ds[-1].view, bad, CFG)
     (t,) = d.commands
-    assert (t.kind, t.epoch, t.lease_id, t.cause_event_id, t.compute_share) == ("throttle", 1, "n/0#1",
-                                                                                bad.event_id, 0.0)
+    assert (t.kind, t.epoch, t.lease_id, t.cause_event_id, t.compute_share) == (
+        "throttle",
+        1,
+        "n/0#1",
+        bad.event_id,
+        0.0,
+    )
     assert t.reason.startswith("pause: headroom 0.08 < 0.10 on tpot_p99") and t.mem_bytes == granted.mem_bytes
     assert d.view.cooldown_until == 0.0 and d.view.lease_id == "n/0#1" and d.view.paused_since == 101.5
     # still slow: held paused (renewed as it comes due), never resumed
@@ -356,8 +427,9 @@ def test_hysteresis_holds_and_renews_between_thresholds():
         kinds.append(d.explain.action)
         view = d.view
     assert "revoke" not in kinds and kinds.count("renew") >= 2
-    renew = next(c for c in [decide(view, tel(99, view.lease_expires_at - 1.0, tpot_frac=0.8), CFG)]
-                 for c in c.commands)
+    renew = next(
+        c for c in [decide(view, tel(99, view.lease_expires_at - 1.0, tpot_frac=0.8), CFG)] for c in c.commands
+    )
     assert (renew.kind, renew.epoch, renew.lease_id) == ("renew", 1, "n/0#1")
 
 
@@ -397,8 +469,12 @@ def test_trend_takes_the_smaller_rate_of_the_two_intervals():
 
 
 @settings(max_examples=150, deadline=None)
-@given(low=st.integers(1, 70), high=st.integers(1, 89), metric=st.sampled_from(["ttft", "tpot"]),
-       pattern=st.lists(st.booleans(), min_size=10, max_size=40))
+@given(
+    low=st.integers(1, 70),
+    high=st.integers(1, 89),
+    metric=st.sampled_from(["ttft", "tpot"]),
+    pattern=st.lists(st.booleans(), min_size=10, max_size=40),
+)
 def test_two_level_noise_below_the_revoke_line_never_revokes(low, high, metric, pattern):
     """A GPU's window p99 flipping between two levels (decode step / prefill-chunk stall), both
     with headroom ≥ 0.10, at any pattern: never three rising samples, so never a revoke, and the
@@ -475,24 +551,35 @@ def test_stale_and_duplicate_events_are_ignored_with_a_counter():
 
 def test_observe_lease_state_ends_the_lease_and_keeps_the_epoch_floor():
     view = run(steady(3))[-1].view
-    ended = observe_lease_state(view, lease_state_example(gpu="n/0", lease_id="n/0#1", epoch=1,
-                                                           state="expired", ts=102.0), CFG)
+    ended = observe_lease_state(
+        view, lease_state_example(gpu="n/0", lease_id="n/0#1", epoch=1, state="expired", ts=102.0), CFG
+    )
     assert ended.lease_id is None and ended.epoch == 1
-    fresh = observe_lease_state(None, lease_state_example(gpu="n/9", lease_id="n/9#7", epoch=7,
-                                                           state="active"), CFG)
+    fresh = observe_lease_state(None, lease_state_example(gpu="n/9", lease_id="n/9#7", epoch=7, state="active"), CFG)
     assert fresh.lease_id is None and fresh.epoch == 7
     assert POLICY_VERSION
 
 
 @settings(max_examples=80, deadline=None)
 @given(
-    events=st.lists(st.tuples(st.floats(0.31, 3.0), st.floats(0.0, 3.0), st.integers(20, 70),
-                              st.floats(0.0, 1.0)), min_size=1, max_size=8),
-    cooldown=st.floats(0.0, 50.0), revokes=st.integers(0, 4), epoch=st.integers(0, 5),
+    events=st.lists(
+        st.tuples(st.floats(0.31, 3.0), st.floats(0.0, 3.0), st.integers(20, 70), st.floats(0.0, 1.0)),
+        min_size=1,
+        max_size=8,
+    ),
+    cooldown=st.floats(0.0, 50.0),
+    revokes=st.integers(0, 4),
+    epoch=st.integers(0, 5),
     prev=st.one_of(st.none(), st.tuples(st.floats(1.0, 900.0), st.floats(1.0, 90.0), st.integers(20, 70))),
     expired_lease=st.booleans(),
-    folded_state=st.one_of(st.none(), st.tuples(st.integers(0, 8), st.sampled_from(
-        ["active", "revoking", "revoked", "expired", "rejected"]), st.integers(0, 7))),
+    folded_state=st.one_of(
+        st.none(),
+        st.tuples(
+            st.integers(0, 8),
+            st.sampled_from(["active", "revoking", "revoked", "expired", "rejected"]),
+            st.integers(0, 7),
+        ),
+    ),
 )
 def test_deferred_calls_are_exact(events, cooldown, revokes, epoch, prev, expired_lease, folded_state):
     """rose.policy.deferral: for a GPU without a lease, a run of deferrable events leaves `decide`
@@ -500,19 +587,46 @@ def test_deferred_calls_are_exact(events, cooldown, revokes, epoch, prev, expire
     in somewhere in the run (the holder folds it at once and hands the held-back events later)."""
     view = GpuView("sim/0", epoch=epoch, cooldown_until=cooldown, revokes_in_row=revokes)
     if prev is not None:
-        view = GpuView("sim/0", last_ts=1.0, last_event_id="x", streak=2, epoch=epoch, cooldown_until=cooldown,
-                       revokes_in_row=revokes, prev_ttft_p99=prev[0], prev_tpot_p99=prev[1],
-                       prev_serving_mem=prev[2] << 30,
-                       **({"lease_id": f"sim/0#{epoch}", "lease_expires_at": 1.5, "lease_mem_bytes": 4 << 30}
-                          if expired_lease else {}))
+        view = GpuView(
+            "sim/0",
+            last_ts=1.0,
+            last_event_id="x",
+            streak=2,
+            epoch=epoch,
+            cooldown_until=cooldown,
+            revokes_in_row=revokes,
+            prev_ttft_p99=prev[0],
+            prev_tpot_p99=prev[1],
+            prev_serving_mem=prev[2] << 30,
+            **(
+                {"lease_id": f"sim/0#{epoch}", "lease_expires_at": 1.5, "lease_mem_bytes": 4 << 30}
+                if expired_lease
+                else {}
+            ),
+        )
     evs = []
     for i, (ratio, other, used_gib, util) in enumerate(events):  # ratio > 0.3: below grant headroom
         ttft = 1000.0 * min(ratio, 0.99) if i % 2 else 1000.0 * other / 3
         tpot = 100.0 * other / 3 if i % 2 else 100.0 * min(ratio, 0.99)
         if 1.0 - max(ttft / 1000.0, tpot / 100.0) >= CFG.grant_headroom:
             tpot = 100.0 * 0.8
-        evs.append(Telemetry(f"e{i}", 2.0 + 0.5 * i, "n", "sim/0", "serving", util, 80 << 30, used_gib << 30, 0,
-                             Latency(ttft, tpot), SLO, 1.0, 0))
+        evs.append(
+            Telemetry(
+                f"e{i}",
+                2.0 + 0.5 * i,
+                "n",
+                "sim/0",
+                "serving",
+                util,
+                80 << 30,
+                used_gib << 30,
+                0,
+                Latency(ttft, tpot),
+                SLO,
+                1.0,
+                0,
+            )
+        )
     ls = None
     if folded_state is not None and view.lease_id is None:  # the holder defers only while no lease is held
         ep, state, at = folded_state

@@ -2,7 +2,7 @@
 
 import orjson
 
-from rose.obs.logs import _dumps, setup_logging, get_logger
+from rose.obs.logs import _dumps, get_logger, setup_logging
 from rose.obs.tracing import ensure_provider, tracer
 
 
@@ -16,8 +16,9 @@ def test_a_log_line_is_json_with_the_trace_ids_of_the_current_span():
     try:
         ensure_provider()
         with tracer("t").start_as_current_span("s") as span:
-            get_logger("rose.test", instance="i").info("lease.decision", gpu="g/0", share=np.float32(0.5),
-                                                       by_epoch={1: "a"}, obj=object())
+            get_logger("rose.test", instance="i").info(
+                "lease.decision", gpu="g/0", share=np.float32(0.5), by_epoch={1: "a"}, obj=object()
+            )
     finally:
         setup_logging()  # back to standard error for every later logger
     line = orjson.loads(buf.getvalue().strip().splitlines()[-1])

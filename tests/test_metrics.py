@@ -6,8 +6,8 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 
-from rose.obs import metrics
 from rose.node.prometheus import parse, quantile
+from rose.obs import metrics
 
 
 def test_render_parses_and_histogram_is_cumulative():

@@ -23,8 +23,14 @@ def hist(name: str, counts: list[int], labels: str = 'model_name="m"', total_sum
     return "\n".join(lines) + "\n"
 
 
-def vllm_text(ttft: list[int], tpot: list[int], success: float, waiting: float = 3, running: float = 7,
-              tpot_name: str = "vllm:time_per_output_token_seconds") -> str:
+def vllm_text(
+    ttft: list[int],
+    tpot: list[int],
+    success: float,
+    waiting: float = 3,
+    running: float = 7,
+    tpot_name: str = "vllm:time_per_output_token_seconds",
+) -> str:
     return (
         "# HELP vllm:num_requests_running Number of requests currently running on GPU.\n"
         "# TYPE vllm:num_requests_running gauge\n"
@@ -34,7 +40,8 @@ def vllm_text(ttft: list[int], tpot: list[int], success: float, waiting: float =
         "# TYPE vllm:request_success_total counter\n"
         f'vllm:request_success_total{{finished_reason="stop",model_name="m"}} {success * 0.75}\n'
         f'vllm:request_success_total{{finished_reason="length",model_name="m"}} {success * 0.25}\n'
-        + hist("vllm:time_to_first_token_seconds", ttft) + hist(tpot_name, tpot)
+        + hist("vllm:time_to_first_token_seconds", ttft)
+        + hist(tpot_name, tpot)
     )
 
 
@@ -46,7 +53,8 @@ def sglang_text(ttft, tpot, total, queue=2, running=5) -> str:
         f'sglang:num_queue_reqs{{model_name="m",engine_type="unified",tp_rank="0"}} {queue}\n'
         "# TYPE sglang:num_requests_total counter\n"
         f'sglang:num_requests_total{{model_name="m"}} {total}\n'
-        + hist("sglang:time_to_first_token_seconds", ttft) + hist("sglang:inter_token_latency_seconds", tpot)
+        + hist("sglang:time_to_first_token_seconds", ttft)
+        + hist("sglang:inter_token_latency_seconds", tpot)
     )
 
 
@@ -56,8 +64,9 @@ NAMES = prom.metric_names("auto")
 def test_vllm_window_from_bucket_deltas():
     a = prom.parse(vllm_text([0, 0, 10, 0, 0, 0, 0, 0, 0], [100, 0, 0, 0, 0, 0, 0, 0, 0], success=10))
     # the window adds 100 TTFT samples: 98 in (0.05, 0.1], 2 in (0.25, 0.5]
-    b = prom.parse(vllm_text([0, 0, 10, 98, 0, 2, 0, 0, 0], [100, 0, 900, 100, 0, 0, 0, 0, 0], success=60,
-                             waiting=4, running=9))
+    b = prom.parse(
+        vllm_text([0, 0, 10, 98, 0, 2, 0, 0, 0], [100, 0, 900, 100, 0, 0, 0, 0, 0], success=60, waiting=4, running=9)
+    )
     w = prom.window(b, a, 2.0, NAMES)
     # rank 0.99*100 = 99 lies in (0.25, 0.5]: 98 below, 2 inside -> 0.25 + 0.25 * (99-98)/2
     assert w.ttft_p99_ms == pytest.approx(375.0)
@@ -100,8 +109,12 @@ def test_missing_metrics_and_empty_windows():
 def test_parser_details_and_errors():
     s = prom.parse('# comment\nm{a="x\\"y,z}",b="2"} 1.5 1700000000000\nm{a="q"} 2\nn 3\nnan_metric NaN\n')
     assert s.values == {"m": 3.5, "n": 3.0}
-    for bad, where in (("m{a=1} 2", "line 1"), ("ok 1\nm", "line 2"), ("m{a=\"x\"} abc", "line 1"),
-                       ("m 1 2 3", "line 1")):
+    for bad, where in (
+        ("m{a=1} 2", "line 1"),
+        ("ok 1\nm", "line 2"),
+        ('m{a="x"} abc', "line 1"),
+        ("m 1 2 3", "line 1"),
+    ):
         with pytest.raises(prom.ExpositionError, match=where):
             prom.parse(bad)
     with pytest.raises(ValueError, match="unknown engine"):
@@ -146,7 +159,7 @@ def test_scrape_a_local_http_server(metrics_server):
 
 
 def test_keep_skips_other_series_with_the_same_result():
-    text = "other_metric{x=\"1\"} 5\n" + vllm_text([0, 3] + [0] * 7, [0] * 9, 2)
+    text = 'other_metric{x="1"} 5\n' + vllm_text([0, 3] + [0] * 7, [0] * 9, 2)
     full, kept = prom.parse(text), prom.parse(text, prom.all_names(NAMES))
     assert "other_metric" in full.values and "other_metric" not in kept.values
     assert kept.histograms["vllm:time_to_first_token_seconds"] == full.histograms["vllm:time_to_first_token_seconds"]

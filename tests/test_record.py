@@ -9,10 +9,10 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from rose.scheduler.service import Scheduler
 from rose.cli import app
 from rose.kafka.consumer import read_all
 from rose.kafka.producer import make_producer, produce_event
+from rose.scheduler.service import Scheduler
 from rose.sim.telemetry_workload import workload
 from tests.examples import lease_state_example
 
@@ -43,8 +43,13 @@ def test_record_exports_every_topic_and_replay_diff_agrees(cfg, tmp_path):
     grants = [orjson.loads(m.value()) for m in read_all(k, [k.commands_topic])]
     grants = [c for c in grants if c["kind"] == "grant"]
     for c in grants:  # what an executor answers
-        produce_event(p, k.lease_state_topic, lease_state_example(
-            gpu=c["gpu"], lease_id=c["lease_id"], epoch=c["epoch"], ts=c["ts"] + 0.01, command_id=c["command_id"]))
+        produce_event(
+            p,
+            k.lease_state_topic,
+            lease_state_example(
+                gpu=c["gpu"], lease_id=c["lease_id"], epoch=c["epoch"], ts=c["ts"] + 0.01, command_id=c["command_id"]
+            ),
+        )
     assert p.flush(30) == 0
 
     log = tmp_path / "rec.ndjson"
@@ -74,7 +79,8 @@ def test_record_exports_every_topic_and_replay_diff_agrees(cfg, tmp_path):
 
 
 def test_record_names_a_missing_topic_in_one_line(cfg, tmp_path):
-    r = runner.invoke(app, ["record", "--out", str(tmp_path / "x.ndjson"), "--topics", "nosuch", "--timeout", "5"],
-                      env=_env(cfg))
+    r = runner.invoke(
+        app, ["record", "--out", str(tmp_path / "x.ndjson"), "--topics", "nosuch", "--timeout", "5"], env=_env(cfg)
+    )
     assert r.exit_code == 2
     assert f"cannot read topic {cfg.kafka.topic('nosuch')}" in r.stderr and "Traceback" not in r.stderr

@@ -44,19 +44,39 @@ def trace_telemetry(n_windows: int = 120) -> list[Telemetry]:
         for w in range(n_windows):
             frac = 0.12 + load[w] / 8000.0
             serving = min(int(total * 0.3 + load[w] * (2 << 20)), total)
-            out.append(Telemetry(
-                event_id=f"{gpu}-{w}", ts=T0 + 0.5 * w, node=gpu.split("/")[0], gpu=gpu, pool="serving",
-                gpu_util=min(1.0, 0.2 + load[w] / 10000.0), mem_total_bytes=total, mem_used_bytes=serving,
-                rollout_mem_bytes=0, latency_ms=Latency(600.0 * frac, 60.0 * frac * 0.95),
-                slo_ms=Latency(600.0, 60.0), rps=float(load[w] / 1000.0), queue_depth=0))
+            out.append(
+                Telemetry(
+                    event_id=f"{gpu}-{w}",
+                    ts=T0 + 0.5 * w,
+                    node=gpu.split("/")[0],
+                    gpu=gpu,
+                    pool="serving",
+                    gpu_util=min(1.0, 0.2 + load[w] / 10000.0),
+                    mem_total_bytes=total,
+                    mem_used_bytes=serving,
+                    rollout_mem_bytes=0,
+                    latency_ms=Latency(600.0 * frac, 60.0 * frac * 0.95),
+                    slo_ms=Latency(600.0, 60.0),
+                    rps=float(load[w] / 1000.0),
+                    queue_depth=0,
+                )
+            )
     out.sort(key=lambda e: (e.ts, e.gpu))
     return out
 
 
 def record_line(topic: str, offset: int, value: dict, ts_ms: int) -> bytes:
-    return orjson.dumps({"topic": topic, "partition": 0, "offset": offset, "timestamp_ms": ts_ms,
-                         "key": value["gpu"], "headers": {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"},
-                         "value": value})
+    return orjson.dumps(
+        {
+            "topic": topic,
+            "partition": 0,
+            "offset": offset,
+            "timestamp_ms": ts_ms,
+            "key": value["gpu"],
+            "headers": {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"},
+            "value": value,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +100,16 @@ def plain_log(tmp_path, events):
 
 
 def lease_state(epoch: int, state: str, ts: float = T0, gpu: str = "az/0") -> dict:
-    return {"schema": "rose.lease_state.v1", "gpu": gpu, "lease_id": f"{gpu}#{epoch}", "epoch": epoch,
-            "state": state, "ts": ts, "rollout_mem_bytes": 0, "command_id": "x"}
+    return {
+        "schema": "rose.lease_state.v1",
+        "gpu": gpu,
+        "lease_id": f"{gpu}#{epoch}",
+        "epoch": epoch,
+        "state": state,
+        "ts": ts,
+        "rollout_mem_bytes": 0,
+        "command_id": "x",
+    }
 
 
 def write_record(path, events, commands, states=(lease_state(0, "expired"),)):

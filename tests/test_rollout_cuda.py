@@ -14,8 +14,15 @@ def _spec(**kw):
     from rose.config import RedisConfig
     from rose.rollout.launcher import WorkerConfig
 
-    base = dict(gpu="g0", worker_id="w", redis=RedisConfig("redis://127.0.0.1:6379/0", "x:"), job="j",
-                model="m", device="cuda:0", mem_bytes=1 << 30)
+    base = dict(
+        gpu="g0",
+        worker_id="w",
+        redis=RedisConfig("redis://127.0.0.1:6379/0", "x:"),
+        job="j",
+        model="m",
+        device="cuda:0",
+        mem_bytes=1 << 30,
+    )
     base.update(kw)
     return WorkerConfig(**base)
 
@@ -61,8 +68,14 @@ def test_engine_runs_on_cuda_on_the_low_priority_stream():
 
     spec = ModelSpec(max_seq=256)
     cpu = TorchEngine(spec, MemoryBudget(1 << 30, spec), max_batch=4, temperature=0)
-    gpu = TorchEngine(spec, MemoryBudget(1 << 30, spec), max_batch=4, device="cuda:0", temperature=0,
-                      stream=lowest_priority_stream(torch.device("cuda:0")))
+    gpu = TorchEngine(
+        spec,
+        MemoryBudget(1 << 30, spec),
+        max_batch=4,
+        device="cuda:0",
+        temperature=0,
+        stream=lowest_priority_stream(torch.device("cuda:0")),
+    )
     sd = init_state_dict(spec, 1)
     cpu.load_weights(0, sd)
     gpu.load_weights(0, sd)

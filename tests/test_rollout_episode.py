@@ -9,11 +9,18 @@ from rose.rollout.episode import DONE, GENERATE, TOOL, Episode, InvalidTask, Tas
 byte_lists = st.lists(st.integers(0, 255), min_size=1, max_size=50)
 
 
-@given(prompt=byte_lists, turns=st.integers(1, 6), tpt=st.integers(1, 8), obs=st.integers(0, 12),
-       seed=st.integers(0, 2**40), stop_after=st.integers(0, 60))
+@given(
+    prompt=byte_lists,
+    turns=st.integers(1, 6),
+    tpt=st.integers(1, 8),
+    obs=st.integers(0, 12),
+    seed=st.integers(0, 2**40),
+    stop_after=st.integers(0, 60),
+)
 def test_continuation_round_trips_and_keeps_turns(prompt, turns, tpt, obs, seed, stop_after):
-    t = Task("t", prompt, max_turns=turns, tokens_per_turn=tpt, obs_tokens=obs, seed=seed,
-             tool=ToolLatency(mu=-5, sigma=0.5))
+    t = Task(
+        "t", prompt, max_turns=turns, tokens_per_turn=tpt, obs_tokens=obs, seed=seed, tool=ToolLatency(mu=-5, sigma=0.5)
+    )
     ep = Episode(t, "w", "g", False, now=0.0)
     now = 0.0
     for i in range(stop_after):
@@ -61,19 +68,22 @@ def test_episode_runs_turns_then_finishes():
     assert traj["tokens"] == [65, 66, 1, 2, 3] + ep.turns[0].observation + [4, 5, 6]
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"prompt": [1]}, "task_id"),
-    ({"task_id": "x"}, "prompt"),
-    ({"task_id": "x", "prompt": []}, "prompt"),
-    ({"task_id": "x", "prompt": [300]}, "prompt"),
-    ({"task_id": "x", "prompt": [1], "max_turns": 0}, "max_turns"),
-    ({"task_id": "x", "prompt": [1], "tokens_per_turn": "9"}, "tokens_per_turn"),
-    ({"task_id": "x", "prompt": [1], "tool": {"mu": "slow"}}, "tool"),
-    ({"task_id": "x", "prompt": [1], "tool": {"sigma": -1}}, "tool"),
-    ({"task_id": "x", "prompt": [1], "turns": [5]}, "turns[0]"),
-    ({"task_id": "x", "prompt": [1], "turns": [{"action": [1]}]}, "turns[0].version"),
-    ({"task_id": "x", "prompt": [1], "max_turns": 1, "turns": [{"action": [1], "version": 0}] * 2}, "turns"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"prompt": [1]}, "task_id"),
+        ({"task_id": "x"}, "prompt"),
+        ({"task_id": "x", "prompt": []}, "prompt"),
+        ({"task_id": "x", "prompt": [300]}, "prompt"),
+        ({"task_id": "x", "prompt": [1], "max_turns": 0}, "max_turns"),
+        ({"task_id": "x", "prompt": [1], "tokens_per_turn": "9"}, "tokens_per_turn"),
+        ({"task_id": "x", "prompt": [1], "tool": {"mu": "slow"}}, "tool"),
+        ({"task_id": "x", "prompt": [1], "tool": {"sigma": -1}}, "tool"),
+        ({"task_id": "x", "prompt": [1], "turns": [5]}, "turns[0]"),
+        ({"task_id": "x", "prompt": [1], "turns": [{"action": [1]}]}, "turns[0].version"),
+        ({"task_id": "x", "prompt": [1], "max_turns": 1, "turns": [{"action": [1], "version": 0}] * 2}, "turns"),
+    ],
+)
 def test_invalid_tasks_name_the_field(bad, field):
     with pytest.raises(InvalidTask) as e:
         Task.from_dict(bad)

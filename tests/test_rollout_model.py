@@ -18,7 +18,7 @@ def engine(seed=1, max_batch=8, limit=BIG, temperature=1.0):
 
 
 def prompts(n):
-    return [list(f"prompt number {i} " .encode()) * (1 + i % 3) for i in range(n)]
+    return [list(f"prompt number {i} ".encode()) * (1 + i % 3) for i in range(n)]
 
 
 def test_param_count_matches_model():
@@ -35,7 +35,7 @@ def test_kv_cache_decoding_equals_full_recompute():
     slot = torch.tensor([1])
     step = [m(seq[:, :10], cache, slot, torch.tensor([0]))[0]]  # prefill, then one token at a time
     for i in range(10, 40):
-        step.append(m(seq[:, i:i + 1], cache, slot, torch.tensor([i]))[0])
+        step.append(m(seq[:, i : i + 1], cache, slot, torch.tensor([i]))[0])
     inc = torch.cat(step)
     assert torch.allclose(inc, full, atol=1e-4), (inc - full).abs().max()
 
@@ -94,12 +94,16 @@ def test_pause_check_stops_within_one_step():
 def test_pause_between_prefill_chunks_then_resume_loses_nothing():
     b = MemoryBudget(BIG, SPEC)
     small = b.model_bytes + b.min_activation_bytes() + 2 * b.kv_bytes_per_slot + 10
-    ref = engine(limit=small).generate([GenRequest("a", list(b"z" * 100), seed=3),
-                                        GenRequest("b", list(b"q" * 90), seed=4)], 6)
+    ref = engine(limit=small).generate(
+        [GenRequest("a", list(b"z" * 100), seed=3), GenRequest("b", list(b"q" * 90), seed=4)], 6
+    )
     e = engine(limit=small)
     calls = []
-    paused = e.generate([GenRequest("a", list(b"z" * 100), seed=3), GenRequest("b", list(b"q" * 90), seed=4)], 6,
-                        pause_check=lambda: calls.append(1) or len(calls) == 3)  # inside the prefill
+    paused = e.generate(
+        [GenRequest("a", list(b"z" * 100), seed=3), GenRequest("b", list(b"q" * 90), seed=4)],
+        6,
+        pause_check=lambda: calls.append(1) or len(calls) == 3,
+    )  # inside the prefill
     assert paused == [[], []]
     rest = e.generate([GenRequest("a"), GenRequest("b")], 6)
     assert rest == ref

@@ -7,8 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rose.rollout.episode import Task, ToolLatency
-from rose.rollout.placement import (PlacementConfig, WorkerView, affinity_hit_rate, long_tail_on_dedicated,
-                                    place)
+from rose.rollout.placement import PlacementConfig, WorkerView, affinity_hit_rate, long_tail_on_dedicated, place
 
 CFG = PlacementConfig(long_tail_tokens=100, straggler_frac=0.8, max_moves=2)
 LEASED = WorkerView("L", dedicated=False, free_slots=4)
@@ -41,12 +40,22 @@ def test_no_room_or_too_many_moves_means_stay():
     assert not place(500, 2, LEASED, [D2], 0.9, CFG).move
 
 
-views = st.builds(WorkerView, worker_id=st.sampled_from(["a", "b", "c", "d"]), dedicated=st.booleans(),
-                  free_slots=st.integers(0, 4), alive=st.booleans())
+views = st.builds(
+    WorkerView,
+    worker_id=st.sampled_from(["a", "b", "c", "d"]),
+    dedicated=st.booleans(),
+    free_slots=st.integers(0, 4),
+    alive=st.booleans(),
+)
 
 
-@given(here=views, others=st.lists(views, max_size=6), rem=st.integers(0, 1000), moves=st.integers(0, 3),
-       frac=st.floats(0, 1))
+@given(
+    here=views,
+    others=st.lists(views, max_size=6),
+    rem=st.integers(0, 1000),
+    moves=st.integers(0, 3),
+    frac=st.floats(0, 1),
+)
 def test_moves_only_to_a_live_dedicated_worker_with_room(here, others, rem, moves, frac):
     d = place(rem, moves, here, others, frac, CFG)
     if d.move:
@@ -58,8 +67,10 @@ def test_metrics():
     def turn(w, ded, n=10):
         return {"worker": w, "dedicated": ded, "action": [0] * n}
 
-    trajs = [{"turns": [turn("a", False), turn("a", False), turn("b", True)]},
-             {"turns": [turn("b", True, 50), turn("b", True, 50)]}]
+    trajs = [
+        {"turns": [turn("a", False), turn("a", False), turn("b", True)]},
+        {"turns": [turn("b", True, 50), turn("b", True, 50)]},
+    ]
     assert affinity_hit_rate(trajs) == pytest.approx(2 / 3)
     assert long_tail_on_dedicated(trajs, min_tokens=100) == 1.0
     assert long_tail_on_dedicated(trajs, min_tokens=30) == pytest.approx(110 / 130)
@@ -70,9 +81,8 @@ def test_long_tail_lands_on_dedicated_and_turns_keep_affinity(cfg, redis_client)
     """A dedicated and a leased worker share a mixed batch: long episodes (8 turns × 32
     tokens) and short ones (2 × 12). Placement should put the long tail's tokens on the
     dedicated worker and keep consecutive turns on one worker."""
-    from tests.test_rollout_tasks import JOB, hb, spec, start, wait_for
-
     from rose.rollout.tasks import TaskQueue
+    from tests.test_rollout_tasks import JOB, hb, spec, start, wait_for
 
     q = TaskQueue(redis_client, cfg.redis, JOB)
     q.ensure_group()
@@ -83,9 +93,17 @@ def test_long_tail_lands_on_dedicated_and_turns_keep_affinity(cfg, redis_client)
     n_long, n_short = 4, 12
     for i in range(n_long + n_short):
         long = i % 4 == 0
-        q.submit(Task(task_id=f"e{i}", prompt=list(b"task %d" % i), max_turns=8 if long else 2,
-                      tokens_per_turn=32 if long else 12, obs_tokens=8,
-                      tool=ToolLatency(mu=math.log(0.03), sigma=0.3), seed=i))
+        q.submit(
+            Task(
+                task_id=f"e{i}",
+                prompt=list(b"task %d" % i),
+                max_turns=8 if long else 2,
+                tokens_per_turn=32 if long else 12,
+                obs_tokens=8,
+                tool=ToolLatency(mu=math.log(0.03), sigma=0.3),
+                seed=i,
+            )
+        )
     try:
         wait_for(lambda: q.progress(0)[1] == n_long + n_short, timeout=120, what="all episodes")
     finally:

@@ -24,15 +24,34 @@ JOB = "job"
 
 
 def spec(cfg, wid, **kw) -> WorkerConfig:
-    base = dict(gpu=f"sim/{wid}", worker_id=wid, redis=cfg.redis, job=JOB, model="policy", model_spec=SMALL,
-                max_batch=8, min_idle_ms=1500, reclaim_every_ms=200)
+    base = dict(
+        gpu=f"sim/{wid}",
+        worker_id=wid,
+        redis=cfg.redis,
+        job=JOB,
+        model="policy",
+        model_spec=SMALL,
+        max_batch=8,
+        min_idle_ms=1500,
+        reclaim_every_ms=200,
+    )
     base.update(kw)
     return WorkerConfig(**base)
 
 
 def tasks(n, turns=3, tpt=12, tool_s=0.02, prefix="t"):
-    return [Task(task_id=f"{prefix}{i}", prompt=list(b"question %d?" % i), max_turns=turns, tokens_per_turn=tpt,
-                 obs_tokens=10, tool=ToolLatency(mu=math.log(tool_s), sigma=0.0), seed=i) for i in range(n)]
+    return [
+        Task(
+            task_id=f"{prefix}{i}",
+            prompt=list(b"question %d?" % i),
+            max_turns=turns,
+            tokens_per_turn=tpt,
+            obs_tokens=10,
+            tool=ToolLatency(mu=math.log(tool_s), sigma=0.0),
+            seed=i,
+        )
+        for i in range(n)
+    ]
 
 
 def start(s: WorkerConfig) -> subprocess.Popen:
@@ -271,26 +290,41 @@ def test_policy_version_switches_between_steps(cfg, redis_client, queue):
 
 
 def test_worker_refuses_a_budget_below_the_model():
-    s = WorkerConfig(gpu="g", worker_id="w", redis=RedisConfig("redis://127.0.0.1:1/0", "x:"), job="j",
-                     model="m", mem_bytes=100_000, model_spec=SMALL)
+    s = WorkerConfig(
+        gpu="g",
+        worker_id="w",
+        redis=RedisConfig("redis://127.0.0.1:1/0", "x:"),
+        job="j",
+        model="m",
+        mem_bytes=100_000,
+        model_spec=SMALL,
+    )
     p = run(s, timeout=60)
     assert p.returncode == EXIT_BUDGET
     assert p.stderr.count("\n") == 1 and "mem_bytes 100000" in p.stderr
 
 
-@pytest.mark.parametrize("change, message", [
-    (('"mem_bytes":1073741824', '"mem_bytes":"lots"'), "mem_bytes: expected int, got 'lots'"),
-    (('"key_prefix":"x:"', '"key_prefix":7'), "redis.key_prefix: expected str, got 7"),
-    (('"job":"j",', ''), "job: missing required field"),
-    (('"seed":0', '"sede":0'), "sede: unknown WorkerConfig field"),
-    (('{', '['), "worker config: not valid JSON (Expecting ',' delimiter)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (('"mem_bytes":1073741824', '"mem_bytes":"lots"'), "mem_bytes: expected int, got 'lots'"),
+        (('"key_prefix":"x:"', '"key_prefix":7'), "redis.key_prefix: expected str, got 7"),
+        (('"job":"j",', ""), "job: missing required field"),
+        (('"seed":0', '"sede":0'), "sede: unknown WorkerConfig field"),
+        (("{", "["), "worker config: not valid JSON (Expecting ',' delimiter)"),
+    ],
+)
 def test_worker_rejects_a_bad_config_in_one_line(change, message):
     """Read from stdin, the default descriptor (`python -m rose.rollout.worker < worker.json`)."""
     text = WorkerConfig(gpu="g", worker_id="w", redis=RedisConfig("r", "x:"), job="j", model="m").to_json()
     assert change[0] in text
-    p = subprocess.run([sys.executable, "-m", "rose.rollout.worker"], input=text.replace(change[0], change[1], 1),
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "rose.rollout.worker"],
+        input=text.replace(change[0], change[1], 1),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == EXIT_BAD_CONFIG
     assert p.stderr.strip() == f"rose-worker: {message}"
 
@@ -300,9 +334,23 @@ def test_config_round_trips_through_a_descriptor():
 
     from rose.rollout.launcher import _config_file, read_config
 
-    s = WorkerConfig(gpu="n/0", worker_id="w", redis=RedisConfig("redis://u:pw@h:1/0", "p:"), job="j", model="m",
-                     weights_hmac_key="wk", device="cuda:0", mem_bytes=5 << 30, compute_share=0.4, pause_flag="f",
-                     dedicated=True, nice=5, cpus=(0, 3), seed=9, model_spec={"d_model": 64})
+    s = WorkerConfig(
+        gpu="n/0",
+        worker_id="w",
+        redis=RedisConfig("redis://u:pw@h:1/0", "p:"),
+        job="j",
+        model="m",
+        weights_hmac_key="wk",
+        device="cuda:0",
+        mem_bytes=5 << 30,
+        compute_share=0.4,
+        pause_flag="f",
+        dedicated=True,
+        nice=5,
+        cpus=(0, 3),
+        seed=9,
+        model_spec={"d_model": 64},
+    )
     assert WorkerConfig.from_json(s.to_json()) == s
     fd = _config_file(s.to_json().encode())
     assert read_config(fd) == s

@@ -14,12 +14,12 @@ from collections import Counter
 import orjson
 import pytest
 
-from rose.scheduler.service import Scheduler
 from rose.contract.codec import encode
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce, produce_event
-from tests.examples import telemetry_example
+from rose.scheduler.service import Scheduler
 from rose.sim.telemetry_workload import expected_commands, workload
+from tests.examples import telemetry_example
 from tests.kafka_checks import by_gpu, commands, wait_for_commands
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
@@ -84,32 +84,39 @@ def test_sigkill_under_load_loses_and_duplicates_nothing(cfg, tmp_path):
     import threading
 
     events = workload(40, 200, prefix="kill", seed=11)
-    feeder = threading.Thread(target=lambda: [_produce(cfg, events[i:i + 200]) or time.sleep(0.5)
-                                              for i in range(0, len(events), 200)])
+    feeder = threading.Thread(
+        target=lambda: [_produce(cfg, events[i : i + 200]) or time.sleep(0.5) for i in range(0, len(events), 200)]
+    )
     feeder.start()  # 40 batches over ~20 s: the scheduler dies while work arrives
-    env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
-           "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix, "ROSE_KAFKA__PARTITIONS": str(cfg.kafka.partitions)}
+    env = {
+        **os.environ,
+        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+        "ROSE_KAFKA__PARTITIONS": str(cfg.kafka.partitions),
+    }
     cmd = [sys.executable, "-m", "rose", "scheduler", "--instance", "k", "--log-level", "WARNING"]
     rng = random.Random(3)
     at_kill = []
     for round_ in range(4):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                stderr=open(tmp_path / f"s{round_}.log", "wb"))
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"s{round_}.log", "wb"))
         time.sleep(rng.uniform(3.0, 5.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         at_kill.append(len(commands(cfg)))
     feeder.join()
-    proc = subprocess.Popen(cmd + ["--duration", "120"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "final.log", "wb"))
+    proc = subprocess.Popen(
+        cmd + ["--duration", "120"], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "final.log", "wb")
+    )
     want = expected_commands(events, cfg.policy)
     n_want = sum(map(len, want.values()))
     got = wait_for_commands(cfg, n_want)
     exit_s = terminate_all({"scheduler": proc})
     ids = Counter(c["command_id"] for c in got)
     dups = [i for i, n in ids.items() if n > 1]
-    print(f"\n[sigkill] kills={len(at_kill)} committed-at-each-kill={at_kill} events={len(events)} "
-          f"commands expected={n_want} got={len(got)} duplicates={len(dups)}")
+    print(
+        f"\n[sigkill] kills={len(at_kill)} committed-at-each-kill={at_kill} events={len(events)} "
+        f"commands expected={n_want} got={len(got)} duplicates={len(dups)}"
+    )
     assert at_kill[-1] < n_want, "the kills must land before the work is done"
     assert not dups
     assert by_gpu(got) == want
@@ -143,8 +150,9 @@ def test_trace_context_flows_from_telemetry_to_command(cfg):
         assert apply_span.get_span_context().trace_id == trace_id
     first_id = orjson.loads(msgs[0].value())["command_id"]
     spans = {s.name: s for s in exp.get_finished_spans()}
-    decide = next(s for s in exp.get_finished_spans()
-                  if s.name == "lease.decide" and s.attributes["rose.command_id"] == first_id)
+    decide = next(
+        s for s in exp.get_finished_spans() if s.name == "lease.decide" and s.attributes["rose.command_id"] == first_id
+    )
     assert decide.context.trace_id == trace_id
     assert decide.parent is not None
     assert decide.attributes["rose.kind"] == "grant"
@@ -179,8 +187,12 @@ def test_the_scheduler_stays_up_while_the_broker_cannot_be_reached(cfg):
     from rose.scheduler.service import RESTARTS, run_scheduler
     from rose.stack import free_port
 
-    dead = dataclasses.replace(cfg, kafka=dataclasses.replace(
-        cfg.kafka, bootstrap=f"127.0.0.1:{free_port()}", librdkafka={**cfg.kafka.librdkafka, "log_level": "0"}))
+    dead = dataclasses.replace(
+        cfg,
+        kafka=dataclasses.replace(
+            cfg.kafka, bootstrap=f"127.0.0.1:{free_port()}", librdkafka={**cfg.kafka.librdkafka, "log_level": "0"}
+        ),
+    )
     before = RESTARTS.value()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

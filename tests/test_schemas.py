@@ -44,9 +44,9 @@ def from_schema(schema: dict):
     if t == "integer":
         return st.integers(schema.get("minimum"), schema.get("maximum"))
     lo = schema.get("minimum", schema.get("exclusiveMinimum"))
-    return st.floats(lo, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema,
-                     allow_nan=False, allow_infinity=False) | st.integers(
-        int(lo) + ("exclusiveMinimum" in schema), int(schema.get("maximum", 2**53)))
+    return st.floats(
+        lo, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema, allow_nan=False, allow_infinity=False
+    ) | st.integers(int(lo) + ("exclusiveMinimum" in schema), int(schema.get("maximum", 2**53)))
 
 
 def cross_field_ok(d) -> bool:
@@ -88,8 +88,14 @@ def test_every_schema_instance_decodes(name, data):
 
 
 BAD_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=5), st.just(""), st.lists(st.integers(-9, 9), max_size=2), st.just({}),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=5),
+    st.just(""),
+    st.lists(st.integers(-9, 9), max_size=2),
+    st.just({}),
 )
 
 
@@ -122,12 +128,39 @@ def test_decoder_rejects_exactly_what_the_schema_rejects(name, typ, data):
         decoded_ok = True
     except InvalidEvent as e:
         decoded_ok = False
-        assert e.field == "$" or e.field.split(".")[0] == path[0] or e.field in ("mem_used_bytes", "rollout_mem_bytes"), (e.field, path)
+        assert (
+            e.field == "$" or e.field.split(".")[0] == path[0] or e.field in ("mem_used_bytes", "rollout_mem_bytes")
+        ), (e.field, path)
     assert decoded_ok == schema_ok, (path, d)
 
 
-EDGES = [0, 0.0, -0.0, -1, 1, 1.0, 2.0, True, None, "", "x", "x" * 257, {}, [], 1e9, 1e9 + 1, 1e11 + 1,
-         2**31, 2**31 + 1, 2**50, 2**50 + 1, float(2**50), math.inf, -math.inf, math.nan]
+EDGES = [
+    0,
+    0.0,
+    -0.0,
+    -1,
+    1,
+    1.0,
+    2.0,
+    True,
+    None,
+    "",
+    "x",
+    "x" * 257,
+    {},
+    [],
+    1e9,
+    1e9 + 1,
+    1e11 + 1,
+    2**31,
+    2**31 + 1,
+    2**50,
+    2**50 + 1,
+    float(2**50),
+    math.inf,
+    -math.inf,
+    math.nan,
+]
 
 
 def _fast_agrees_with_full(d: dict) -> None:
@@ -217,9 +250,13 @@ def test_decoder_raises_only_invalid_event(raw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=8) | st.integers(-(2**63), 2**63 - 1),
-                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                    max_leaves=20))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=8) | st.integers(-(2**63), 2**63 - 1),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+        max_leaves=20,
+    )
+)
 def test_decoder_on_arbitrary_json(obj):
     for typ in (None, Telemetry, Command, LeaseState):
         try:

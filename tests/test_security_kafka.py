@@ -11,8 +11,13 @@ import uuid
 import pytest
 
 from rose.config import load_config
-from rose.kafka.admin import KafkaException, ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion, \
-    make_admin
+from rose.kafka.admin import (
+    KafkaException,
+    ScramCredentialInfo,
+    ScramMechanism,
+    UserScramCredentialUpsertion,
+    make_admin,
+)
 from rose.kafka.producer import make_producer, produce
 from tests.kafka_checks import consume_one
 
@@ -35,8 +40,7 @@ def refused_errors(kcfg) -> list:
 
 def _scram_user(cfg, user: str, password: str) -> None:
     admin = make_admin(cfg.kafka)
-    up = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192),
-                                      password.encode())
+    up = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), password.encode())
     for fut in admin.alter_user_scram_credentials([up]).values():
         fut.result(timeout=20)
 
@@ -51,8 +55,9 @@ def _secured(cfg, stack, user, password, env_extra=None):
         **(env_extra or {}),
     }
     loaded = load_config(env=env)
-    return dataclasses.replace(cfg, kafka=dataclasses.replace(
-        cfg.kafka, bootstrap=loaded.kafka.bootstrap, librdkafka=loaded.kafka.librdkafka)), loaded
+    return dataclasses.replace(
+        cfg, kafka=dataclasses.replace(cfg.kafka, bootstrap=loaded.kafka.bootstrap, librdkafka=loaded.kafka.librdkafka)
+    ), loaded
 
 
 def test_scram_client_produces_and_consumes(cfg, stack):
@@ -78,10 +83,16 @@ def test_wrong_scram_password_is_refused(cfg, stack):
 
 
 def _tls(cfg, stack, env_extra):
-    loaded = load_config(env={"ROSE_KAFKA_BOOTSTRAP": f"127.0.0.1:{stack.scfg.tls_port}",
-                              "ROSE_LIBRDKAFKA__SECURITY_PROTOCOL": "SSL", **env_extra})
-    return dataclasses.replace(cfg, kafka=dataclasses.replace(
-        cfg.kafka, bootstrap=loaded.kafka.bootstrap, librdkafka=loaded.kafka.librdkafka))
+    loaded = load_config(
+        env={
+            "ROSE_KAFKA_BOOTSTRAP": f"127.0.0.1:{stack.scfg.tls_port}",
+            "ROSE_LIBRDKAFKA__SECURITY_PROTOCOL": "SSL",
+            **env_extra,
+        }
+    )
+    return dataclasses.replace(
+        cfg, kafka=dataclasses.replace(cfg.kafka, bootstrap=loaded.kafka.bootstrap, librdkafka=loaded.kafka.librdkafka)
+    )
 
 
 def test_tls_client_verifies_the_broker_and_round_trips(cfg, stack):
@@ -98,8 +109,26 @@ def test_tls_client_refuses_a_broker_it_cannot_verify(cfg, stack, tmp_path):
     import subprocess
 
     other = tmp_path / "other-ca.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=other",
-                    "-keyout", str(tmp_path / "k"), "-out", str(other)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=other",
+            "-keyout",
+            str(tmp_path / "k"),
+            "-out",
+            str(other),
+        ],
+        check=True,
+        capture_output=True,
+    )
     secured = _tls(cfg, stack, {"ROSE_LIBRDKAFKA__SSL_CA_LOCATION": str(other)})
     errors = refused_errors(secured.kafka)
     assert any("SSL" in str(e) or "certificate" in str(e) for e in errors), errors

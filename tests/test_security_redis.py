@@ -91,7 +91,9 @@ def test_keyed_worker_refuses_unsigned_and_wrongly_signed_deltas(cfg, redis_clie
 
     key = "wk-" + uuid.uuid4().hex
     wcfg = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, weights_hmac_key=key))
-    sent = WorkerConfig.from_config(wcfg, gpu="sim/0", worker_id="w", model="signed", weights="follow", model_spec=SMALL)
+    sent = WorkerConfig.from_config(
+        wcfg, gpu="sim/0", worker_id="w", model="signed", weights="follow", model_spec=SMALL
+    )
     config = read_config(_config_file(sent.to_json().encode()))
     assert config == sent and config.weights_hmac_key == key and config.redis == cfg.redis
     mspec = ModelSpec(**SMALL)
@@ -144,10 +146,12 @@ def test_executor_hands_the_key_to_its_worker_off_the_command_line(cfg, redis_cl
     key = "wk-" + uuid.uuid4().hex
     user, password = _acl_user(redis_client, cfg)
     url = cfg.redis.url.replace("redis://", f"redis://{user}:{password}@", 1)
-    c = dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, url=url),
-                            security=dataclasses.replace(cfg.security, weights_hmac_key=key, command_hmac_key="ck"),
-                            executor=dataclasses.replace(cfg.executor, worker_weights="follow", model="keyed",
-                                                         job="keyed", worker_nice=0))
+    c = dataclasses.replace(
+        cfg,
+        redis=dataclasses.replace(cfg.redis, url=url),
+        security=dataclasses.replace(cfg.security, weights_hmac_key=key, command_hmac_key="ck"),
+        executor=dataclasses.replace(cfg.executor, worker_weights="follow", model="keyed", job="keyed", worker_nice=0),
+    )
     start = lm.Start(gpu="sim/0", lease_id="sim/0#1", epoch=1, mem_bytes=1 << 30, compute_share=0.5, paused=False)
     wc = worker_config(c, start, "flag", "cpu", 1)
     assert wc.weights_hmac_key == key and wc.redis.url == url and wc.weights == "follow"

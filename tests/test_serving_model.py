@@ -13,13 +13,16 @@ from rose.sim.traces import Trace
 
 GiB = 1 << 30
 PERIOD = 0.5
-FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+FAST = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 
 
 def requests(n_gpus: int, max_n: int = 60, horizon: float = 5.0):
     """Sorted arrivals with GPU assignment and token counts."""
-    row = st.tuples(st.floats(0, horizon - 1e-3), st.integers(0, n_gpus - 1),
-                    st.integers(1, 20000), st.integers(1, 2000))
+    row = st.tuples(
+        st.floats(0, horizon - 1e-3), st.integers(0, n_gpus - 1), st.integers(1, 20000), st.integers(1, 2000)
+    )
     return st.lists(row, max_size=max_n).map(lambda rs: sorted(rs))
 
 
@@ -82,8 +85,7 @@ def test_deterministic(case):
 
 
 @FAST
-@given(st.integers(1, 3).flatmap(lambda n: st.tuples(st.just(n), requests(n))),
-       st.sampled_from(["7B", "70B"]))
+@given(st.integers(1, 3).flatmap(lambda n: st.tuples(st.just(n), requests(n))), st.sampled_from(["7B", "70B"]))
 def test_latency_monotone_in_load(case, model):
     """Doubling every request (same times) raises TTFT: no window's TTFT p99 drops by more
     than 3%, and the queue never shrinks. (The tolerance covers the fluid model's one
@@ -98,8 +100,13 @@ def test_latency_monotone_in_load(case, model):
 
 
 @FAST
-@given(st.floats(0.2, 8.0), st.floats(1.2, 3.0), st.integers(100, 6000), st.integers(10, 800),
-       st.sampled_from(["7B", "32B", "70B"]))
+@given(
+    st.floats(0.2, 8.0),
+    st.floats(1.2, 3.0),
+    st.integers(100, 6000),
+    st.integers(10, 800),
+    st.sampled_from(["7B", "32B", "70B"]),
+)
 def test_steady_state_latency_grows_with_rate(rate, factor, prompt, out, model):
     """Below saturation a higher arrival rate gives higher mean TTFT and TPOT p99 (TPOT
     within 2%). Overload has no steady state (the queue grows without bound) and is covered
@@ -113,8 +120,9 @@ def test_steady_state_latency_grows_with_rate(rate, factor, prompt, out, model):
 
 
 @FAST
-@given(st.integers(1, 3).flatmap(lambda n: st.tuples(st.just(n), requests(n))),
-       st.floats(0.05, 1.0), st.integers(0, 2**40))
+@given(
+    st.integers(1, 3).flatmap(lambda n: st.tuples(st.just(n), requests(n))), st.floats(0.05, 1.0), st.integers(0, 2**40)
+)
 def test_memory_within_total(case, share, rollout_mem):
     n, rows = case
 
@@ -179,8 +187,13 @@ def test_rollout_memory_squeezes_kv_and_preempts():
     room = sim.gpu.mem_bytes - sim.static_bytes
     a = np.arange(0, 5, 0.05)
     for t_end, sl in windows(a, PERIOD):
-        sim.advance(t_end, np.zeros(sl.stop - sl.start, dtype=int), a[sl], np.full(sl.stop - sl.start, 3000),
-                    np.full(sl.stop - sl.start, 500))
+        sim.advance(
+            t_end,
+            np.zeros(sl.stop - sl.start, dtype=int),
+            a[sl],
+            np.full(sl.stop - sl.start, 3000),
+            np.full(sl.stop - sl.start, 500),
+        )
     assert sim.C[0] > 0
     sim.set_rollout(0, 0.2, True, room)  # rollout takes every byte the KV cache could use
     s = sim.advance(sim.t + PERIOD)
@@ -200,8 +213,13 @@ def test_engine_slots_limit_admission():
 def test_spread_is_deterministic_and_balanced():
     rng = np.random.default_rng(0)
     n = 4000
-    tr = Trace("t", "azure", np.sort(rng.uniform(0, 100, n)), rng.integers(1, 4000, n).astype(np.int32),
-               rng.integers(1, 500, n).astype(np.int32))
+    tr = Trace(
+        "t",
+        "azure",
+        np.sort(rng.uniform(0, 100, n)),
+        rng.integers(1, 4000, n).astype(np.int32),
+        rng.integers(1, 500, n).astype(np.int32),
+    )
     a, b, c = spread(tr, 16, seed=1), spread(tr, 16, seed=1), spread(tr, 16, seed=2)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     counts = np.bincount(a, minlength=16)

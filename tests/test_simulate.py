@@ -17,8 +17,13 @@ from rose.sim.models import EpisodeModel
 from rose.sim.report import SLO_TOLERANCE
 from rose.sim.traces import load_trace
 
-TRACES = ["azure_llm2023_code.csv", "azure_llm2023_conv.csv", "burstgpt1_first400.csv",
-          "burstgpt3_first400.csv", "mooncake_fast25_synthetic.jsonl"]
+TRACES = [
+    "azure_llm2023_code.csv",
+    "azure_llm2023_conv.csv",
+    "burstgpt1_first400.csv",
+    "burstgpt3_first400.csv",
+    "mooncake_fast25_synthetic.jsonl",
+]
 
 
 @pytest.mark.parametrize("name", TRACES)
@@ -94,15 +99,33 @@ def _rose(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_done_when_cli_all_policies_rose_keeps_slo_share_all_does_not(traces_dir, tmp_path):
-    p = _rose("simulate", "--trace", str(traces_dir / "azure_llm2023_code.csv"), "--gpus", "64", "--policy", "all",
-              "--duration", "600", "--json", "--report", str(tmp_path / "rep"))
+    p = _rose(
+        "simulate",
+        "--trace",
+        str(traces_dir / "azure_llm2023_code.csv"),
+        "--gpus",
+        "64",
+        "--policy",
+        "all",
+        "--duration",
+        "600",
+        "--json",
+        "--report",
+        str(tmp_path / "rep"),
+    )
     assert p.returncode == 0, p.stderr
     out = orjson.loads(p.stdout)
     pol = out["policies"]
     assert list(pol) == ["static", "elastic", "share-all", "rose"]
     for res in pol.values():
-        for key in ("episodes_per_hour", "rl_steps_per_hour", "gain_vs_static", "slo_attainment", "revokes",
-                    "weight_sync_bytes"):
+        for key in (
+            "episodes_per_hour",
+            "rl_steps_per_hour",
+            "gain_vs_static",
+            "slo_attainment",
+            "revokes",
+            "weight_sync_bytes",
+        ):
             assert key in res
     assert pol["rose"]["slo_attainment"] >= pol["static"]["slo_attainment"] - SLO_TOLERANCE
     assert pol["share-all"]["slo_attainment"] < pol["static"]["slo_attainment"] - SLO_TOLERANCE
@@ -113,12 +136,15 @@ def test_done_when_cli_all_policies_rose_keeps_slo_share_all_does_not(traces_dir
     assert "| rose |" in (rep / "report.md").read_text()
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["--policy", "fastest"], "--policy"),
-    (["--gpus", "0"], "--gpus"),
-    (["--model-size", "3B"], "unknown model size"),
-    (["--load", "2"], "--load"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--policy", "fastest"], "--policy"),
+        (["--gpus", "0"], "--gpus"),
+        (["--model-size", "3B"], "unknown model size"),
+        (["--load", "2"], "--load"),
+    ],
+)
 def test_cli_bad_input_is_one_line(traces_dir, args, msg):
     p = _rose("simulate", "--trace", str(traces_dir / "burstgpt1_first400.csv"), "--duration", "10", *args)
     assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr

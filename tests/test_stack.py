@@ -19,9 +19,9 @@ from rose.contract.codec import decode
 from rose.contract.events import Telemetry
 from rose.kafka.admin import ConfigResource, make_admin
 from rose.kafka.producer import make_producer, produce_event
-from tests.kafka_checks import consume_one
 from rose.kafka.topics import create_topics
 from tests.examples import telemetry_example
+from tests.kafka_checks import consume_one
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,18 +97,24 @@ def _stack_at(root: Path, **ports):
     from rose.config import StackConfig
     from rose.stack import LocalStack, free_port
 
-    names = ("kafka_port", "controller_port", "sasl_port", "tls_port", "redis_port",
-             "jaeger_query_port", "jaeger_otlp_grpc_port", "jaeger_otlp_http_port")
-    scfg = dataclasses.replace(StackConfig(), data_dir=str(root),
-                               **{n: ports.get(n) or free_port() for n in names})
+    names = (
+        "kafka_port",
+        "controller_port",
+        "sasl_port",
+        "tls_port",
+        "redis_port",
+        "jaeger_query_port",
+        "jaeger_otlp_grpc_port",
+        "jaeger_otlp_http_port",
+    )
+    scfg = dataclasses.replace(StackConfig(), data_dir=str(root), **{n: ports.get(n) or free_port() for n in names})
     return LocalStack(scfg, f"127.0.0.1:{scfg.kafka_port}", f"redis://127.0.0.1:{scfg.redis_port}/0")
 
 
 def _env_for(st) -> dict[str, str]:
     """The environment that makes `rose` and `make` use this LocalStack's state dir and ports."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROSE_STACK__", "ROSE_KAFKA", "ROSE_REDIS"))}
-    env.update({f"ROSE_STACK__{f.name.upper()}": str(getattr(st.scfg, f.name))
-                for f in dataclasses.fields(st.scfg)})
+    env.update({f"ROSE_STACK__{f.name.upper()}": str(getattr(st.scfg, f.name)) for f in dataclasses.fields(st.scfg)})
     return env
 
 
@@ -149,8 +155,7 @@ def test_up_own_refuses_another_stack_in_one_line_starting_nothing(other_stack):
     with pytest.raises(NotOwnedError) as e:
         mine.up(own=True)
     assert f"pid {pid}" in str(e.value) and f"`rose stack down` in {other_checkout}" in str(e.value)
-    r = subprocess.run(["rose", "stack", "up", "--own"], env=_env_for(mine), capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(["rose", "stack", "up", "--own"], env=_env_for(mine), capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
@@ -159,16 +164,25 @@ def test_up_own_refuses_another_stack_in_one_line_starting_nothing(other_stack):
     assert not any(mine.root.glob("*.pid")), "refused, yet started something"
     assert not mine.kafka_alive()
     st = subprocess.run(["rose", "stack", "status"], env=_env_for(mine), capture_output=True, text=True, timeout=60)
-    assert st.returncode == 1 and f"redis: up (redis port 127.0.0.1:{other.scfg.redis_port} is held by the stack " \
-        f"of {other_checkout}" in st.stdout, st.stdout
+    assert (
+        st.returncode == 1
+        and f"redis: up (redis port 127.0.0.1:{other.scfg.redis_port} is held by the stack of {other_checkout}"
+        in st.stdout
+    ), st.stdout
 
 
 def test_make_test_refuses_a_stack_it_does_not_own(other_stack, tmp_path):
     other, mine, other_checkout = other_stack
     stamp = tmp_path / "installed"
     stamp.touch()  # the install step is done: `make` goes straight to the stack
-    r = subprocess.run(["make", "-s", "test", f"STAMP={stamp}", "PYTEST_ARGS=--collect-only -q tests/test_config.py"],
-                       cwd=REPO, env=_env_for(mine), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["make", "-s", "test", f"STAMP={stamp}", "PYTEST_ARGS=--collect-only -q tests/test_config.py"],
+        cwd=REPO,
+        env=_env_for(mine),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert f"rose: redis port 127.0.0.1:{other.scfg.redis_port} is held by the stack of {other_checkout}" in r.stderr
     assert "collected" not in r.stdout + r.stderr, "the suite ran against another checkout's stack"
@@ -184,8 +198,9 @@ def test_make_test_runs_on_its_own_stack_and_rose_keep_stack_keeps_it(tmp_path):
     stamp.touch()
     make = ["make", "-s", "test", f"STAMP={stamp}", "PYTEST_ARGS=tests/test_stack.py::test_redis_answers"]
     try:
-        r = subprocess.run(make, cwd=REPO, env={**_env_for(mine), "ROSE_KEEP_STACK": "1"}, capture_output=True,
-                           text=True, timeout=300)
+        r = subprocess.run(
+            make, cwd=REPO, env={**_env_for(mine), "ROSE_KEEP_STACK": "1"}, capture_output=True, text=True, timeout=300
+        )
         assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout + r.stderr
         assert mine.status() == {"kafka": True, "redis": True}  # kept
         assert mine.foreign(["kafka", "redis"]) == []
@@ -246,15 +261,17 @@ def test_jaeger_takes_an_otlp_span_on_loopback_and_shows_it(tmp_path):
         pid = int((st.root / "jaeger.pid").read_text())
         listens = {c.laddr for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
         assert {a.ip for a in listens} == {"127.0.0.1"}, listens
-        assert {st.scfg.jaeger_query_port, st.scfg.jaeger_otlp_grpc_port, st.scfg.jaeger_otlp_http_port} <= \
-            {a.port for a in listens}
+        assert {st.scfg.jaeger_query_port, st.scfg.jaeger_otlp_grpc_port, st.scfg.jaeger_otlp_http_port} <= {
+            a.port for a in listens
+        }
         assert st.jaeger_otlp_endpoint == f"http://127.0.0.1:{st.scfg.jaeger_otlp_http_port}"
         [h] = st.holders(["jaeger"])
         assert h.root == st.root and h.pid == pid and st.foreign(["jaeger"]) == []
 
         provider = TracerProvider(resource=Resource.create({"service.name": "rose-stack-test"}))
-        provider.add_span_processor(SimpleSpanProcessor(
-            OTLPSpanExporter(endpoint=f"{st.jaeger_otlp_endpoint}/v1/traces", timeout=10)))
+        provider.add_span_processor(
+            SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{st.jaeger_otlp_endpoint}/v1/traces", timeout=10))
+        )
         with provider.get_tracer("test").start_as_current_span("lease.decide") as span:
             trace_id = f"{span.get_span_context().trace_id:032x}"
         provider.shutdown()

@@ -13,12 +13,12 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from rose.executor.service import Executor, command_group
-from rose.scheduler.service import Scheduler
 from rose.contract.codec import encode
+from rose.executor.service import Executor, command_group
 from rose.kafka.producer import make_producer, partition_for, produce
-from rose.sim.telemetry_workload import workload
 from rose.obs.tracing import inject_headers, memory_exporter, send_span, setup_tracing
+from rose.scheduler.service import Scheduler
+from rose.sim.telemetry_workload import workload
 
 pytestmark = pytest.mark.stack
 
@@ -48,8 +48,9 @@ def test_one_trace_from_telemetry_to_executor(cfg, tmp_path):
         applied = []
         while time.monotonic() < deadline and not applied:
             s.step(0.1)
-            applied = [sp for sp in exp.get_finished_spans()
-                       if sp.name == "lease.apply" and sp.context.trace_id == trace_id]
+            applied = [
+                sp for sp in exp.get_finished_spans() if sp.name == "lease.apply" and sp.context.trace_id == trace_id
+            ]
             time.sleep(0.05)
     finally:
         stop.set()
@@ -59,9 +60,16 @@ def test_one_trace_from_telemetry_to_executor(cfg, tmp_path):
     k = cfg.kafka
     spans = [sp for sp in exp.get_finished_spans() if sp.context.trace_id == trace_id]
     names = {sp.name for sp in spans}
-    assert {"telemetry.publish", f"send {k.telemetry_topic}", f"process {k.telemetry_topic}", "lease.decide",
-            f"send {k.commands_topic}", f"process {k.commands_topic}", "lease.apply",
-            f"send {k.lease_state_topic}"} <= names, names
+    assert {
+        "telemetry.publish",
+        f"send {k.telemetry_topic}",
+        f"process {k.telemetry_topic}",
+        "lease.decide",
+        f"send {k.commands_topic}",
+        f"process {k.commands_topic}",
+        "lease.apply",
+        f"send {k.lease_state_topic}",
+    } <= names, names
     by_id = {sp.context.span_id: sp for sp in spans}
 
     def parent(sp):
@@ -93,8 +101,13 @@ def test_one_trace_from_telemetry_to_executor(cfg, tmp_path):
     assert process_cmd.name == f"process {k.commands_topic}"
     assert process_cmd.attributes["messaging.consumer.group.name"] == command_group(["e2e/0"])
     assert process_cmd.attributes["messaging.destination.partition.id"] == str(partition_for(gpu, k.partitions))
-    [send_state] = [sp for sp in spans if sp.parent is not None and sp.parent.span_id == apply_.context.span_id
-                    and sp.name == f"send {k.lease_state_topic}"]
+    [send_state] = [
+        sp
+        for sp in spans
+        if sp.parent is not None
+        and sp.parent.span_id == apply_.context.span_id
+        and sp.name == f"send {k.lease_state_topic}"
+    ]
     producer_of(send_state, k.lease_state_topic, gpu)
     assert send_state.attributes["messaging.destination.partition.id"] == str(partition_for(gpu, k.partitions))
     # the scheduler: process(telemetry) → lease.decide → send(commands)

@@ -8,13 +8,16 @@ import pytest
 from rose.sim.traces import TraceError, load_trace, parse_trace
 
 
-@pytest.mark.parametrize("name,fmt,rows", [
-    ("azure_llm2023_conv.csv", "azure", 19366),
-    ("azure_llm2023_code.csv", "azure", 8819),  # no trailing newline
-    ("burstgpt1_first400.csv", "burstgpt", 400 - 17),  # 17 failed (zero-token) rows dropped
-    ("burstgpt3_first400.csv", "burstgpt", 400 - 1),
-    ("mooncake_fast25_synthetic.jsonl", "mooncake", 3993),
-])
+@pytest.mark.parametrize(
+    "name,fmt,rows",
+    [
+        ("azure_llm2023_conv.csv", "azure", 19366),
+        ("azure_llm2023_code.csv", "azure", 8819),  # no trailing newline
+        ("burstgpt1_first400.csv", "burstgpt", 400 - 17),  # 17 failed (zero-token) rows dropped
+        ("burstgpt3_first400.csv", "burstgpt", 400 - 1),
+        ("mooncake_fast25_synthetic.jsonl", "mooncake", 3993),
+    ],
+)
 def test_real_traces(traces_dir, name, fmt, rows):
     tr = load_trace(traces_dir / name)
     assert tr.fmt == fmt and len(tr) == rows and tr.name == name
@@ -47,21 +50,26 @@ AZURE = b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.5000000,1
 BURST1 = b"Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
 
 
-@pytest.mark.parametrize("data,needle", [
-    (AZURE + b"2023-11-16 18:00:01.0,abc,3\n", "x:3: ContextTokens: expected an integer"),
-    (AZURE + b"2023-11-16 18:00:01.0,5\n", "x:3: expected 3 columns, got 2"),
-    (AZURE + b"yesterday,5,3\n", "x:3: TIMESTAMP"),
-    (AZURE + b"2023-11-16 18:00:01.0,-5,3\n", "x:3: ContextTokens: -5 outside"),
-    (BURST1 + b"5,ChatGPT,472,18,490,Conversation log\n6,ChatGPT,1,x,2,API log\n", "x:3: Response tokens"),
-    (BURST1 + b"nan,ChatGPT,1,1,2,API log\n", "x:2: Timestamp: must be finite"),
-    (b'{"timestamp": 0, "input_length": 1, "output_length": 2}\n{"timestamp": 5, "input_length": 1}\n',
-     "x:2: output_length: missing"),
-    (b'{"timestamp": 0, "input_length": 1, "output_length": 2}\n{not json\n', "x:2: invalid JSON"),
-    (b'{"timestamp": "0", "input_length": 1, "output_length": 2}\n', "x:1: timestamp: expected a number"),
-    (b"a,b,c\n1,2,3\n", "x:1: unrecognised trace header"),
-    (b"", "x: empty file"),
-    (BURST1 + b"5,ChatGPT,0,0,0,API log\n", "x: no requests"),
-])
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        (AZURE + b"2023-11-16 18:00:01.0,abc,3\n", "x:3: ContextTokens: expected an integer"),
+        (AZURE + b"2023-11-16 18:00:01.0,5\n", "x:3: expected 3 columns, got 2"),
+        (AZURE + b"yesterday,5,3\n", "x:3: TIMESTAMP"),
+        (AZURE + b"2023-11-16 18:00:01.0,-5,3\n", "x:3: ContextTokens: -5 outside"),
+        (BURST1 + b"5,ChatGPT,472,18,490,Conversation log\n6,ChatGPT,1,x,2,API log\n", "x:3: Response tokens"),
+        (BURST1 + b"nan,ChatGPT,1,1,2,API log\n", "x:2: Timestamp: must be finite"),
+        (
+            b'{"timestamp": 0, "input_length": 1, "output_length": 2}\n{"timestamp": 5, "input_length": 1}\n',
+            "x:2: output_length: missing",
+        ),
+        (b'{"timestamp": 0, "input_length": 1, "output_length": 2}\n{not json\n', "x:2: invalid JSON"),
+        (b'{"timestamp": "0", "input_length": 1, "output_length": 2}\n', "x:1: timestamp: expected a number"),
+        (b"a,b,c\n1,2,3\n", "x:1: unrecognised trace header"),
+        (b"", "x: empty file"),
+        (BURST1 + b"5,ChatGPT,0,0,0,API log\n", "x: no requests"),
+    ],
+)
 def test_malformed_input_is_one_line_naming_file_and_line(data, needle):
     with pytest.raises(TraceError) as e:
         parse_trace(data, name="x")
@@ -74,15 +82,18 @@ def test_missing_file():
 
 
 def test_unsorted_rows_are_sorted_and_crlf_bom_accepted():
-    data = ("\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:00:02.0,7,1\r\n"
-            "2023-11-16 18:00:01.0,5,3\r\n").encode()
+    data = (
+        "\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:00:02.0,7,1\r\n2023-11-16 18:00:01.0,5,3\r\n"
+    ).encode()
     tr = parse_trace(data)
     assert tr.arrival_s.tolist() == [0.0, 1.0] and tr.prompt_tokens.tolist() == [5, 7]
 
 
 def test_burstgpt_columns_by_name():
     # v3 column set: Session ID and Elapsed time shift the token columns
-    data = (b"Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-            b"100.0,s1,4,GPT-4,30,40,70,Conversation log\n101.5,,2,ChatGPT,0,0,0,API log\n")
+    data = (
+        b"Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        b"100.0,s1,4,GPT-4,30,40,70,Conversation log\n101.5,,2,ChatGPT,0,0,0,API log\n"
+    )
     tr = parse_trace(data)
     assert tr.fmt == "burstgpt" and len(tr) == 1 and tr.prompt_tokens[0] == 30 and tr.output_tokens[0] == 40

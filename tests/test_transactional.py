@@ -121,12 +121,22 @@ def test_a_retriable_failure_aborts_restores_and_redoes_the_batch():
     p = Producer(fail={"commit": [retriable()] * 3})
     tx = Transactor(p, Consumer(), Log(), fatal=Fatal, commit_attempts=3, retry_pause_s=0)
     tx.run(MSGS, lambda: None, lambda: None)
-    assert p.calls == ["begin", "send_offsets", "commit", "commit", "commit", "abort",
-                       "begin", "send_offsets", "commit"]
+    assert p.calls == [
+        "begin",
+        "send_offsets",
+        "commit",
+        "commit",
+        "commit",
+        "abort",
+        "begin",
+        "send_offsets",
+        "commit",
+    ]
 
 
-@pytest.mark.parametrize("err", [KafkaError(KafkaError._FENCED, "fenced"),
-                                 KafkaError(KafkaError._FATAL, "fatal", fatal=True)])
+@pytest.mark.parametrize(
+    "err", [KafkaError(KafkaError._FENCED, "fenced"), KafkaError(KafkaError._FATAL, "fatal", fatal=True)]
+)
 def test_a_fenced_or_fatal_producer_raises_the_callers_fatal_error(err):
     p = Producer(fail={"commit": [err]})
     tx = Transactor(p, Consumer(), Log(), fatal=Fatal)

@@ -54,8 +54,9 @@ def test_every_process_says_once_that_kafka_is_unreachable_and_keeps_retrying(tm
     try:
         t0 = time.monotonic()
         for name, argv in argvs.items():
-            procs[name] = subprocess.Popen([sys.executable, "-m", "rose", *argv], env=env,
-                                           stdout=subprocess.DEVNULL, stderr=open(errs[name], "wb"))
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "rose", *argv], env=env, stdout=subprocess.DEVNULL, stderr=open(errs[name], "wb")
+            )
         lines: dict[str, list[str]] = {}
         while time.monotonic() - t0 < WITHIN_S:
             lines = {n: e.read_text(errors="replace").splitlines() for n, e in errs.items()}
@@ -74,8 +75,10 @@ def test_every_process_says_once_that_kafka_is_unreachable_and_keeps_retrying(tm
             noise = _librdkafka_lines(ls)
             assert len(noise) < 20, (name, len(noise), noise[:5])
             assert p.poll() is None, f"{name} exited ({p.returncode}) instead of retrying: {ls[-10:]}"
-            print(f"\n[unreachable] {name}: said so once within {said_s:.1f}s; librdkafka lines {len(noise)}; "
-                  f"stderr lines {len(ls)}")
+            print(
+                f"\n[unreachable] {name}: said so once within {said_s:.1f}s; librdkafka lines {len(noise)}; "
+                f"stderr lines {len(ls)}"
+            )
     finally:
         terminate_all(procs, wait_s=15)
 
@@ -105,8 +108,12 @@ def test_each_trouble_is_one_line_per_period_with_what_was_left_out(monkeypatch)
         log.log(40, "%s [%s] %s", "FAIL", "rdkafka#producer-1", f"Connect failed (after {i}ms)")
     log.log(30, "%s [%s] %s", "REQTMOUT", "rdkafka#consumer-2", "timed out")
     events = [(lv, ev) for lv, ev, _ in got]
-    assert events == [("warning", "kafka.unreachable"), ("warning", "kafka.error"),
-                      ("error", "kafka.client_log"), ("warning", "kafka.client_log")], events
+    assert events == [
+        ("warning", "kafka.unreachable"),
+        ("warning", "kafka.error"),
+        ("error", "kafka.client_log"),
+        ("warning", "kafka.client_log"),
+    ], events
     assert got[0][2]["bootstrap"] == "10.0.0.1:9092" and "rose stack up" in got[0][2]["fix"]
     assert got[2][2]["facility"] == "FAIL" and "Connect failed (after 0ms)" in got[2][2]["message"]
     _time.sleep(0.25)  # the period is over: the next line says how many like it were left out

@@ -23,8 +23,7 @@ def _random_state(rng, n_tensors):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31), shard_words=st.integers(1, 64), versions=st.integers(1, 12),
-       compress=st.booleans())
+@given(seed=st.integers(0, 2**31), shard_words=st.integers(1, 64), versions=st.integers(1, 12), compress=st.booleans())
 def test_many_versions_bit_exact(seed, shard_words, versions, compress):
     rng = np.random.default_rng(seed)
     specs = _random_state(rng, int(rng.integers(1, 8)))
@@ -44,8 +43,11 @@ def test_many_versions_bit_exact(seed, shard_words, versions, compress):
                 idx = rng.integers(t.offset, t.offset + t.nbytes, size=k)
                 target[idx] = rng.integers(0, 256, size=k, dtype=np.uint8)
         patches, view = codec.encode_state(layout, view, target, compress=compress, workers=int(rng.integers(1, 3)))
-        changed = {i for i in range(layout.num_shards) if not np.array_equal(
-            receiver[slice(*layout.shard_range(i))], target[slice(*layout.shard_range(i))])}
+        changed = {
+            i
+            for i in range(layout.num_shards)
+            if not np.array_equal(receiver[slice(*layout.shard_range(i))], target[slice(*layout.shard_range(i))])
+        }
         assert {p.shard for p in patches} == changed  # unchanged shards are skipped
         for p in patches:
             codec.apply_patch(layout, receiver, p)
@@ -93,7 +95,7 @@ def test_layout_shards_stable_and_mismatch_named():
 
 
 def test_realistic_rl_update_is_sparse():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from rose.weights.checkpoint import from_state_dict
     from rose.weights.rl_update import AdamLikeTrainer
 
@@ -128,7 +130,11 @@ def test_lossy_error_feedback_converges(name, steps, dtype):
     def state(x):
         from rose.weights.lossy import from_f32
 
-        raw = from_f32(x.astype(np.float32), dtype).view(np.uint8) if dtype == "bfloat16" else x.astype(np_dtype).view(np.uint8)
+        raw = (
+            from_f32(x.astype(np.float32), dtype).view(np.uint8)
+            if dtype == "bfloat16"
+            else x.astype(np_dtype).view(np.uint8)
+        )
         return flatten(layout, {"w": raw, "i": np.arange(7, dtype=np.int64).view(np.uint8)})
 
     x = rng.standard_normal(n).astype(np.float32)
@@ -137,7 +143,9 @@ def test_lossy_error_feedback_converges(name, steps, dtype):
     target[-56:] = np.arange(7, 14, dtype=np.int64).view(np.uint8)  # a non-float tensor goes lossless
     view, receiver = base.copy(), base.copy()
     for step in range(steps):
-        patches, view = codec.encode_state(layout, view, target, codec=name, lossy_options={"frac": 0.1} if name == "topk" else None)
+        patches, view = codec.encode_state(
+            layout, view, target, codec=name, lossy_options={"frac": 0.1} if name == "topk" else None
+        )
         for p in patches:
             codec.apply_patch(layout, receiver, p)
         assert np.array_equal(receiver, view)  # the sender mirrors the receiver exactly

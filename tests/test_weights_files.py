@@ -30,22 +30,44 @@ def _states():
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
 
 
 def test_safetensors_round_trip_is_bit_exact(tmp_path):
     base, target = _states()
     save_file(base, tmp_path / "base.safetensors", metadata={"format": "pt"})
     save_file(target, tmp_path / "target.safetensors", metadata={"format": "pt"})
-    r = runner.invoke(app, ["weights", "diff", str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
-                            "--out", str(tmp_path / "d.delta"), "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "weights",
+            "diff",
+            str(tmp_path / "base.safetensors"),
+            str(tmp_path / "target.safetensors"),
+            "--out",
+            str(tmp_path / "d.delta"),
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rep = orjson.loads(r.stdout)
     assert rep["params"] == 300 * 200 + 200 + 50 * 16 + 1
     assert 0 < rep["changed_fraction"] < 1 and rep["bytes_delta"] < rep["bytes_full"] and rep["seconds"] >= 0
-    r = runner.invoke(app, ["weights", "patch", str(tmp_path / "base.safetensors"), str(tmp_path / "d.delta"),
-                            "--out", str(tmp_path / "out.safetensors")])
+    r = runner.invoke(
+        app,
+        [
+            "weights",
+            "patch",
+            str(tmp_path / "base.safetensors"),
+            str(tmp_path / "d.delta"),
+            "--out",
+            str(tmp_path / "out.safetensors"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "target.safetensors").read_bytes()
 
@@ -54,15 +76,36 @@ def test_torch_round_trip_is_bit_exact(tmp_path):
     base, target = _states()
     torch.save(base, tmp_path / "base.pt")
     torch.save(target, tmp_path / "target.bin")
-    assert runner.invoke(app, ["weights", "diff", str(tmp_path / "base.pt"), str(tmp_path / "target.bin"),
-                               "--out", str(tmp_path / "d")]).exit_code == 0
-    assert runner.invoke(app, ["weights", "patch", str(tmp_path / "base.pt"), str(tmp_path / "d"),
-                               "--out", str(tmp_path / "out.pt")]).exit_code == 0
+    assert (
+        runner.invoke(
+            app,
+            ["weights", "diff", str(tmp_path / "base.pt"), str(tmp_path / "target.bin"), "--out", str(tmp_path / "d")],
+        ).exit_code
+        == 0
+    )
+    assert (
+        runner.invoke(
+            app, ["weights", "patch", str(tmp_path / "base.pt"), str(tmp_path / "d"), "--out", str(tmp_path / "out.pt")]
+        ).exit_code
+        == 0
+    )
     assert _same(torch.load(tmp_path / "out.pt", weights_only=True), target)
     assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "target.bin").read_bytes()
     # and across formats: a torch base patched into safetensors output
-    assert runner.invoke(app, ["weights", "patch", str(tmp_path / "base.pt"), str(tmp_path / "d"),
-                               "--out", str(tmp_path / "out.safetensors")]).exit_code == 0
+    assert (
+        runner.invoke(
+            app,
+            [
+                "weights",
+                "patch",
+                str(tmp_path / "base.pt"),
+                str(tmp_path / "d"),
+                "--out",
+                str(tmp_path / "out.safetensors"),
+            ],
+        ).exit_code
+        == 0
+    )
     assert _same(load_file(tmp_path / "out.safetensors"), target)
 
 
@@ -72,16 +115,56 @@ def test_user_errors_are_one_line(tmp_path):
     other = dict(target)
     other["layer.b"] = torch.zeros(201)
     save_file(other, tmp_path / "b.safetensors")
-    r = runner.invoke(app, ["weights", "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
-                            "--out", str(tmp_path / "d")])
+    r = runner.invoke(
+        app,
+        [
+            "weights",
+            "diff",
+            str(tmp_path / "a.safetensors"),
+            str(tmp_path / "b.safetensors"),
+            "--out",
+            str(tmp_path / "d"),
+        ],
+    )
     assert r.exit_code == 2 and "layout mismatch" in r.output and "layer.b" in r.output
-    r = runner.invoke(app, ["weights", "diff", str(tmp_path / "missing.pt"), str(tmp_path / "a.safetensors"),
-                            "--out", str(tmp_path / "d")])
+    r = runner.invoke(
+        app,
+        [
+            "weights",
+            "diff",
+            str(tmp_path / "missing.pt"),
+            str(tmp_path / "a.safetensors"),
+            "--out",
+            str(tmp_path / "d"),
+        ],
+    )
     assert r.exit_code == 2 and "no such file" in r.output and "Traceback" not in r.output
     save_file(target, tmp_path / "t.safetensors")
-    runner.invoke(app, ["weights", "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "t.safetensors"), "--out", str(tmp_path / "d")])
-    r = runner.invoke(app, ["weights", "patch", str(tmp_path / "t.safetensors"), str(tmp_path / "d"), "--out", str(tmp_path / "o.safetensors")])
+    runner.invoke(
+        app,
+        [
+            "weights",
+            "diff",
+            str(tmp_path / "a.safetensors"),
+            str(tmp_path / "t.safetensors"),
+            "--out",
+            str(tmp_path / "d"),
+        ],
+    )
+    r = runner.invoke(
+        app,
+        [
+            "weights",
+            "patch",
+            str(tmp_path / "t.safetensors"),
+            str(tmp_path / "d"),
+            "--out",
+            str(tmp_path / "o.safetensors"),
+        ],
+    )
     assert r.exit_code == 2 and "not the checkpoint" in r.output
     (tmp_path / "junk").write_bytes(b"nope")
-    r = runner.invoke(app, ["weights", "patch", str(tmp_path / "a.safetensors"), str(tmp_path / "junk"), "--out", str(tmp_path / "o")])
+    r = runner.invoke(
+        app, ["weights", "patch", str(tmp_path / "a.safetensors"), str(tmp_path / "junk"), "--out", str(tmp_path / "o")]
+    )
     assert r.exit_code == 2 and "not a ROSE weights delta" in r.output

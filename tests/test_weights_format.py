@@ -18,7 +18,9 @@ def _keyframe_fields(fmt: int | None, key: bytes = b""):
     layout = make_layout({"w": ("bfloat16", (64,))}, shard_bytes=128)
     flat = np.arange(layout.total, dtype=np.uint8)
     patch = codec.encode_state(layout, None, flat, keyframe=True)[0][0]
-    e = Entry(1, 1, "full", 0, 0, 1, "raw", 128, patch.checksum, layout.digest, 1, "ep", patch.payload, layout.to_json())
+    e = Entry(
+        1, 1, "full", 0, 0, 1, "raw", 128, patch.checksum, layout.digest, 1, "ep", patch.payload, layout.to_json()
+    )
     fields = to_fields(e)
     if fmt is None:
         del fields[b"format"]
@@ -60,8 +62,12 @@ def test_checksum_is_xxh3_of_the_shard_bytes():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31), block_words=st.integers(1, 9), unit=st.sampled_from([1, 2, 4, 8]),
-       density=st.sampled_from([0.0, 0.001, 0.05, 0.6]))
+@given(
+    seed=st.integers(0, 2**31),
+    block_words=st.integers(1, 9),
+    unit=st.sampled_from([1, 2, 4, 8]),
+    density=st.sampled_from([0.0, 0.001, 0.05, 0.6]),
+)
 def test_scan_and_apply_across_block_boundaries(seed, block_words, unit, density):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(codec, "_BLOCK", 8 * block_words)  # many blocks per shard, changes at their edges
@@ -79,8 +85,9 @@ def _scan_and_apply(rng, unit, density):
     pos, xor = codec.changed_units(old, new, unit)
     assert pos.tolist() == diff.tolist()
     assert np.array_equal(xor, old.view(codec._UINT[unit])[diff] ^ new.view(codec._UINT[unit])[diff])
-    layout = make_layout({"t": ({1: "uint8", 2: "bfloat16", 4: "float32", 8: "int64"}[unit], (n // unit,))},
-                         shard_bytes=n)
+    layout = make_layout(
+        {"t": ({1: "uint8", 2: "bfloat16", 4: "float32", 8: "int64"}[unit], (n // unit,))}, shard_bytes=n
+    )
     view = old.copy()
     patches, view = codec.encode_state(layout, view, new)
     assert np.array_equal(view, new) and len(patches) == int(bool(len(diff)))

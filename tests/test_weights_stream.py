@@ -158,8 +158,19 @@ def test_follower_killed_at_random_points_ends_bit_identical(redis_client, cfg, 
     pub = _publisher(redis_client, cfg, keyframe_every=10, keep_keyframes=100)
     env = {**os.environ, "ROSE_REDIS_URL": cfg.redis.url, "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix}
     env.pop("ROSE_CONFIG", None)
-    cmd = [sys.executable, "-m", "rose.cli", "weights", "follow", "--model", "m", "--out", str(tmp_path),
-           "--until-version", str(n)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rose.cli",
+        "weights",
+        "follow",
+        "--model",
+        "m",
+        "--out",
+        str(tmp_path),
+        "--until-version",
+        str(n),
+    ]
 
     def produce():
         for state, _ in vs[1:]:

@@ -20,8 +20,10 @@ def private_stack(cfg: Config, tag: str, kafka: bool = True):
 
     u = uuid.uuid4().hex[:8]
     c = dataclasses.replace(
-        cfg, kafka=dataclasses.replace(cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}bench-{tag}-{u}.", partitions=1),
-        redis=dataclasses.replace(cfg.redis, key_prefix=f"{cfg.redis.key_prefix}bench-{tag}-{u}:"))
+        cfg,
+        kafka=dataclasses.replace(cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}bench-{tag}-{u}.", partitions=1),
+        redis=dataclasses.replace(cfg.redis, key_prefix=f"{cfg.redis.key_prefix}bench-{tag}-{u}:"),
+    )
     if kafka:
         wait_for_broker(c.kafka, timeout_s=30)
         create_topics(c.kafka)
@@ -47,8 +49,17 @@ def fill_tasks(cfg: Config, job: str, n: int, turns: int = 4, tokens_per_turn: i
     q = TaskQueue(redis.Redis.from_url(cfg.redis.url), cfg.redis, job)
     q.ensure_group()
     for i in range(n):
-        q.submit(Task(task_id=f"bench-{i}", prompt=[1 + i % 250, 7, 9, 11], max_turns=turns,
-                      tokens_per_turn=tokens_per_turn, obs_tokens=8, tool=ToolLatency(mu=-5.0, sigma=0.0), seed=i))
+        q.submit(
+            Task(
+                task_id=f"bench-{i}",
+                prompt=[1 + i % 250, 7, 9, 11],
+                max_turns=turns,
+                tokens_per_turn=tokens_per_turn,
+                obs_tokens=8,
+                tool=ToolLatency(mu=-5.0, sigma=0.0),
+                seed=i,
+            )
+        )
 
 
 def percentiles_ms(samples_ns: list[int]) -> dict:
@@ -60,4 +71,9 @@ def percentiles_ms(samples_ns: list[int]) -> dict:
     def rank(q: float) -> float:
         return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))] / 1e6
 
-    return {"p50_ms": round(rank(0.50), 3), "p99_ms": round(rank(0.99), 3), "max_ms": round(s[-1] / 1e6, 3), "n": len(s)}
+    return {
+        "p50_ms": round(rank(0.50), 3),
+        "p99_ms": round(rank(0.99), 3),
+        "max_ms": round(s[-1] / 1e6, 3),
+        "n": len(s),
+    }

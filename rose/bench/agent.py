@@ -11,11 +11,36 @@ GOAL_EVENTS_PER_S = 50_000  # a 5,000-GPU fleet at 10 Hz from one process
 def _vllm_page(step: int) -> str:
     """A vLLM-sized /metrics page (about 250 samples, two label sets per histogram)."""
     lines = []
-    le = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75", "1.0",
-          "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "+Inf"]
-    for name in ("vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-                 "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"):
+    le = [
+        "0.001",
+        "0.005",
+        "0.01",
+        "0.02",
+        "0.04",
+        "0.06",
+        "0.08",
+        "0.1",
+        "0.25",
+        "0.5",
+        "0.75",
+        "1.0",
+        "2.5",
+        "5.0",
+        "7.5",
+        "10.0",
+        "20.0",
+        "40.0",
+        "80.0",
+        "+Inf",
+    ]
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+    ):
         lines += [f"# HELP {name} Histogram of {name}.", f"# TYPE {name} histogram"]
         for model in ("m", "m-lora"):
             cum = 0.0
@@ -23,8 +48,12 @@ def _vllm_page(step: int) -> str:
                 cum += (step * (i + 1)) % 17 + step
                 lines.append(f'{name}_bucket{{le="{b}",model_name="{model}"}} {cum}')
             lines += [f'{name}_sum{{model_name="{model}"}} {cum * 0.05}', f'{name}_count{{model_name="{model}"}} {cum}']
-    for g, v in (("vllm:num_requests_running", 7), ("vllm:num_requests_waiting", 2),
-                 ("vllm:gpu_cache_usage_perc", 0.4), ("vllm:num_preemptions_total", 1)):
+    for g, v in (
+        ("vllm:num_requests_running", 7),
+        ("vllm:num_requests_waiting", 2),
+        ("vllm:gpu_cache_usage_perc", 0.4),
+        ("vllm:num_preemptions_total", 1),
+    ):
         lines += [f"# TYPE {g} gauge", f'{g}{{model_name="m"}} {v}']
     for reason in ("stop", "length", "abort"):
         lines.append(f'vllm:request_success_total{{finished_reason="{reason}",model_name="m"}} {step * 3}')
@@ -32,8 +61,8 @@ def _vllm_page(step: int) -> str:
 
 
 def _real_path_us_per_event(n: int) -> float:
-    from rose.node.agent import telemetry_records
     from rose.node import prometheus
+    from rose.node.agent import telemetry_records
 
     names = prometheus.metric_names("vllm")
     keep = prometheus.all_names(names)
@@ -44,22 +73,35 @@ def _real_path_us_per_event(n: int) -> float:
         sc = prometheus.parse(pages[(i + 1) % 8], keep)
         w = prometheus.window(sc, prev, 0.5, names)
         prev = sc
-        telemetry_records(ts=1.7e9 + i, node="n", gpus=["n/0"], pool="serving", slo=(1000.0, 100.0), run_id="b",
-                          seq=i, util=[0.5], mem_total=80 << 30, mem_used=[40 << 30], rollout_mem=[0],
-                          ttft_ms=[w.ttft_p99_ms or 0.0], tpot_ms=[w.tpot_p99_ms or 0.0], rps=[w.rps or 0.0],
-                          queue=[w.queue_depth or 0])
+        telemetry_records(
+            ts=1.7e9 + i,
+            node="n",
+            gpus=["n/0"],
+            pool="serving",
+            slo=(1000.0, 100.0),
+            run_id="b",
+            seq=i,
+            util=[0.5],
+            mem_total=80 << 30,
+            mem_used=[40 << 30],
+            rollout_mem=[0],
+            ttft_ms=[w.ttft_p99_ms or 0.0],
+            tpot_ms=[w.tpot_p99_ms or 0.0],
+            rps=[w.rps or 0.0],
+            queue=[w.queue_depth or 0],
+        )
     return (time.process_time() - c0) / n * 1e6
 
 
 def run(cfg, quick: bool) -> dict:
-    from rose.node.agent import SimOptions, run_simulated
+    import dataclasses
+    from pathlib import Path
+
     from rose.kafka.admin import wait_for_broker
     from rose.kafka.telemetry_publisher import TelemetryPublisher
     from rose.kafka.topics import create_topics, delete_topics
+    from rose.node.agent import SimOptions, run_simulated
     from rose.sim.traces import TraceError
-
-    import dataclasses
-    from pathlib import Path
 
     gpus = 5000
     windows = 10 if quick else 40
@@ -76,16 +118,22 @@ def run(cfg, quick: bool) -> dict:
         if kafka:
             kcfg = dataclasses.replace(cfg.kafka, topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
             create_topics(kcfg)
-            pub = TelemetryPublisher(kcfg, kcfg.telemetry_topic, buffer_max=gpus * windows,
-                                     linger_ms=cfg.telemetry.linger_ms)
+            pub = TelemetryPublisher(
+                kcfg, kcfg.telemetry_topic, buffer_max=gpus * windows, linger_ms=cfg.telemetry.linger_ms
+            )
             t0 = time.perf_counter()
             summary = run_simulated(dataclasses.replace(cfg, kafka=kcfg), opt, publisher=pub, follow_leases=False)
             left = pub.flush(60.0)
             dt = time.perf_counter() - t0
             delete_topics(kcfg, [kcfg.telemetry_topic, kcfg.commands_topic, kcfg.lease_state_topic, kcfg.dlq_topic])
             events = summary["windows"] * gpus - left
-            out.update(events=events, events_per_s=round(events / dt, 1), dropped=summary["dropped"] + left,
-                       ratio_to_goal=round(events / dt / GOAL_EVENTS_PER_S, 3), kafka=True)
+            out.update(
+                events=events,
+                events_per_s=round(events / dt, 1),
+                dropped=summary["dropped"] + left,
+                ratio_to_goal=round(events / dt / GOAL_EVENTS_PER_S, 3),
+                kafka=True,
+            )
         else:
             out.update(kafka=False, note="Kafka not reachable; events_per_s not measured")
     except TraceError as e:

@@ -35,11 +35,18 @@ def run(cfg, quick: bool, steps: int | None = None) -> dict:
             alone = percentiles_ms(_measure(serve, steps))
             slo_ms = alone["p99_ms"] * SLO_OVER_ALONE
             lat = {"alone": alone}
-            rollout = {"alone": {"tokens_per_s": 0.0, "decode_steps_per_s": 0.0, "paused_fraction": None,
-                                 "note": "no rollout worker"}}
+            rollout = {
+                "alone": {
+                    "tokens_per_s": 0.0,
+                    "decode_steps_per_s": 0.0,
+                    "paused_fraction": None,
+                    "note": "no rollout worker",
+                }
+            }
             for mode in ("unprotected", "protected"):
-                lat[mode], rollout[mode] = _beside_rollout(cfg, c, r, job, device, serve, steps, slo_ms,
-                                                           protected=mode == "protected")
+                lat[mode], rollout[mode] = _beside_rollout(
+                    cfg, c, r, job, device, serve, steps, slo_ms, protected=mode == "protected"
+                )
         finally:
             r.close()
     a, u, p = lat["alone"]["p99_ms"], lat["unprotected"]["p99_ms"], lat["protected"]["p99_ms"]
@@ -50,8 +57,8 @@ def run(cfg, quick: bool, steps: int | None = None) -> dict:
         "serving_steps_per_phase": steps,
         "serving_step": "a 2-layer transformer encoder forward pass, batch 4 × 64 tokens, d_model 256 (1 thread on CPU)",
         "rollout_work": "the rollout worker's real policy model (rose.rollout.policy_model, default ModelSpec) "
-                        "decoding agentic episodes from the task queue, continuous batching; tokens/s from the "
-                        "worker's own counters (Redis heartbeat), decode steps/s from its pause flag",
+        "decoding agentic episodes from the task queue, continuous batching; tokens/s from the "
+        "worker's own counters (Redis heartbeat), decode steps/s from its pause flag",
         "alone_ms": lat["alone"],
         "unprotected_ms": lat["unprotected"],
         "protected_ms": lat["protected"],
@@ -65,14 +72,16 @@ def run(cfg, quick: bool, steps: int | None = None) -> dict:
         "protected_over_unprotected_tokens_per_s": None if kept is None else round(kept, 3),
         "goal_protected_over_unprotected_tokens_per_s": GOAL_TOKENS_KEPT,
         "protected_tokens_per_s_over_goal": None if kept is None else round(kept / GOAL_TOKENS_KEPT, 3),
-        "goals": {"protected_p99_over_alone": f"<= {GOAL_PROTECTED_OVER_ALONE} (p99_over_goal <= 1 is met)",
-                  "protected_over_unprotected_tokens_per_s": f">= {GOAL_TOKENS_KEPT}, the compute share "
-                                                             "protection grants (tokens_per_s_over_goal >= 1 is met)"},
+        "goals": {
+            "protected_p99_over_alone": f"<= {GOAL_PROTECTED_OVER_ALONE} (p99_over_goal <= 1 is met)",
+            "protected_over_unprotected_tokens_per_s": f">= {GOAL_TOKENS_KEPT}, the compute share "
+            "protection grants (tokens_per_s_over_goal >= 1 is met)",
+        },
         "slo_ms": round(slo_ms, 3),
         "protection": f"worker at nice 19 with compute_share {PROTECTED_SHARE} (CPU: that share of the cores; "
-                      "CUDA: the lowest-priority stream), plus the local guard: the serving loop writes its "
-                      "rolling p99 each step, the guard pauses the worker below 10% headroom and resumes it at "
-                      "30%; unprotected = nice 0, every core, no guard",
+        "CUDA: the lowest-priority stream), plus the local guard: the serving loop writes its "
+        "rolling p99 each step, the guard pauses the worker below 10% headroom and resumes it at "
+        "30%; unprotected = nice 0, every core, no guard",
         "cpu_count": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
@@ -93,9 +102,19 @@ class _Rollout:
         self._paused_ns = 0
         self._paused_since: int | None = None
         config = WorkerConfig.from_config(
-            c, gpu=GPU, worker_id=f"bench-{mode}", job=job, model="bench", device=device, mem_bytes=2 << 30,
-            compute_share=PROTECTED_SHARE if protected else 1.0, pause_flag=self.flag.name, dedicated=False,
-            nice=19 if protected else 0, seed=1)
+            c,
+            gpu=GPU,
+            worker_id=f"bench-{mode}",
+            job=job,
+            model="bench",
+            device=device,
+            mem_bytes=2 << 30,
+            compute_share=PROTECTED_SHARE if protected else 1.0,
+            pause_flag=self.flag.name,
+            dedicated=False,
+            nice=19 if protected else 0,
+            seed=1,
+        )
         self.key = c.redis.key("workers", config.worker_id)
         self.proc = launch(config, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
@@ -104,11 +123,13 @@ class _Rollout:
         deadline = time.monotonic() + timeout_s
         while self.flag.steps < n:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"interference bench: rollout worker exited with code {self.proc.returncode} "
-                                   "before decoding")
+                raise RuntimeError(
+                    f"interference bench: rollout worker exited with code {self.proc.returncode} before decoding"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"interference bench: rollout worker ran {self.flag.steps} decode steps "
-                                   f"in {timeout_s:g} s")
+                raise RuntimeError(
+                    f"interference bench: rollout worker ran {self.flag.steps} decode steps in {timeout_s:g} s"
+                )
             time.sleep(0.01)
 
     def set(self, state: int) -> None:
@@ -167,13 +188,15 @@ def rollout_figures(start: dict, end: dict) -> dict:
         "tokens_per_s": round((end["tokens"] - start["tokens"]) / hb_dt, 1) if hb_dt > 0 else 0.0,
         "decode_steps_per_s": round((end["steps"] - start["steps"]) / dt, 1) if dt > 0 else 0.0,
         "paused_fraction": round((end["paused_ns"] - start["paused_ns"]) / (end["ns"] - start["ns"]), 3)
-        if end["ns"] > start["ns"] else 0.0,
+        if end["ns"] > start["ns"]
+        else 0.0,
         "phase_s": round(dt, 3),
     }
 
 
-def _beside_rollout(cfg, c, r, job: str, device: str, serve, steps: int, slo_ms: float,
-                    protected: bool) -> tuple[dict, dict]:
+def _beside_rollout(
+    cfg, c, r, job: str, device: str, serve, steps: int, slo_ms: float, protected: bool
+) -> tuple[dict, dict]:
     """Serving latency and rollout work with one worker running beside the serving loop."""
     from rose.bench._stack import percentiles_ms
     from rose.contract.events import Latency
@@ -187,9 +210,15 @@ def _beside_rollout(cfg, c, r, job: str, device: str, serve, steps: int, slo_ms:
     try:
         w.wait_decoding()
         if protected:
-            guard = Guard([GPU], FileLatencySource(lat_dir), on_trip=lambda _g: w.set(PAUSE),
-                          on_clear=lambda _g: w.set(RUN), trip_headroom=cfg.policy.revoke_headroom,
-                          clear_headroom=cfg.policy.grant_headroom, period_s=0.0005).start()
+            guard = Guard(
+                [GPU],
+                FileLatencySource(lat_dir),
+                on_trip=lambda _g: w.set(PAUSE),
+                on_clear=lambda _g: w.set(RUN),
+                trip_headroom=cfg.policy.revoke_headroom,
+                clear_headroom=cfg.policy.grant_headroom,
+                period_s=0.0005,
+            ).start()
             slo = Latency(slo_ms, slo_ms)
 
             def report(p99: float) -> None:

@@ -16,11 +16,11 @@ def run(cfg, quick: bool) -> dict:
 
     import psutil
 
-    from rose.executor.service import Executor
     from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
     from rose.contract.codec import decode, encode
-    from rose.contract.events import Command, LeaseState, Latency
+    from rose.contract.events import Command, Latency, LeaseState
     from rose.executor.guard import LatencySample, default_latency_dir, write_latency
+    from rose.executor.service import Executor
     from rose.kafka.consumer import make_consumer
     from rose.kafka.producer import make_producer, produce
     from rose.obs.logs import setup_logging
@@ -31,8 +31,12 @@ def run(cfg, quick: bool) -> dict:
     job = "bench-revoke"
     with private_stack(cfg, "revoke") as c:
         lat_dir = default_latency_dir() / c.kafka.topic_prefix.rstrip(".")
-        c = dataclasses.replace(c, executor=dataclasses.replace(
-            c.executor, job=job, latency_dir=str(lat_dir), guard_period_s=0.0005, worker_nice=10))
+        c = dataclasses.replace(
+            c,
+            executor=dataclasses.replace(
+                c.executor, job=job, latency_dir=str(lat_dir), guard_period_s=0.0005, worker_nice=10
+            ),
+        )
         fill_tasks(c, job, 400 if quick else 4000)
         slo = Latency(ttft_p99=1000.0, tpot_p99=100.0)
         calm = LatencySample(time.time(), Latency(300.0, 30.0), slo)
@@ -50,12 +54,24 @@ def run(cfg, quick: bool) -> dict:
         try:
             for epoch in range(1, cycles + 1):
                 now = time.time()
-                base = dict(gpu=GPU, lease_id=f"{GPU}#{epoch}", epoch=epoch, mem_bytes=GiB, compute_share=0.5,
-                            ts=now, expires_at=now + 120, reason="bench", cause_event_id=f"bench-{epoch}")
-                produce(producer, c.kafka.commands_topic,
-                        encode(Command(command_id=f"g{epoch}", kind="grant", **base)), GPU)
+                base = dict(
+                    gpu=GPU,
+                    lease_id=f"{GPU}#{epoch}",
+                    epoch=epoch,
+                    mem_bytes=GiB,
+                    compute_share=0.5,
+                    ts=now,
+                    expires_at=now + 120,
+                    reason="bench",
+                    cause_event_id=f"bench-{epoch}",
+                )
+                produce(
+                    producer, c.kafka.commands_topic, encode(Command(command_id=f"g{epoch}", kind="grant", **base)), GPU
+                )
                 producer.flush(10)
-                h = _wait(lambda: ex.workers.get(GPU) if ex.workers.get(GPU) and ex.workers[GPU].epoch == epoch else None, 30)
+                h = _wait(
+                    lambda: ex.workers.get(GPU) if ex.workers.get(GPU) and ex.workers[GPU].epoch == epoch else None, 30
+                )
                 flag = h.flag
                 beat0 = flag.heartbeat
                 _wait(lambda: flag.heartbeat > beat0 + 50, 60)  # the worker is in its decode loop
@@ -71,8 +87,12 @@ def run(cfg, quick: bool) -> dict:
                     _wait(lambda: flag.heartbeat > b + 5, 5)
                 pid = h.proc.pid
                 t0 = time.monotonic_ns()  # the Kafka path: revoke command -> paused -> revoked
-                produce(producer, c.kafka.commands_topic,
-                        encode(Command(command_id=f"r{epoch}", kind="revoke", **base)), GPU)
+                produce(
+                    producer,
+                    c.kafka.commands_topic,
+                    encode(Command(command_id=f"r{epoch}", kind="revoke", **base)),
+                    GPU,
+                )
                 producer.poll(0)
                 _wait(lambda: flag.paused_seen_ns > t0 if flag._buf is not None else True, 10)
                 k_flag.append(flag.set_ns - t0)
@@ -93,7 +113,7 @@ def run(cfg, quick: bool) -> dict:
     return {
         "path": "command→executor",
         "path_note": "the revoke command is produced to rose.commands directly (the scheduler's decision time "
-                     "is measured by its own bench); t0 is just before produce()",
+        "is measured by its own bench); t0 is just before produce()",
         "cycles": cycles,
         "kafka_flag_raised_ms": percentiles_ms(k_flag),
         "kafka_worker_paused_ms": kp,
@@ -107,7 +127,7 @@ def run(cfg, quick: bool) -> dict:
         "guard_paused_p99_over_goal": round(gp["p99_ms"] / GOAL_GUARD_PAUSED_P99_MS, 3) if gp["n"] else None,
         "revoke_deadline_s": c.executor.revoke_deadline_s,
         "note": "paused = the worker itself recorded that it saw the flag (it checks between decode steps); "
-                "revoked = the `revoked` lease state read back from Kafka, worker process gone, rollout_mem_bytes 0",
+        "revoked = the `revoked` lease state read back from Kafka, worker process gone, rollout_mem_bytes 0",
     }
 
 

@@ -72,7 +72,7 @@ def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
     p = make_producer(cfg.kafka)
     for i in range(ticks):
         t_next = time.perf_counter() + n_gpus / rate_per_s
-        for ev in events[i * n_gpus:(i + 1) * n_gpus]:
+        for ev in events[i * n_gpus : (i + 1) * n_gpus]:
             produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)
         p.flush(5)
         time.sleep(max(0.0, t_next - time.perf_counter()))
@@ -87,8 +87,7 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
 
     from rose.scheduler.service import Scheduler
 
-    s = Scheduler(cfg, instance="bench-latency", group="rose-scheduler-latency", batch_max=2000,
-                  record_latencies=True)
+    s = Scheduler(cfg, instance="bench-latency", group="rose-scheduler-latency", batch_max=2000, record_latencies=True)
     s.start()
     deadline = time.monotonic() + 60
     while not s.consumer.assignment() and time.monotonic() < deadline:  # joined before the load starts
@@ -97,8 +96,9 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
         s.step(0.1)
     n_gpus = 200
     ticks = int(seconds * rate_per_s / n_gpus)
-    feeder = multiprocessing.get_context("spawn").Process(target=_feed, args=(cfg, n_gpus, ticks, rate_per_s),
-                                                          daemon=True)
+    feeder = multiprocessing.get_context("spawn").Process(
+        target=_feed, args=(cfg, n_gpus, ticks, rate_per_s), daemon=True
+    )
     feeder.start()
     try:
         while feeder.is_alive():
@@ -112,8 +112,13 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
     if not lat:
         return {"p50_ms": None, "p99_ms": None, "commands": 0}
     q = lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 3)  # noqa: E731
-    return {"p50_ms": q(0.5), "p99_ms": q(0.99), "commands": len(lat), "load_events_per_s": rate_per_s,
-            "feeder_exit": feeder.exitcode}
+    return {
+        "p50_ms": q(0.5),
+        "p99_ms": q(0.99),
+        "commands": len(lat),
+        "load_events_per_s": rate_per_s,
+        "feeder_exit": feeder.exitcode,
+    }
 
 
 def run(cfg: Config, quick: bool = False) -> dict:
@@ -146,8 +151,9 @@ def run(cfg: Config, quick: bool = False) -> dict:
         "scheduler_vs_goal_events_per_s_ratio": round(sched / GOAL_EVENTS_PER_S, 3),
         "goal_events_per_s": GOAL_EVENTS_PER_S,
         "decision_latency": latency,
-        "decision_latency_p99_vs_goal_ratio": (round(latency["p99_ms"] / GOAL_P99_MS, 3)
-                                               if latency.get("p99_ms") is not None else None),
+        "decision_latency_p99_vs_goal_ratio": (
+            round(latency["p99_ms"] / GOAL_P99_MS, 3) if latency.get("p99_ms") is not None else None
+        ),
         "goal_decision_latency_p99_ms": GOAL_P99_MS,
         "note": "one process, one partition, local single-node broker on a 2-core machine shared with the producer",
     }

@@ -28,7 +28,9 @@ def _lag(cfg: Config, group: str) -> int:
 
     c = make_consumer(cfg.kafka, group)
     try:
-        tps = [TopicPartition(cfg.kafka.telemetry_topic, p) for p in partitions_of(cfg.kafka, cfg.kafka.telemetry_topic)]
+        tps = [
+            TopicPartition(cfg.kafka.telemetry_topic, p) for p in partitions_of(cfg.kafka, cfg.kafka.telemetry_topic)
+        ]
         lag = 0
         for tp in c.committed(tps, timeout=10):
             _, hi = c.get_watermark_offsets(tp, timeout=10)
@@ -63,10 +65,17 @@ def _window_p99_ms(now, prev) -> float | None:
 def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: int) -> dict:
     import psutil
 
-    env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap, "ROSE_REDIS_URL": cfg.redis.url,
-           "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix, "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
-           "ROSE_EXECUTOR__WORKER": "placeholder", "ROSE_EXECUTOR__TICK_S": "0.05",
-           "ROSE_EXECUTOR__GUARD_PERIOD_S": "0", "ROSE_TELEMETRY__PERIOD_S": "0.5"}
+    env = {
+        **os.environ,
+        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+        "ROSE_REDIS_URL": cfg.redis.url,
+        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+        "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
+        "ROSE_EXECUTOR__WORKER": "placeholder",
+        "ROSE_EXECUTOR__TICK_S": "0.05",
+        "ROSE_EXECUTOR__GUARD_PERIOD_S": "0",
+        "ROSE_TELEMETRY__PERIOD_S": "0.5",
+    }
     port = free_port()
     rose = [sys.executable, "-m", "rose"]
     ids = [f"soak/{i}" for i in range(gpus)]
@@ -75,16 +84,40 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
     logs.mkdir(parents=True, exist_ok=True)
 
     def spawn(name, argv):
-        procs[name] = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                       stderr=open(logs / f"{name}-{gpus}.log", "wb"), start_new_session=True)
+        procs[name] = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(logs / f"{name}-{gpus}.log", "wb"),
+            start_new_session=True,
+        )
 
-    spawn("scheduler", rose + ["scheduler", "--instance", "soak", "--metrics-port", str(port), "--log-level", "WARNING"])
+    spawn(
+        "scheduler", rose + ["scheduler", "--instance", "soak", "--metrics-port", str(port), "--log-level", "WARNING"]
+    )
     for e in range(executors):
-        spawn(f"executor-{e}", rose + ["executor", "--gpus", ",".join(ids[e::executors]), "--no-guard",
-                                       "--log-level", "WARNING"])
+        spawn(
+            f"executor-{e}",
+            rose + ["executor", "--gpus", ",".join(ids[e::executors]), "--no-guard", "--log-level", "WARNING"],
+        )
     time.sleep(3)
-    spawn("agent", rose + ["agent", "--simulate", _trace(), "--gpus", str(gpus), "--node", "soak",
-                           "--speed", "4", "--duration", str(seconds + 5)])
+    spawn(
+        "agent",
+        rose
+        + [
+            "agent",
+            "--simulate",
+            _trace(),
+            "--gpus",
+            str(gpus),
+            "--node",
+            "soak",
+            "--speed",
+            "4",
+            "--duration",
+            str(seconds + 5),
+        ],
+    )
     group = f"{cfg.kafka.topic_prefix}rose-scheduler"
     series = []
     prev_hist = None
@@ -93,8 +126,11 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
         while time.monotonic() - t0 < seconds:
             time.sleep(sample_s)
             hist = _decision_hist(port)
-            row = {"t_s": round(time.monotonic() - t0, 1), "lag_messages": _lag(cfg, group),
-                   "decision_p99_ms": _window_p99_ms(hist, prev_hist)}
+            row = {
+                "t_s": round(time.monotonic() - t0, 1),
+                "lag_messages": _lag(cfg, group),
+                "decision_p99_ms": _window_p99_ms(hist, prev_hist),
+            }
             prev_hist = hist or prev_hist
             for name, p in procs.items():
                 try:
@@ -102,8 +138,11 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
                 except psutil.NoSuchProcess:
                     row[f"rss_mb.{name}"] = None
             series.append(row)
-            print(f"[soak {gpus} GPUs] t={row['t_s']:.0f}s lag={row['lag_messages']} "
-                  f"p99={row['decision_p99_ms']}ms", file=sys.stderr, flush=True)
+            print(
+                f"[soak {gpus} GPUs] t={row['t_s']:.0f}s lag={row['lag_messages']} p99={row['decision_p99_ms']}ms",
+                file=sys.stderr,
+                flush=True,
+            )
         alive = {n: p.poll() is None for n, p in procs.items()}
     finally:
         for p in procs.values():
@@ -116,8 +155,11 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
                 os.killpg(p.pid, signal.SIGKILL)
     half = len(series) // 2 or 1
     first, second = series[:half], series[half:] or series
-    mean = lambda rows, k: sum(r[k] for r in rows if r.get(k) is not None) / max(1, sum(  # noqa: E731
-        r.get(k) is not None for r in rows))
+
+    def mean(rows, k):
+        vals = [r[k] for r in rows if r.get(k) is not None]
+        return sum(vals) / max(1, len(vals))
+
     growth = {}
     for name in procs:
         k = f"rss_mb.{name}"
@@ -126,7 +168,10 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
     p99s = sorted(r["decision_p99_ms"] for r in second if r.get("decision_p99_ms") is not None)
     p99 = p99s[len(p99s) // 2] if p99s else None  # median of the per-interval p99s, second half
     return {
-        "gpus": gpus, "rate_hz_per_gpu": 2, "events_per_s": gpus * 2, "seconds": seconds,
+        "gpus": gpus,
+        "rate_hz_per_gpu": 2,
+        "events_per_s": gpus * 2,
+        "seconds": seconds,
         "lag_messages_first_half_mean": round(mean(first, "lag_messages"), 1),
         "lag_messages_second_half_mean": round(mean(second, "lag_messages"), 1),
         "lag_messages_max": max((r["lag_messages"] for r in series), default=None),
@@ -134,8 +179,9 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
         "lag_bounded": mean(second, "lag_messages") <= mean(first, "lag_messages") + gpus,
         "lag_seconds_second_half_mean": round(mean(second, "lag_messages") / (gpus * 2), 2),
         "decision_p99_ms_median_interval_second_half": p99,
-        "decision_p99_ms_worst_interval": max((r["decision_p99_ms"] for r in series
-                                               if r.get("decision_p99_ms") is not None), default=None),
+        "decision_p99_ms_worst_interval": max(
+            (r["decision_p99_ms"] for r in series if r.get("decision_p99_ms") is not None), default=None
+        ),
         "decision_p99_vs_goal_ratio": round(p99 / GOAL_P99_MS, 2) if p99 else None,
         "rss_growth_second_vs_first_half": growth,
         "rss_mb_end": {n: series[-1].get(f"rss_mb.{n}") for n in procs} if series else {},
@@ -183,5 +229,9 @@ def run(cfg: Config, quick: bool = False) -> dict:
             c = dataclasses.replace(c, stack=cfg.stack)
             results.append(_soak(c, gpus, seconds, sample_s=5.0, executors=executors))
     plot = _plot(results, Path("reports") / "bench-soak.png")
-    return {"fleets": results, "plot": plot, "goal_decision_p99_ms": GOAL_P99_MS,
-            "note": "all processes and the broker share one 2-core machine; executors run placeholder workers"}
+    return {
+        "fleets": results,
+        "plot": plot,
+        "goal_decision_p99_ms": GOAL_P99_MS,
+        "note": "all processes and the broker share one 2-core machine; executors run placeholder workers",
+    }

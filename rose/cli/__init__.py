@@ -39,7 +39,7 @@ def cli_config():
     return load_config(_state["config_path"])
 
 
-def fail(message: str, code: int = 2) -> "typer.Exit":
+def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one clear line to stderr and exit; for errors the user can fix."""
     typer.echo(f"rose: {message}", err=True)
     raise typer.Exit(code)

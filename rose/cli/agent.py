@@ -2,34 +2,38 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import typer
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def agent(
-        simulate: Optional[str] = typer.Option(None, "--simulate", metavar="TRACE",
-                                               help="Trace file (Azure LLM CSV, BurstGPT CSV, Mooncake JSONL)."),
+        simulate: str | None = typer.Option(
+            None, "--simulate", metavar="TRACE", help="Trace file (Azure LLM CSV, BurstGPT CSV, Mooncake JSONL)."
+        ),
         gpus: int = typer.Option(1, "--gpus", help="Simulated GPUs (ids {node}/0 … {node}/N-1)."),
-        duration: Optional[float] = typer.Option(None, "--duration", help="Seconds to run (default: the trace)."),
+        duration: float | None = typer.Option(None, "--duration", help="Seconds to run (default: the trace)."),
         speed: float = typer.Option(1.0, "--speed", help="Play the trace this many times faster."),
-        model_size: Optional[str] = typer.Option(None, "--model-size", help="7B, 14B, 32B or 70B (simulated)."),
-        gpu_type: Optional[str] = typer.Option(None, "--gpu-type", help="H100 or H200 (simulated)."),
-        node: Optional[str] = typer.Option(None, "--node", help="Node name (default: sim, or the host name)."),
+        model_size: str | None = typer.Option(None, "--model-size", help="7B, 14B, 32B or 70B (simulated)."),
+        gpu_type: str | None = typer.Option(None, "--gpu-type", help="H100 or H200 (simulated)."),
+        node: str | None = typer.Option(None, "--node", help="Node name (default: sim, or the host name)."),
         seed: int = typer.Option(0, "--seed", help="Load-balancer seed (simulated)."),
         no_pace: bool = typer.Option(False, "--no-pace", help="Do not wait for the wall clock (simulated)."),
         nvml: bool = typer.Option(False, "--nvml", help="Read this node's GPUs through NVML."),
-        metrics_url: List[str] = typer.Option([], "--metrics-url",
-                                              help="Serving engine Prometheus URL; once per GPU, or once for all."),
-        rollout_pids: Optional[str] = typer.Option(None, "--rollout-pids", metavar="FILE",
-                                                   help="File listing rollout process PIDs (one a line)."),
-        metrics_port: Optional[int] = typer.Option(None, "--metrics-port",
-                                                   help="Serve /metrics and /healthz on this port."),
-        feed_guard: bool = typer.Option(False, "--feed-guard",
-                                        help="Also write each window's p99 for the executor's local guard "
-                                             "(executor.latency_dir)."),
+        metrics_url: list[str] = typer.Option(
+            [], "--metrics-url", help="Serving engine Prometheus URL; once per GPU, or once for all."
+        ),
+        rollout_pids: str | None = typer.Option(
+            None, "--rollout-pids", metavar="FILE", help="File listing rollout process PIDs (one a line)."
+        ),
+        metrics_port: int | None = typer.Option(
+            None, "--metrics-port", help="Serve /metrics and /healthz on this port."
+        ),
+        feed_guard: bool = typer.Option(
+            False,
+            "--feed-guard",
+            help="Also write each window's p99 for the executor's local guard (executor.latency_dir).",
+        ),
     ) -> None:
         """Publish one rose.telemetry.v1 per GPU per period until the run ends or SIGTERM."""
         import socket
@@ -83,24 +87,33 @@ def register(app: typer.Typer) -> None:
                 fail(str(e))
             if len(metric_url_set := metric_url_list(metrics_url)) not in (1, len(nv)):
                 fail(f"--metrics-url given {len(metric_url_set)} times for {len(nv)} GPUs (give 1 or {len(nv)})")
-            from rose.node.agent import NvmlOptions, run_nvml
-            from rose.kafka.telemetry_publisher import TelemetryPublisher
-
             from rose.executor.guard import default_latency_dir
+            from rose.kafka.telemetry_publisher import TelemetryPublisher
+            from rose.node.agent import NvmlOptions, run_nvml
 
-            pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
-                                     linger_ms=cfg.telemetry.linger_ms)
+            pub = TelemetryPublisher(
+                cfg.kafka,
+                cfg.kafka.telemetry_topic,
+                buffer_max=cfg.telemetry.buffer_max,
+                linger_ms=cfg.telemetry.linger_ms,
+            )
             try:
                 guard_dir = (cfg.executor.latency_dir or str(default_latency_dir())) if feed_guard else None
-                summary = run_nvml(cfg, NvmlOptions(metric_url_set, node or socket.gethostname(), rollout_pids,
-                                                    guard_dir=guard_dir), nv, stop, publisher=pub)
+                summary = run_nvml(
+                    cfg,
+                    NvmlOptions(metric_url_set, node or socket.gethostname(), rollout_pids, guard_dir=guard_dir),
+                    nv,
+                    stop,
+                    publisher=pub,
+                )
             finally:
                 left = pub.flush(5.0)
                 nv.close()
         else:
-            from rose.node.agent import SimOptions, run_simulated
-            from rose.sim.models import gpu_spec, model_size as model_preset
             from rose.kafka.telemetry_publisher import TelemetryPublisher
+            from rose.node.agent import SimOptions, run_simulated
+            from rose.sim.models import gpu_spec
+            from rose.sim.models import model_size as model_preset
             from rose.sim.traces import TraceError, load_trace
 
             try:
@@ -113,11 +126,24 @@ def register(app: typer.Typer) -> None:
                 fail(f"--model-size/--gpu-type: {e}")
             from rose.executor.guard import default_latency_dir
 
-            pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=cfg.telemetry.buffer_max,
-                                     linger_ms=cfg.telemetry.linger_ms)
-            opt = SimOptions(trace=simulate, gpus=gpus, duration_s=duration, speed=speed, model_size=model_size,
-                             gpu_type=gpu_type, node=node or "sim", seed=seed, pace=not no_pace,
-                             guard_dir=(cfg.executor.latency_dir or str(default_latency_dir())) if feed_guard else None)
+            pub = TelemetryPublisher(
+                cfg.kafka,
+                cfg.kafka.telemetry_topic,
+                buffer_max=cfg.telemetry.buffer_max,
+                linger_ms=cfg.telemetry.linger_ms,
+            )
+            opt = SimOptions(
+                trace=simulate,
+                gpus=gpus,
+                duration_s=duration,
+                speed=speed,
+                model_size=model_size,
+                gpu_type=gpu_type,
+                node=node or "sim",
+                seed=seed,
+                pace=not no_pace,
+                guard_dir=(cfg.executor.latency_dir or str(default_latency_dir())) if feed_guard else None,
+            )
             try:
                 summary = run_simulated(cfg, opt, stop, publisher=pub)
             finally:

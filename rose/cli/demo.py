@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 
@@ -13,8 +11,9 @@ def register(app: typer.Typer) -> None:
         duration: float = typer.Option(180.0, "--duration", help="Seconds of the measured run (start-up not counted)."),
         report: str = typer.Option("reports/demo", "--report", help="Directory for report.json, report.md and plots."),
         gpus: int = typer.Option(3, "--gpus", help="Trace-driven serving GPUs sim/0 … sim/{N-1} (plus real/0)."),
-        trace: Optional[str] = typer.Option(None, "--trace", help="Request trace (default: $ROSE_TRACES/"
-                                                                  "azure_llm2023_conv.csv)."),
+        trace: str | None = typer.Option(
+            None, "--trace", help="Request trace (default: $ROSE_TRACES/azure_llm2023_conv.csv)."
+        ),
         speed: float = typer.Option(0.5, "--speed", help="Play the trace this many times faster (0.5: half its rate)."),
         keep: bool = typer.Option(False, "--keep", help="Keep the run's topics and Redis keys afterwards."),
     ) -> None:
@@ -52,5 +51,6 @@ def register(app: typer.Typer) -> None:
             f"serving SLO attainment {rep['serving_slo_attainment']}; episodes/min dedicated-only "
             f"{tp['dedicated_only']} → with leases {tp['with_leases']}; revoke p50/p99 "
             f"{rep['revoke_latency_ms']['p50']}/{rep['revoke_latency_ms']['p99']} ms; weight bytes ratio "
-            f"{rep['weight_bytes_ratio']}")
+            f"{rep['weight_bytes_ratio']}"
+        )
         typer.echo(f"report: {report}/report.md")

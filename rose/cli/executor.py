@@ -8,11 +8,21 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command()
     def executor(
-        gpus: str = typer.Option(None, "--gpus", help="Comma-separated GPU ids this node serves, e.g. node-3/0,node-3/1."),
-        simulate: int = typer.Option(None, "--simulate", help="Manage N simulated GPUs sim/0 … sim/{N-1} (device cpu)."),
-        job: str = typer.Option(None, "--job", help="Rollout job whose task queue the workers serve (default: the config's executor.job)."),
-        device: str = typer.Option(None, "--device", help="Torch device of the workers: cpu, cuda, cuda:N (default: cpu "
-                                                          "with --simulate, cuda:<index> with --gpus when CUDA is present)."),
+        gpus: str = typer.Option(
+            None, "--gpus", help="Comma-separated GPU ids this node serves, e.g. node-3/0,node-3/1."
+        ),
+        simulate: int = typer.Option(
+            None, "--simulate", help="Manage N simulated GPUs sim/0 … sim/{N-1} (device cpu)."
+        ),
+        job: str = typer.Option(
+            None, "--job", help="Rollout job whose task queue the workers serve (default: the config's executor.job)."
+        ),
+        device: str = typer.Option(
+            None,
+            "--device",
+            help="Torch device of the workers: cpu, cuda, cuda:N (default: cpu "
+            "with --simulate, cuda:<index> with --gpus when CUDA is present).",
+        ),
         metrics_port: int = typer.Option(None, "--metrics-port", help="Serve /metrics and /healthz on this port."),
         no_guard: bool = typer.Option(False, "--no-guard", help="Turn the local fast guard off."),
         log_level: str = typer.Option("INFO"),
@@ -30,13 +40,14 @@ def register(app: typer.Typer) -> None:
             ids = [g.strip() for g in gpus.split(",") if g.strip()]
             if not ids:
                 fail("--gpus: expected comma-separated GPU ids, got nothing")
-        if device is not None and not (device == "cpu" or device == "cuda" or
-                                       (device.startswith("cuda:") and device[5:].isdigit())):
+        if device is not None and not (
+            device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
+        ):
             fail(f"--device: expected cpu, cuda or cuda:N, got {device!r}")
 
         from rose.executor.service import Executor, simulated_gpus
-        from rose.obs import metrics
         from rose.kafka.admin import wait_for_broker
+        from rose.obs import metrics
         from rose.obs.logs import setup_logging
         from rose.obs.tracing import setup_tracing
 

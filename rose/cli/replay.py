@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,9 +15,12 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def record(
         out: Path = typer.Option(..., "--out", help="NDJSON file to write (one Kafka message a line)."),
-        topics: str = typer.Option(DEFAULT_TOPICS, "--topics",
-                                   help="Comma-separated topics: contract names (telemetry, commands, lease-state, "
-                                        "dlq) take the configured prefix; full names are used as given."),
+        topics: str = typer.Option(
+            DEFAULT_TOPICS,
+            "--topics",
+            help="Comma-separated topics: contract names (telemetry, commands, lease-state, "
+            "dlq) take the configured prefix; full names are used as given.",
+        ),
         timeout: float = typer.Option(60.0, "--timeout", help="Seconds allowed to read each topic to its end."),
     ) -> None:
         """Export topics to NDJSON, each line {topic, partition, offset, timestamp_ms, key, headers, value}.
@@ -26,6 +28,7 @@ def register(app: typer.Typer) -> None:
         Reads committed messages only (read_committed), each topic up to its end offsets at
         the time it is read."""
         import orjson
+
         from rose.cli import cli_config, fail
         from rose.kafka.admin import KafkaException, wait_for_broker
         from rose.kafka.consumer import message_record, read_all
@@ -62,15 +65,20 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def replay(
         log: str = typer.Argument(..., help="A `rose record` log or plain telemetry NDJSON; '-' reads stdin."),
-        config: Optional[Path] = typer.Option(None, "--config", help="TOML config for a what-if ([policy] thresholds)."),
-        out: Optional[Path] = typer.Option(None, "--out", help="Write the commands here (default: stdout)."),
-        diff: bool = typer.Option(False, "--diff", help="Compare with the commands recorded in LOG; exit 1 on a "
-                                                        "divergence."),
-        explain: Optional[str] = typer.Option(None, "--explain", metavar="GPU",
-                                              help="Print, per event of this GPU, the view and why a decision "
-                                                   "was or was not taken."),
-        telemetry_only: bool = typer.Option(False, "--telemetry-only",
-                                            help="Do not fold the executors' lease states into the views."),
+        config: Path | None = typer.Option(None, "--config", help="TOML config for a what-if ([policy] thresholds)."),
+        out: Path | None = typer.Option(None, "--out", help="Write the commands here (default: stdout)."),
+        diff: bool = typer.Option(
+            False, "--diff", help="Compare with the commands recorded in LOG; exit 1 on a divergence."
+        ),
+        explain: str | None = typer.Option(
+            None,
+            "--explain",
+            metavar="GPU",
+            help="Print, per event of this GPU, the view and why a decision was or was not taken.",
+        ),
+        telemetry_only: bool = typer.Option(
+            False, "--telemetry-only", help="Do not fold the executors' lease states into the views."
+        ),
     ) -> None:
         """Re-run the lease policy over the telemetry in LOG; one command a line, byte-identical every run."""
         from rose.cli import cli_config, fail
@@ -95,11 +103,14 @@ def register(app: typer.Typer) -> None:
             parsed = read_log(fh, cfg.policy, on_error)
         if explain is not None and not any(ev.gpu == explain for _, ev in parsed.telemetry):
             gpus = sorted({ev.gpu for _, ev in parsed.telemetry})
-            fail(f"--explain: no telemetry for gpu {explain!r} in {name} (it has {len(gpus)} GPUs"
-                 + (f", e.g. {', '.join(gpus[:5])})" if gpus else ")"))
+            fail(
+                f"--explain: no telemetry for gpu {explain!r} in {name} (it has {len(gpus)} GPUs"
+                + (f", e.g. {', '.join(gpus[:5])})" if gpus else ")")
+            )
 
         on_decision = on_lease_state = None
         if explain is not None:
+
             def on_decision(lineno, ev, before, d):
                 if ev.gpu == explain:
                     typer.echo(explain_step(lineno, ev, before, d))
@@ -108,8 +119,14 @@ def register(app: typer.Typer) -> None:
                 if ls.gpu == explain:
                     typer.echo(explain_lease_state(lineno, ls, before, after))
 
-        commands, views = run_replay(parsed.telemetry, cfg.policy, on_decision,
-                                     () if telemetry_only else parsed.lease_states, parsed.record_ms, on_lease_state)
+        commands, views = run_replay(
+            parsed.telemetry,
+            cfg.policy,
+            on_decision,
+            () if telemetry_only else parsed.lease_states,
+            parsed.record_ms,
+            on_lease_state,
+        )
         data = encode_commands(commands)
         if out is not None:
             try:
@@ -121,9 +138,12 @@ def register(app: typer.Typer) -> None:
             sys.stdout.buffer.flush()
         kinds = Counter(c.kind for c in commands)
         ignored = sum(v.ignored_stale for v in views.values())
-        typer.echo(f"replay: {len(parsed.telemetry)} telemetry events on {len(views)} GPUs ({ignored} stale or "
-                   f"duplicate ignored, {parsed.skipped} lines skipped) -> {len(commands)} commands "
-                   f"({', '.join(f'{k} {kinds[k]}' for k in ('grant', 'renew', 'revoke'))})", err=True)
+        typer.echo(
+            f"replay: {len(parsed.telemetry)} telemetry events on {len(views)} GPUs ({ignored} stale or "
+            f"duplicate ignored, {parsed.skipped} lines skipped) -> {len(commands)} commands "
+            f"({', '.join(f'{k} {kinds[k]}' for k in ('grant', 'renew', 'revoke'))})",
+            err=True,
+        )
         if diff:
             if not parsed.commands:
                 typer.echo(f"rose: --diff: {name} holds no recorded commands to compare with", err=True)
@@ -131,5 +151,6 @@ def register(app: typer.Typer) -> None:
             if d is not None:
                 typer.echo(d.describe(parsed.lease_states))
                 raise typer.Exit(1)
-            typer.echo(f"no divergence: {len(commands)} commands on "
-                       f"{len({c.gpu for c in commands})} GPUs match the log")
+            typer.echo(
+                f"no divergence: {len(commands)} commands on {len({c.gpu for c in commands})} GPUs match the log"
+            )

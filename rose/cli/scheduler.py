@@ -16,12 +16,11 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option("INFO"),
     ) -> None:
         """The stateless lease scheduler: telemetry in, commands out, exactly once, until SIGTERM."""
-        from rose.scheduler.service import FatalSchedulerError, run_scheduler
         from rose.cli import cli_config, fail
         from rose.kafka.admin import wait_for_broker
         from rose.obs.logs import setup_logging
         from rose.obs.tracing import setup_tracing
-
+        from rose.scheduler.service import FatalSchedulerError, run_scheduler
         from rose.shutdown import Shutdown
 
         cfg = cli_config()

@@ -10,21 +10,28 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command()
     def simulate(
-        trace: Path = typer.Option(..., "--trace", help="Request trace: Azure LLM CSV, BurstGPT CSV or Mooncake JSONL."),
+        trace: Path = typer.Option(
+            ..., "--trace", help="Request trace: Azure LLM CSV, BurstGPT CSV or Mooncake JSONL."
+        ),
         gpus: int = typer.Option(64, "--gpus", help="Serving GPUs."),
         dedicated: int = typer.Option(0, "--dedicated", help="Dedicated rollout GPUs (0: gpus/8, at least 1)."),
         model_size: str = typer.Option("7B", "--model-size", help="7B | 14B | 32B | 70B (served and RL policy)."),
         gpu: str = typer.Option("H100", "--gpu", help="H100 | H200."),
-        policy: str = typer.Option("all", "--policy", help="static | elastic | share-all | rose | all (comma list ok)."),
+        policy: str = typer.Option(
+            "all", "--policy", help="static | elastic | share-all | rose | all (comma list ok)."
+        ),
         duration: float = typer.Option(0.0, "--duration", help="Seconds of trace time (0: the trace, at most 1 h)."),
         seed: int = typer.Option(0, "--seed", help="Seed of trace replication and load balancing."),
         load: float = typer.Option(0.7, "--load", help="Roofline utilisation of the busiest minute (0..1]."),
-        decide_every: int = typer.Option(0, "--decide-every",
-                                         help="Windows per policy event (0: auto, 1 up to 2M decide calls)."),
-        interference_bench: Path = typer.Option(None, "--interference-bench",
-                                                help="`rose bench interference --json` output: calibrates alpha."),
-        weights_bench: Path = typer.Option(None, "--weights-bench",
-                                           help="`rose bench weights --json` output: the delta bytes ratio."),
+        decide_every: int = typer.Option(
+            0, "--decide-every", help="Windows per policy event (0: auto, 1 up to 2M decide calls)."
+        ),
+        interference_bench: Path = typer.Option(
+            None, "--interference-bench", help="`rose bench interference --json` output: calibrates alpha."
+        ),
+        weights_bench: Path = typer.Option(
+            None, "--weights-bench", help="`rose bench weights --json` output: the delta bytes ratio."
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
         report: Path = typer.Option(None, "--report", help="Write report.json, report.md and PNG plots here."),
         series: bool = typer.Option(False, "--series", help="Include per-window series in --json output."),
@@ -33,7 +40,8 @@ def register(app: typer.Typer) -> None:
         import orjson
 
         from rose.cli import cli_config, fail
-        from rose.sim.engine import POLICIES, SimConfig, calibration, simulate as run_sim
+        from rose.sim.engine import POLICIES, SimConfig, calibration
+        from rose.sim.engine import simulate as run_sim
         from rose.sim.traces import TraceError, load_trace
 
         names = POLICIES if policy.strip() == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
@@ -54,6 +62,7 @@ def register(app: typer.Typer) -> None:
             tr = load_trace(trace)
         except TraceError as e:
             fail(f"--trace: {e}")
+
         def bench_file(path: Path | None, flag: str):
             if path is None:
                 return None
@@ -67,15 +76,27 @@ def register(app: typer.Typer) -> None:
             return d
 
         try:
-            cal = calibration(bench_file(interference_bench, "--interference-bench"),
-                              bench_file(weights_bench, "--weights-bench"))
+            cal = calibration(
+                bench_file(interference_bench, "--interference-bench"), bench_file(weights_bench, "--weights-bench")
+            )
         except ValueError as e:
             fail(str(e))
         cfg = cli_config()
         try:
-            sc = SimConfig(n_gpus=gpus, dedicated=dedicated, model=model_size, gpu=gpu, duration_s=duration,
-                           seed=seed, load=load, decide_every=decide_every, policies=names, policy=cfg.policy,
-                           record_series=bool(report) or series, **cal)
+            sc = SimConfig(
+                n_gpus=gpus,
+                dedicated=dedicated,
+                model=model_size,
+                gpu=gpu,
+                duration_s=duration,
+                seed=seed,
+                load=load,
+                decide_every=decide_every,
+                policies=names,
+                policy=cfg.policy,
+                record_series=bool(report) or series,
+                **cal,
+            )
             result = run_sim(tr, sc)
         except ValueError as e:
             fail(str(e))
@@ -89,15 +110,21 @@ def register(app: typer.Typer) -> None:
             typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode())
             return
         c = result["config"]
-        typer.echo(f"{c['trace']} · {c['gpus']} serving GPUs ({c['gpu']}, {c['model_size']}) + {c['dedicated']} "
-                   f"dedicated · {c['duration_s']:g} s · SLO ttft {c['slo_ms']['ttft_p99']:g} ms, "
-                   f"tpot {c['slo_ms']['tpot_p99']:g} ms · wall {result['wall_s']:.1f} s")
-        typer.echo(f"{'policy':10s} {'episodes/h':>11s} {'RL steps/h':>10s} {'gain':>6s} {'SLO att.':>8s} "
-                   f"{'revokes':>7s} {'weights GB':>10s}")
+        typer.echo(
+            f"{c['trace']} · {c['gpus']} serving GPUs ({c['gpu']}, {c['model_size']}) + {c['dedicated']} "
+            f"dedicated · {c['duration_s']:g} s · SLO ttft {c['slo_ms']['ttft_p99']:g} ms, "
+            f"tpot {c['slo_ms']['tpot_p99']:g} ms · wall {result['wall_s']:.1f} s"
+        )
+        typer.echo(
+            f"{'policy':10s} {'episodes/h':>11s} {'RL steps/h':>10s} {'gain':>6s} {'SLO att.':>8s} "
+            f"{'revokes':>7s} {'weights GB':>10s}"
+        )
         for p, r in result["policies"].items():
-            typer.echo(f"{p:10s} {r['episodes_per_hour']:11.1f} {r['rl_steps_per_hour']:10.2f} "
-                       f"{r['gain_vs_static']:6.3f} {r['slo_attainment']:8.5f} {r['revokes']:7d} "
-                       f"{r['weight_sync_bytes'] / 1e9:10.1f}")
+            typer.echo(
+                f"{p:10s} {r['episodes_per_hour']:11.1f} {r['rl_steps_per_hour']:10.2f} "
+                f"{r['gain_vs_static']:6.3f} {r['slo_attainment']:8.5f} {r['revokes']:7d} "
+                f"{r['weight_sync_bytes'] / 1e9:10.1f}"
+            )
         if report is not None:
             typer.echo(f"report: {report / 'report.md'}")
 
@@ -111,7 +138,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """`rose simulate` on the Azure code/conv and BurstGPT traces for 7B–70B, beside the paper's claim."""
         from rose.cli import cli_config, fail
-        from rose.sim.engine import SimConfig, simulate as run_sim
+        from rose.sim.engine import SimConfig
+        from rose.sim.engine import simulate as run_sim
         from rose.sim.report import paper_check_markdown
         from rose.sim.traces import TraceError, load_trace
 
@@ -125,12 +153,16 @@ def register(app: typer.Typer) -> None:
             except TraceError as e:
                 fail(f"--traces: {e}")
             for size in ("7B", "14B", "32B", "70B"):
-                r = run_sim(tr, SimConfig(n_gpus=gpus, model=size, gpu=gpu, duration_s=duration, policy=pc,
-                                          record_series=False))
+                r = run_sim(
+                    tr, SimConfig(n_gpus=gpus, model=size, gpu=gpu, duration_s=duration, policy=pc, record_series=False)
+                )
                 results.append(r)
-                typer.echo(f"{name} {size}: ROSE ×{r['policies']['rose']['gain_vs_static']:.3f}, SLO "
-                           f"{r['policies']['rose']['slo_attainment']:.5f} (static "
-                           f"{r['policies']['static']['slo_attainment']:.5f}), {r['wall_s']:.1f} s", err=True)
+                typer.echo(
+                    f"{name} {size}: ROSE ×{r['policies']['rose']['gain_vs_static']:.3f}, SLO "
+                    f"{r['policies']['rose']['slo_attainment']:.5f} (static "
+                    f"{r['policies']['static']['slo_attainment']:.5f}), {r['wall_s']:.1f} s",
+                    err=True,
+                )
         cmd = f"rose paper-check --gpus {gpus} --duration {duration:g} --gpu {gpu}"
         table = paper_check_markdown(results, cmd)
         if out is not None:

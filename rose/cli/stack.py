@@ -6,7 +6,9 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    stack = typer.Typer(help="The local Apache Kafka (KRaft) + Redis (+ Jaeger) stack on loopback.", no_args_is_help=True)
+    stack = typer.Typer(
+        help="The local Apache Kafka (KRaft) + Redis (+ Jaeger) stack on loopback.", no_args_is_help=True
+    )
     topics = typer.Typer(help="Kafka topics of the contract.", no_args_is_help=True)
     app.add_typer(stack, name="stack")
     app.add_typer(topics, name="topics")
@@ -19,8 +21,12 @@ def register(app: typer.Typer) -> None:
 
     @stack.command("up")
     def up(
-        jaeger: bool = typer.Option(False, "--jaeger", help="Also run Jaeger v2 (traces UI; built once from the Go module proxy)."),
-        own: bool = typer.Option(False, "--own", help="Fail, starting nothing, when another stack or program holds this stack's ports."),
+        jaeger: bool = typer.Option(
+            False, "--jaeger", help="Also run Jaeger v2 (traces UI; built once from the Go module proxy)."
+        ),
+        own: bool = typer.Option(
+            False, "--own", help="Fail, starting nothing, when another stack or program holds this stack's ports."
+        ),
     ) -> None:
         """Start Kafka and Redis (idempotent); wait until both answer. Says whose stack it uses
         when another checkout's stack already answers on these ports."""
@@ -36,8 +42,10 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"redis url:       {s.redis_url}")
         if jaeger:
             typer.echo(f"jaeger ui:       {s.jaeger_query_url}")
-            typer.echo(f"otlp endpoint:   {s.jaeger_otlp_endpoint} (http), {s.jaeger_otlp_grpc_endpoint} (grpc); "
-                       f"ROSE_TRACING__EXPORTER=otlp ROSE_TRACING__OTLP_ENDPOINT={s.jaeger_otlp_endpoint}/v1/traces")
+            typer.echo(
+                f"otlp endpoint:   {s.jaeger_otlp_endpoint} (http), {s.jaeger_otlp_grpc_endpoint} (grpc); "
+                f"ROSE_TRACING__EXPORTER=otlp ROSE_TRACING__OTLP_ENDPOINT={s.jaeger_otlp_endpoint}/v1/traces"
+            )
 
     @stack.command("down")
     def down() -> None:

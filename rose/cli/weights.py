@@ -8,7 +8,9 @@ from pathlib import Path
 import orjson
 import typer
 
-weights_app = typer.Typer(help="Sparse, bit-exact weight deltas: files and the Redis weight stream.", no_args_is_help=True)
+weights_app = typer.Typer(
+    help="Sparse, bit-exact weight deltas: files and the Redis weight stream.", no_args_is_help=True
+)
 
 
 def _load(path: Path):
@@ -55,9 +57,13 @@ def diff(
         fail(f"layout mismatch between {base} and {target}: {e}")
     base_sum = codec.checksum(bflat)
     patches, _ = codec.encode_state(layout, bflat, tflat, workers=2)
-    size = delta_file.write(out, delta_file.DeltaFile(layout, patches, base_sum, codec.checksum(tflat), t.format, t.metadata))
+    size = delta_file.write(
+        out, delta_file.DeltaFile(layout, patches, base_sum, codec.checksum(tflat), t.format, t.metadata)
+    )
     units = layout.shard_units()
-    total_units = sum(int(e - s) // int(units[i]) for i, (s, e) in enumerate(map(layout.shard_range, range(layout.num_shards))))
+    total_units = sum(
+        int(e - s) // int(units[i]) for i, (s, e) in enumerate(map(layout.shard_range, range(layout.num_shards)))
+    )
     changed = sum(p.changed for p in patches)
     report = {
         "params": sum(x.nbytes // max(1, _itemsize(x.dtype)) for x in layout.tensors),
@@ -73,8 +79,10 @@ def diff(
     if json_out:
         typer.echo(orjson.dumps(report).decode())
     else:
-        typer.echo(f"{out}: {size} bytes ({report['delta_ratio']:.4f} of {report['bytes_full']}), "
-                   f"{report['changed_fraction']:.4%} of elements changed")
+        typer.echo(
+            f"{out}: {size} bytes ({report['delta_ratio']:.4f} of {report['bytes_full']}), "
+            f"{report['changed_fraction']:.4%} of elements changed"
+        )
 
 
 def _itemsize(dtype: str) -> int:
@@ -139,8 +147,9 @@ def publish(
         fail(f"--codec: unknown codec {codec_name!r} (xor, topk, int8)")
     cfg = cli_config()
     r = redis.Redis.from_url(cfg.redis.url)
-    pub = WeightPublisher(r, cfg.redis, model, keyframe_every=keyframe_every, codec=codec_name,
-                          hmac_key=cfg.security.weights_hmac_key)
+    pub = WeightPublisher(
+        r, cfg.redis, model, keyframe_every=keyframe_every, codec=codec_name, hmac_key=cfg.security.weights_hmac_key
+    )
     for i, path in enumerate(checkpoints):
         ck = _load(path)
         try:
@@ -150,8 +159,10 @@ def publish(
         if json_out:
             typer.echo(orjson.dumps({"checkpoint": str(path), **stats.__dict__}).decode())
         else:
-            typer.echo(f"{path}: version {stats.version}, {'keyframe' if stats.keyframe else 'delta'}, "
-                       f"{stats.bytes_sent} of {stats.bytes_full} bytes")
+            typer.echo(
+                f"{path}: version {stats.version}, {'keyframe' if stats.keyframe else 'delta'}, "
+                f"{stats.bytes_sent} of {stats.bytes_full} bytes"
+            )
         if interval_s and i + 1 < len(checkpoints):
             time.sleep(interval_s)
 
@@ -167,12 +178,11 @@ def follow(
     """Apply the weight stream exactly once; keep OUT/weights.safetensors at the newest version."""
     import redis
 
-    from rose.obs import metrics
     from rose.cli import cli_config
+    from rose.obs import metrics
     from rose.obs.logs import setup_logging
-    from rose.weights.follower import FileStateStore, WeightFollower
-
     from rose.shutdown import Shutdown
+    from rose.weights.follower import FileStateStore, WeightFollower
 
     setup_logging()
     cfg = cli_config()
@@ -183,8 +193,14 @@ def follow(
         metrics.serve(metrics_port, health=lambda: not shutdown.requested)
     f.follow(until_version=until_version, idle_s=idle_s, stop=shutdown.stop)
     snap = f.receiver.visible()
-    typer.echo(orjson.dumps({"version": snap.version if snap else None, **{
-        k: v for k, v in f.stats.__dict__.items() if k != "applied_versions"}}).decode())
+    typer.echo(
+        orjson.dumps(
+            {
+                "version": snap.version if snap else None,
+                **{k: v for k, v in f.stats.__dict__.items() if k != "applied_versions"},
+            }
+        ).decode()
+    )
 
 
 def register(app: typer.Typer) -> None:

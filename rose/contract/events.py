@@ -106,7 +106,7 @@ class Latency:
     METRICS: ClassVar[tuple[str, ...]] = ("ttft_p99", "tpot_p99")
 
     @classmethod
-    def from_dict(cls, d: Any, path: str, positive: bool) -> "Latency":
+    def from_dict(cls, d: Any, path: str, positive: bool) -> Latency:
         if not isinstance(d, dict):
             raise InvalidEvent(path.rstrip("."), f"expected object, got {type(d).__name__}")
         return cls(
@@ -143,11 +143,11 @@ class Telemetry:
         return _plain(self, TELEMETRY_SCHEMA)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Telemetry":
+    def from_dict(cls, d: Any) -> Telemetry:
         return _telemetry_fast(d) or cls.checked(d)
 
     @classmethod
-    def checked(cls, d: Any) -> "Telemetry":
+    def checked(cls, d: Any) -> Telemetry:
         """Field by field, naming the first thing wrong."""
         if not isinstance(d, dict):
             raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
@@ -192,7 +192,12 @@ def _telemetry_fast(d: Any) -> Telemetry | None:
             return None
         eid, node, gpu, pool = d["event_id"], d["node"], d["gpu"], d["pool"]
         ts, util, rps = d["ts"], d["gpu_util"], d["rps"]
-        total, used, rollout, queue = d["mem_total_bytes"], d["mem_used_bytes"], d["rollout_mem_bytes"], d["queue_depth"]
+        total, used, rollout, queue = (
+            d["mem_total_bytes"],
+            d["mem_used_bytes"],
+            d["rollout_mem_bytes"],
+            d["queue_depth"],
+        )
         lat, slo = d["latency_ms"], d["slo_ms"]
         if type(lat) is not dict or type(slo) is not dict:
             return None
@@ -203,15 +208,44 @@ def _telemetry_fast(d: Any) -> Telemetry | None:
         if type(v) is not str or not 0 < len(v) <= MAX_ID_LEN:
             return None
     # NaN fails every comparison and ±inf every bound: both fall through to the full checks
-    if not (type(ts) in _NUMBER and 0.0 <= ts <= MAX_TS and type(util) in _NUMBER and 0.0 <= util <= 1.0
-            and type(rps) in _NUMBER and 0.0 <= rps <= MAX_RPS
-            and type(total) is int and type(used) is int and type(rollout) is int and type(queue) is int
-            and 0 <= rollout <= used <= total <= MAX_BYTES and 0 <= queue <= MAX_QUEUE
-            and type(lt) in _NUMBER and type(lp) in _NUMBER and type(st) in _NUMBER and type(sp) in _NUMBER
-            and 0.0 <= lt <= MAX_MS and 0.0 <= lp <= MAX_MS and 0.0 < st <= MAX_MS and 0.0 < sp <= MAX_MS):
+    if not (
+        type(ts) in _NUMBER
+        and 0.0 <= ts <= MAX_TS
+        and type(util) in _NUMBER
+        and 0.0 <= util <= 1.0
+        and type(rps) in _NUMBER
+        and 0.0 <= rps <= MAX_RPS
+        and type(total) is int
+        and type(used) is int
+        and type(rollout) is int
+        and type(queue) is int
+        and 0 <= rollout <= used <= total <= MAX_BYTES
+        and 0 <= queue <= MAX_QUEUE
+        and type(lt) in _NUMBER
+        and type(lp) in _NUMBER
+        and type(st) in _NUMBER
+        and type(sp) in _NUMBER
+        and 0.0 <= lt <= MAX_MS
+        and 0.0 <= lp <= MAX_MS
+        and 0.0 < st <= MAX_MS
+        and 0.0 < sp <= MAX_MS
+    ):
         return None
-    return Telemetry(eid, float(ts), node, gpu, pool, float(util), total, used, rollout,
-                     Latency(float(lt), float(lp)), Latency(float(st), float(sp)), float(rps), queue)
+    return Telemetry(
+        eid,
+        float(ts),
+        node,
+        gpu,
+        pool,
+        float(util),
+        total,
+        used,
+        rollout,
+        Latency(float(lt), float(lp)),
+        Latency(float(st), float(sp)),
+        float(rps),
+        queue,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +274,7 @@ class Command:
         return _plain(self, COMMAND_SCHEMA)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Command":
+    def from_dict(cls, d: Any) -> Command:
         if not isinstance(d, dict):
             raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
         _schema(d, COMMAND_SCHEMA)
@@ -284,7 +318,7 @@ class LeaseState:
         return _plain(self, LEASE_STATE_SCHEMA)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "LeaseState":
+    def from_dict(cls, d: Any) -> LeaseState:
         if not isinstance(d, dict):
             raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
         _schema(d, LEASE_STATE_SCHEMA)

@@ -67,7 +67,6 @@ class CoserveSpec(JsonSpec):
     threads: int = 1
 
 
-
 # ---- pure parts ----------------------------------------------------------------------------
 def scaled_lengths(prompt: np.ndarray, output: np.ndarray, spec: CoserveSpec) -> tuple[np.ndarray, np.ndarray]:
     """Trace token counts scaled to this small model (at least 4 prompt tokens, 2 output tokens)."""
@@ -106,8 +105,10 @@ class LatencyWindow:
 
 def calibrated_slo(ttft_ms: list[float], tpot_ms: list[float], spec: CoserveSpec) -> tuple[float, float]:
     """The SLO (ttft, tpot) in ms: slo_factor × the p99 measured alone, with floors."""
-    return (max(spec.min_slo_ttft_ms, spec.slo_factor * p99(ttft_ms)),
-            max(spec.min_slo_tpot_ms, spec.slo_factor * p99(tpot_ms)))
+    return (
+        max(spec.min_slo_ttft_ms, spec.slo_factor * p99(ttft_ms)),
+        max(spec.min_slo_tpot_ms, spec.slo_factor * p99(tpot_ms)),
+    )
 
 
 # ---- the device ----------------------------------------------------------------------------
@@ -133,10 +134,16 @@ class CoServed:
 
         self.spec, self.cfg, self.r = spec, cfg, r
         torch.set_num_threads(spec.threads)
-        self.mspec = ModelSpec(d_model=spec.d_model, n_layers=spec.n_layers, n_heads=max(1, spec.d_model // 32),
-                               d_ff=4 * spec.d_model, max_seq=spec.max_prompt + spec.max_output + 8)
-        self.engine = TorchEngine(self.mspec, MemoryBudget(2 << 30, self.mspec), max_batch=spec.max_batch,
-                                  device=spec.device)
+        self.mspec = ModelSpec(
+            d_model=spec.d_model,
+            n_layers=spec.n_layers,
+            n_heads=max(1, spec.d_model // 32),
+            d_ff=4 * spec.d_model,
+            max_seq=spec.max_prompt + spec.max_output + 8,
+        )
+        self.engine = TorchEngine(
+            self.mspec, MemoryBudget(2 << 30, self.mspec), max_batch=spec.max_batch, device=spec.device
+        )
         self.engine.load_weights(0, init_state_dict(self.mspec, spec.seed))
         tr = load_trace(spec.trace).scaled(spec.speed)
         mine = spread(tr, spec.replicas, seed=spec.seed) == 0
@@ -163,11 +170,11 @@ class CoServed:
     def run(self) -> dict:
         import psutil
 
-        from rose.node.agent import LeaseFollower, LeaseView, telemetry_records
-        from rose.executor.guard import LatencySample, write_latency
         from rose.contract.events import Latency
-        from rose.rollout.engine import GenRequest
+        from rose.executor.guard import LatencySample, write_latency
         from rose.kafka.telemetry_publisher import TelemetryPublisher
+        from rose.node.agent import LeaseFollower, LeaseView, telemetry_records
+        from rose.rollout.engine import GenRequest
 
         spec, cfg, r = self.spec, self.cfg, self.r
         key = cfg.redis.key
@@ -205,8 +212,14 @@ class CoServed:
             t_rel = now - t0
             while nxt < len(self.arrival) and self.arrival[nxt] <= t_rel:
                 n = int(self.p_len[nxt])
-                self.queue.append(_Req(f"r{nxt}", t0 + float(self.arrival[nxt]),
-                                       self.rng.integers(1, 256, n).tolist(), int(self.o_len[nxt])))
+                self.queue.append(
+                    _Req(
+                        f"r{nxt}",
+                        t0 + float(self.arrival[nxt]),
+                        self.rng.integers(1, 256, n).tolist(),
+                        int(self.o_len[nxt]),
+                    )
+                )
                 nxt += 1
                 arrivals_in_window += 1
             while self.queue and len(self.running) < self.engine.n_slots:
@@ -250,17 +263,32 @@ class CoServed:
                     wait = min(wait, max(0.0, t0 + float(self.arrival[nxt]) - time.monotonic()))
                 time.sleep(wait)
             now = time.monotonic()
-            if slo is None and go_at is not None and now - go_at >= spec.calibrate_s and (
-                    len(calib_ttft) >= spec.calibrate_requests or now - go_at >= 3 * spec.calibrate_s):
+            if (
+                slo is None
+                and go_at is not None
+                and now - go_at >= spec.calibrate_s
+                and (len(calib_ttft) >= spec.calibrate_requests or now - go_at >= 3 * spec.calibrate_s)
+            ):
                 slo = calibrated_slo(calib_ttft, calib_tpot, spec)
-                r.hset(key(spec.status_key), mapping={
-                    "state": "serving", "slo_ttft_ms": slo[0], "slo_tpot_ms": slo[1],
-                    "calib_ttft_p99_ms": p99(calib_ttft), "calib_tpot_p99_ms": p99(calib_tpot),
-                    "calib_requests": len(calib_ttft), "slo_factor": spec.slo_factor})
+                r.hset(
+                    key(spec.status_key),
+                    mapping={
+                        "state": "serving",
+                        "slo_ttft_ms": slo[0],
+                        "slo_tpot_ms": slo[1],
+                        "calib_ttft_p99_ms": p99(calib_ttft),
+                        "calib_tpot_p99_ms": p99(calib_tpot),
+                        "calib_requests": len(calib_ttft),
+                        "slo_factor": spec.slo_factor,
+                    },
+                )
             if slo is not None and spec.latency_dir and now >= next_guard:
                 next_guard = now + spec.guard_every_s
-                write_latency(spec.latency_dir, spec.gpu, LatencySample(
-                    time.time(), Latency(self.ttft.p99(now), self.tpot.p99(now)), Latency(*slo)))
+                write_latency(
+                    spec.latency_dir,
+                    spec.gpu,
+                    LatencySample(time.time(), Latency(self.ttft.p99(now), self.tpot.p99(now)), Latency(*slo)),
+                )
             if now >= next_tel:
                 next_tel += period
                 if next_tel < now:  # fell behind (a stall): keep the period, skip the missed ticks
@@ -275,11 +303,22 @@ class CoServed:
                 if slo is not None:
                     total, used = self._memory()
                     recs = telemetry_records(
-                        ts=time.time(), node=spec.node, gpus=[spec.gpu], pool=cfg.telemetry.pool, slo=slo,
-                        run_id=run_id, seq=seq, util=[min(1.0, util)], mem_total=total,
-                        mem_used=[max(used, rmem)], rollout_mem=[rmem], ttft_ms=[self.ttft.p99(now)],
-                        tpot_ms=[self.tpot.p99(now)], rps=[arrivals_in_window / period],
-                        queue=[len(self.queue)])
+                        ts=time.time(),
+                        node=spec.node,
+                        gpus=[spec.gpu],
+                        pool=cfg.telemetry.pool,
+                        slo=slo,
+                        run_id=run_id,
+                        seq=seq,
+                        util=[min(1.0, util)],
+                        mem_total=total,
+                        mem_used=[max(used, rmem)],
+                        rollout_mem=[rmem],
+                        ttft_ms=[self.ttft.p99(now)],
+                        tpot_ms=[self.tpot.p99(now)],
+                        rps=[arrivals_in_window / period],
+                        queue=[len(self.queue)],
+                    )
                     pub.publish(recs, ts_ms=int(time.time() * 1000))
                     seq += 1
                 arrivals_in_window = 0
@@ -308,10 +347,13 @@ class CoServed:
         out = {"requests": self.served}
         for name, flag in (("with_rollout", True), ("without_rollout", False)):
             rows = [d for d in self.done if d[3] is flag]
-            out[name] = {"requests": len(rows), "ttft_p50_ms": _pct([d[1] for d in rows], 0.5),
-                         "ttft_p99_ms": _pct([d[1] for d in rows], 0.99),
-                         "tpot_p50_ms": _pct([d[2] for d in rows], 0.5),
-                         "tpot_p99_ms": _pct([d[2] for d in rows], 0.99)}
+            out[name] = {
+                "requests": len(rows),
+                "ttft_p50_ms": _pct([d[1] for d in rows], 0.5),
+                "ttft_p99_ms": _pct([d[1] for d in rows], 0.99),
+                "tpot_p50_ms": _pct([d[2] for d in rows], 0.5),
+                "tpot_p99_ms": _pct([d[2] for d in rows], 0.99),
+            }
         return out
 
 

@@ -23,8 +23,9 @@ def demo_worker_config(max_batch: int, cpus: tuple[int, ...] = ()):
     from rose.executor.service import worker_config
 
     def make(cfg, start, flag_name: str, device: str, seed: int):
-        return dataclasses.replace(worker_config(cfg, start, flag_name, device, seed), max_batch=max_batch,
-                                   cpus=tuple(cpus))
+        return dataclasses.replace(
+            worker_config(cfg, start, flag_name, device, seed), max_batch=max_batch, cpus=tuple(cpus)
+        )
 
     return make
 
@@ -53,8 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config()
     gpus = [g for g in a.gpus.split(",") if g]
     wait_for_broker(cfg.kafka, timeout_s=30)
-    ex = Executor(cfg, gpus, device=a.device, guard=not a.no_guard,
-                  worker_config=demo_worker_config(a.max_batch, a.worker_cpus), log_name="rose.demo.executor")
+    ex = Executor(
+        cfg,
+        gpus,
+        device=a.device,
+        guard=not a.no_guard,
+        worker_config=demo_worker_config(a.max_batch, a.worker_cpus),
+        log_name="rose.demo.executor",
+    )
     ex.start()
     r = redis.Redis.from_url(cfg.redis.url)
     r.hset(cfg.redis.key(a.ready_key), f"executor:{a.gpus}", 1)

@@ -7,8 +7,7 @@ from __future__ import annotations
 from rose.demo.observed import Observed
 
 
-def snapshot(obs: Observed, phase: str, elapsed_s: float, duration_s: float, now: float,
-             real_gpu: str) -> dict:
+def snapshot(obs: Observed, phase: str, elapsed_s: float, duration_s: float, now: float, real_gpu: str) -> dict:
     latest_state: dict[str, dict] = {}
     for s in list(obs.lease_states):
         cur = latest_state.get(s["gpu"])
@@ -30,23 +29,38 @@ def snapshot(obs: Observed, phase: str, elapsed_s: float, duration_s: float, now
         ts, ttft, tpot, s_ttft, s_tpot, util, *_ = rows[-1]
         ls = latest_state.get(gpu)
         state = ls["state"] if ls else "-"
-        gpus.append({"gpu": gpu, "measured": gpu == real_gpu, "ttft": ttft, "tpot": tpot, "slo_ttft": s_ttft,
-                     "slo_tpot": s_tpot, "util": util, "state": state,
-                     "share": shares.get(ls["lease_id"], 0.0) if ls and state == "active" else 0.0,
-                     "episodes": by_gpu.get(gpu, 0)})
+        gpus.append(
+            {
+                "gpu": gpu,
+                "measured": gpu == real_gpu,
+                "ttft": ttft,
+                "tpot": tpot,
+                "slo_ttft": s_ttft,
+                "slo_tpot": s_tpot,
+                "util": util,
+                "state": state,
+                "share": shares.get(ls["lease_id"], 0.0) if ls and state == "active" else 0.0,
+                "episodes": by_gpu.get(gpu, 0),
+            }
+        )
     recent = [e for e in episodes if e["finished_at"] >= now - 30.0]
     span = min(30.0, max(1e-6, elapsed_s)) / 60.0
     last = obs.versions[-1] if obs.versions else {}
     sent = sum(v["bytes_sent"] for v in obs.versions)
     full = sum(v["bytes_full"] for v in obs.versions)
     return {
-        "phase": phase, "elapsed_s": elapsed_s, "duration_s": duration_s, "gpus": gpus,
+        "phase": phase,
+        "elapsed_s": elapsed_s,
+        "duration_s": duration_s,
+        "gpus": gpus,
         "episodes": len(episodes),
         "epm_dedicated": sum(1 for e in recent if e["dedicated"]) / span,
         "epm_leased": sum(1 for e in recent if not e["dedicated"]) / span,
-        "version": last.get("version", 0), "reward": last.get("reward_mean"),
+        "version": last.get("version", 0),
+        "reward": last.get("reward_mean"),
         "applied": max((e["v_max"] for e in episodes if e["v_max"] is not None), default=None),
-        "bytes_sent": sent, "bytes_full": full,
+        "bytes_sent": sent,
+        "bytes_full": full,
         "grants": sum(1 for c in obs.commands if c.get("kind") == "grant"),
         "revokes": sum(1 for c in obs.commands if c.get("kind") == "revoke"),
     }
@@ -69,11 +83,22 @@ def render(s: dict):
         t.add_column(col)
     for g in s["gpus"]:
         state = g["state"]
-        st = {"active": "[bold green]active[/]", "revoking": "[yellow]revoking[/]", "revoked": "[red]revoked[/]",
-              "expired": "[magenta]expired[/]"}.get(state, state)
-        t.add_row(g["gpu"], "measured" if g["measured"] else "trace model", _ratio_cell(g["ttft"], g["slo_ttft"]),
-                  _ratio_cell(g["tpot"], g["slo_tpot"]), f"{g['util']:.2f}", st,
-                  f"{g['share']:.2f}" if g["share"] else "-", str(g["episodes"]))
+        st = {
+            "active": "[bold green]active[/]",
+            "revoking": "[yellow]revoking[/]",
+            "revoked": "[red]revoked[/]",
+            "expired": "[magenta]expired[/]",
+        }.get(state, state)
+        t.add_row(
+            g["gpu"],
+            "measured" if g["measured"] else "trace model",
+            _ratio_cell(g["ttft"], g["slo_ttft"]),
+            _ratio_cell(g["tpot"], g["slo_tpot"]),
+            f"{g['util']:.2f}",
+            st,
+            f"{g['share']:.2f}" if g["share"] else "-",
+            str(g["episodes"]),
+        )
     full = s["bytes_full"] or 1
     rl = Text.from_markup(
         f"[bold]{s['phase']}[/]   rollout: [cyan]{s['epm_dedicated'] + s['epm_leased']:.0f}[/] episodes/min "
@@ -81,15 +106,21 @@ def render(s: dict):
         f"grants {s['grants']} revokes {s['revokes']}\n"
         f"policy version [cyan]{s['version']}[/] (newest in trajectories {s['applied']}), batch reward "
         f"{s['reward'] if s['reward'] is not None else '-'}   weight bytes sent {s['bytes_sent'] / 1e6:.1f} MB vs full "
-        f"{s['bytes_full'] / 1e6:.1f} MB ({s['bytes_sent'] / full:.2f})")
+        f"{s['bytes_full'] / 1e6:.1f} MB ({s['bytes_sent'] / full:.2f})"
+    )
     bar = ProgressBar(total=s["duration_s"], completed=min(s["elapsed_s"], s["duration_s"]), width=60)
     prog = Text(f"  {s['elapsed_s']:.0f} / {s['duration_s']:.0f} s")
     return Group(t, rl, Group(bar, prog))
 
 
 def line(s: dict) -> str:
-    gp = " ".join(f"{g['gpu']}:{max(g['ttft'] / g['slo_ttft'], g['tpot'] / g['slo_tpot']):.2f}"
-                  f"{'*' if g['state'] == 'active' else ''}" for g in s["gpus"])
-    return (f"[demo {s['elapsed_s']:5.0f}/{s['duration_s']:.0f}s] {s['phase']}; p99/SLO (*=leased) {gp}; "
-            f"eps/min {s['epm_dedicated'] + s['epm_leased']:.0f} (leased {s['epm_leased']:.0f}); "
-            f"v{s['version']}; grants {s['grants']} revokes {s['revokes']}")
+    gp = " ".join(
+        f"{g['gpu']}:{max(g['ttft'] / g['slo_ttft'], g['tpot'] / g['slo_tpot']):.2f}"
+        f"{'*' if g['state'] == 'active' else ''}"
+        for g in s["gpus"]
+    )
+    return (
+        f"[demo {s['elapsed_s']:5.0f}/{s['duration_s']:.0f}s] {s['phase']}; p99/SLO (*=leased) {gp}; "
+        f"eps/min {s['epm_dedicated'] + s['epm_leased']:.0f} (leased {s['epm_leased']:.0f}); "
+        f"v{s['version']}; grants {s['grants']} revokes {s['revokes']}"
+    )

@@ -43,10 +43,20 @@ class Observed:
         try:
             if topic_kind == "telemetry":
                 lat, slo = d["latency_ms"], d["slo_ms"]
-                self.telemetry.setdefault(d["gpu"], []).append((
-                    float(d["ts"]), float(lat["ttft_p99"]), float(lat["tpot_p99"]), float(slo["ttft_p99"]),
-                    float(slo["tpot_p99"]), float(d["gpu_util"]), int(d["mem_used_bytes"]),
-                    int(d["mem_total_bytes"]), int(d["rollout_mem_bytes"]), record_ms))
+                self.telemetry.setdefault(d["gpu"], []).append(
+                    (
+                        float(d["ts"]),
+                        float(lat["ttft_p99"]),
+                        float(lat["tpot_p99"]),
+                        float(slo["ttft_p99"]),
+                        float(slo["tpot_p99"]),
+                        float(d["gpu_util"]),
+                        int(d["mem_used_bytes"]),
+                        int(d["mem_total_bytes"]),
+                        int(d["rollout_mem_bytes"]),
+                        record_ms,
+                    )
+                )
                 self.event_ms[d["event_id"]] = record_ms
             elif topic_kind == "commands":
                 self.commands.append({**d, "_record_ms": record_ms})
@@ -58,11 +68,19 @@ class Observed:
     # ---- Redis ----------------------------------------------------------------------------
     def ingest_trajectory(self, traj: dict, reward_fn) -> None:
         vs = [v for v in traj.get("versions", []) if v is not None]
-        self.episodes.append({
-            "task_id": traj.get("task_id"), "finished_at": float(traj.get("finished_at", 0.0)),
-            "dedicated": bool(traj.get("dedicated")), "gpu": traj.get("gpu", ""), "worker": traj.get("worker", ""),
-            "v_min": min(vs) if vs else None, "v_max": max(vs) if vs else None, "moves": traj.get("moves", 0),
-            "reward": reward_fn(traj)})
+        self.episodes.append(
+            {
+                "task_id": traj.get("task_id"),
+                "finished_at": float(traj.get("finished_at", 0.0)),
+                "dedicated": bool(traj.get("dedicated")),
+                "gpu": traj.get("gpu", ""),
+                "worker": traj.get("worker", ""),
+                "v_min": min(vs) if vs else None,
+                "v_max": max(vs) if vs else None,
+                "moves": traj.get("moves", 0),
+                "reward": reward_fn(traj),
+            }
+        )
 
 
 TOPICS = ("telemetry", "commands", "lease-state")
@@ -122,12 +140,13 @@ class RedisReader:
         for k in self.r.scan_iter(match=prefix + "*", count=200):
             h = _str_hash(self.r.hgetall(k))
             if h:
-                obs.workers[k.decode()[len(prefix):]] = h
+                obs.workers[k.decode()[len(prefix) :]] = h
 
 
 def _str_hash(h: dict) -> dict:
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in h.items()}
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in h.items()
+    }
 
 
 class Collector:
@@ -144,7 +163,7 @@ class Collector:
         self._thread: threading.Thread | None = None
         self.error: str | None = None
 
-    def start(self) -> "Collector":
+    def start(self) -> Collector:
         self._thread = threading.Thread(target=self._run, name="demo-collector", daemon=True)
         self._thread.start()
         return self
@@ -155,8 +174,9 @@ class Collector:
 
         k = self.cfg.kafka
         consumer = make_consumer(k, f"{k.topic_prefix}demo-view", **{"fetch.wait.max.ms": 50, "logger": quiet_logger()})
-        consumer.assign([TopicPartition(k.topic(t), p, OFFSET_BEGINNING)
-                         for t in TOPICS for p in partitions_of(k, k.topic(t))])
+        consumer.assign(
+            [TopicPartition(k.topic(t), p, OFFSET_BEGINNING) for t in TOPICS for p in partitions_of(k, k.topic(t))]
+        )
         next_redis = 0.0
         try:
             while not self._stop.is_set():

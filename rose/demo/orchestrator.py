@@ -30,9 +30,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 from rose.config import Config, load_config
 from rose.rollout.launcher import WorkerConfig, launch, spawn
@@ -86,8 +86,14 @@ class Processes:
         `cpus` (None: any; a worker config names its own)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
-        io = {"env": self.env, "stdin": subprocess.DEVNULL, "stdout": log, "stderr": subprocess.STDOUT,
-              "start_new_session": True, "cwd": str(REPO)}
+        io = {
+            "env": self.env,
+            "stdin": subprocess.DEVNULL,
+            "stdout": log,
+            "stderr": subprocess.STDOUT,
+            "start_new_session": True,
+            "cwd": str(REPO),
+        }
         try:
             if isinstance(what, WorkerConfig):
                 p = launch(dataclasses.replace(what, cpus=tuple(sorted(cpus or what.cpus))), **io)
@@ -170,10 +176,19 @@ class Demo:
         self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
         self.cfg = dataclasses.replace(
             cfg,
-            kafka=dataclasses.replace(cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}demo-{self.run_id}.", partitions=4),
+            kafka=dataclasses.replace(
+                cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}demo-{self.run_id}.", partitions=4
+            ),
             redis=dataclasses.replace(cfg.redis, key_prefix=f"{cfg.redis.key_prefix}demo-{self.run_id}:"),
-            executor=dataclasses.replace(cfg.executor, job=self.job, model=self.model, worker_weights="follow",
-                                         latency_dir=str(self.latency_dir), guard_period_s=0.002))
+            executor=dataclasses.replace(
+                cfg.executor,
+                job=self.job,
+                model=self.model,
+                worker_weights="follow",
+                latency_dir=str(self.latency_dir),
+                guard_period_s=0.002,
+            ),
+        )
         self.config_dir: str | None = None  # holds the run's config file (secrets: 0700 / 0600)
         self.real_gpu = "real/0"
         self.cuda = _cuda()
@@ -202,11 +217,18 @@ class Demo:
         return path
 
     def _env(self) -> dict:
-        env = {k: v for k, v in os.environ.items()
-               if k not in _CONFIG_VARS and not (k.startswith("ROSE_") and "__" in k)}
-        env.update({"ROSE_CONFIG": self._write_config(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    "MKL_NUM_THREADS": "1",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))})
+        env = {
+            k: v for k, v in os.environ.items() if k not in _CONFIG_VARS and not (k.startswith("ROSE_") and "__" in k)
+        }
+        env.update(
+            {
+                "ROSE_CONFIG": self._write_config(),
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+            }
+        )
         return env
 
     def _argv(self) -> dict[str, list[str] | WorkerConfig]:
@@ -217,19 +239,64 @@ class Demo:
         worker = ["--max-batch", str(o.max_batch)]
         sims = ",".join(f"sim/{i}" for i in range(o.gpus))
         return {
-            "coserve": [py, "-m", "rose.demo.coserve", "--spec", CoserveSpec(
-                trace=self.trace, gpu=self.real_gpu, speed=1.0, device=self.real_device,
-                latency_dir=str(self.latency_dir)).to_json()],
-            "agent": [py, "-m", "rose", "agent", "--simulate", self.trace, "--gpus", str(o.gpus), "--speed", str(o.speed)],
-            "trainer": [py, "-m", "rose.demo.trainer", "--spec", TrainerSpec(
-                job=self.job, model=self.model, inflight=max(24, 4 * o.max_batch * (o.gpus + 2))).to_json()],
+            "coserve": [
+                py,
+                "-m",
+                "rose.demo.coserve",
+                "--spec",
+                CoserveSpec(
+                    trace=self.trace,
+                    gpu=self.real_gpu,
+                    speed=1.0,
+                    device=self.real_device,
+                    latency_dir=str(self.latency_dir),
+                ).to_json(),
+            ],
+            "agent": [
+                py,
+                "-m",
+                "rose",
+                "agent",
+                "--simulate",
+                self.trace,
+                "--gpus",
+                str(o.gpus),
+                "--speed",
+                str(o.speed),
+            ],
+            "trainer": [
+                py,
+                "-m",
+                "rose.demo.trainer",
+                "--spec",
+                TrainerSpec(job=self.job, model=self.model, inflight=max(24, 4 * o.max_batch * (o.gpus + 2))).to_json(),
+            ],
             "dedicated": WorkerConfig.from_config(
-                self.cfg, gpu="rollout/0", worker_id=f"dedicated-{self.run_id}", device="cpu", mem_bytes=2 * GiB,
-                compute_share=0.5, dedicated=True, nice=0, seed=11, weights="follow", max_batch=o.max_batch),
+                self.cfg,
+                gpu="rollout/0",
+                worker_id=f"dedicated-{self.run_id}",
+                device="cpu",
+                mem_bytes=2 * GiB,
+                compute_share=0.5,
+                dedicated=True,
+                nice=0,
+                seed=11,
+                weights="follow",
+                max_batch=o.max_batch,
+            ),
             "executor-sim": [py, "-m", "rose.demo.executor_node", "--gpus", sims, "--no-guard", *worker],
-            "executor-real": [py, "-m", "rose.demo.executor_node", "--gpus", self.real_gpu, "--device",
-                              self.real_device, *worker, "--worker-cpus",
-                              ",".join(map(str, sorted(self.device_cpus or ())))],
+            "executor-real": [
+                py,
+                "-m",
+                "rose.demo.executor_node",
+                "--gpus",
+                self.real_gpu,
+                "--device",
+                self.real_device,
+                *worker,
+                "--worker-cpus",
+                ",".join(map(str, sorted(self.device_cpus or ()))),
+            ],
             "scheduler": [py, "-m", "rose", "scheduler", "--instance", f"demo-{self.run_id}"],
         }
 
@@ -292,8 +359,9 @@ class Demo:
             self._cleanup()
 
     def _stop(self, procs: Processes, collector) -> None:
-        killed = procs.stop_all(["executor-sim", "executor-real", "dedicated", "trainer", "scheduler", "agent",
-                                 "coserve"], timeout_s=12.0)
+        killed = procs.stop_all(
+            ["executor-sim", "executor-real", "dedicated", "trainer", "scheduler", "agent", "coserve"], timeout_s=12.0
+        )
         if killed:
             self.problems.append(f"killed after the SIGTERM deadline: {', '.join(killed)}")
         if collector is not None:
@@ -324,10 +392,14 @@ class Demo:
                 if not missing:
                     return
                 for name, code in procs.exited():
-                    raise DemoError(f"{name} exited with code {code} during start-up; see "
-                                    f"{self.report_dir / 'logs' / (name + '.log')}")
+                    raise DemoError(
+                        f"{name} exited with code {code} during start-up; see "
+                        f"{self.report_dir / 'logs' / (name + '.log')}"
+                    )
                 if time.monotonic() > deadline:
-                    raise DemoError(f"not ready after {self.opts.startup_timeout_s:.0f}s: waiting for {', '.join(missing)}")
+                    raise DemoError(
+                        f"not ready after {self.opts.startup_timeout_s:.0f}s: waiting for {', '.join(missing)}"
+                    )
                 if time.monotonic() - last_echo >= 5.0:
                     last_echo = time.monotonic()
                     self.echo(f"[demo] starting ({time.monotonic() - t_start:.0f}s): waiting for {', '.join(missing)}")
@@ -431,7 +503,7 @@ class Demo:
         live_obs = collector.obs if collector is not None else None
 
         obs = None
-        for attempt in range(3):
+        for _attempt in range(3):
             try:
                 obs = read_final(self.cfg, self.job)
                 break
@@ -443,14 +515,27 @@ class Demo:
                 raise DemoError(f"cannot read the run's topics for the report: {err}")
             self.problems.append(f"final read failed ({err}); the report uses what the live view collected")
             obs = live_obs
-        meta = {"run_id": self.run_id, "trace": Path(self.trace).name, "speed": self.opts.speed, "gpus": self.opts.gpus,
-                "real_gpu": self.real_gpu, "real_device": self.real_device, "duration_s": self.opts.duration_s,
-                "interrupted": interrupted, "problems": self.problems,
-                "host": {"cpus": os.cpu_count(), "cuda": self.cuda, "python": platform.python_version(),
-                         "load_average_1m": round(os.getloadavg()[0], 2)},
-                "cpu_seconds_by_process": getattr(self, "cpu_seconds", {}),
-                "device_cpus": sorted(self.device_cpus) if self.device_cpus else None,
-                "topic_prefix": self.cfg.kafka.topic_prefix, "redis_key_prefix": self.cfg.redis.key_prefix}
+        meta = {
+            "run_id": self.run_id,
+            "trace": Path(self.trace).name,
+            "speed": self.opts.speed,
+            "gpus": self.opts.gpus,
+            "real_gpu": self.real_gpu,
+            "real_device": self.real_device,
+            "duration_s": self.opts.duration_s,
+            "interrupted": interrupted,
+            "problems": self.problems,
+            "host": {
+                "cpus": os.cpu_count(),
+                "cuda": self.cuda,
+                "python": platform.python_version(),
+                "load_average_1m": round(os.getloadavg()[0], 2),
+            },
+            "cpu_seconds_by_process": getattr(self, "cpu_seconds", {}),
+            "device_cpus": sorted(self.device_cpus) if self.device_cpus else None,
+            "topic_prefix": self.cfg.kafka.topic_prefix,
+            "redis_key_prefix": self.cfg.redis.key_prefix,
+        }
         if not self.timeline:
             now = time.time()
             self.timeline = {"t0": now, "t1": now, "t_end": now}
@@ -476,7 +561,7 @@ class Demo:
         try:
             keys = list(r.scan_iter(match=f"{self.cfg.redis.key_prefix}*", count=1000))
             for i in range(0, len(keys), 500):
-                r.delete(*keys[i:i + 500])
+                r.delete(*keys[i : i + 500])
         except redis.RedisError as e:
             self.echo(f"[demo] could not delete the run's Redis keys ({self.cfg.redis.key_prefix}*): {e}")
         finally:
@@ -533,5 +618,6 @@ def _toml_value(v) -> str:
         return repr(v)  # 0.5, 1e-05, inf: all TOML floats
     body = "".join(
         {'"': '\\"', "\\": "\\\\"}.get(ch, ch) if ord(ch) >= 0x20 and ord(ch) != 0x7F else f"\\u{ord(ch):04x}"
-        for ch in str(v))
+        for ch in str(v)
+    )
     return f'"{body}"'

@@ -83,8 +83,14 @@ def throughput(path: Path, rep: dict, obs: Observed) -> Path:
     scale = 60.0 / width
     mids = [edges[i] + width / 2 for i in range(n)]
     a1.bar(mids, [d * scale for d in ded], width=width * 0.95, color="#4c72b0", label="dedicated worker")
-    a1.bar(mids, [v * scale for v in lea], width=width * 0.95, bottom=[d * scale for d in ded], color="#dd8452",
-           label="leased workers (on serving GPUs)")
+    a1.bar(
+        mids,
+        [v * scale for v in lea],
+        width=width * 0.95,
+        bottom=[d * scale for d in ded],
+        color="#dd8452",
+        label="leased workers (on serving GPUs)",
+    )
     a1.axvline(t1 - t0, color="green", lw=1.2, ls="-.", label="leases enabled (phase 2)")
     a1.set_xlabel("time since start of the run (s)")
     a1.set_ylabel("episodes / min (5 s bins)")
@@ -112,13 +118,22 @@ def revoke(path: Path, rep: dict, obs: Observed) -> Path:
         bins = max(5, min(40, len(a) + len(b)))
         edges = [hi * i / bins for i in range(bins + 1)] if hi > 0 else None
         if b:
-            ax.hist(b, bins=edges or bins, alpha=0.7, color="#55a868", label=f"→ revoking: pause flag raised (n={len(b)})")
+            ax.hist(
+                b, bins=edges or bins, alpha=0.7, color="#55a868", label=f"→ revoking: pause flag raised (n={len(b)})"
+            )
         if a:
-            ax.hist(a, bins=edges or bins, alpha=0.7, color="#c44e52",
-                    label=f"→ revoked: worker gone, memory back (n={len(a)})")
+            ax.hist(
+                a,
+                bins=edges or bins,
+                alpha=0.7,
+                color="#c44e52",
+                label=f"→ revoked: worker gone, memory back (n={len(a)})",
+            )
         for v, name in ((rv["p50"], "p50"), (rv["p99"], "p99")):
             if v is not None:
-                ax.axvline(v, color="black", ls="--" if name == "p50" else ":", lw=1, label=f"revoked {name} {v:.0f} ms")
+                ax.axvline(
+                    v, color="black", ls="--" if name == "p50" else ":", lw=1, label=f"revoked {name} {v:.0f} ms"
+                )
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no revokes in this run", ha="center", va="center", transform=ax.transAxes)
@@ -137,11 +152,16 @@ def weight_bytes(path: Path, rep: dict, obs: Observed) -> Path:
         x = [v["version"] for v in vs]
         from matplotlib.patches import Patch
 
-        a1.bar(x, [v["bytes_sent"] / 1e6 for v in vs], color=["#c44e52" if v.get("keyframe") else "#4c72b0" for v in vs])
-        line, = a1.plot(x, [v["bytes_full"] / 1e6 for v in vs], color="black", lw=1.2)
+        a1.bar(
+            x, [v["bytes_sent"] / 1e6 for v in vs], color=["#c44e52" if v.get("keyframe") else "#4c72b0" for v in vs]
+        )
+        (line,) = a1.plot(x, [v["bytes_full"] / 1e6 for v in vs], color="black", lw=1.2)
         a1.set_ylim(0, max(v["bytes_full"] for v in vs) / 1e6 * 1.2)
-        a1.legend([Patch(color="#c44e52"), Patch(color="#4c72b0"), line],
-                  ["sent: keyframe (full, compressed)", "sent: delta", "full broadcast (bf16)"], fontsize=8)
+        a1.legend(
+            [Patch(color="#c44e52"), Patch(color="#4c72b0"), line],
+            ["sent: keyframe (full, compressed)", "sent: delta", "full broadcast (bf16)"],
+            fontsize=8,
+        )
         r = [(v["version"], v["reward_mean"]) for v in vs if v.get("reward_mean") is not None]
         if r:
             a2.plot([a for a, _ in r], [b for _, b in r], marker=".", color="#8172b2")
@@ -159,7 +179,9 @@ def weight_bytes(path: Path, rep: dict, obs: Observed) -> Path:
 
 
 def write_all(directory: Path, rep: dict, obs: Observed) -> list[Path]:
-    return [serving(directory / "serving_p99.png", rep, obs),
-            throughput(directory / "throughput.png", rep, obs),
-            revoke(directory / "revoke_latency.png", rep, obs),
-            weight_bytes(directory / "weight_bytes.png", rep, obs)]
+    return [
+        serving(directory / "serving_p99.png", rep, obs),
+        throughput(directory / "throughput.png", rep, obs),
+        revoke(directory / "revoke_latency.png", rep, obs),
+        weight_bytes(directory / "weight_bytes.png", rep, obs),
+    ]

@@ -56,7 +56,6 @@ class TrainerSpec(JsonSpec):
     versions_key: str = "demo:versions"
 
 
-
 # ---- pure parts ----------------------------------------------------------------------------
 def action_tokens(traj: dict) -> list[int]:
     return [t for turn in traj.get("turns", []) for t in turn.get("action", [])]
@@ -127,15 +126,28 @@ class Trainer:
         sd = {k: v.detach().to(torch.bfloat16) for k, v in self.model.state_dict().items()}
         st = self.pub.publish(sd)
         self.version = st.version
-        rec = {"version": st.version, "keyframe": st.keyframe, "bytes_sent": st.bytes_sent,
-               "bytes_full": st.bytes_full, "changed_elements": st.changed_elements,
-               "encode_ms": round(st.encode_s * 1000, 3), "send_ms": round(st.send_s * 1000, 3),
-               "ts": time.time(), **extra}
+        rec = {
+            "version": st.version,
+            "keyframe": st.keyframe,
+            "bytes_sent": st.bytes_sent,
+            "bytes_full": st.bytes_full,
+            "changed_elements": st.changed_elements,
+            "encode_ms": round(st.encode_s * 1000, 3),
+            "send_ms": round(st.send_s * 1000, 3),
+            "ts": time.time(),
+            **extra,
+        }
         p = self.r.pipeline(transaction=False)
         p.rpush(self.cfg.redis.key(self.spec.versions_key), json.dumps(rec))
-        p.hset(self.cfg.redis.key(self.spec.status_key), mapping={
-            "version": st.version, "submitted": self.submitted, "received": self.received,
-            "last": json.dumps(rec)})
+        p.hset(
+            self.cfg.redis.key(self.spec.status_key),
+            mapping={
+                "version": st.version,
+                "submitted": self.submitted,
+                "received": self.received,
+                "last": json.dumps(rec),
+            },
+        )
         p.execute()
 
     def top_up(self) -> None:
@@ -147,9 +159,18 @@ class Trainer:
         rng = random.Random(s.seed * 7919 + self.submitted)
         while self.submitted - self.received < s.inflight:
             i = self.submitted
-            self.q.submit(Task(task_id=f"ep-{i}", prompt=[rng.randrange(32, 127) for _ in range(s.prompt_len)],
-                               max_turns=s.max_turns, tokens_per_turn=s.tokens_per_turn, obs_tokens=s.obs_tokens,
-                               tool=ToolLatency(mu=s.tool_mu, sigma=s.tool_sigma), seed=i, step=self.version))
+            self.q.submit(
+                Task(
+                    task_id=f"ep-{i}",
+                    prompt=[rng.randrange(32, 127) for _ in range(s.prompt_len)],
+                    max_turns=s.max_turns,
+                    tokens_per_turn=s.tokens_per_turn,
+                    obs_tokens=s.obs_tokens,
+                    tool=ToolLatency(mu=s.tool_mu, sigma=s.tool_sigma),
+                    seed=i,
+                    step=self.version,
+                )
+            )
             self.submitted += 1
 
     def collect(self, block_ms: int) -> int:
@@ -163,7 +184,7 @@ class Trainer:
     def step(self) -> dict:
         import torch
 
-        batch, self.buffer = self.buffer[: self.spec.batch_max], self.buffer[self.spec.batch_max:]
+        batch, self.buffer = self.buffer[: self.spec.batch_max], self.buffer[self.spec.batch_max :]
         rewards = [reward(t) for t in batch]
         adv = advantages(rewards)
         seqs = [sequence_and_mask(t) for t in batch]
@@ -175,8 +196,9 @@ class Trainer:
             tok[i, : len(s)] = torch.tensor(s)
             mask[i, : len(m)] = torch.tensor(m)
         t0 = time.perf_counter()
-        logits = self._forward(self.model, tok, self.model.new_cache(B), torch.arange(B),
-                               torch.zeros(B, dtype=torch.long))
+        logits = self._forward(
+            self.model, tok, self.model.new_cache(B), torch.arange(B), torch.zeros(B, dtype=torch.long)
+        )
         logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])[..., 0]
         m = mask[:, 1:].float()
         a = torch.tensor(adv)[:, None]
@@ -184,9 +206,14 @@ class Trainer:
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
-        return {"loss": round(float(loss.detach()), 5), "reward_mean": round(sum(rewards) / B, 4), "batch": B,
-                "staleness": staleness(batch, self.version), "step_ms": round((time.perf_counter() - t0) * 1000, 2),
-                "dedicated_frac": round(sum(1 for t in batch if t.get("dedicated")) / B, 3)}
+        return {
+            "loss": round(float(loss.detach()), 5),
+            "reward_mean": round(sum(rewards) / B, 4),
+            "batch": B,
+            "staleness": staleness(batch, self.version),
+            "step_ms": round((time.perf_counter() - t0) * 1000, 2),
+            "dedicated_frac": round(sum(1 for t in batch if t.get("dedicated")) / B, 3),
+        }
 
     def run(self) -> None:
         self.publish({"reward_mean": None, "batch": 0})

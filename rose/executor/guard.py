@@ -22,9 +22,9 @@ import queue
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 from urllib.parse import quote
 
 import orjson
@@ -44,19 +44,24 @@ class LatencySample:
         return min(1.0 - getattr(self.latency_ms, m) / getattr(self.slo_ms, m) for m in Latency.METRICS)
 
     def to_dict(self) -> dict:
-        return {"ts": self.ts,
-                "latency_ms": {m: getattr(self.latency_ms, m) for m in Latency.METRICS},
-                "slo_ms": {m: getattr(self.slo_ms, m) for m in Latency.METRICS}}
+        return {
+            "ts": self.ts,
+            "latency_ms": {m: getattr(self.latency_ms, m) for m in Latency.METRICS},
+            "slo_ms": {m: getattr(self.slo_ms, m) for m in Latency.METRICS},
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LatencySample":
+    def from_dict(cls, d: dict) -> LatencySample:
         if not isinstance(d, dict):
             raise InvalidEvent("$", "expected JSON object")
         ts = d.get("ts", 0.0)
         if isinstance(ts, bool) or not isinstance(ts, (int, float)):
             raise InvalidEvent("ts", "expected number")
-        return cls(float(ts), Latency.from_dict(d.get("latency_ms"), "latency_ms.", positive=False),
-                   Latency.from_dict(d.get("slo_ms"), "slo_ms.", positive=True))
+        return cls(
+            float(ts),
+            Latency.from_dict(d.get("latency_ms"), "latency_ms.", positive=False),
+            Latency.from_dict(d.get("slo_ms"), "slo_ms.", positive=True),
+        )
 
 
 LatencySource = Callable[[str], "LatencySample | None"]
@@ -127,9 +132,16 @@ class Guard:
     `on_trip(gpu)` at once (the executor raises the pause flag there, no queue in between) and
     then reports a GuardEvent on `events` for the executor's state machine; clears likewise."""
 
-    def __init__(self, gpus: Iterable[str], source: LatencySource, on_trip: Callable[[str], None],
-                 trip_headroom: float = 0.10, clear_headroom: float = 0.30, period_s: float = 0.0005,
-                 on_clear: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        gpus: Iterable[str],
+        source: LatencySource,
+        on_trip: Callable[[str], None],
+        trip_headroom: float = 0.10,
+        clear_headroom: float = 0.30,
+        period_s: float = 0.0005,
+        on_clear: Callable[[str], None] | None = None,
+    ):
         if not 0 <= trip_headroom <= clear_headroom:
             raise ValueError("guard: need 0 <= trip_headroom <= clear_headroom")
         self.gpus = list(gpus)
@@ -139,7 +151,7 @@ class Guard:
         self.trip_headroom = trip_headroom
         self.clear_headroom = clear_headroom
         self.period_s = period_s
-        self.events: "queue.SimpleQueue[GuardEvent]" = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[GuardEvent] = queue.SimpleQueue()
         self.tripped: dict[str, bool] = {g: False for g in self.gpus}
         self.trips = 0
         self._stop = threading.Event()
@@ -169,7 +181,7 @@ class Guard:
             self.poll_once()
             time.sleep(self.period_s)
 
-    def start(self) -> "Guard":
+    def start(self) -> Guard:
         self._thread = threading.Thread(target=self._run, name="rose-guard", daemon=True)
         self._thread.start()
         return self

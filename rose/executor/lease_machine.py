@@ -26,7 +26,6 @@ published again after it: the newest record per key is always the executor's cur
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Union
 
 from rose.contract.events import Command
 
@@ -86,6 +85,7 @@ class GpuLease:
 
 # ---- inputs -------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class _Event:
     """An input with no payload (time passed, the worker exited, the guard tripped or cleared, shutdown)."""
@@ -117,10 +117,11 @@ class Shutdown(_Event):
     __slots__ = ()
 
 
-Input = Union[Received, Tick, WorkerExited, GuardTrip, GuardClear, Shutdown]
+Input = Received | Tick | WorkerExited | GuardTrip | GuardClear | Shutdown
 
 
 # ---- actions ------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class _OnWorker:
@@ -172,12 +173,13 @@ class Publish:
     record: Record
 
 
-Action = Union[Start, Pause, Resume, Throttle, Stop, Kill, Publish]
+Action = Start | Pause | Resume | Throttle | Stop | Kill | Publish
 
 TERMINAL = ("revoked", "expired")
 
 
 # ---- the step -----------------------------------------------------------------------------------
+
 
 def initial(gpu: str) -> GpuLease:
     return GpuLease(gpu=gpu)
@@ -250,8 +252,15 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
     if held:
         lease = s.lease
         resized = (lease.mem_bytes, lease.compute_share) != (c.mem_bytes, c.compute_share)
-        s = replace(s, lease=replace(lease, expires_at=max(lease.expires_at, now + ttl_left),
-                                     mem_bytes=c.mem_bytes, compute_share=c.compute_share))
+        s = replace(
+            s,
+            lease=replace(
+                lease,
+                expires_at=max(lease.expires_at, now + ttl_left),
+                mem_bytes=c.mem_bytes,
+                compute_share=c.compute_share,
+            ),
+        )
         if resized:
             rec = Record(lease.lease_id, lease.epoch, lease_state(c.compute_share), c.command_id)
             out.append(Publish(s.gpu, rec))
@@ -333,7 +342,27 @@ def _with_truth(s: GpuLease, out: list[Action]) -> tuple[Action, ...]:
 
 
 __all__ = [
-    "Params", "Lease", "Worker", "Record", "GpuLease", "Received", "Tick", "WorkerExited", "GuardTrip",
-    "GuardClear", "Shutdown", "Start", "Pause", "Resume", "Throttle", "Stop", "Kill", "Publish", "initial",
-    "restore", "step", "lease_state", "TERMINAL",
+    "Params",
+    "Lease",
+    "Worker",
+    "Record",
+    "GpuLease",
+    "Received",
+    "Tick",
+    "WorkerExited",
+    "GuardTrip",
+    "GuardClear",
+    "Shutdown",
+    "Start",
+    "Pause",
+    "Resume",
+    "Throttle",
+    "Stop",
+    "Kill",
+    "Publish",
+    "initial",
+    "restore",
+    "step",
+    "lease_state",
+    "TERMINAL",
 ]

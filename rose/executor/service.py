@@ -40,21 +40,30 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from rose.executor import lease_machine as lm
-from rose.obs import metrics
-from rose.contract.codec import decode, encode
 from rose.config import Config
-from rose.shutdown import Shutdown
+from rose.contract.codec import decode, encode
 from rose.contract.events import Command, InvalidEvent, LeaseState
-from rose.executor.guard import FileLatencySource, Guard, LatencySource
-from rose.rollout.launcher import WorkerConfig, launch, spawn
-from rose.kafka.admin import partitions_of, retrying
-from rose.kafka.consumer import OFFSET_END, Consumer, KafkaError, Message, TopicPartition, consume_batch, header, \
-    make_consumer, read_partitions
-from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
-from rose.obs.logs import get_logger
 from rose.contract.signing import SIGNATURE_HEADER, verify
+from rose.executor import lease_machine as lm
+from rose.executor.guard import FileLatencySource, Guard, LatencySource
+from rose.kafka.admin import partitions_of, retrying
+from rose.kafka.consumer import (
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    Message,
+    TopicPartition,
+    consume_batch,
+    header,
+    make_consumer,
+    read_partitions,
+)
+from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
+from rose.obs import metrics
+from rose.obs.logs import get_logger
 from rose.obs.tracing import inject_headers, process_span, send_span, tracer
+from rose.rollout.launcher import WorkerConfig, launch, spawn
+from rose.shutdown import Shutdown
 
 COMMANDS_IN = metrics.counter("rose_executor_commands_total", "Commands for this node's GPUs, by kind")
 TRANSITIONS = metrics.counter("rose_executor_transitions_total", "Lease states published, by state")
@@ -85,9 +94,18 @@ def worker_config(cfg: Config, start: lm.Start, flag_name: str, device: str, see
     and `cfg`'s Redis connection, weights key, job and model. `rose.rollout.launcher.launch`
     hands it to the worker off the command line."""
     return WorkerConfig.from_config(
-        cfg, gpu=start.gpu, worker_id=f"{socket.gethostname()}:{start.gpu}:{start.epoch}", device=device,
-        mem_bytes=start.mem_bytes, compute_share=start.compute_share, pause_flag=flag_name, dedicated=False,
-        nice=cfg.executor.worker_nice, seed=seed, weights=cfg.executor.worker_weights)
+        cfg,
+        gpu=start.gpu,
+        worker_id=f"{socket.gethostname()}:{start.gpu}:{start.epoch}",
+        device=device,
+        mem_bytes=start.mem_bytes,
+        compute_share=start.compute_share,
+        pause_flag=flag_name,
+        dedicated=False,
+        nice=cfg.executor.worker_nice,
+        seed=seed,
+        weights=cfg.executor.worker_weights,
+    )
 
 
 def measure_rollout_mem(pid: int, device: str) -> int:
@@ -123,17 +141,25 @@ class WorkerHandle:
 class Executor:
     """One node's executor. `start()`, then `run_once()` in a loop (or `run()`), `shutdown()`."""
 
-    def __init__(self, cfg: Config, gpus: list[str], device: str = "cpu",
-                 latency_source: LatencySource | None = None, guard: bool = True,
-                 worker_config=worker_config, log_name: str = "rose.executor"):
+    def __init__(
+        self,
+        cfg: Config,
+        gpus: list[str],
+        device: str = "cpu",
+        latency_source: LatencySource | None = None,
+        guard: bool = True,
+        worker_config=worker_config,
+        log_name: str = "rose.executor",
+    ):
         if not gpus:
             raise ValueError("executor: no GPUs to manage")
         self.cfg = cfg
         self.k = cfg.kafka
         self.gpus = list(dict.fromkeys(gpus))
         self.device = device
-        self.params = lm.Params(revoke_deadline_s=cfg.executor.revoke_deadline_s,
-                                restart_backoff_s=cfg.executor.restart_backoff_s)
+        self.params = lm.Params(
+            revoke_deadline_s=cfg.executor.revoke_deadline_s, restart_backoff_s=cfg.executor.restart_backoff_s
+        )
         self.states: dict[str, lm.GpuLease] = {g: lm.initial(g) for g in self.gpus}
         self.workers: dict[str, WorkerHandle] = {}
         if cfg.executor.worker not in ("rollout", "placeholder"):
@@ -150,17 +176,22 @@ class Executor:
         self.published: list[LeaseState] = []  # kept for in-process benches and tests (bounded)
         self.guard: Guard | None = None
         if guard and cfg.executor.guard_period_s > 0:
-            self.guard = Guard(self.gpus, latency_source or FileLatencySource(cfg.executor.latency_dir or None),
-                               on_trip=self._guard_pause, on_clear=None,
-                               trip_headroom=cfg.policy.revoke_headroom, clear_headroom=cfg.policy.grant_headroom,
-                               period_s=cfg.executor.guard_period_s)
+            self.guard = Guard(
+                self.gpus,
+                latency_source or FileLatencySource(cfg.executor.latency_dir or None),
+                on_trip=self._guard_pause,
+                on_clear=None,
+                trip_headroom=cfg.policy.revoke_headroom,
+                clear_headroom=cfg.policy.grant_headroom,
+                period_s=cfg.executor.guard_period_s,
+            )
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self.group = command_group(self.gpus)
         self._lease_partitions: int | None = None  # partition count of lease-state, for spans
 
     # ---- life cycle ------------------------------------------------------------------------
-    def start(self) -> "Executor":
+    def start(self) -> Executor:
         self.producer = make_producer(self.k)
         retrying(self._rebuild)
         self.consumer = make_consumer(self.k, self.group, **{"fetch.wait.max.ms": 10})
@@ -201,8 +232,10 @@ class Executor:
         committed = self.consumer.committed([TopicPartition(topic, p) for p in parts], timeout=10)
         since_ms = int((time.time() - self.cfg.executor.lookback_s) * 1000)
         need_time = [TopicPartition(topic, tp.partition, since_ms) for tp in committed if tp.offset < 0]
-        by_time = {tp.partition: tp.offset for tp in
-                   (self.consumer.offsets_for_times(need_time, timeout=10) if need_time else [])}
+        by_time = {
+            tp.partition: tp.offset
+            for tp in (self.consumer.offsets_for_times(need_time, timeout=10) if need_time else [])
+        }
         assign = []
         for tp in committed:
             off = tp.offset if tp.offset >= 0 else by_time.get(tp.partition, OFFSET_END)
@@ -323,12 +356,23 @@ class Executor:
         self.states[gpu] = after
         if quiet and not actions:
             return actions
-        attrs = {"rose.gpu": gpu, "rose.input": type(inp).__name__,
-                 "rose.epoch": after.highest_epoch, "rose.actions": ",".join(type(a).__name__ for a in actions)}
+        attrs = {
+            "rose.gpu": gpu,
+            "rose.input": type(inp).__name__,
+            "rose.epoch": after.highest_epoch,
+            "rose.actions": ",".join(type(a).__name__ for a in actions),
+        }
         if isinstance(inp, lm.Received):
             c = inp.command
-            attrs.update({"rose.kind": c.kind, "rose.command_id": c.command_id, "rose.lease_id": c.lease_id,
-                          "rose.command_epoch": c.epoch, "rose.age_s": inp.age_s})
+            attrs.update(
+                {
+                    "rose.kind": c.kind,
+                    "rose.command_id": c.command_id,
+                    "rose.lease_id": c.lease_id,
+                    "rose.command_epoch": c.epoch,
+                    "rose.age_s": inp.age_s,
+                }
+            )
         with self._tracer.start_as_current_span("lease.apply", context=parent, attributes=attrs):
             self._act(actions)
         return actions
@@ -355,8 +399,15 @@ class Executor:
         mem = measure_rollout_mem(h.proc.pid, self.device) if h is not None else 0
         ROLLOUT_MEM.set(mem, gpu=a.gpu)
         r = a.record
-        ls = LeaseState(gpu=a.gpu, lease_id=r.lease_id, epoch=r.epoch, state=r.state, ts=time.time(),
-                        rollout_mem_bytes=mem, command_id=r.command_id)
+        ls = LeaseState(
+            gpu=a.gpu,
+            lease_id=r.lease_id,
+            epoch=r.epoch,
+            state=r.state,
+            ts=time.time(),
+            rollout_mem_bytes=mem,
+            command_id=r.command_id,
+        )
         topic, n = self.k.lease_state_topic, self._lease_partitions
         with send_span(self._tracer, topic, key=a.gpu, partition=partition_for(a.gpu, n) if n else None):
             produce(self.producer, topic, encode(ls), a.gpu, inject_headers())
@@ -364,8 +415,15 @@ class Executor:
         TRANSITIONS.inc(state=r.state)
         self.published.append(ls)
         del self.published[:-1000]
-        self.log.info("lease.state", gpu=a.gpu, state=r.state, epoch=r.epoch, lease_id=r.lease_id,
-                      command_id=r.command_id, rollout_mem_bytes=mem)
+        self.log.info(
+            "lease.state",
+            gpu=a.gpu,
+            state=r.state,
+            epoch=r.epoch,
+            lease_id=r.lease_id,
+            command_id=r.command_id,
+            rollout_mem_bytes=mem,
+        )
 
     # ---- workers ---------------------------------------------------------------------------
     def _start_worker(self, a: lm.Start) -> None:
@@ -382,8 +440,15 @@ class Executor:
         else:
             proc = launch(self.worker_config(self.cfg, a, name, self.device, self._seed), stdin=subprocess.DEVNULL)
         self.workers[a.gpu] = WorkerHandle(a.gpu, proc, flag, a.epoch)
-        self.log.info("worker.started", gpu=a.gpu, pid=proc.pid, epoch=a.epoch, mem_bytes=a.mem_bytes,
-                      compute_share=a.compute_share, paused=a.paused)
+        self.log.info(
+            "worker.started",
+            gpu=a.gpu,
+            pid=proc.pid,
+            epoch=a.epoch,
+            mem_bytes=a.mem_bytes,
+            compute_share=a.compute_share,
+            paused=a.paused,
+        )
 
     def _signal_flag(self, gpu: str, state: str) -> None:
         from rose.rollout import pause_flag

@@ -6,15 +6,32 @@ from __future__ import annotations
 import threading
 import time
 
-from confluent_kafka.admin import (AdminClient, ConfigResource, NewTopic, ScramCredentialInfo, ScramMechanism,
-                                   UserScramCredentialUpsertion)
+from confluent_kafka.admin import (
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+    ScramCredentialInfo,
+    ScramMechanism,
+    UserScramCredentialUpsertion,
+)
 
 from rose.config import KafkaConfig
 from rose.kafka.base import KafkaError, KafkaException, client_conf, report_unreachable
 
-__all__ = ["AdminClient", "ConfigResource", "KafkaError", "KafkaException", "NewTopic", "ScramCredentialInfo",
-           "ScramMechanism", "UserScramCredentialUpsertion", "make_admin", "partitions_of", "retrying",
-           "wait_for_broker"]
+__all__ = [
+    "AdminClient",
+    "ConfigResource",
+    "KafkaError",
+    "KafkaException",
+    "NewTopic",
+    "ScramCredentialInfo",
+    "ScramMechanism",
+    "UserScramCredentialUpsertion",
+    "make_admin",
+    "partitions_of",
+    "retrying",
+    "wait_for_broker",
+]
 
 
 def make_admin(kcfg: KafkaConfig, **overrides) -> AdminClient:

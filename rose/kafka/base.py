@@ -16,15 +16,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from confluent_kafka import KafkaError, KafkaException
 
 from rose.config import KafkaConfig
 from rose.obs.logs import get_logger
 
-__all__ = ["CONNECTION_ERRORS", "Headers", "KafkaError", "KafkaException", "MAX_RECORD_BYTES", "UNREACHABLE_HINT",
-           "client_conf", "error_callback", "report_unreachable"]
+__all__ = [
+    "CONNECTION_ERRORS",
+    "Headers",
+    "KafkaError",
+    "KafkaException",
+    "MAX_RECORD_BYTES",
+    "UNREACHABLE_HINT",
+    "client_conf",
+    "error_callback",
+    "report_unreachable",
+]
 
 Headers = list[tuple[str, bytes]]
 
@@ -32,8 +41,9 @@ MAX_RECORD_BYTES = 16 << 20  # max.message.bytes of ROSE's topics (rose.kafka.to
 
 LOG_EVERY_S = 30.0  # the longest silence between two lines about the same trouble
 
-UNREACHABLE_HINT = ("start a local stack with `rose stack up`, or point ROSE_KAFKA_BOOTSTRAP "
-                    "(kafka.bootstrap) at your cluster")
+UNREACHABLE_HINT = (
+    "start a local stack with `rose stack up`, or point ROSE_KAFKA_BOOTSTRAP (kafka.bootstrap) at your cluster"
+)
 
 # errors that mean no broker of the cluster answers (a single refused connection, _TRANSPORT,
 # is already in librdkafka's own log line and is no news while one broker of several answers)
@@ -82,8 +92,9 @@ def report_unreachable(bootstrap: str, error: object = "") -> bool:
     held = _unreachable_every.allow(bootstrap)
     if held is None:
         return False
-    _log().warning("kafka.unreachable", bootstrap=bootstrap, fix=UNREACHABLE_HINT, error=str(error) or None,
-                   retrying=True)
+    _log().warning(
+        "kafka.unreachable", bootstrap=bootstrap, fix=UNREACHABLE_HINT, error=str(error) or None, retrying=True
+    )
     return True
 
 

@@ -5,7 +5,7 @@ record or a header."""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, TopicPartition
@@ -14,9 +14,22 @@ from rose.config import KafkaConfig
 from rose.kafka.admin import partitions_of, retrying
 from rose.kafka.base import Headers, KafkaError, KafkaException, client_conf
 
-__all__ = ["Consumer", "Headers", "KafkaError", "KafkaException", "Message", "OFFSET_BEGINNING", "OFFSET_END",
-           "TopicPartition", "consume_batch", "header", "make_consumer", "message_record", "read_all",
-           "read_partitions"]
+__all__ = [
+    "Consumer",
+    "Headers",
+    "KafkaError",
+    "KafkaException",
+    "Message",
+    "OFFSET_BEGINNING",
+    "OFFSET_END",
+    "TopicPartition",
+    "consume_batch",
+    "header",
+    "make_consumer",
+    "message_record",
+    "read_all",
+    "read_partitions",
+]
 
 
 def make_consumer(kcfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
@@ -59,12 +72,18 @@ def consume_batch(consumer: Consumer, max_messages: int, timeout: float, linger:
     return msgs
 
 
-def read_partitions(kcfg: KafkaConfig, partitions: Sequence[tuple[str, int]], timeout_s: float = 30.0,
-                    isolation: str = "read_committed", **overrides) -> list[Message]:
+def read_partitions(
+    kcfg: KafkaConfig,
+    partitions: Sequence[tuple[str, int]],
+    timeout_s: float = 30.0,
+    isolation: str = "read_committed",
+    **overrides,
+) -> list[Message]:
     """Every message now in the given (topic, partition)s, from their start up to their end
     offsets at call time, in partition order. For rebuilding state, record, audits and tests."""
-    consumer = make_consumer(kcfg, group_id=f"rose-reader-{time.monotonic_ns()}",
-                             **{"isolation.level": isolation, **overrides})
+    consumer = make_consumer(
+        kcfg, group_id=f"rose-reader-{time.monotonic_ns()}", **{"isolation.level": isolation, **overrides}
+    )
     try:
         remaining: dict[tuple[str, int], int] = {}
         assign = []
@@ -100,8 +119,9 @@ def read_partitions(kcfg: KafkaConfig, partitions: Sequence[tuple[str, int]], ti
         consumer.close()
 
 
-def read_all(kcfg: KafkaConfig, topics: Sequence[str], timeout_s: float = 30.0,
-             isolation: str = "read_committed", **overrides) -> list[Message]:
+def read_all(
+    kcfg: KafkaConfig, topics: Sequence[str], timeout_s: float = 30.0, isolation: str = "read_committed", **overrides
+) -> list[Message]:
     """Every message currently in `topics` (up to their end offsets at call time)."""
     parts = [(t, p) for t in topics for p in partitions_of(kcfg, t)]
     return read_partitions(kcfg, parts, timeout_s, isolation, **overrides)

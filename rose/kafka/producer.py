@@ -10,8 +10,19 @@ from rose.contract.codec import encode
 from rose.contract.events import Event
 from rose.kafka.base import MAX_RECORD_BYTES, Headers, KafkaError, KafkaException, client_conf
 
-__all__ = ["Headers", "KafkaError", "KafkaException", "LOW_LATENCY", "Producer", "dead_letter", "make_producer",
-           "murmur2", "partition_for", "produce", "produce_event"]
+__all__ = [
+    "Headers",
+    "KafkaError",
+    "KafkaException",
+    "LOW_LATENCY",
+    "Producer",
+    "dead_letter",
+    "make_producer",
+    "murmur2",
+    "partition_for",
+    "produce",
+    "produce_event",
+]
 
 # Latency-first producer defaults for control messages; every one can be overridden.
 LOW_LATENCY = {"linger.ms": 2, "batch.num.messages": 10000}
@@ -21,9 +32,13 @@ def make_producer(kcfg: KafkaConfig, **overrides) -> Producer:
     """An idempotent producer (acks=all, ordered per partition) with low-latency batching.
     Keys are partitioned with murmur2 (the Java client's default, not librdkafka's CRC32) so
     that a consumer can compute which partition holds a key: see `partition_for`."""
-    conf = {"enable.idempotence": True, "partitioner": "murmur2_random",
-            # what a consumer could not decode goes to the dlq whole, up to the topics' limit
-            "message.max.bytes": MAX_RECORD_BYTES + (64 << 10), **LOW_LATENCY}
+    conf = {
+        "enable.idempotence": True,
+        "partitioner": "murmur2_random",
+        # what a consumer could not decode goes to the dlq whole, up to the topics' limit
+        "message.max.bytes": MAX_RECORD_BYTES + (64 << 10),
+        **LOW_LATENCY,
+    }
     conf.update(client_conf(kcfg, **overrides))
     return Producer(conf)
 
@@ -33,7 +48,7 @@ def murmur2(data: bytes) -> int:
     m, h = 0x5BD1E995, (0x9747B28C ^ len(data)) & 0xFFFFFFFF
     n4 = len(data) & ~3
     for i in range(0, n4, 4):
-        k = int.from_bytes(data[i:i + 4], "little")
+        k = int.from_bytes(data[i : i + 4], "little")
         k = (k * m) & 0xFFFFFFFF
         k ^= k >> 24
         h = ((h * m) & 0xFFFFFFFF) ^ ((k * m) & 0xFFFFFFFF)
@@ -55,8 +70,14 @@ def partition_for(key: str | bytes, partitions: int) -> int:
     return (murmur2(data) & 0x7FFFFFFF) % partitions
 
 
-def produce(producer: Producer, topic: str, value: bytes | None, key: str | bytes | None,
-            headers: Headers | None = None, partition: int | None = None) -> None:
+def produce(
+    producer: Producer,
+    topic: str,
+    value: bytes | None,
+    key: str | bytes | None,
+    headers: Headers | None = None,
+    partition: int | None = None,
+) -> None:
     """Produce without blocking on a healthy broker; when librdkafka's queue is full,
     serve delivery reports and retry (back-pressure instead of an exception)."""
     kwargs = {"headers": headers} if headers else {}
@@ -74,8 +95,9 @@ def produce_event(producer: Producer, topic: str, event: Event, headers: Headers
     produce(producer, topic, encode(event), event.key, headers)
 
 
-def dead_letter(producer: Producer, dlq_topic: str, msg: Message, reason: str, field: str = "$",
-                consumer: str = "rose") -> None:
+def dead_letter(
+    producer: Producer, dlq_topic: str, msg: Message, reason: str, field: str = "$", consumer: str = "rose"
+) -> None:
     """Send a message ROSE could not use to the dead-letter topic: the original key and
     value bytes unchanged, the reason and the source position in headers (the Kafka
     Connect convention), so nothing is lost and it can be re-driven later."""

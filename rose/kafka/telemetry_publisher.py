@@ -24,9 +24,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from rose.obs import metrics
 from rose.config import KafkaConfig
 from rose.kafka.base import CONNECTION_ERRORS, Headers, error_callback
+from rose.obs import metrics
 from rose.obs.logs import get_logger
 from rose.obs.tracing import inject_headers, send_span, tracer
 
@@ -36,9 +36,18 @@ BUFFERED = metrics.gauge("rose_agent_events_buffered", "Telemetry events waiting
 
 
 class TelemetryPublisher:
-    def __init__(self, kcfg: KafkaConfig, topic: str, *, buffer_max: int = 100_000, linger_ms: int = 5,
-                 queue_max: int = 20_000, message_timeout_ms: int = 120_000, log_every_s: float = 5.0,
-                 **overrides):
+    def __init__(
+        self,
+        kcfg: KafkaConfig,
+        topic: str,
+        *,
+        buffer_max: int = 100_000,
+        linger_ms: int = 5,
+        queue_max: int = 20_000,
+        message_timeout_ms: int = 120_000,
+        log_every_s: float = 5.0,
+        **overrides,
+    ):
         self.kcfg, self.topic = kcfg, topic
         self.buffer: deque[tuple[bytes, bytes, Headers | None, int]] = deque(maxlen=max(1, buffer_max))
         self.log_every_s = log_every_s
@@ -51,9 +60,15 @@ class TelemetryPublisher:
         self._fatal = False
         self._report = error_callback(kcfg.bootstrap)
         self._tracer = tracer("rose.agent")
-        self._conf = {"linger.ms": linger_ms, "queue.buffering.max.messages": queue_max,
-                      "message.timeout.ms": message_timeout_ms, "delivery.report.only.error": True,
-                      "on_delivery": self._on_delivery, "error_cb": self._on_error, **overrides}
+        self._conf = {
+            "linger.ms": linger_ms,
+            "queue.buffering.max.messages": queue_max,
+            "message.timeout.ms": message_timeout_ms,
+            "delivery.report.only.error": True,
+            "on_delivery": self._on_delivery,
+            "error_cb": self._on_error,
+            **overrides,
+        }
         self.producer = self._make()
 
     def _make(self):

@@ -28,8 +28,10 @@ def topic_specs(kcfg: KafkaConfig) -> dict[str, dict[str, str]]:
 def create_topics(kcfg: KafkaConfig, timeout_s: float = 30.0) -> dict[str, str]:
     """Create every topic; returns name -> 'created' | 'exists'. Raises on other errors."""
     admin = make_admin(kcfg)
-    new = [NewTopic(name, num_partitions=kcfg.partitions, replication_factor=kcfg.replication, config=conf)
-           for name, conf in topic_specs(kcfg).items()]
+    new = [
+        NewTopic(name, num_partitions=kcfg.partitions, replication_factor=kcfg.replication, config=conf)
+        for name, conf in topic_specs(kcfg).items()
+    ]
     result = {}
     for name, fut in admin.create_topics(new, request_timeout=timeout_s).items():
         try:
@@ -52,8 +54,13 @@ def wait_for_leaders(kcfg: KafkaConfig, names: list[str], timeout_s: float = 30.
     deadline = time.monotonic() + timeout_s
     while True:
         md = admin.list_topics(timeout=timeout_s)
-        pending = [n for n in names if n not in md.topics or md.topics[n].error is not None
-                   or any(p.leader < 0 or p.error is not None for p in md.topics[n].partitions.values())]
+        pending = [
+            n
+            for n in names
+            if n not in md.topics
+            or md.topics[n].error is not None
+            or any(p.leader < 0 or p.error is not None for p in md.topics[n].partitions.values())
+        ]
         if not pending:
             return
         if time.monotonic() > deadline:

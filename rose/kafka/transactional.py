@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
@@ -33,8 +34,7 @@ class FatalTransactionError(RuntimeError):
     return in time: its clients must be replaced."""
 
 
-def bounded(what: str, fn: Callable[[], T], timeout_s: float,
-            fatal: type[Exception] = FatalTransactionError) -> T:
+def bounded(what: str, fn: Callable[[], T], timeout_s: float, fatal: type[Exception] = FatalTransactionError) -> T:
     """Run `fn` on a daemon thread and wait at most `timeout_s` for it; raise `fatal` when it
     has not returned by then (the thread is left behind), else return or raise what it did."""
     out: dict = {}
@@ -70,9 +70,18 @@ class Transactor:
     FatalTransactionError the caller recognises); `call_timeout_s` is librdkafka's timeout
     for each coordinator call, `deadline_s` the hard deadline around it."""
 
-    def __init__(self, producer: Producer, consumer: Consumer, log, *,
-                 fatal: type[Exception] = FatalTransactionError, call_timeout_s: float = 10.0,
-                 deadline_s: float = 20.0, commit_attempts: int = 6, retry_pause_s: float = 0.2):
+    def __init__(
+        self,
+        producer: Producer,
+        consumer: Consumer,
+        log,
+        *,
+        fatal: type[Exception] = FatalTransactionError,
+        call_timeout_s: float = 10.0,
+        deadline_s: float = 20.0,
+        commit_attempts: int = 6,
+        retry_pause_s: float = 0.2,
+    ):
         self.producer, self.consumer, self.log = producer, consumer, log
         self.fatal = fatal
         self.call_timeout_s = call_timeout_s
@@ -98,8 +107,10 @@ class Transactor:
                 out = process()
                 offsets = positions(msgs)
                 meta = self.consumer.consumer_group_metadata()
-                self.bounded("send_offsets_to_transaction",
-                             lambda: self.producer.send_offsets_to_transaction(offsets, meta, self.call_timeout_s))
+                self.bounded(
+                    "send_offsets_to_transaction",
+                    lambda: self.producer.send_offsets_to_transaction(offsets, meta, self.call_timeout_s),
+                )
                 self.commit()
                 self.committed += 1
                 self.producer.poll(0)  # serve the client's log lines and error callbacks

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import orjson
 
@@ -73,8 +73,9 @@ class LeaseFollower:
         from rose.kafka.consumer import OFFSET_BEGINNING, TopicPartition, make_consumer
 
         self.k, self.view, self.dlq = cfg.kafka, view, dlq
-        self.consumer = make_consumer(cfg.kafka, group_id=f"rose-agent-{uuid.uuid4().hex[:12]}",
-                                      **{"socket.timeout.ms": 2000})
+        self.consumer = make_consumer(
+            cfg.kafka, group_id=f"rose-agent-{uuid.uuid4().hex[:12]}", **{"socket.timeout.ms": 2000}
+        )
         self.assigned = False
         self._tp, self._begin = TopicPartition, OFFSET_BEGINNING
 
@@ -125,9 +126,24 @@ class LeaseFollower:
 
 
 # ---- encoding (pure, hot path) -----------------------------------------------------------
-def telemetry_records(*, ts: float, node: str, gpus: list[str], pool: str, slo: tuple[float, float],
-                      run_id: str, seq: int, util, mem_total, mem_used, rollout_mem, ttft_ms, tpot_ms,
-                      rps, queue) -> list[tuple[bytes, bytes]]:
+def telemetry_records(
+    *,
+    ts: float,
+    node: str,
+    gpus: list[str],
+    pool: str,
+    slo: tuple[float, float],
+    run_id: str,
+    seq: int,
+    util,
+    mem_total,
+    mem_used,
+    rollout_mem,
+    ttft_ms,
+    tpot_ms,
+    rps,
+    queue,
+) -> list[tuple[bytes, bytes]]:
     """(value, key) of one telemetry event per GPU; array-likes hold one entry per GPU
     (`mem_total` may also be one int for all).
 
@@ -141,11 +157,20 @@ def telemetry_records(*, ts: float, node: str, gpus: list[str], pool: str, slo: 
     for i, g in enumerate(gpus):
         used = int(mem_used[i])
         d = {
-            "schema": TELEMETRY_SCHEMA, "event_id": f"{run_id}:{g}:{seq}", "ts": ts, "node": node, "gpu": g,
-            "pool": pool, "gpu_util": min(1.0, max(0.0, float(util[i]))), "mem_total_bytes": int(totals[i]),
-            "mem_used_bytes": used, "rollout_mem_bytes": min(int(rollout_mem[i]), used),
-            "latency_ms": {"ttft_p99": float(ttft_ms[i]), "tpot_p99": float(tpot_ms[i])}, "slo_ms": slo_d,
-            "rps": float(rps[i]), "queue_depth": int(queue[i]),
+            "schema": TELEMETRY_SCHEMA,
+            "event_id": f"{run_id}:{g}:{seq}",
+            "ts": ts,
+            "node": node,
+            "gpu": g,
+            "pool": pool,
+            "gpu_util": min(1.0, max(0.0, float(util[i]))),
+            "mem_total_bytes": int(totals[i]),
+            "mem_used_bytes": used,
+            "rollout_mem_bytes": min(int(rollout_mem[i]), used),
+            "latency_ms": {"ttft_p99": float(ttft_ms[i]), "tpot_p99": float(tpot_ms[i])},
+            "slo_ms": slo_d,
+            "rps": float(rps[i]),
+            "queue_depth": int(queue[i]),
         }
         out.append((dumps(d), g.encode()))
     return out
@@ -185,30 +210,41 @@ class SimOptions:
     guard_dir: str | None = None  # also feed each window's p99 to the executor's local guard here
 
 
-def run_simulated(cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambda: False,
-                  publisher=None, follow_leases: bool = True) -> dict:
+def run_simulated(
+    cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambda: False, publisher=None, follow_leases: bool = True
+) -> dict:
     """Publish simulated telemetry until the duration ends or `stop()`; returns counters."""
+    from rose.kafka.telemetry_publisher import TelemetryPublisher
     from rose.sim.models import gpu_spec, model_size
     from rose.sim.serving_model import ServingSim, spread, windows
-    from rose.kafka.telemetry_publisher import TelemetryPublisher
     from rose.sim.traces import load_trace
 
     tc = cfg.telemetry
     trace = load_trace(opt.trace).scaled(opt.speed)
-    sim = ServingSim(gpu_spec(opt.gpu_type or tc.gpu_type), model_size(opt.model_size or tc.model_size),
-                     opt.gpus, alpha=tc.interference_alpha)
+    sim = ServingSim(
+        gpu_spec(opt.gpu_type or tc.gpu_type),
+        model_size(opt.model_size or tc.model_size),
+        opt.gpus,
+        alpha=tc.interference_alpha,
+    )
     gpu_of = spread(trace, opt.gpus, seed=opt.seed)
     gpus = [f"{opt.node}/{i}" for i in range(opt.gpus)]
     duration = opt.duration_s if opt.duration_s is not None else trace.duration_s
-    pub = publisher or TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=tc.buffer_max,
-                                          linger_ms=tc.linger_ms)
+    pub = publisher or TelemetryPublisher(
+        cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=tc.buffer_max, linger_ms=tc.linger_ms
+    )
     view = LeaseView(default_share=cfg.policy.max_compute_share)
     follower = None
     if follow_leases:
         from rose.kafka.producer import dead_letter
 
-        follower = LeaseFollower(cfg, view, dlq=lambda m, reason, fld: dead_letter(
-            pub.producer, cfg.kafka.dlq_topic, m, reason, fld, consumer="rose-agent"))
+        follower = LeaseFollower(
+            cfg,
+            view,
+            dlq=lambda m, reason, fld: dead_letter(
+                pub.producer, cfg.kafka.dlq_topic, m, reason, fld, consumer="rose-agent"
+            ),
+        )
     run_id = uuid.uuid4().hex[:12]
     slo = (tc.slo_ttft_ms, tc.slo_tpot_ms)
     wall0, mono0 = time.time(), time.monotonic()
@@ -234,10 +270,22 @@ def run_simulated(cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambd
             s = sim.advance(t_end, gpu_of[sl], a[sl], pt[sl], ot[sl])
             ts = wall0 + t_end
             recs = telemetry_records(
-                ts=ts, node=opt.node, gpus=gpus, pool=tc.pool, slo=slo, run_id=run_id, seq=w,
-                util=s.gpu_util.tolist(), mem_total=int(s.mem_total_bytes), mem_used=s.mem_used_bytes.tolist(),
-                rollout_mem=s.rollout_mem_bytes.tolist(), ttft_ms=s.ttft_p99_ms.tolist(),
-                tpot_ms=s.tpot_p99_ms.tolist(), rps=s.rps.tolist(), queue=s.queue_depth.tolist())
+                ts=ts,
+                node=opt.node,
+                gpus=gpus,
+                pool=tc.pool,
+                slo=slo,
+                run_id=run_id,
+                seq=w,
+                util=s.gpu_util.tolist(),
+                mem_total=int(s.mem_total_bytes),
+                mem_used=s.mem_used_bytes.tolist(),
+                rollout_mem=s.rollout_mem_bytes.tolist(),
+                ttft_ms=s.ttft_p99_ms.tolist(),
+                tpot_ms=s.tpot_p99_ms.tolist(),
+                rps=s.rps.tolist(),
+                queue=s.queue_depth.tolist(),
+            )
             with _span("telemetry.window", gpus=len(gpus), window=w):
                 pub.publish(recs, ts_ms=int(ts * 1000))
             if opt.guard_dir:
@@ -296,12 +344,11 @@ def scrape(url: str, timeout_s: float) -> str:
         return r.read().decode("utf-8", "replace")
 
 
-def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lambda: False,
-             publisher=None) -> dict:
+def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lambda: False, publisher=None) -> dict:
     """Sample NVML + the engines' metrics every period until `stop()`; returns counters."""
+    from rose.kafka.telemetry_publisher import TelemetryPublisher
     from rose.node import prometheus
     from rose.node.nvml import MIN_PERIOD_S, read_pids
-    from rose.kafka.telemetry_publisher import TelemetryPublisher
 
     tc = cfg.telemetry
     period = max(MIN_PERIOD_S, opt.period_s or tc.period_s)
@@ -310,8 +357,9 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
     n = len(nvml)
     gpus = [f"{opt.node}/{i}" for i in range(n)]
     urls = opt.metrics_urls if len(opt.metrics_urls) == n else [opt.metrics_urls[0]] * n
-    pub = publisher or TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=tc.buffer_max,
-                                          linger_ms=tc.linger_ms)
+    pub = publisher or TelemetryPublisher(
+        cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=tc.buffer_max, linger_ms=tc.linger_ms
+    )
     prev: dict[str, tuple[float, prometheus.Scrape]] = {}
     carry = [LatencyCarry() for _ in range(n)]
     counts = {"carried": 0, "no_latency_yet": 0}  # GPU-windows published with carried p99s / not published
@@ -340,9 +388,13 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
             for role in w.missing:
                 if (url, role) not in warned_missing:
                     warned_missing.add((url, role))
-                    log.warning("serving metrics lack a latency histogram: no p99 from it (a GPU publishes "
-                                "nothing until both have been measured)", url=url, role=role,
-                                looked_for=list(names[role]))
+                    log.warning(
+                        "serving metrics lack a latency histogram: no p99 from it (a GPU publishes "
+                        "nothing until both have been measured)",
+                        url=url,
+                        role=role,
+                        looked_for=list(names[role]),
+                    )
         pids = read_pids(opt.rollout_pids)
         idx, lat = [], []
         for i in range(n):
@@ -360,20 +412,36 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
             samples = [nvml.sample(i, pids) for i in idx]
             ws = [windows_by_url[urls[i]] for i in idx]
             recs = telemetry_records(
-                ts=now_wall, node=opt.node, gpus=[gpus[i] for i in idx], pool=tc.pool, slo=slo, run_id=run_id,
-                seq=seq, util=[s.util for s in samples], mem_total=[s.mem_total_bytes for s in samples], mem_used=[s.mem_used_bytes for s in samples],
+                ts=now_wall,
+                node=opt.node,
+                gpus=[gpus[i] for i in idx],
+                pool=tc.pool,
+                slo=slo,
+                run_id=run_id,
+                seq=seq,
+                util=[s.util for s in samples],
+                mem_total=[s.mem_total_bytes for s in samples],
+                mem_used=[s.mem_used_bytes for s in samples],
                 rollout_mem=[s.rollout_mem_bytes for s in samples],
-                ttft_ms=[x[0] for x in lat], tpot_ms=[x[1] for x in lat],
-                rps=[w.rps or 0.0 for w in ws], queue=[w.queue_depth or 0 for w in ws])
+                ttft_ms=[x[0] for x in lat],
+                tpot_ms=[x[1] for x in lat],
+                rps=[w.rps or 0.0 for w in ws],
+                queue=[w.queue_depth or 0 for w in ws],
+            )
             with _span("telemetry.sample", gpus=len(idx)):
                 pub.publish(recs, ts_ms=int(now_wall * 1000))
             fed = [k for k, x in enumerate(lat) if x[2]]  # windows that measured something
             if opt.guard_dir and fed:
-                feed_guard(opt.guard_dir, [gpus[idx[k]] for k in fed], now_wall, [lat[k][0] for k in fed],
-                           [lat[k][1] for k in fed], slo)
+                feed_guard(
+                    opt.guard_dir,
+                    [gpus[idx[k]] for k in fed],
+                    now_wall,
+                    [lat[k][0] for k in fed],
+                    [lat[k][1] for k in fed],
+                    slo,
+                )
         seq += 1
         while (left := next_t - time.monotonic()) > 0 and not stop():
             pub.tick()
             time.sleep(min(left, 0.02))
     return {"samples": seq, "gpus": n, **counts, **pub.counters()}
-

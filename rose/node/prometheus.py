@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 # role -> candidate metric names, first present wins
 ENGINES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -146,7 +146,7 @@ def parse(text: str, keep: frozenset[str] | None = None) -> Scrape:
             close = line.rfind("}")
             if close < brace:
                 raise ExpositionError(f"line {lineno}: unbalanced braces")
-            name, labels, rest = line[:brace], _labels(line[brace + 1:close], lineno), line[close + 1:]
+            name, labels, rest = line[:brace], _labels(line[brace + 1 : close], lineno), line[close + 1 :]
         else:
             if space < 0:
                 raise ExpositionError(f"line {lineno}: sample without a value")
@@ -168,8 +168,9 @@ def parse(text: str, keep: frozenset[str] | None = None) -> Scrape:
     hists = {}
     for base, b in buckets.items():
         bounds = sorted(b)
-        hists[base] = Histogram(bounds, [b[x] for x in bounds], values.get(base + "_count", b[bounds[-1]]),
-                                values.get(base + "_sum", 0.0))
+        hists[base] = Histogram(
+            bounds, [b[x] for x in bounds], values.get(base + "_count", b[bounds[-1]]), values.get(base + "_sum", 0.0)
+        )
     return Scrape(values, hists)
 
 
@@ -239,6 +240,11 @@ def window(now: Scrape, prev: Scrape | None, dt_s: float, names: Mapping[str, tu
         rps = (req - preq if req >= preq else req) / dt_s
     waiting = _first(now.values, names["waiting"])
     running = _first(now.values, names["running"])
-    return ServingWindow(out["ttft"], out["tpot"], rps,
-                         None if waiting is None else max(0, int(round(waiting))),
-                         None if running is None else max(0, int(round(running))), tuple(missing))
+    return ServingWindow(
+        out["ttft"],
+        out["tpot"],
+        rps,
+        None if waiting is None else max(0, int(round(waiting))),
+        None if running is None else max(0, int(round(running))),
+        tuple(missing),
+    )

@@ -97,8 +97,12 @@ def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, b
 
 
 def _messaging(operation: str, topic: str, key, partition: int | None) -> dict:
-    attrs = {"messaging.system": "kafka", "messaging.operation.type": operation,
-             "messaging.operation.name": operation, "messaging.destination.name": topic}
+    attrs = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": operation,
+        "messaging.operation.name": operation,
+        "messaging.destination.name": topic,
+    }
     if partition is not None and partition >= 0:
         attrs["messaging.destination.partition.id"] = str(partition)
     if key is not None:
@@ -106,8 +110,14 @@ def _messaging(operation: str, topic: str, key, partition: int | None) -> dict:
     return attrs
 
 
-def send_span(tr: trace.Tracer, topic: str, *, key: str | bytes | None = None, partition: int | None = None,
-              batch: int | None = None):
+def send_span(
+    tr: trace.Tracer,
+    topic: str,
+    *,
+    key: str | bytes | None = None,
+    partition: int | None = None,
+    batch: int | None = None,
+):
     """`send {topic}` (kind PRODUCER), current while a message (or a batch of `batch`) is
     handed to the producer; `inject_headers()` inside it carries its context in the message."""
     attrs = _messaging("send", topic, key, partition)
@@ -125,9 +135,14 @@ def process_span(tr: trace.Tracer, msg, group: str, *, start_time: int | None = 
     attrs = _messaging("process", msg.topic(), msg.key(), msg.partition())
     attrs["messaging.kafka.offset"] = msg.offset()
     attrs["messaging.consumer.group.name"] = group
-    return tr.start_as_current_span(f"process {msg.topic()}", context=parent, kind=SpanKind.CONSUMER,
-                                    links=[Link(sc)] if sc.is_valid else None, attributes=attrs,
-                                    start_time=start_time)
+    return tr.start_as_current_span(
+        f"process {msg.topic()}",
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        links=[Link(sc)] if sc.is_valid else None,
+        attributes=attrs,
+        start_time=start_time,
+    )
 
 
 def trace_ids() -> dict[str, str]:

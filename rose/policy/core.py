@@ -9,8 +9,8 @@ states" (and docs/contract.md §4).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
 from rose.config import PolicyConfig
 from rose.contract.events import InvalidEvent, LeaseState, Telemetry
@@ -19,8 +19,7 @@ from rose.policy.lease_policy import Decision, GpuView, cooldown_for, decide
 _LEASE_ENDING_STATES = frozenset(("revoking", "revoked", "expired", "rejected"))
 
 
-def check_admission(event: Telemetry, record_ts_ms: int | None, key: bytes | str | None,
-                    cfg: PolicyConfig) -> None:
+def check_admission(event: Telemetry, record_ts_ms: int | None, key: bytes | str | None, cfg: PolicyConfig) -> None:
     """Raise InvalidEvent for telemetry the scheduler must not decide on (it goes to the dlq):
     an event time further than `max_ts_skew_s` from the Kafka record time (a broken clock
     would otherwise poison the GPU's view: every later event would look stale), or a message
@@ -28,8 +27,10 @@ def check_admission(event: Telemetry, record_ts_ms: int | None, key: bytes | str
     if record_ts_ms is not None and record_ts_ms > 0:
         skew = event.ts - record_ts_ms / 1000.0
         if abs(skew) > cfg.max_ts_skew_s:
-            raise InvalidEvent("ts", f"event time {event.ts:.3f} is {skew:+.0f}s from the record time "
-                                     f"(limit ±{cfg.max_ts_skew_s:.0f}s)")
+            raise InvalidEvent(
+                "ts",
+                f"event time {event.ts:.3f} is {skew:+.0f}s from the record time (limit ±{cfg.max_ts_skew_s:.0f}s)",
+            )
     if key is not None:
         k = key.encode() if isinstance(key, str) else key
         if k != event.gpu.encode():
@@ -54,8 +55,14 @@ def observe_lease_state(view: GpuView | None, state: LeaseState, cfg: PolicyConf
         current = view.lease_id is not None and state.lease_id == view.lease_id
         unknown = state.epoch > view.epoch
         if current or (view.lease_id is not None and unknown):
-            lease = {"lease_id": None, "lease_expires_at": 0.0, "lease_mem_bytes": 0, "lease_compute_share": 0.0,
-                     "lease_granted_at": 0.0, "paused_since": -1.0}
+            lease = {
+                "lease_id": None,
+                "lease_expires_at": 0.0,
+                "lease_mem_bytes": 0,
+                "lease_compute_share": 0.0,
+                "lease_granted_at": 0.0,
+                "paused_since": -1.0,
+            }
         if (current or unknown) and state.state in ("revoking", "revoked"):
             revokes_in_row += 1
             cooldown_until = max(cooldown_until, state.ts + cooldown_for(revokes_in_row, cfg))
@@ -69,8 +76,12 @@ class SchedulingCore:
 
     __slots__ = ("cfg", "views", "lease_floor")
 
-    def __init__(self, cfg: PolicyConfig, views: dict[str, GpuView] | None = None,
-                 lease_floor: dict[str, LeaseState] | None = None):
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        views: dict[str, GpuView] | None = None,
+        lease_floor: dict[str, LeaseState] | None = None,
+    ):
         self.cfg = cfg
         self.views: dict[str, GpuView] = {} if views is None else views
         self.lease_floor: dict[str, LeaseState] = {} if lease_floor is None else lease_floor

@@ -57,7 +57,7 @@ class GpuView:
         return {name: getattr(self, name) for name in _VIEW_FIELDS}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GpuView":
+    def from_dict(cls, d: dict) -> GpuView:
         return cls(**{k: d[k] for k in _VIEW_FIELDS if k in d})
 
     def holds_lease(self, ts: float) -> bool:
@@ -79,8 +79,13 @@ class Explanation:
     reason: str
 
     def to_dict(self) -> dict:
-        return {"action": self.action, "reason": self.reason, "headroom": self.headroom,
-                "predicted_headroom": self.predicted_headroom, "free_mem_bytes": self.free_mem_bytes}
+        return {
+            "action": self.action,
+            "reason": self.reason,
+            "headroom": self.headroom,
+            "predicted_headroom": self.predicted_headroom,
+            "free_mem_bytes": self.free_mem_bytes,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +157,17 @@ def _ewma(old: float, x: float, w: float) -> float:
 _SLOWDOWN_BOUNDS = (0.01, 50.0)  # keeps one freak window from zeroing or exploding the estimate
 
 
-def _trend(metric: str, p99: float, prev: float, prev2: float, slo: float, dt: float, dt2: float,
-           horizon: float, why: list[str]) -> float:
+def _trend(
+    metric: str,
+    p99: float,
+    prev: float,
+    prev2: float,
+    slo: float,
+    dt: float,
+    dt2: float,
+    horizon: float,
+    why: list[str],
+) -> float:
     """Predicted headroom `horizon` seconds ahead: only when p99 rose on each of the last two
     intervals (`dt2` then `dt` long), extrapolated at the smaller of the two rates; appends a
     revoke reason if it crosses the SLO (docs/policy.md "The trend predictor")."""
@@ -173,10 +187,12 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         view = GpuView(gpu=event.gpu)
     ts = event.ts
     if ts <= view.last_ts or event.event_id == view.last_event_id:
-        why = (f"duplicate event_id {event.event_id}" if event.event_id == view.last_event_id
-               else f"stale: ts {ts:.3f} <= last {view.last_ts:.3f}")
-        return Decision(replace(view, ignored_stale=view.ignored_stale + 1), (),
-                        Explanation({}, {}, 0, "ignored", why))
+        why = (
+            f"duplicate event_id {event.event_id}"
+            if event.event_id == view.last_event_id
+            else f"stale: ts {ts:.3f} <= last {view.last_ts:.3f}"
+        )
+        return Decision(replace(view, ignored_stale=view.ignored_stale + 1), (), Explanation({}, {}, 0, "ignored", why))
 
     lat, slo = event.latency_ms, event.slo_ms
     h_ttft = 1.0 - lat.ttft_p99 / slo.ttft_p99
@@ -213,20 +229,26 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
     if dt > 0.0:
         dt2 = view.last_ts - view.prev2_ts
         if view.prev2_ts >= 0.0 and dt2 > 0.0:
-            p_ttft = _trend("ttft_p99", lat.ttft_p99, view.prev_ttft_p99, view.prev2_ttft_p99, slo.ttft_p99,
-                            dt, dt2, horizon, slow)
-            p_tpot = _trend("tpot_p99", lat.tpot_p99, view.prev_tpot_p99, view.prev2_tpot_p99, slo.tpot_p99,
-                            dt, dt2, horizon, slow)
+            p_ttft = _trend(
+                "ttft_p99", lat.ttft_p99, view.prev_ttft_p99, view.prev2_ttft_p99, slo.ttft_p99, dt, dt2, horizon, slow
+            )
+            p_tpot = _trend(
+                "tpot_p99", lat.tpot_p99, view.prev_tpot_p99, view.prev2_tpot_p99, slo.tpot_p99, dt, dt2, horizon, slow
+            )
         prev_mem = view.prev_serving_mem
         if 0 <= prev_mem < serving and margin > 0:
             growth = (serving - prev_mem) / dt * horizon
             limit = cfg.kv_growth_revoke_frac * margin
             if growth >= limit:
-                short.append(f"KV growth {_gib(growth)} per {horizon:g} s >= {_gib(limit)} "
-                             f"({cfg.kv_growth_revoke_frac:g} x margin {_gib(margin)})")
+                short.append(
+                    f"KV growth {_gib(growth)} per {horizon:g} s >= {_gib(limit)} "
+                    f"({cfg.kv_growth_revoke_frac:g} x margin {_gib(margin)})"
+                )
             elif free - growth < margin <= free:
-                short.append(f"KV growth {_gib(growth)} per {horizon:g} s would leave "
-                             f"{_gib(free - growth)} < margin {_gib(margin)}")
+                short.append(
+                    f"KV growth {_gib(growth)} per {horizon:g} s would leave "
+                    f"{_gib(free - growth)} < margin {_gib(margin)}"
+                )
     predicted = {"ttft_p99": p_ttft, "tpot_p99": p_tpot}
 
     g = cfg.grant_headroom
@@ -257,8 +279,21 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         base_load = _ewma(base_load, load, w_est)
 
     def command(kind: str, mem: int, cshare: float, expires: float, why: str) -> tuple[Command, ...]:
-        return (Command(command_id(event.event_id, kind, gpu, epoch), ts, kind, gpu, lease_id, epoch, mem,
-                        cshare, expires, why, event.event_id),)
+        return (
+            Command(
+                command_id(event.event_id, kind, gpu, epoch),
+                ts,
+                kind,
+                gpu,
+                lease_id,
+                epoch,
+                mem,
+                cshare,
+                expires,
+                why,
+                event.event_id,
+            ),
+        )
 
     if lease_id is not None:
         paused_for = ts - paused_since if paused_since >= 0.0 else 0.0
@@ -280,8 +315,10 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
             share = compute_share_for(max(load, base_load), per_share, cfg)
             if share > 0.0:
                 action = "throttle"
-                reason = (f"resume: headroom {h_min:.2f} >= {g:.2f} for {streak} events after "
-                          f"{paused_for:.1f} s paused; share {share:g}")
+                reason = (
+                    f"resume: headroom {h_min:.2f} >= {g:.2f} for {streak} events after "
+                    f"{paused_for:.1f} s paused; share {share:g}"
+                )
                 paused_since, expires_at = _NEVER, ts + cfg.ttl_s
                 commands = command("throttle", lease_mem, share, expires_at, reason)
             else:
@@ -297,9 +334,11 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
             commands = command("renew", lease_mem, share, expires_at, reason)
         else:
             action = "hold"
-            reason = (f"lease {lease_id} live until {expires_at:.3f}; "
-                      + (f"paused {paused_for:.1f} s, headroom streak {streak}" if share == 0.0
-                         else f"min headroom {h_min:.2f} >= {rv:.2f}"))
+            reason = f"lease {lease_id} live until {expires_at:.3f}; " + (
+                f"paused {paused_for:.1f} s, headroom streak {streak}"
+                if share == 0.0
+                else f"min headroom {h_min:.2f} >= {rv:.2f}"
+            )
     else:
         avail = free - margin
         why = slow + short
@@ -314,8 +353,10 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         elif ts < cooldown_until:
             action, reason = "none", f"cooldown until {cooldown_until:.3f}"
         elif avail < cfg.min_lease_bytes:
-            action, reason = "none", (f"free memory after margin {_gib(avail)} < minimum lease "
-                                      f"{_gib(cfg.min_lease_bytes)}")
+            action, reason = (
+                "none",
+                (f"free memory after margin {_gib(avail)} < minimum lease {_gib(cfg.min_lease_bytes)}"),
+            )
         elif (grant_share := compute_share_for(max(load, base_load), per_share, cfg)) <= 0.0:
             action, reason = "none", f"serving load {max(load, base_load):.2f} leaves no compute share"
         else:
@@ -325,17 +366,36 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
             lease_mem, share = _lease_mem(avail, h_min, cfg), grant_share
             expires_at = ts + cfg.ttl_s
             granted_at = ts
-            reason = (f"headroom {h_min:.2f} >= {g:.2f} for {streak} events, free memory after margin "
-                      f"{_gib(avail)} >= {_gib(cfg.min_lease_bytes)}; share {share:g}")
+            reason = (
+                f"headroom {h_min:.2f} >= {g:.2f} for {streak} events, free memory after margin "
+                f"{_gib(avail)} >= {_gib(cfg.min_lease_bytes)}; share {share:g}"
+            )
             commands = command("grant", lease_mem, share, expires_at, reason)
     if expired_note and not commands:  # commands stay the same whether the executor's `expired` came first
         reason = expired_note + reason
 
-    v = GpuView(gpu=gpu, last_ts=ts, last_event_id=event.event_id, streak=streak, epoch=epoch, lease_id=lease_id,
-                lease_expires_at=expires_at, lease_mem_bytes=lease_mem, lease_compute_share=share,
-                lease_granted_at=granted_at, cooldown_until=cooldown_until, revokes_in_row=revokes_in_row,
-                prev_ttft_p99=lat.ttft_p99, prev_tpot_p99=lat.tpot_p99, prev_serving_mem=serving,
-                ignored_stale=view.ignored_stale, prev2_ts=view.last_ts, prev2_ttft_p99=view.prev_ttft_p99,
-                prev2_tpot_p99=view.prev_tpot_p99, paused_since=paused_since, base_load=base_load,
-                slowdown_per_share=per_share)
+    v = GpuView(
+        gpu=gpu,
+        last_ts=ts,
+        last_event_id=event.event_id,
+        streak=streak,
+        epoch=epoch,
+        lease_id=lease_id,
+        lease_expires_at=expires_at,
+        lease_mem_bytes=lease_mem,
+        lease_compute_share=share,
+        lease_granted_at=granted_at,
+        cooldown_until=cooldown_until,
+        revokes_in_row=revokes_in_row,
+        prev_ttft_p99=lat.ttft_p99,
+        prev_tpot_p99=lat.tpot_p99,
+        prev_serving_mem=serving,
+        ignored_stale=view.ignored_stale,
+        prev2_ts=view.last_ts,
+        prev2_ttft_p99=view.prev_ttft_p99,
+        prev2_tpot_p99=view.prev_tpot_p99,
+        paused_since=paused_since,
+        base_load=base_load,
+        slowdown_per_share=per_share,
+    )
     return Decision(v, commands, Explanation(headroom, predicted, free, action, reason))

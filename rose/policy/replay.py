@@ -12,13 +12,13 @@ on; if an executor's `expired`/`rejected` raced a decision, `--diff` points at i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import orjson
 
-from rose.contract.codec import load_object
 from rose.config import PolicyConfig
+from rose.contract.codec import load_object
 from rose.contract.events import (
     COMMAND_SCHEMA,
     LEASE_STATE_SCHEMA,
@@ -85,8 +85,9 @@ def parse_line(line: bytes, cfg: PolicyConfig) -> tuple[Telemetry | Command | Le
             try:
                 check_admission(ev, ts_ms, key if isinstance(key, str) else None, cfg)
             except InvalidEvent as e:
-                raise InvalidEvent(e.field, f"telemetry not admitted (the scheduler sends it to the dlq): "
-                                            f"{e.field}: {e.reason}") from None
+                raise InvalidEvent(
+                    e.field, f"telemetry not admitted (the scheduler sends it to the dlq): {e.field}: {e.reason}"
+                ) from None
         return ev, ts_ms
     schema = d.get("schema", TELEMETRY_SCHEMA)
     typ = _PLAIN.get(schema) if isinstance(schema, str) else None
@@ -126,11 +127,14 @@ def read_log(lines: Iterable[bytes], cfg: PolicyConfig, on_error: OnError) -> Lo
     return log
 
 
-def replay(telemetry: Iterable[tuple[int, Telemetry]], cfg: PolicyConfig,
-           on_decision: Callable[[int, Telemetry, GpuView | None, Decision], None] | None = None,
-           lease_states: Iterable[tuple[int, LeaseState]] = (), record_ms: dict[int, int] | None = None,
-           on_lease_state: Callable[[int, LeaseState, GpuView | None, GpuView], None] | None = None,
-           ) -> tuple[list[Command], dict[str, GpuView]]:
+def replay(
+    telemetry: Iterable[tuple[int, Telemetry]],
+    cfg: PolicyConfig,
+    on_decision: Callable[[int, Telemetry, GpuView | None, Decision], None] | None = None,
+    lease_states: Iterable[tuple[int, LeaseState]] = (),
+    record_ms: dict[int, int] | None = None,
+    on_lease_state: Callable[[int, LeaseState, GpuView | None, GpuView], None] | None = None,
+) -> tuple[list[Command], dict[str, GpuView]]:
     """Run the telemetry through the scheduling core in order; the commands in decision order,
     and the final views. `on_decision(lineno, event, view_before, decision)` sees every step,
     `on_lease_state(lineno, state, view_before, view_after)` every lease state folded, each
@@ -197,8 +201,11 @@ class Divergence:
         rec = orjson.dumps(self.recorded.to_dict()).decode() if self.recorded else "(none)"
         rep = orjson.dumps(self.replayed.to_dict()).decode() if self.replayed else "(none)"
         where = f" (log line {self.recorded_line})" if self.recorded_line else ""
-        lines = [f"first divergence on gpu {self.gpu}, its command #{self.index + 1}{where}:",
-                 f"  recorded: {rec}", f"  replayed: {rep}"]
+        lines = [
+            f"first divergence on gpu {self.gpu}, its command #{self.index + 1}{where}:",
+            f"  recorded: {rec}",
+            f"  replayed: {rep}",
+        ]
         if self.recorded and self.replayed:
             a, b = self.recorded.to_dict(), self.replayed.to_dict()
             lines.append("  differs in: " + ", ".join(k for k in a if a[k] != b[k]))
@@ -208,9 +215,11 @@ class Divergence:
             lines.append("  replay decided no such command")
         ended = [(n, s) for n, s in lease_states if s.gpu == self.gpu and s.state in ("expired", "rejected")]
         for n, s in ended[:3]:
-            lines.append(f"  note: line {n}: the executor reported lease {s.lease_id} {s.state} at {s.ts:.3f}; "
-                         "if the live scheduler saw that at another point than its record time, it decided "
-                         "on another view")
+            lines.append(
+                f"  note: line {n}: the executor reported lease {s.lease_id} {s.state} at {s.ts:.3f}; "
+                "if the live scheduler saw that at another point than its record time, it decided "
+                "on another view"
+            )
         return "\n".join(lines)
 
 
@@ -237,9 +246,14 @@ def first_divergence(recorded: Iterable[tuple[int, Command]], replayed: Iterable
 
 def explain_lease_state(lineno: int, ls: LeaseState, before: GpuView | None, after: GpuView) -> str:
     """One folded lease state, for --explain."""
-    change = "view unchanged" if before == after else (
-        f"view lease {before.lease_id if before else None} -> {after.lease_id}, epoch floor {after.epoch}, "
-        f"cooldown until {after.cooldown_until:.3f}")
+    change = (
+        "view unchanged"
+        if before == after
+        else (
+            f"view lease {before.lease_id if before else None} -> {after.lease_id}, epoch floor {after.epoch}, "
+            f"cooldown until {after.cooldown_until:.3f}"
+        )
+    )
     return f"line {lineno} lease state {ls.lease_id} epoch {ls.epoch} {ls.state} at {ls.ts:.3f}: {change}"
 
 
@@ -251,11 +265,15 @@ def explain_step(lineno: int, ev: Telemetry, before: GpuView | None, d: Decision
         hr = " ".join(f"{k}={v:.3f}" for k, v in x.headroom.items())
         ph = " ".join(f"{k}={v:.3f}" for k, v in x.predicted_headroom.items())
         serving = ev.mem_used_bytes - ev.rollout_mem_bytes
-        lines.append(f"  headroom {hr} | predicted {ph} | serving {serving / _GiB:.2f} GiB, "
-                     f"free {x.free_mem_bytes / _GiB:.2f} GiB of {ev.mem_total_bytes / _GiB:.2f} GiB, "
-                     f"util {ev.gpu_util:.2f}")
+        lines.append(
+            f"  headroom {hr} | predicted {ph} | serving {serving / _GiB:.2f} GiB, "
+            f"free {x.free_mem_bytes / _GiB:.2f} GiB of {ev.mem_total_bytes / _GiB:.2f} GiB, "
+            f"util {ev.gpu_util:.2f}"
+        )
     lines.append("  view before: " + (orjson.dumps(before.to_dict()).decode() if before else "(none: first event)"))
     for c in d.commands:
-        lines.append(f"  -> {c.kind} {c.lease_id} epoch {c.epoch} mem {c.mem_bytes / _GiB:.2f} GiB "
-                     f"share {c.compute_share:.3f} until {c.expires_at:.3f} id {c.command_id}")
+        lines.append(
+            f"  -> {c.kind} {c.lease_id} epoch {c.epoch} mem {c.mem_bytes / _GiB:.2f} GiB "
+            f"share {c.compute_share:.3f} until {c.expires_at:.3f} id {c.command_id}"
+        )
     return "\n".join(lines)

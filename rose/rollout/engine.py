@@ -24,9 +24,10 @@ comes from it, and every forward is sized so that its activations fit what is le
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -43,8 +44,9 @@ class GenRequest:
 class RolloutEngine(Protocol):
     version: int
 
-    def generate(self, requests: Sequence[GenRequest], max_new_tokens: int,
-                 pause_check: Callable[[], bool] = lambda: False) -> list[list[int]]: ...
+    def generate(
+        self, requests: Sequence[GenRequest], max_new_tokens: int, pause_check: Callable[[], bool] = lambda: False
+    ) -> list[list[int]]: ...
 
     def release(self, seq_id: str) -> None: ...
 
@@ -129,9 +131,15 @@ class _Seq:
 class TorchEngine:
     """Continuous-batching engine over `PolicyModel`; one instance per worker process."""
 
-    def __init__(self, spec: ModelSpec, budget: MemoryBudget, max_batch: int = 32,
-                 device: str = "cpu", stream: "torch.cuda.Stream | None" = None,
-                 temperature: float = 1.0):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        budget: MemoryBudget,
+        max_batch: int = 32,
+        device: str = "cpu",
+        stream: torch.cuda.Stream | None = None,
+        temperature: float = 1.0,
+    ):
         self.spec = spec
         self.budget = budget
         self.device = torch.device(device)
@@ -180,8 +188,9 @@ class TorchEngine:
         return s
 
     # generation ------------------------------------------------------------------------
-    def generate(self, requests: Sequence[GenRequest], max_new_tokens: int,
-                 pause_check: Callable[[], bool] = lambda: False) -> list[list[int]]:
+    def generate(
+        self, requests: Sequence[GenRequest], max_new_tokens: int, pause_check: Callable[[], bool] = lambda: False
+    ) -> list[list[int]]:
         seqs = [self._seq(r) for r in requests]
         out: list[list[int]] = [[] for _ in seqs]
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
@@ -213,7 +222,7 @@ class TorchEngine:
             ctx = max(s.length for s in decode) + 1
             bmax = self.budget.max_batch_for(self.n_slots, 1, ctx)
             for j in range(0, len(decode), bmax):  # shrink the batch to fit the budget
-                part = decode[j:j + bmax]
+                part = decode[j : j + bmax]
                 toks = torch.tensor([[s.pending[0]] for s in part], device=self.device)
                 slots = torch.tensor([s.slot for s in part], device=self.device)
                 starts = torch.tensor([s.length for s in part], device=self.device)

@@ -34,8 +34,11 @@ class ToolLatency:
     max_s: float = 10.0
 
     def draw(self, rng: random.Random) -> float:
-        return min(self.max_s, rng.lognormvariate(self.mu, self.sigma)) if self.sigma > 0 else min(
-            self.max_s, 2.718281828459045 ** self.mu)
+        return (
+            min(self.max_s, rng.lognormvariate(self.mu, self.sigma))
+            if self.sigma > 0
+            else min(self.max_s, 2.718281828459045**self.mu)
+        )
 
 
 @dataclass
@@ -50,13 +53,19 @@ class Turn:
     tool_s: float = 0.0
 
     @classmethod
-    def from_dict(cls, d: dict, path: str) -> "Turn":
+    def from_dict(cls, d: dict, path: str) -> Turn:
         try:
             obs = d.get("observation")
-            return cls(action=_tokens(d, "action", path), observation=None if obs is None else _tokens(d, "observation", path),
-                       version=int(d["version"]), version_end=int(d.get("version_end", d["version"])),
-                       worker=str(d.get("worker", "")), gpu=str(d.get("gpu", "")),
-                       dedicated=bool(d.get("dedicated", False)), tool_s=float(d.get("tool_s", 0.0)))
+            return cls(
+                action=_tokens(d, "action", path),
+                observation=None if obs is None else _tokens(d, "observation", path),
+                version=int(d["version"]),
+                version_end=int(d.get("version_end", d["version"])),
+                worker=str(d.get("worker", "")),
+                gpu=str(d.get("gpu", "")),
+                dedicated=bool(d.get("dedicated", False)),
+                tool_s=float(d.get("tool_s", 0.0)),
+            )
         except KeyError as e:
             raise InvalidTask(f"{path}{e.args[0]}", "missing required field") from None
         except (TypeError, ValueError):
@@ -104,7 +113,7 @@ class Task:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Task":
+    def from_dict(cls, d: dict) -> Task:
         if not isinstance(d, dict):
             raise InvalidTask("task", "expected a JSON object")
         tid = d.get("task_id")
@@ -122,13 +131,21 @@ class Task:
         raw_turns = d.get("turns", [])
         if not isinstance(raw_turns, list):
             raise InvalidTask("turns", "expected a list")
-        t = cls(task_id=tid, prompt=_tokens(d, "prompt"), max_turns=_int(d, "max_turns", 1, 1024, 4),
-                tokens_per_turn=_int(d, "tokens_per_turn", 1, MAX_TOKENS, 32),
-                obs_tokens=_int(d, "obs_tokens", 0, MAX_TOKENS, 16), tool=tl,
-                seed=_int(d, "seed", 0, (1 << 63) - 1, 0), step=_int(d, "step", 0, (1 << 63) - 1, 0),
-                turns=[Turn.from_dict(x, f"turns[{i}].") if isinstance(x, dict) else _bad_turn(i)
-                       for i, x in enumerate(raw_turns)],
-                moves=_int(d, "moves", 0, 1 << 31, 0))
+        t = cls(
+            task_id=tid,
+            prompt=_tokens(d, "prompt"),
+            max_turns=_int(d, "max_turns", 1, 1024, 4),
+            tokens_per_turn=_int(d, "tokens_per_turn", 1, MAX_TOKENS, 32),
+            obs_tokens=_int(d, "obs_tokens", 0, MAX_TOKENS, 16),
+            tool=tl,
+            seed=_int(d, "seed", 0, (1 << 63) - 1, 0),
+            step=_int(d, "step", 0, (1 << 63) - 1, 0),
+            turns=[
+                Turn.from_dict(x, f"turns[{i}].") if isinstance(x, dict) else _bad_turn(i)
+                for i, x in enumerate(raw_turns)
+            ],
+            moves=_int(d, "moves", 0, 1 << 31, 0),
+        )
         if not t.prompt:
             raise InvalidTask("prompt", "must not be empty")
         if len(t.turns) > t.max_turns:
@@ -195,7 +212,7 @@ class Episode:
     def to_feed(self) -> list[int]:
         """Tokens to hand the engine before the next sample (all of them on a new worker)."""
         ctx = self.context()
-        new = ctx[self.fed:]
+        new = ctx[self.fed :]
         self.fed = len(ctx)
         return new
 
@@ -212,9 +229,17 @@ class Episode:
         self.action.append(tok)
         self.fed += 1
         if len(self.action) >= self.task.tokens_per_turn:
-            self.turns.append(Turn(action=self.action, observation=None, version=self.version_first,
-                                   version_end=version, worker=self.worker, gpu=self.gpu,
-                                   dedicated=self.dedicated))
+            self.turns.append(
+                Turn(
+                    action=self.action,
+                    observation=None,
+                    version=self.version_first,
+                    version_end=version,
+                    worker=self.worker,
+                    gpu=self.gpu,
+                    dedicated=self.dedicated,
+                )
+            )
             self.action = []
             self.new_turn = True
             if len(self.turns) >= self.task.max_turns:
@@ -241,8 +266,9 @@ class Episode:
     def continuation(self) -> Task:
         """The task to push back: the turns so far; a partial action is dropped (it is
         regenerated from the same seed), a tool call in flight is re-run by the next worker."""
-        t = Task(**{**self.task.__dict__, "turns": [Turn(**asdict(x)) for x in self.turns],
-                    "moves": self.task.moves + 1})
+        t = Task(
+            **{**self.task.__dict__, "turns": [Turn(**asdict(x)) for x in self.turns], "moves": self.task.moves + 1}
+        )
         return t
 
     def trajectory(self, now: float | None = None) -> dict:

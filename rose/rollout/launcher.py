@@ -27,8 +27,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from rose.config import Config, RedisConfig
 
@@ -65,18 +65,22 @@ class WorkerConfig:
     temperature: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg: Config, **fields) -> "WorkerConfig":
+    def from_config(cls, cfg: Config, **fields) -> WorkerConfig:
         """A worker of this deployment: `cfg`'s Redis connection, weights key, job and model,
         then `fields`."""
-        base = {"redis": cfg.redis, "weights_hmac_key": cfg.security.weights_hmac_key,
-                "job": cfg.executor.job, "model": cfg.executor.model}
+        base = {
+            "redis": cfg.redis,
+            "weights_hmac_key": cfg.security.weights_hmac_key,
+            "job": cfg.executor.job,
+            "model": cfg.executor.model,
+        }
         return cls(**{**base, **fields})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "WorkerConfig":
+    def from_json(cls, text: str | bytes) -> WorkerConfig:
         """Parse and check; ValueError names the field."""
         try:
             d = json.loads(text)
@@ -163,7 +167,7 @@ def _config_file(data: bytes) -> int:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)
         ok = True
     finally:
@@ -177,8 +181,9 @@ def launch(config: WorkerConfig, **popen) -> subprocess.Popen:
     (stdin, stdout, stderr, env, start_new_session, ...)."""
     fd = _config_file(config.to_json().encode())
     try:
-        return spawn([sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)], cpus=config.cpus,
-                     pass_fds=(fd,), **popen)
+        return spawn(
+            [sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)], cpus=config.cpus, pass_fds=(fd,), **popen
+        )
     finally:
         os.close(fd)
 

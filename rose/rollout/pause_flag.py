@@ -118,7 +118,7 @@ class PauseFlag:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "PauseFlag":
+    def __enter__(self) -> PauseFlag:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -23,8 +23,8 @@ Dedicated workers never move work away. Measured by `affinity_hit_rate` and
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,14 @@ class Decision:
 STAY = Decision(False, None, "affinity")
 
 
-def place(remaining_tokens: int, moves: int, here: WorkerView, others: Iterable[WorkerView],
-          step_done_frac: float, cfg: PlacementConfig) -> Decision:
+def place(
+    remaining_tokens: int,
+    moves: int,
+    here: WorkerView,
+    others: Iterable[WorkerView],
+    step_done_frac: float,
+    cfg: PlacementConfig,
+) -> Decision:
     """Where the next turn of an episode runs: stay here, or move to one named worker."""
     if here.dedicated or moves >= cfg.max_moves:
         return STAY

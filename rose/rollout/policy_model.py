@@ -74,8 +74,9 @@ class Block(nn.Module):
             mf = torch.zeros(n_slots, 1, ctx, dtype=torch.bool, device=x.device)
             mf[:, :, 0] = True
             mf[slots] = mask
-            a = F.scaled_dot_product_attention(qf, cache[:, 0, :, :ctx], cache[:, 1, :, :ctx],
-                                               attn_mask=mf[:, None])[slots]
+            a = F.scaled_dot_product_attention(qf, cache[:, 0, :, :ctx], cache[:, 1, :, :ctx], attn_mask=mf[:, None])[
+                slots
+            ]
         else:
             kk = cache[slots, 0, :, :ctx]  # [b, h, ctx, hd]: a gathered copy
             vv = cache[slots, 1, :, :ctx]
@@ -96,12 +97,20 @@ class PolicyModel(nn.Module):
     def new_cache(self, slots: int) -> list[torch.Tensor]:
         s = self.spec
         p = next(self.parameters())
-        return [torch.zeros(slots, 2, s.n_heads, s.max_seq, s.head_dim, dtype=p.dtype, device=p.device)
-                for _ in range(s.n_layers)]
+        return [
+            torch.zeros(slots, 2, s.n_heads, s.max_seq, s.head_dim, dtype=p.dtype, device=p.device)
+            for _ in range(s.n_layers)
+        ]
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: list[torch.Tensor], slots: torch.Tensor,
-                starts: torch.Tensor, pause_check=None) -> torch.Tensor | None:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: list[torch.Tensor],
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        pause_check=None,
+    ) -> torch.Tensor | None:
         """tokens [b, t] placed at positions starts[b].. of cache slots[b]; logits [b, t, vocab].
         `pause_check()` runs between layers: True abandons the forward and returns None (the
         keys/values it wrote sit beyond the sequence's length and are overwritten when the

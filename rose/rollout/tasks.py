@@ -168,8 +168,9 @@ class TaskQueue:
         return [orjson.loads(f[b"trajectory"]) for _i, f in self.r.xrange(self.results_stream)]
 
     # worker side -----------------------------------------------------------------------
-    def read(self, consumer: str, count: int, block_ms: int | None = None,
-             directed: str | None = None) -> list[Claimed]:
+    def read(
+        self, consumer: str, count: int, block_ms: int | None = None, directed: str | None = None
+    ) -> list[Claimed]:
         """At most `count` new tasks for `consumer`: its directed stream first, then the shared one.
         (XREADGROUP's COUNT is per stream, so the two are read one after the other.)"""
         self.ensure_group()
@@ -177,8 +178,15 @@ class TaskQueue:
         if directed:
             out = self._decode(self.r.xreadgroup(self.group, consumer, {directed: ">"}, count=count))
         if len(out) < count:
-            out += self._decode(self.r.xreadgroup(self.group, consumer, {self.stream: ">"}, count=count - len(out),
-                                                  block=block_ms if not out else None))
+            out += self._decode(
+                self.r.xreadgroup(
+                    self.group,
+                    consumer,
+                    {self.stream: ">"},
+                    count=count - len(out),
+                    block=block_ms if not out else None,
+                )
+            )
         return out
 
     def reclaim(self, consumer: str, min_idle_ms: int, count: int = 16) -> list[Claimed]:
@@ -223,16 +231,28 @@ class TaskQueue:
     def complete(self, c: Claimed, trajectory: dict) -> bool:
         """Append the trajectory (once per task_id) and ack the task, atomically.
         Returns False when the task_id already had a result (the append was skipped)."""
-        return bool(self._complete(keys=[c.stream, self.results_stream, self.done_key, self.stats_key],
-                                   args=[self.group, c.entry_id, c.task.task_id, orjson.dumps(trajectory), c.task.step]))
+        return bool(
+            self._complete(
+                keys=[c.stream, self.results_stream, self.done_key, self.stats_key],
+                args=[self.group, c.entry_id, c.task.task_id, orjson.dumps(trajectory), c.task.step],
+            )
+        )
 
     def requeue(self, c: Claimed, consumer: str, continuation: Task, to: str | None = None) -> str | None:
         """Push the continuation (to worker `to`'s directed stream, else the shared one) and
         ack the original, atomically; None (nothing done) when `consumer` no longer owns it."""
         dst = self.directed(to) if to else self.stream
-        res = self._requeue(keys=[c.stream, dst, self.workers_key],
-                            args=[self.group, c.entry_id, consumer, continuation.task_id,
-                                  orjson.dumps(continuation.to_dict()), to or ""])
+        res = self._requeue(
+            keys=[c.stream, dst, self.workers_key],
+            args=[
+                self.group,
+                c.entry_id,
+                consumer,
+                continuation.task_id,
+                orjson.dumps(continuation.to_dict()),
+                to or "",
+            ],
+        )
         return _s(res) if res else None
 
     def dead_letter(self, stream: str, entry_id: str, raw: bytes, reason: str) -> None:

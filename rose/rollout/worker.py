@@ -75,15 +75,17 @@ class Worker:
 
         self.config, self.r, self.q, self.engine, self.weights, self.flag = config, r, queue, engine, weights, flag
         self.hb_key = config.redis.key("workers", config.worker_id)
-        self.pcfg = PlacementConfig(long_tail_tokens=config.long_tail_tokens, straggler_frac=config.straggler_frac,
-                                    affinity_grace_ms=config.affinity_grace_ms)
+        self.pcfg = PlacementConfig(
+            long_tail_tokens=config.long_tail_tokens,
+            straggler_frac=config.straggler_frac,
+            affinity_grace_ms=config.affinity_grace_ms,
+        )
         self.directed = queue.register_worker(config.worker_id)
         self.active: dict[str, tuple] = {}  # seq id -> (Claimed, Episode)
         self.stop_requested = False
         self.paused = False
         self._marked = False  # this PAUSE/STOP's sighting is recorded in the flag
-        self.stats = {"episodes": 0, "turns": 0, "tokens": 0, "moved": 0, "requeued": 0, "lost": 0,
-                      "duplicates": 0}
+        self.stats = {"episodes": 0, "turns": 0, "tokens": 0, "moved": 0, "requeued": 0, "lost": 0, "duplicates": 0}
         self._next = {"hb": 0.0, "view": 0.0, "weights": 0.0, "reclaim": 0.0, "touch": 0.0, "read": 0.0}
         self._views: list = []
         self._progress: dict[int, tuple[float, float]] = {}
@@ -116,13 +118,27 @@ class Worker:
     def publish(self, state: str) -> None:
         s = self.config
         p = self.r.pipeline(transaction=False)
-        p.hset(self.hb_key, mapping={
-            "worker_id": s.worker_id, "gpu": s.gpu, "job": s.job, "dedicated": int(s.dedicated),
-            "state": state, "pid": os.getpid(), "ts": time.time(), "version": self.engine.version,
-            "active": len(self.active), "free_slots": self.engine.free_slots(), "slots": self.engine.n_slots,
-            "episodes_done": self.stats["episodes"], "turns": self.stats["turns"], "tokens": self.stats["tokens"],
-            "moved": self.stats["moved"], "requeued": self.stats["requeued"],
-        })
+        p.hset(
+            self.hb_key,
+            mapping={
+                "worker_id": s.worker_id,
+                "gpu": s.gpu,
+                "job": s.job,
+                "dedicated": int(s.dedicated),
+                "state": state,
+                "pid": os.getpid(),
+                "ts": time.time(),
+                "version": self.engine.version,
+                "active": len(self.active),
+                "free_slots": self.engine.free_slots(),
+                "slots": self.engine.n_slots,
+                "episodes_done": self.stats["episodes"],
+                "turns": self.stats["turns"],
+                "tokens": self.stats["tokens"],
+                "moved": self.stats["moved"],
+                "requeued": self.stats["requeued"],
+            },
+        )
         p.expire(self.hb_key, 60)
         p.execute()
 
@@ -161,8 +177,14 @@ class Worker:
 
         if self.config.dedicated:
             return STAY
-        return place(ep.remaining_tokens, ep.task.moves, self._here(), self._views_now(now),
-                     self._step_done_frac(ep.task.step, now), self.pcfg)
+        return place(
+            ep.remaining_tokens,
+            ep.task.moves,
+            self._here(),
+            self._views_now(now),
+            self._step_done_frac(ep.task.step, now),
+            self.pcfg,
+        )
 
     # the loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -178,8 +200,11 @@ class Worker:
                 if self.stop_requested or self._state() == STOP:
                     return 0  # cannot hand episodes back without Redis; XAUTOCLAIM recovers them
                 backoff = min(2.0, backoff * 2 or 0.1)
-                print(f"rose-worker: redis unavailable ({type(e).__name__}); retrying in {backoff:.1f}s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"rose-worker: redis unavailable ({type(e).__name__}); retrying in {backoff:.1f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 time.sleep(backoff)
 
     def _run(self) -> int:
@@ -270,8 +295,12 @@ class Worker:
 
         s = self.config
         if c.task.total_tokens > self.engine.spec.max_seq:
-            self.q.dead_letter(c.stream, c.entry_id, json.dumps(c.task.to_dict()).encode(),
-                               f"task: {c.task.total_tokens} tokens > max_seq {self.engine.spec.max_seq}")
+            self.q.dead_letter(
+                c.stream,
+                c.entry_id,
+                json.dumps(c.task.to_dict()).encode(),
+                f"task: {c.task.total_tokens} tokens > max_seq {self.engine.spec.max_seq}",
+            )
             return
         ep = Episode(c.task, s.worker_id, s.gpu, s.dedicated, now)
         if ep.state == DONE:
@@ -371,8 +400,9 @@ def weight_source(config: WorkerConfig, mspec, r):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rose.rollout.worker")
-    ap.add_argument("--config-fd", type=int, default=0,
-                    help="Descriptor to read the WorkerConfig JSON from (default: stdin)")
+    ap.add_argument(
+        "--config-fd", type=int, default=0, help="Descriptor to read the WorkerConfig JSON from (default: stdin)"
+    )
     a = ap.parse_args(argv)
     try:
         config = read_config(a.config_fd)
@@ -392,8 +422,14 @@ def main(argv: list[str] | None = None) -> int:
     except TypeError as e:
         return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
     try:
-        engine = TorchEngine(mspec, MemoryBudget(config.mem_bytes, mspec), max_batch=config.max_batch,
-                             device=config.device, stream=stream, temperature=config.temperature)
+        engine = TorchEngine(
+            mspec,
+            MemoryBudget(config.mem_bytes, mspec),
+            max_batch=config.max_batch,
+            device=config.device,
+            stream=stream,
+            temperature=config.temperature,
+        )
     except BudgetError as e:
         return _fail(str(e), EXIT_BUDGET)
     r = redis.Redis.from_url(config.redis.url)

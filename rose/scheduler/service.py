@@ -41,29 +41,39 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from rose.obs import metrics
-from rose.contract.codec import decode, encode
 from rose.config import Config
-from rose.shutdown import Shutdown
+from rose.contract.codec import decode, encode
 from rose.contract.events import InvalidEvent, LeaseState, Telemetry
+from rose.contract.signing import sign_headers
 from rose.kafka.admin import partitions_of, retrying
-from rose.kafka.consumer import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition, \
-    consume_batch, make_consumer, read_partitions
+from rose.kafka.consumer import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+    consume_batch,
+    make_consumer,
+    read_partitions,
+)
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
 from rose.kafka.transactional import FatalTransactionError, Transactor, bounded
+from rose.obs import metrics
+from rose.obs.logs import get_logger
+from rose.obs.tracing import ensure_provider, inject_headers, process_span, send_span, tracer
 from rose.policy.core import SchedulingCore
 from rose.policy.lease_policy import POLICY_VERSION, GpuView
-from rose.obs.logs import get_logger
-from rose.contract.signing import sign_headers
-from rose.obs.tracing import ensure_provider, inject_headers, process_span, send_span, tracer
+from rose.shutdown import Shutdown
 
 EVENTS_IN = metrics.counter("rose_scheduler_events_total", "Telemetry messages consumed")
 COMMANDS_OUT = metrics.counter("rose_scheduler_commands_total", "Commands committed, by kind")
 DLQ = metrics.counter("rose_scheduler_dlq_total", "Messages sent to the dead-letter topic")
 IGNORED = metrics.counter("rose_scheduler_ignored_total", "Duplicate or out-of-order telemetry ignored")
 ABORTS = metrics.counter("rose_scheduler_aborted_transactions_total", "Transactions aborted and retried")
-LATENCY = metrics.histogram("rose_scheduler_decision_latency_seconds",
-                            "Telemetry produced (record timestamp) to command committed")
+LATENCY = metrics.histogram(
+    "rose_scheduler_decision_latency_seconds", "Telemetry produced (record timestamp) to command committed"
+)
 LEASES = metrics.gauge("rose_scheduler_leases", "GPUs holding a lease in the view")
 VIEWS = metrics.gauge("rose_scheduler_gpus", "GPUs in the view (assigned partitions)")
 RESTARTS = metrics.counter("rose_scheduler_client_restarts_total", "Kafka clients replaced after fencing or a wedge")
@@ -88,9 +98,16 @@ class SchedulerStats:
 class Scheduler:
     """One scheduler instance. `run()` until stop(); `step()` processes one batch."""
 
-    def __init__(self, cfg: Config, instance: str = "0", group: str = "rose-scheduler",
-                 batch_max: int = 5000, record_latencies: bool = False, init_timeout_s: float = 30,
-                 batch_linger_s: float = 0.0):
+    def __init__(
+        self,
+        cfg: Config,
+        instance: str = "0",
+        group: str = "rose-scheduler",
+        batch_max: int = 5000,
+        record_latencies: bool = False,
+        init_timeout_s: float = 30,
+        batch_linger_s: float = 0.0,
+    ):
         self.cfg = cfg
         self.k = cfg.kafka
         self.instance = instance
@@ -111,17 +128,29 @@ class Scheduler:
         self._running = True
         self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
         self.producer: Producer = make_producer(
-            self.k, **{"transactional.id": f"{self.k.topic_prefix}scheduler-{instance}",
-                       "transaction.timeout.ms": 10000, "linger.ms": 1})
+            self.k,
+            **{
+                "transactional.id": f"{self.k.topic_prefix}scheduler-{instance}",
+                "transaction.timeout.ms": 10000,
+                "linger.ms": 1,
+            },
+        )
         self.consumer: Consumer = make_consumer(
-            self.k, f"{self.k.topic_prefix}{group}",
-            **{"partition.assignment.strategy": "cooperative-sticky", "fetch.wait.max.ms": 5,
-               "session.timeout.ms": 10000, "heartbeat.interval.ms": 1000,
-               # static membership: a restarted instance gets its partitions back at once,
-               # without waiting out the session timeout of its killed predecessor
-               "group.instance.id": f"{self.k.topic_prefix}scheduler-{instance}"})
+            self.k,
+            f"{self.k.topic_prefix}{group}",
+            **{
+                "partition.assignment.strategy": "cooperative-sticky",
+                "fetch.wait.max.ms": 5,
+                "session.timeout.ms": 10000,
+                "heartbeat.interval.ms": 1000,
+                # static membership: a restarted instance gets its partitions back at once,
+                # without waiting out the session timeout of its killed predecessor
+                "group.instance.id": f"{self.k.topic_prefix}scheduler-{instance}",
+            },
+        )
         self.lease_consumer: Consumer = make_consumer(
-            self.k, f"{self.k.topic_prefix}{group}-lease-state-{instance}", **{"fetch.wait.max.ms": 50})
+            self.k, f"{self.k.topic_prefix}{group}-lease-state-{instance}", **{"fetch.wait.max.ms": 50}
+        )
         self.group = f"{self.k.topic_prefix}{group}"
         self._command_partitions: int | None = None  # known after start(); names the partition on spans
         self.tx = Transactor(self.producer, self.consumer, self.log, fatal=FatalSchedulerError)
@@ -180,15 +209,22 @@ class Scheduler:
                 continue
             folded = core.observe(ls)
             if folded is not None and folded[1] != folded[0]:
-                self.log.info("lease.observed", gpu=ls.gpu, lease_id=ls.lease_id, state=ls.state,
-                              epoch=ls.epoch, view_lease=folded[1].lease_id)
+                self.log.info(
+                    "lease.observed",
+                    gpu=ls.gpu,
+                    lease_id=ls.lease_id,
+                    state=ls.state,
+                    epoch=ls.epoch,
+                    view_lease=folded[1].lease_id,
+                )
 
     def start(self) -> None:
         parts = retrying(lambda: partitions_of(self.k, self.k.lease_state_topic))
         self._command_partitions = len(retrying(lambda: partitions_of(self.k, self.k.commands_topic)))
         self.lease_consumer.assign([TopicPartition(self.k.lease_state_topic, p, OFFSET_BEGINNING) for p in parts])
-        self.consumer.subscribe([self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_revoke)
+        self.consumer.subscribe(
+            [self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
+        )
 
     def stop(self, *_args) -> None:
         self._running = False
@@ -296,10 +332,17 @@ class Scheduler:
         """Produce one command in a `lease.decide` span (child of the event's `process` span)
         that holds the decision's why, and a `send` span whose context the command carries."""
         ex = d.explain
-        attrs = {"rose.gpu": cmd.gpu, "rose.kind": cmd.kind, "rose.epoch": cmd.epoch,
-                 "rose.lease_id": cmd.lease_id, "rose.command_id": cmd.command_id,
-                 "rose.reason": cmd.reason, "rose.free_mem_bytes": ex.free_mem_bytes,
-                 "rose.policy_version": POLICY_VERSION, "rose.cause_event_id": cmd.cause_event_id}
+        attrs = {
+            "rose.gpu": cmd.gpu,
+            "rose.kind": cmd.kind,
+            "rose.epoch": cmd.epoch,
+            "rose.lease_id": cmd.lease_id,
+            "rose.command_id": cmd.command_id,
+            "rose.reason": cmd.reason,
+            "rose.free_mem_bytes": ex.free_mem_bytes,
+            "rose.policy_version": POLICY_VERSION,
+            "rose.cause_event_id": cmd.cause_event_id,
+        }
         for metric, h in ex.headroom.items():
             attrs[f"rose.headroom.{metric}"] = h
         topic, n = self.k.commands_topic, self._command_partitions
@@ -310,9 +353,17 @@ class Scheduler:
                 if self._hmac_key:
                     headers += sign_headers(self._hmac_key, value)
                 produce(self.producer, topic, value, cmd.gpu, headers)
-            self.log.info("lease.decision", gpu=cmd.gpu, kind=cmd.kind, epoch=cmd.epoch, lease_id=cmd.lease_id,
-                          command_id=cmd.command_id, reason=cmd.reason, mem_bytes=cmd.mem_bytes,
-                          compute_share=cmd.compute_share)
+            self.log.info(
+                "lease.decision",
+                gpu=cmd.gpu,
+                kind=cmd.kind,
+                epoch=cmd.epoch,
+                lease_id=cmd.lease_id,
+                command_id=cmd.command_id,
+                reason=cmd.reason,
+                mem_bytes=cmd.mem_bytes,
+                compute_share=cmd.compute_share,
+            )
         self.stats.commands += 1
         COMMANDS_OUT.inc(kind=cmd.kind)
 
@@ -340,9 +391,14 @@ class Scheduler:
         self.producer.flush(5)
 
 
-def run_scheduler(cfg: Config, instance: str, metrics_port: int | None = None,
-                  max_seconds: float | None = None, max_failures: int | None = None,
-                  shutdown: Shutdown | None = None) -> SchedulerStats:
+def run_scheduler(
+    cfg: Config,
+    instance: str,
+    metrics_port: int | None = None,
+    max_seconds: float | None = None,
+    max_failures: int | None = None,
+    shutdown: Shutdown | None = None,
+) -> SchedulerStats:
     """Run until SIGTERM. A client that is fenced, wedged, or cannot start (the broker is
     down) is replaced by a fresh one (new producer and consumer; init_transactions fences the
     old producer), which rebuilds its view from the log like any new instance. Replacement

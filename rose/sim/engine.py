@@ -19,8 +19,15 @@ from rose.config import PolicyConfig
 from rose.sim.ledger import Ledger
 from rose.sim.models import EngineConfig, EpisodeModel, RolloutModel, gpu_spec, model_size
 from rose.sim.report import result_of
-from rose.sim.requests import (LONG_TRACE_S, RequestStream, balance, peak_to_mean, request_costs_s, slo_for,
-                               trace_compression)
+from rose.sim.requests import (
+    LONG_TRACE_S,
+    RequestStream,
+    balance,
+    peak_to_mean,
+    request_costs_s,
+    slo_for,
+    trace_compression,
+)
 from rose.sim.runs import POLICIES, RUNS, RoseRun, Run, RunContext, ShareAllRun
 from rose.sim.serving_model import ServingSim
 from rose.sim.traces import Trace
@@ -91,9 +98,23 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     stream = RequestStream(trace, rps_gpu * G, n_win * cfg.period_s, cfg.seed)
     ded_rate = M * rollout.dedicated_rate
     every = cfg.decide_every or auto_decide_every(G, n_win, cfg.period_s, cfg.policy)
-    ctx = RunContext(G, M, ep, cfg.policy, gpu, rollout, slo, cfg.period_s, n_win, every,
-                     model.weight_bytes_per_gpu, ded_rate, M * rollout.dedicated_batch / 2.0,
-                     ep.episodes_per_step / ded_rate, cfg.weight_delta_ratio)
+    ctx = RunContext(
+        G,
+        M,
+        ep,
+        cfg.policy,
+        gpu,
+        rollout,
+        slo,
+        cfg.period_s,
+        n_win,
+        every,
+        model.weight_bytes_per_gpu,
+        ded_rate,
+        M * rollout.dedicated_batch / 2.0,
+        ep.episodes_per_step / ded_rate,
+        cfg.weight_delta_ratio,
+    )
 
     want = [p for p in POLICIES if p in cfg.policies]
     sims: dict[str, ServingSim] = {}
@@ -108,8 +129,9 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     for w in range(n_win):
         t1 = (w + 1) * cfg.period_s
         arr, P, O = stream.window(w, w * cfg.period_s, t1)
-        stats = {k: sim.advance(t1, balance(w, arr.size, sim.N + sim.qn, cfg.seed), arr, P, O)
-                 for k, sim in sims.items()}
+        stats = {
+            k: sim.advance(t1, balance(w, arr.size, sim.N + sim.qn, cfg.seed), arr, P, O) for k, sim in sims.items()
+        }
         for p, run in runs.items():
             st = stats.get(p, stats.get("base"))
             n_ok = _tally_slo(run, st, slo)
@@ -126,9 +148,14 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
             if cfg.record_series and (w % series_every == 0 or w == n_win - 1):
                 _record_series(run, t1, st, slo, n_ok / G)
 
-    load = {"request_cost_s": round(cost, 6), "peak_to_mean": round(peak, 4), "rps_per_gpu": round(rps_gpu, 4),
-            "trace_compress": round(stream.compress, 4), "trace_copies": stream.copies,
-            "trace_keep": round(stream.keep, 5)}
+    load = {
+        "request_cost_s": round(cost, 6),
+        "peak_to_mean": round(peak, 4),
+        "rps_per_gpu": round(rps_gpu, 4),
+        "trace_compress": round(stream.compress, 4),
+        "trace_copies": stream.copies,
+        "trace_keep": round(stream.keep, 5),
+    }
     # gain over the static pool: measured when static ran, else its (deterministic) rate
     static = runs["static"].ledger.completed if "static" in runs else _static_episodes(ctx)
     out = result_of(trace, cfg, ctx, model, load, runs, static)
@@ -174,8 +201,9 @@ def check_invariants(run: Run, st) -> None:
     assert all((x >= -1e-9).all() for x in w), "negative in-flight work"
     assert led.parked >= -1e-9 and led.recomputed >= -1e-9, "negative parked or recomputed work"
     total = led.completed + run.in_flight() + led.parked + led.recomputed
-    assert abs(led.produced - total) <= 1e-6 * max(1.0, led.produced), \
+    assert abs(led.produced - total) <= 1e-6 * max(1.0, led.produced), (
         f"work ledger: produced {led.produced} != completed+in flight+parked+recomputed {total}"
+    )
     consumed = led.steps() * c.ep.episodes_per_step
     assert 0 <= led.completed - consumed < c.ep.episodes_per_step, "trainer consumed more than completed"
     if isinstance(run, RoseRun):
@@ -205,16 +233,21 @@ def calibration(interference: dict | None, weights: dict | None) -> dict:
     if interference is not None:
         r = interference.get("unprotected_p99_over_alone")
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
-            raise ValueError("--interference-bench: expected a positive unprotected_p99_over_alone "
-                             "(the output of `rose bench interference --json`)")
+            raise ValueError(
+                "--interference-bench: expected a positive unprotected_p99_over_alone "
+                "(the output of `rose bench interference --json`)"
+            )
         out["alpha"] = round(max(0.0, float(r) - 1.0), 4)
-        out["alpha_source"] = (f"rose bench interference ({interference.get('_source', 'result')}, device "
-                               f"{interference.get('device', '?')}): unprotected p99 / alone = {r}")
+        out["alpha_source"] = (
+            f"rose bench interference ({interference.get('_source', 'result')}, device "
+            f"{interference.get('device', '?')}): unprotected p99 / alone = {r}"
+        )
     if weights is not None:
         r = weights.get("bytes_ratio_per_step")
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
-            raise ValueError("--weights-bench: expected bytes_ratio_per_step in (0, 1] "
-                             "(the output of `rose bench weights --json`)")
+            raise ValueError(
+                "--weights-bench: expected bytes_ratio_per_step in (0, 1] (the output of `rose bench weights --json`)"
+            )
         out["weight_delta_ratio"] = float(r)
         out["weight_ratio_source"] = f"rose bench weights ({weights.get('_source', 'result')})"
     return out

@@ -20,8 +20,15 @@ PLOTS = ("serving_p99_vs_slo.png", "throughput.png", "leased_gpus.png")
 COLORS = {"static": "tab:gray", "elastic": "tab:blue", "share-all": "tab:red", "rose": "tab:green"}
 
 
-def result_of(trace: Trace, cfg: SimConfig, ctx: RunContext, model: ModelSize, load: dict, runs: dict[str, Run],
-              static_episodes: int) -> dict:
+def result_of(
+    trace: Trace,
+    cfg: SimConfig,
+    ctx: RunContext,
+    model: ModelSize,
+    load: dict,
+    runs: dict[str, Run],
+    static_episodes: int,
+) -> dict:
     """The JSON-ready result of a run: per policy, its tallies (gain over `static_episodes`, the
     static pool's); the configuration with the load mapping's figures (`load`); the series."""
     hours = ctx.n_win * ctx.dt / 3600.0
@@ -41,40 +48,63 @@ def result_of(trace: Trace, cfg: SimConfig, ctx: RunContext, model: ModelSize, l
             "throttles": run.throttles,
             "weight_sync_bytes": int(run.weight_bytes),
             "weight_sync_bytes_full_broadcast": int(run.weight_bytes_full),
-            "work": {"produced": round(led.produced, 4), "completed": led.completed,
-                     "in_flight": round(run.in_flight(), 4), "parked": round(led.parked, 4),
-                     "recomputed": round(led.recomputed, 4),
-                     "consumed": led.steps() * ep.episodes_per_step,
-                     "buffered": led.completed - led.steps() * ep.episodes_per_step},
+            "work": {
+                "produced": round(led.produced, 4),
+                "completed": led.completed,
+                "in_flight": round(run.in_flight(), 4),
+                "parked": round(led.parked, 4),
+                "recomputed": round(led.recomputed, 4),
+                "consumed": led.steps() * ep.episodes_per_step,
+                "buffered": led.completed - led.steps() * ep.episodes_per_step,
+            },
             "min_free_mem_bytes": run.min_free_bytes,
         }
         if p in ("share-all", "rose"):
-            res.update(mean_leased_gpus=round(run.lease_gpu_s / (hours * 3600.0), 3),
-                       mean_leased_compute=round(run.lease_share_s / (hours * 3600.0), 3),
-                       leases_unusable=run.leases_unusable)
+            res.update(
+                mean_leased_gpus=round(run.lease_gpu_s / (hours * 3600.0), 3),
+                mean_leased_compute=round(run.lease_share_s / (hours * 3600.0), 3),
+                leases_unusable=run.leases_unusable,
+            )
         if p == "rose":
-            res.update(grants=run.grants, expiries=run.expiries, guard_pauses=run.guard_pauses,
-                       decide_calls=run.decide_calls)
+            res.update(
+                grants=run.grants, expiries=run.expiries, guard_pauses=run.guard_pauses, decide_calls=run.decide_calls
+            )
         if p == "elastic":
             res.update(external_gpu_hours=round(run.ext_gpu_s / 3600.0, 3), external_gpu_cap=run.cap)
         pol[p] = res
     rollout, slo = ctx.rollout, ctx.slo
-    out: dict = {"policies": pol, "config": {
-        "trace": trace.name, "trace_format": trace.fmt, "gpus": ctx.G, "dedicated": ctx.M, "model_size": model.name,
-        "gpu": ctx.gpu.name, "duration_s": ctx.n_win * ctx.dt, "period_s": ctx.dt, "windows": ctx.n_win,
-        "seed": cfg.seed, "load": cfg.load, "decide_every": ctx.decide_every,
-        "telemetry_period_s": ctx.decide_every * ctx.dt,
-        "slo_ms": {"ttft_p99": slo.ttft_p99, "tpot_p99": slo.tpot_p99},
-        **load,
-        "interference_alpha": cfg.alpha, "interference_alpha_source": cfg.alpha_source,
-        "weight_delta_ratio": cfg.weight_delta_ratio, "weight_delta_ratio_source": cfg.weight_ratio_source,
-        "episode": asdict(ep),
-        "rollout": {"dedicated_batch": rollout.dedicated_batch,
-                    "dedicated_episodes_per_s": round(rollout.dedicated_rate, 5),
-                    "policy_weight_bytes_per_gpu": model.weight_bytes_per_gpu,
-                    "kv_bytes_per_episode": int(rollout.kv_episode)},
-        "slo_tolerance": SLO_TOLERANCE,
-    }}
+    out: dict = {
+        "policies": pol,
+        "config": {
+            "trace": trace.name,
+            "trace_format": trace.fmt,
+            "gpus": ctx.G,
+            "dedicated": ctx.M,
+            "model_size": model.name,
+            "gpu": ctx.gpu.name,
+            "duration_s": ctx.n_win * ctx.dt,
+            "period_s": ctx.dt,
+            "windows": ctx.n_win,
+            "seed": cfg.seed,
+            "load": cfg.load,
+            "decide_every": ctx.decide_every,
+            "telemetry_period_s": ctx.decide_every * ctx.dt,
+            "slo_ms": {"ttft_p99": slo.ttft_p99, "tpot_p99": slo.tpot_p99},
+            **load,
+            "interference_alpha": cfg.alpha,
+            "interference_alpha_source": cfg.alpha_source,
+            "weight_delta_ratio": cfg.weight_delta_ratio,
+            "weight_delta_ratio_source": cfg.weight_ratio_source,
+            "episode": asdict(ep),
+            "rollout": {
+                "dedicated_batch": rollout.dedicated_batch,
+                "dedicated_episodes_per_s": round(rollout.dedicated_rate, 5),
+                "policy_weight_bytes_per_gpu": model.weight_bytes_per_gpu,
+                "kv_bytes_per_episode": int(rollout.kv_episode),
+            },
+            "slo_tolerance": SLO_TOLERANCE,
+        },
+    }
     if cfg.record_series:
         out["series"] = {p: run.series for p, run in runs.items()}
     return out
@@ -105,11 +135,17 @@ def markdown(result: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p, r in result["policies"].items():
-        lines.append(f"| {p} | {r['episodes_per_hour']:.1f} | {r['rl_steps_per_hour']:.2f} | "
-                     f"{r['gain_vs_static']:.3f} | {r['slo_attainment']:.5f} | {r['revokes']} | {r['throttles']} | "
-                     f"{r['weight_sync_bytes'] / 1e9:.1f} |")
-    lines += ["", "SLO attainment is the fraction of (GPU, window) pairs whose TTFT and TPOT p99 are both within "
-              "the SLO. The model behind every figure is described in `docs/simulator.md`.", ""]
+        lines.append(
+            f"| {p} | {r['episodes_per_hour']:.1f} | {r['rl_steps_per_hour']:.2f} | "
+            f"{r['gain_vs_static']:.3f} | {r['slo_attainment']:.5f} | {r['revokes']} | {r['throttles']} | "
+            f"{r['weight_sync_bytes'] / 1e9:.1f} |"
+        )
+    lines += [
+        "",
+        "SLO attainment is the fraction of (GPU, window) pairs whose TTFT and TPOT p99 are both within "
+        "the SLO. The model behind every figure is described in `docs/simulator.md`.",
+        "",
+    ]
     lines += [f"![{name}]({name})" for name in PLOTS if "series" in result]
     return "\n".join(lines) + "\n"
 
@@ -168,8 +204,13 @@ def _plots(result: dict, d: Path) -> list[Path]:
     eph = [pol[p]["episodes_per_hour"] for p in names]
     bars = a2.bar(names, eph, color=[COLORS[p] for p in names])
     for b, p in zip(bars, names):
-        a2.annotate(f"×{pol[p]['gain_vs_static']:.2f}\nSLO {pol[p]['slo_attainment']:.3f}",
-                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+        a2.annotate(
+            f"×{pol[p]['gain_vs_static']:.2f}\nSLO {pol[p]['slo_attainment']:.3f}",
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     a2.set_ylabel("episodes / hour")
     a2.set_ylim(0, max(eph + [1]) * 1.25)
     a2.set_title("RL rollout throughput (gain vs static, serving SLO attainment)", fontsize=9)
@@ -205,8 +246,10 @@ PAPER_CLAIM = "1.20–3.31× RL throughput over the baselines, no serving SLO vi
 def paper_check_markdown(results: list[dict], command: str) -> str:
     """The paper-check table: per (trace, model size), ROSE's gain and every policy's SLO attainment."""
     lines = [
-        f"Command: `{command}`", "",
-        f"Paper's claim: {PAPER_CLAIM}.", "",
+        f"Command: `{command}`",
+        "",
+        f"Paper's claim: {PAPER_CLAIM}.",
+        "",
         "| trace | model | ROSE gain vs static | vs elastic | elastic gain | share-all gain | "
         "SLO static | SLO ROSE | SLO share-all | ROSE keeps SLO | mean leased GPUs | leases unusable | wall s |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|",
@@ -220,5 +263,6 @@ def paper_check_markdown(results: list[dict], command: str) -> str:
             f"| {c['trace']} | {c['model_size']} | {ro['gain_vs_static']:.3f} | {vs_el:.3f} | "
             f"{el['gain_vs_static']:.3f} | {sa['gain_vs_static']:.3f} | {st['slo_attainment']:.5f} | "
             f"{ro['slo_attainment']:.5f} | {sa['slo_attainment']:.5f} | {'yes' if keeps else 'NO'} | "
-            f"{ro['mean_leased_gpus']:.1f} | {ro['leases_unusable']} | {r['wall_s']:.1f} |")
+            f"{ro['mean_leased_gpus']:.1f} | {ro['leases_unusable']} | {r['wall_s']:.1f} |"
+        )
     return "\n".join(lines) + "\n"

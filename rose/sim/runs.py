@@ -66,9 +66,19 @@ class Run:
         self.lease_gpu_s = self.lease_share_s = self.ext_gpu_s = 0.0
         self.last_steps = 0
         self.min_free_bytes = 1 << 62
-        self.series: dict[str, list] = {k: [] for k in (
-            "t", "ttft_p99_max_ratio", "tpot_p99_max_ratio", "slo_ok_frac", "leased", "running", "episodes",
-            "external_gpus")}
+        self.series: dict[str, list] = {
+            k: []
+            for k in (
+                "t",
+                "ttft_p99_max_ratio",
+                "tpot_p99_max_ratio",
+                "slo_ok_frac",
+                "leased",
+                "running",
+                "episodes",
+                "external_gpus",
+            )
+        }
         self.load_weights(ctx.M)  # the dedicated pool loads the policy once
 
     def load_weights(self, n: int) -> None:
@@ -132,8 +142,9 @@ class ElasticRun(Run):
             self.load_weights(arrived)
         n = self.ext_w.size
         if n:
-            led.progress(self.ext_w, np.full(n, c.rollout.dedicated_batch / 2.0),
-                         np.full(n, c.rollout.dedicated_rate * c.dt))
+            led.progress(
+                self.ext_w, np.full(n, c.rollout.dedicated_batch / 2.0), np.full(n, c.rollout.dedicated_rate * c.dt)
+            )
             self.ext_gpu_s += n * c.dt
         backlog = c.ep.episodes_per_step - led.completed % c.ep.episodes_per_step
         per_gpu = c.rollout.dedicated_rate * ELASTIC_TARGET_STEP_FRAC * c.step_static_s
@@ -223,13 +234,15 @@ class RoseRun(Run):
     def extra(self, w, t1, st):
         c, pc = self.ctx, self.ctx.policy
         run_mask = self.running()
-        self.ledger.progress(self.w, self.batch / 2.0,
-                             np.where(run_mask, c.rollout.rate(self.mem, self.share), 0.0) * c.dt)
+        self.ledger.progress(
+            self.w, self.batch / 2.0, np.where(run_mask, c.rollout.rate(self.mem, self.share), 0.0) * c.dt
+        )
         self.lease_gpu_s += float(self.leased.sum()) * c.dt
         self.lease_share_s += float(self.share[run_mask].sum()) * c.dt
         # the executors' local guard, on the window's latency sample
-        tripped = tripped_next(self.tripped, min_headroom(st.ttft_p99_ms, st.tpot_p99_ms, c.slo),
-                               pc.revoke_headroom, pc.grant_headroom)
+        tripped = tripped_next(
+            self.tripped, min_headroom(st.ttft_p99_ms, st.tpot_p99_ms, c.slo), pc.revoke_headroom, pc.grant_headroom
+        )
         self.guard_pauses += int((tripped & ~self.tripped & self.leased).sum())
         for g in np.flatnonzero(tripped != self.tripped).tolist():
             self._step(g, lm.GuardTrip() if tripped[g] else lm.GuardClear(), t1)
@@ -248,8 +261,16 @@ class RoseRun(Run):
         c, pc, slo = self.ctx, self.ctx.policy, self.ctx.slo
         ttft, tpot = self.acc_ttft, self.acc_tpot
         defer = deferrable(self.view_lease, min_headroom(ttft, tpot, slo), pc)
-        vals = {"ts": ts, "util": st.gpu_util, "used": st.mem_used_bytes, "rmem": st.rollout_mem_bytes,
-                "ttft": ttft, "tpot": tpot, "rps": st.rps, "qd": st.queue_depth}
+        vals = {
+            "ts": ts,
+            "util": st.gpu_util,
+            "used": st.mem_used_bytes,
+            "rmem": st.rollout_mem_bytes,
+            "ttft": ttft,
+            "tpot": tpot,
+            "rps": st.rps,
+            "qd": st.queue_depth,
+        }
         pend = self.pend
         for k, v in vals.items():
             for i in range(DEFERRED_KEPT - 1, 0, -1):
@@ -265,10 +286,23 @@ class RoseRun(Run):
         out = []
         core = self.core
         for g, n in zip(call.tolist(), held):
-            for p in pend[n - 1::-1] if n else ():  # the held-back events first, oldest first
-                core.decide(_telemetry(g, f"d{int(p['ts'][g] / c.dt)}", float(p["ts"][g]), float(p["util"][g]),
-                                       total, int(p["used"][g]), int(p["rmem"][g]), float(p["ttft"][g]),
-                                       float(p["tpot"][g]), slo, float(p["rps"][g]), int(p["qd"][g])))
+            for p in pend[n - 1 :: -1] if n else ():  # the held-back events first, oldest first
+                core.decide(
+                    _telemetry(
+                        g,
+                        f"d{int(p['ts'][g] / c.dt)}",
+                        float(p["ts"][g]),
+                        float(p["util"][g]),
+                        total,
+                        int(p["used"][g]),
+                        int(p["rmem"][g]),
+                        float(p["ttft"][g]),
+                        float(p["tpot"][g]),
+                        slo,
+                        float(p["rps"][g]),
+                        int(p["qd"][g]),
+                    )
+                )
                 self.decide_calls += 1
             d = core.decide(_telemetry(g, w, ts, util[g], total, used[g], rmem[g], lt[g], lp[g], slo, rps[g], qd[g]))
             self.decide_calls += 1
@@ -276,8 +310,7 @@ class RoseRun(Run):
             for cmd in d.commands:
                 out.append((g, cmd))
                 if cmd.kind == "grant":
-                    self.grant_room[g] = (free_memory(total, used[g] - rmem[g], 0, rmem[g])
-                                          - memory_margin(total, pc))
+                    self.grant_room[g] = free_memory(total, used[g] - rmem[g], 0, rmem[g]) - memory_margin(total, pc)
         return out
 
     def apply(self, commands: list, t1: float) -> None:
@@ -309,8 +342,9 @@ class RoseRun(Run):
             # before only fetches the deltas it missed (never more than a full copy)
             missed = self.ledger.steps() - self.version[ok]
             full = float(c.wfull)
-            self.weight_bytes += float(np.where(self.version[ok] < 0, full,
-                                                np.minimum(full, missed * c.delta_ratio * full)).sum())
+            self.weight_bytes += float(
+                np.where(self.version[ok] < 0, full, np.minimum(full, missed * c.delta_ratio * full)).sum()
+            )
             self.weight_bytes_full += full * ok.size
             self.version[ok] = self.ledger.steps()
             for g in ok.tolist():  # resume parked continuations first
@@ -338,8 +372,9 @@ class RoseRun(Run):
             self.grants += 1
             self._granted.append(g)
         self.leased[g] = new is not None
-        self.mem[g], self.share[g], self.exp[g] = ((new.mem_bytes, new.compute_share, new.expires_at)
-                                                   if new is not None else (0, 0.0, 0.0))
+        self.mem[g], self.share[g], self.exp[g] = (
+            (new.mem_bytes, new.compute_share, new.expires_at) if new is not None else (0, 0.0, 0.0)
+        )
 
     def _act(self, g: int, actions, now: float) -> None:
         for a in actions:
@@ -352,8 +387,17 @@ class RoseRun(Run):
                 self.worker[g] = self.worker_paused[g] = False
             elif t is lm.Publish:
                 r = a.record
-                self.core.observe(LeaseState(gpu=a.gpu, lease_id=r.lease_id, epoch=r.epoch, state=r.state, ts=now,
-                                             rollout_mem_bytes=0, command_id=r.command_id))
+                self.core.observe(
+                    LeaseState(
+                        gpu=a.gpu,
+                        lease_id=r.lease_id,
+                        epoch=r.epoch,
+                        state=r.state,
+                        ts=now,
+                        rollout_mem_bytes=0,
+                        command_id=r.command_id,
+                    )
+                )
 
 
 RUNS = {"static": Run, "elastic": ElasticRun, "share-all": ShareAllRun, "rose": RoseRun}
@@ -365,8 +409,32 @@ def min_headroom(ttft_ms: np.ndarray, tpot_ms: np.ndarray, slo: Latency) -> np.n
     return np.minimum(1.0 - ttft_ms / slo.ttft_p99, 1.0 - tpot_ms / slo.tpot_p99)
 
 
-def _telemetry(g: int, w, ts: float, util: float, total: int, used: int, rollout: int, ttft: float,
-               tpot: float, slo: Latency, rps: float, qd: int) -> Telemetry:
-    return Telemetry(f"sim/{g}@{w}", ts, f"node-{g // 8}", f"sim/{g}", "serving",
-                     0.0 if util < 0.0 else 1.0 if util > 1.0 else util, total, used, rollout,
-                     Latency(ttft, tpot), slo, rps, qd)
+def _telemetry(
+    g: int,
+    w,
+    ts: float,
+    util: float,
+    total: int,
+    used: int,
+    rollout: int,
+    ttft: float,
+    tpot: float,
+    slo: Latency,
+    rps: float,
+    qd: int,
+) -> Telemetry:
+    return Telemetry(
+        f"sim/{g}@{w}",
+        ts,
+        f"node-{g // 8}",
+        f"sim/{g}",
+        "serving",
+        0.0 if util < 0.0 else 1.0 if util > 1.0 else util,
+        total,
+        used,
+        rollout,
+        Latency(ttft, tpot),
+        slo,
+        rps,
+        qd,
+    )

@@ -12,12 +12,12 @@ approximations: docs/simulator.md "The serving model". GPU and model presets: `r
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
-from rose.sim.models import GiB, EngineConfig, GpuSpec, ModelSize
+from rose.sim.models import EngineConfig, GiB, GpuSpec, ModelSize
 
 ALPHA = 1.0  # serving slowdown per unit of rollout compute share (docs/simulator.md "Interference")
 P99 = 0.99
@@ -50,8 +50,16 @@ class ServingSim:
     the window's WindowStats. `set_rollout` states the current lease of some GPUs.
     """
 
-    def __init__(self, gpu: GpuSpec, model: ModelSize, n_gpus: int = 1, *,
-                 engine: EngineConfig = EngineConfig(), alpha: float = ALPHA, t0: float = 0.0):
+    def __init__(
+        self,
+        gpu: GpuSpec,
+        model: ModelSize,
+        n_gpus: int = 1,
+        *,
+        engine: EngineConfig = EngineConfig(),
+        alpha: float = ALPHA,
+        t0: float = 0.0,
+    ):
         if n_gpus < 1:
             raise ValueError(f"n_gpus must be >= 1, got {n_gpus}")
         self.gpu, self.model, self.engine, self.alpha = gpu, model, engine, float(alpha)
@@ -59,8 +67,10 @@ class ServingSim:
         self.t = float(t0)
         self.static_bytes = model.weight_bytes_per_gpu + engine.runtime_reserve_bytes
         if self.static_bytes >= gpu.mem_bytes:
-            raise ValueError(f"model {model.name} (tp={model.tp}) does not fit {gpu.name}: "
-                             f"{self.static_bytes / GiB:.1f} GiB > {gpu.mem_bytes / GiB:.1f} GiB")
+            raise ValueError(
+                f"model {model.name} (tp={model.tp}) does not fit {gpu.name}: "
+                f"{self.static_bytes / GiB:.1f} GiB > {gpu.mem_bytes / GiB:.1f} GiB"
+            )
         self.kv = model.kv_bytes_per_token
         self.p_tok = 2 * model.params / (gpu.bf16_flops * gpu.prefill_mfu)  # s per prompt token
         self.w_time = model.weight_bytes_per_gpu / (gpu.hbm_bytes_per_s * gpu.bw_efficiency)
@@ -100,8 +110,9 @@ class ServingSim:
     def kv_capacity_tokens(self) -> np.ndarray:
         return np.maximum(0, self.gpu.mem_bytes - self.static_bytes - self.rollout_mem) / self.kv
 
-    def advance(self, t_until: float, gpu_idx=None, arrival_s=None, prompt_tokens=None,
-                output_tokens=None) -> WindowStats:
+    def advance(
+        self, t_until: float, gpu_idx=None, arrival_s=None, prompt_tokens=None, output_tokens=None
+    ) -> WindowStats:
         eng, G = self.engine, self.n
         t0, t1 = self.t, float(t_until)
         dt = t1 - t0
@@ -133,11 +144,13 @@ class ServingSim:
         need_n = self.qn + n_new
         need_tok = self.qtok + self.qn + np.bincount(gi, weights=P + 1.0, minlength=G)
         with np.errstate(divide="ignore", invalid="ignore"):
-            stretch = np.maximum.reduce([
-                np.ones(G),
-                np.where(need_n > 0, need_n / np.maximum(cap_n, 1e-9), 1.0),
-                np.where(need_tok > 0, need_tok / np.maximum(cap_tok, 1e-9), 1.0),
-            ])
+            stretch = np.maximum.reduce(
+                [
+                    np.ones(G),
+                    np.where(need_n > 0, need_n / np.maximum(cap_n, 1e-9), 1.0),
+                    np.where(need_tok > 0, need_tok / np.maximum(cap_tok, 1e-9), 1.0),
+                ]
+            )
         stretch = np.minimum(stretch, MAX_STRETCH)
 
         # prefill service times: the carried queue as one job at t0, then the window's arrivals
@@ -225,8 +238,13 @@ class ServingSim:
         # as slots and KV cache allow; the rest wait in the queue (prefilled again later)
         room_n = np.maximum(0.0, eng.max_slots - N_new)
         room_tok = np.maximum(0.0, self.kv_capacity_tokens() - C_new)
-        fit = np.minimum.reduce([np.ones(G), np.divide(room_n, adm_n, out=np.ones(G), where=adm_n > 0),
-                                 np.divide(room_tok, adm_tok + adm_n, out=np.ones(G), where=adm_tok + adm_n > 0)])
+        fit = np.minimum.reduce(
+            [
+                np.ones(G),
+                np.divide(room_n, adm_n, out=np.ones(G), where=adm_n > 0),
+                np.divide(room_tok, adm_tok + adm_n, out=np.ones(G), where=adm_tok + adm_n > 0),
+            ]
+        )
         if (fit < 1).any():
             back = 1 - fit
             self.qn += adm_n * back
@@ -253,7 +271,8 @@ class ServingSim:
         mem_used = (self.static_bytes + np.floor(C_new * self.kv)).astype(np.int64) + self.rollout_mem
         mem_used = np.minimum(mem_used, self.gpu.mem_bytes)
         return WindowStats(
-            t_start=t0, t_end=t1,
+            t_start=t0,
+            t_end=t1,
             ttft_p99_ms=ttft_p99 * 1000.0,
             tpot_p99_ms=tpot * 1000.0,
             rps=n_new / dt,
@@ -309,8 +328,9 @@ def spread(trace, n_gpus: int, seed: int = 0) -> np.ndarray:
     return out
 
 
-def windows(arrival_s: np.ndarray, period_s: float, t_end: float | None = None,
-            t_start: float = 0.0) -> Iterator[tuple[float, slice]]:
+def windows(
+    arrival_s: np.ndarray, period_s: float, t_end: float | None = None, t_start: float = 0.0
+) -> Iterator[tuple[float, slice]]:
     """(window end, slice of requests arriving in it) for consecutive windows of `period_s`.
 
     `arrival_s` must be sorted (Trace.arrival_s is). Windows run from `t_start` to `t_end`
@@ -326,4 +346,3 @@ def windows(arrival_s: np.ndarray, period_s: float, t_end: float | None = None,
     idx = np.searchsorted(arrival_s, edges, side="left")
     for w in range(n_win):
         yield float(edges[w + 1]), slice(int(idx[w]), int(idx[w + 1]))
-

@@ -16,8 +16,9 @@ MEM_LOW, MEM_HIGH = 0.35, 0.55  # serving memory stays in this fraction of total
 MEM_STEP = 0.005  # ... moving at most this fraction of total per event (a KV cache filling and draining)
 
 
-def workload(n_gpus: int, n_events: int, seed: int = 7, t0: float | None = None,
-             period_s: float = 0.5, prefix: str = "load") -> list[Telemetry]:
+def workload(
+    n_gpus: int, n_events: int, seed: int = 7, t0: float | None = None, period_s: float = 0.5, prefix: str = "load"
+) -> list[Telemetry]:
     """Events interleaved across GPUs in time order; each GPU alternates calm phases
     (p99 at 20–50% of SLO) and spikes (p99 at 92–130% of SLO). Serving memory is a bounded
     random walk (reflected at MEM_LOW/MEM_HIGH, steps of at most MEM_STEP of total): a
@@ -37,12 +38,23 @@ def workload(n_gpus: int, n_events: int, seed: int = 7, t0: float | None = None,
             m = 2 * MEM_LOW - m if m < MEM_LOW else 2 * MEM_HIGH - m if m > MEM_HIGH else m
             mem[g] = m
             used = int(total * m)
-            out.append(Telemetry(
-                event_id=f"{prefix}-{g}-{i}", ts=t0 + i * period_s, node=f"{prefix}-node-{g // 8}",
-                gpu=f"{prefix}/{g}", pool="serving", gpu_util=rng.uniform(0.2, 0.9),
-                mem_total_bytes=total, mem_used_bytes=used, rollout_mem_bytes=0,
-                latency_ms=Latency(ttft_p99=400.0 * frac, tpot_p99=50.0 * frac * rng.uniform(0.9, 1.0)),
-                slo_ms=Latency(ttft_p99=400.0, tpot_p99=50.0), rps=rng.uniform(1, 20), queue_depth=rng.randrange(5)))
+            out.append(
+                Telemetry(
+                    event_id=f"{prefix}-{g}-{i}",
+                    ts=t0 + i * period_s,
+                    node=f"{prefix}-node-{g // 8}",
+                    gpu=f"{prefix}/{g}",
+                    pool="serving",
+                    gpu_util=rng.uniform(0.2, 0.9),
+                    mem_total_bytes=total,
+                    mem_used_bytes=used,
+                    rollout_mem_bytes=0,
+                    latency_ms=Latency(ttft_p99=400.0 * frac, tpot_p99=50.0 * frac * rng.uniform(0.9, 1.0)),
+                    slo_ms=Latency(ttft_p99=400.0, tpot_p99=50.0),
+                    rps=rng.uniform(1, 20),
+                    queue_depth=rng.randrange(5),
+                )
+            )
     return out
 
 

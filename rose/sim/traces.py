@@ -57,13 +57,13 @@ class Trace:
     def rate_rps(self) -> float:
         return len(self) / self.duration_s if self.duration_s > 0 else 0.0
 
-    def scaled(self, speed: float) -> "Trace":
+    def scaled(self, speed: float) -> Trace:
         """The same requests played `speed` times faster (speed 60 turns 1 h into 1 min)."""
         if not speed > 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         return Trace(self.name, self.fmt, self.arrival_s / speed, self.prompt_tokens, self.output_tokens)
 
-    def until(self, t_s: float) -> "Trace":
+    def until(self, t_s: float) -> Trace:
         """Requests arriving before `t_s`."""
         n = int(np.searchsorted(self.arrival_s, t_s, side="left"))
         return Trace(self.name, self.fmt, self.arrival_s[:n], self.prompt_tokens[:n], self.output_tokens[:n])
@@ -94,8 +94,13 @@ def parse_trace(data: bytes, name: str = "trace", source: str | None = None) -> 
         raise TraceError(f"{src}: no requests")
     order = np.argsort(t, kind="stable")
     t = t[order]
-    return Trace(name=name, fmt=fmt, arrival_s=t - t[0],
-                 prompt_tokens=p[order].astype(np.int32), output_tokens=o[order].astype(np.int32))
+    return Trace(
+        name=name,
+        fmt=fmt,
+        arrival_s=t - t[0],
+        prompt_tokens=p[order].astype(np.int32),
+        output_tokens=o[order].astype(np.int32),
+    )
 
 
 def _tokens(raw: str, src: str, line: int, col: str) -> int:
@@ -133,7 +138,7 @@ def _wallclock(raw: str, src: str, line: int) -> float:
         day, clock = raw.strip().replace("T", " ").split(" ")
         base = _day_cache.get(day)
         if base is None:
-            base = _dt.datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=_dt.timezone.utc).timestamp()
+            base = _dt.datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=_dt.UTC).timestamp()
             _day_cache[day] = base
         h, m, s = clock.split(":")
         hh, mm, ss = int(h), int(m), float(s)
@@ -163,7 +168,8 @@ def _parse_csv(text: str, src: str):
         raise TraceError(
             f"{src}:1: unrecognised trace header {','.join(header)[:120]!r} (expected Azure LLM "
             "'TIMESTAMP,ContextTokens,GeneratedTokens', BurstGPT 'Timestamp,…,Request tokens,Response tokens,…' "
-            "or Mooncake JSONL)")
+            "or Mooncake JSONL)"
+        )
     width = len(header)
     need = max(it, ip, io_)
     ts: list[float] = []

@@ -10,22 +10,48 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from rose.weights.layout import ITEMSIZE, Layout
 
 _ST_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
-    "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F64": "float64",
     "C64": "complex64",
 }
-_NP_DTYPES = {"bool", "uint8", "int8", "int16", "uint16", "float16", "int32", "uint32", "float32",
-              "int64", "uint64", "float64", "complex64"}
+_NP_DTYPES = {
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "uint16",
+    "float16",
+    "int32",
+    "uint32",
+    "float32",
+    "int64",
+    "uint64",
+    "float64",
+    "complex64",
+}
 
 
 class CheckpointError(ValueError):
@@ -91,7 +117,11 @@ def _read_safetensors(path: Path) -> Checkpoint:
             header = json.loads(fh.read(hlen))
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + hlen) if path.stat().st_size > 8 + hlen else np.zeros(0, np.uint8)
+    data = (
+        np.memmap(path, dtype=np.uint8, mode="r", offset=8 + hlen)
+        if path.stat().st_size > 8 + hlen
+        else np.zeros(0, np.uint8)
+    )
     meta = header.pop("__metadata__", None) or {}
     specs, arrays = {}, {}
     for name, info in header.items():
@@ -138,7 +168,9 @@ def _torch_container(path: Path, keys: list[str]) -> dict[str, str]:
     return {"torch.archive": first.split("/", 1)[0], "torch.keys": json.dumps(keys)}
 
 
-def save(path: str | os.PathLike, layout: Layout, flat: np.ndarray, fmt: str, metadata: Mapping[str, str] | None = None) -> None:
+def save(
+    path: str | os.PathLike, layout: Layout, flat: np.ndarray, fmt: str, metadata: Mapping[str, str] | None = None
+) -> None:
     """Write the state in `flat` as a checkpoint, atomically (temp file + rename)."""
     path = Path(path)
     tensors = to_tensors(layout, flat)

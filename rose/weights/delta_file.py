@@ -66,8 +66,10 @@ def read(path: str | Path) -> DeltaFile:
         raise DeltaFileError(f"{path}: not a ROSE weights delta file")
     if data[:8] != MAGIC:
         fmt = data[7:8].decode(errors="replace")
-        raise DeltaFileError(f"{path}: delta file format {fmt} is not supported (this release reads format {FORMAT}, "
-                             f"{CHECKSUM} checksums); recreate it with `rose weights diff`")
+        raise DeltaFileError(
+            f"{path}: delta file format {fmt} is not supported (this release reads format {FORMAT}, "
+            f"{CHECKSUM} checksums); recreate it with `rose weights diff`"
+        )
     (hlen,) = struct.unpack_from("<Q", data, 8)
     try:
         h = orjson.loads(data[16 : 16 + hlen])

@@ -79,11 +79,21 @@ def signature(fields: dict[bytes, bytes], key: bytes) -> str:
 
 def to_fields(e: Entry, key: bytes = b"") -> dict[bytes, bytes]:
     f = {
-        b"seq": b"%d" % e.seq, b"version": b"%d" % e.version, b"kind": e.kind.encode(),
-        b"shard": b"%d" % e.shard, b"part": b"%d" % e.part, b"parts": b"%d" % e.parts,
-        b"codec": e.codec.encode(), b"raw": b"%d" % e.raw, b"size": b"%d" % len(e.payload),
-        b"sum": e.checksum.encode(), b"layout": e.layout.encode(), b"vstart": b"%d" % e.vstart,
-        b"epoch": e.epoch.encode(), b"format": b"%d" % e.format, b"payload": e.payload,
+        b"seq": b"%d" % e.seq,
+        b"version": b"%d" % e.version,
+        b"kind": e.kind.encode(),
+        b"shard": b"%d" % e.shard,
+        b"part": b"%d" % e.part,
+        b"parts": b"%d" % e.parts,
+        b"codec": e.codec.encode(),
+        b"raw": b"%d" % e.raw,
+        b"size": b"%d" % len(e.payload),
+        b"sum": e.checksum.encode(),
+        b"layout": e.layout.encode(),
+        b"vstart": b"%d" % e.vstart,
+        b"epoch": e.epoch.encode(),
+        b"format": b"%d" % e.format,
+        b"payload": e.payload,
     }
     if e.layout_json:
         f[b"layout_json"] = e.layout_json
@@ -94,7 +104,9 @@ def to_fields(e: Entry, key: bytes = b"") -> dict[bytes, bytes]:
 
 def from_fields(fields: dict, key: bytes = b"") -> Entry:
     """Decode a stream entry; with a key, verify its signature first (InvalidEntry(refused=True))."""
-    f = {(k.encode() if isinstance(k, str) else k): (v.encode() if isinstance(v, str) else v) for k, v in fields.items()}
+    f = {
+        (k.encode() if isinstance(k, str) else k): (v.encode() if isinstance(v, str) else v) for k, v in fields.items()
+    }
     if key:
         sig = f.get(b"sig")
         if sig is None:
@@ -108,8 +120,13 @@ def from_fields(fields: dict, key: bytes = b"") -> Entry:
         ints = {n: int(f[n.encode()]) for n in _INT_FIELDS}
         kind = f[b"kind"].decode()
         e = Entry(
-            kind=kind, codec=f[b"codec"].decode(), checksum=f[b"sum"].decode(), layout=f[b"layout"].decode(),
-            epoch=f[b"epoch"].decode(), payload=f[b"payload"], layout_json=f.get(b"layout_json", b""),
+            kind=kind,
+            codec=f[b"codec"].decode(),
+            checksum=f[b"sum"].decode(),
+            layout=f[b"layout"].decode(),
+            epoch=f[b"epoch"].decode(),
+            payload=f[b"payload"],
+            layout_json=f.get(b"layout_json", b""),
             **{n: ints[n] for n in _INT_FIELDS if n != "size"},
         )
     except (KeyError, ValueError, UnicodeDecodeError) as err:

@@ -32,16 +32,18 @@ from typing import Any
 import numpy as np
 import orjson
 
-from rose.obs import metrics
 from rose.config import RedisConfig
+from rose.obs import metrics
 from rose.obs.logs import get_logger
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json
 from rose.weights.stream import meta_key
 
-REJECTED = metrics.counter("rose_weights_entries_rejected_total",
-                           "Weight stream entries not applied, by reason (refused = bad or missing HMAC)")
+REJECTED = metrics.counter(
+    "rose_weights_entries_rejected_total",
+    "Weight stream entries not applied, by reason (refused = bad or missing HMAC)",
+)
 APPLIED = metrics.counter("rose_weights_entries_applied_total", "Weight stream entries applied")
 VERSION = metrics.gauge("rose_weights_version", "Newest weight version visible in this process")
 RESYNCS = metrics.counter("rose_weights_resyncs_total", "Waits for a keyframe after a gap, divergence or new epoch")
@@ -252,8 +254,11 @@ class FileStateStore:
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         meta = {
-            "rose.version": str(snap.version), "rose.seq": str(snap.seq), "rose.epoch": snap.epoch,
-            "rose.layout": snap.layout.to_json().decode(), "rose.applied": orjson.dumps(applied_versions).decode(),
+            "rose.version": str(snap.version),
+            "rose.seq": str(snap.seq),
+            "rose.epoch": snap.epoch,
+            "rose.layout": snap.layout.to_json().decode(),
+            "rose.applied": orjson.dumps(applied_versions).decode(),
         }
         save(self.path, snap.layout, snap.flat, "safetensors", meta)
 
@@ -261,8 +266,16 @@ class FileStateStore:
 class WeightFollower:
     """Follow `rose:weights:{model}`; `poll()` between decode steps, `current()` for the policy."""
 
-    def __init__(self, redis: Any, rcfg: RedisConfig, model: str, state_store: FileStateStore | None = None,
-                 *, hmac_key: str = "", batch: int = 16):
+    def __init__(
+        self,
+        redis: Any,
+        rcfg: RedisConfig,
+        model: str,
+        state_store: FileStateStore | None = None,
+        *,
+        hmac_key: str = "",
+        batch: int = 16,
+    ):
         self.redis = redis
         self.stream = rcfg.key("weights", model)
         self.redis_url = rcfg.safe_url
@@ -329,8 +342,13 @@ class WeightFollower:
 
         return snap.version, to_tensors(snap.layout, snap.flat)
 
-    def follow(self, until_version: int | None = None, idle_s: float | None = None, block_ms: int = 1000,
-               stop: threading.Event | None = None) -> None:
+    def follow(
+        self,
+        until_version: int | None = None,
+        idle_s: float | None = None,
+        block_ms: int = 1000,
+        stop: threading.Event | None = None,
+    ) -> None:
         """Poll until `until_version` is visible, nothing arrived for `idle_s` seconds, or `stop`."""
         import redis
 
@@ -344,9 +362,13 @@ class WeightFollower:
                 # replays its append-only file. Said once, then every 30 s; retried every 0.5 s.
                 if time.monotonic() - unreachable_said >= 30:
                     unreachable_said = time.monotonic()
-                    self.log.error("redis.unreachable", url=self.redis_url, error=str(e),
-                                   hint="start a local stack with `rose stack up`, or point ROSE_REDIS_URL "
-                                        "at your Redis; retrying")
+                    self.log.error(
+                        "redis.unreachable",
+                        url=self.redis_url,
+                        error=str(e),
+                        hint="start a local stack with `rose stack up`, or point ROSE_REDIS_URL "
+                        "at your Redis; retrying",
+                    )
                 if stop is not None:
                     stop.wait(0.5)
                 else:

@@ -11,8 +11,8 @@ compared in units of the narrowest dtype it holds (2 bytes for bf16).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 import orjson
@@ -22,10 +22,22 @@ DEFAULT_SHARD_BYTES = 8 << 20
 
 # Element width in bytes of every dtype we carry (torch names without the `torch.` prefix).
 ITEMSIZE = {
-    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-    "int32": 4, "uint32": 4, "float32": 4,
-    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
 }
 
 
@@ -80,7 +92,7 @@ class Layout:
     def digest(self) -> str:
         return hashlib.blake2b(self.to_json(), digest_size=8).hexdigest()
 
-    def check_same(self, other: "Layout") -> None:
+    def check_same(self, other: Layout) -> None:
         """Raise LayoutError naming the first tensor that differs."""
         if self.digest == other.digest:
             return

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import orjson
 
@@ -117,8 +118,14 @@ class WeightPublisher:
         specs, arrays = from_state_dict(state)
         return self.publish_raw(specs, arrays, keyframe=keyframe, version=version)
 
-    def publish_raw(self, specs: Mapping[str, tuple], arrays: Mapping[str, Any], *, keyframe: bool = False,
-                    version: int | None = None) -> PublishStats:
+    def publish_raw(
+        self,
+        specs: Mapping[str, tuple],
+        arrays: Mapping[str, Any],
+        *,
+        keyframe: bool = False,
+        version: int | None = None,
+    ) -> PublishStats:
         """`publish` of tensors given as {name: (dtype, shape)} and {name: raw uint8 bytes}."""
         if self._epoch is None:
             self._recover()
@@ -134,8 +141,14 @@ class WeightPublisher:
         keyframe = keyframe or self._keyframe_next or self._view is None
         keyframe = keyframe or (self.keyframe_every > 0 and self._since_keyframe >= self.keyframe_every)
         patches, new_view = wcodec.encode_state(
-            layout, self._view, self._scratch, keyframe=keyframe, codec=self.codec, compress=self.compress,
-            workers=self.workers, lossy_options=self.lossy_options,
+            layout,
+            self._view,
+            self._scratch,
+            keyframe=keyframe,
+            codec=self.codec,
+            compress=self.compress,
+            workers=self.workers,
+            lossy_options=self.lossy_options,
         )
         encode_s = time.perf_counter() - t0
         version = self._version + 1 if version is None else version
@@ -153,8 +166,18 @@ class WeightPublisher:
         self._since_keyframe = 0 if keyframe else self._since_keyframe + 1
         self._keyframe_next = False
         return PublishStats(
-            version, first, last, keyframe, len(patches), layout.num_shards, n_entries, sent, layout.total,
-            sum(p.changed for p in patches), encode_s, time.perf_counter() - t1,
+            version,
+            first,
+            last,
+            keyframe,
+            len(patches),
+            layout.num_shards,
+            n_entries,
+            sent,
+            layout.total,
+            sum(p.changed for p in patches),
+            encode_s,
+            time.perf_counter() - t1,
         )
 
     def _entries(self, layout: Layout, version: int, patches: list[wcodec.ShardPatch], keyframe: bool):
@@ -165,8 +188,20 @@ class WeightPublisher:
             chunks = [p.payload[i : i + self.chunk_bytes] for i in range(0, len(p.payload), self.chunk_bytes)] or [b""]
             for part, chunk in enumerate(chunks):
                 yield Entry(
-                    seq, version, p.kind, p.shard, part, len(chunks), p.codec, e - s, p.checksum, layout.digest,
-                    vstart, self._epoch, chunk, layout.to_json() if keyframe and n == 0 and part == 0 else b"",
+                    seq,
+                    version,
+                    p.kind,
+                    p.shard,
+                    part,
+                    len(chunks),
+                    p.codec,
+                    e - s,
+                    p.checksum,
+                    layout.digest,
+                    vstart,
+                    self._epoch,
+                    chunk,
+                    layout.to_json() if keyframe and n == 0 and part == 0 else b"",
                 )
                 seq += 1
         commit = orjson.dumps({"shards": [[p.shard, p.checksum] for p in patches], "keyframe": keyframe})

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from rose.contract.codec import decode
 from rose.config import Config
+from rose.contract.codec import decode
 from rose.contract.events import InvalidEvent, Telemetry
 from rose.kafka.consumer import read_all
 from rose.policy.core import check_admission
@@ -42,8 +42,11 @@ EXECUTOR_ENDS = ("expired", "rejected")  # a lease ended by the executor, not by
 
 
 def _records(cfg: Config, topic: str) -> list[tuple[dict, float]]:
-    return [(orjson.loads(m.value()), m.timestamp()[1] / 1000.0)
-            for m in read_all(cfg.kafka, [topic]) if m.value() is not None]
+    return [
+        (orjson.loads(m.value()), m.timestamp()[1] / 1000.0)
+        for m in read_all(cfg.kafka, [topic])
+        if m.value() is not None
+    ]
 
 
 def admitted_telemetry(cfg: Config) -> list[Telemetry]:
@@ -88,12 +91,19 @@ def audit_commands(cfg: Config) -> dict:
             at = got[i][1] if i < len(got) else float("inf")
             assert any(t <= at for t in exec_ends.get(gpu, [])), (
                 f"{gpu}: command {i} differs from the pure policy with no lease ended by its executor before it: "
-                f"got {got[i][0] if i < len(got) else None}, want {w[i] if i < len(w) else None}")
+                f"got {got[i][0] if i < len(got) else None}, want {w[i] if i < len(w) else None}"
+            )
             diverged += 1
         _structure(gpu, [c for c, _ in got])
     kinds = Counter(c["kind"] for c, _ in cmds)
-    return {"telemetry": len(events), "commands": len(cmds), "duplicates": 0, **kinds,
-            "gpus_exact": exact, "gpus_after_executor_end": diverged}
+    return {
+        "telemetry": len(events),
+        "commands": len(cmds),
+        "duplicates": 0,
+        **kinds,
+        "gpus_exact": exact,
+        "gpus_after_executor_end": diverged,
+    }
 
 
 def _structure(gpu: str, cmds: list[dict]) -> None:
@@ -109,8 +119,7 @@ def _structure(gpu: str, cmds: list[dict]) -> None:
             ended = c["kind"] == "revoke"
 
 
-def audit_leases(cfg: Config, revoke_deadline_s: float, executor_kills: list[float] = (),
-                 slack_s: float = 2.0) -> dict:
+def audit_leases(cfg: Config, revoke_deadline_s: float, executor_kills: list[float] = (), slack_s: float = 2.0) -> dict:
     cmds = _records(cfg, cfg.kafka.commands_topic)
     states = _records(cfg, cfg.kafka.lease_state_topic)
     deadlines: dict[str, list[tuple[float, float]]] = {}  # lease -> (record time, executor deadline)
@@ -131,7 +140,7 @@ def audit_leases(cfg: Config, revoke_deadline_s: float, executor_kills: list[flo
         end_i = next((i for i, (st, ts) in enumerate(recs) if st in LEASE_ENDS and ts >= first_active), None)
         end = recs[end_i][1] if end_i is not None else None
         if end_i is not None:
-            back = [st for st, _ in recs[end_i + 1:] if st == "active"]
+            back = [st for st, _ in recs[end_i + 1 :] if st == "active"]
             assert not back, f"{lease}: active again after it ended ({[st for st, _ in recs]})"
         kill = next((k for k in sorted(executor_kills) if first_active <= k and (end is None or k < end)), None)
         held_until = min(x for x in (end, kill) if x is not None) if (end or kill) else None
@@ -144,10 +153,16 @@ def audit_leases(cfg: Config, revoke_deadline_s: float, executor_kills: list[flo
         ended += 1
         by_kill += held_until == kill
         worst = max(worst, held_until - (bound - slack_s))
-        assert held_until <= bound, (f"{lease}: held {held_until - bound + slack_s:.2f}s past its expiry + revoke "
-                                     f"deadline ({[st for st, _ in recs]})")
-    return {"leases": leases, "ended": ended, "ended_by_executor_kill": by_kill,
-            "latest_end_vs_deadline_s": round(worst, 2) if ended else None}
+        assert held_until <= bound, (
+            f"{lease}: held {held_until - bound + slack_s:.2f}s past its expiry + revoke "
+            f"deadline ({[st for st, _ in recs]})"
+        )
+    return {
+        "leases": leases,
+        "ended": ended,
+        "ended_by_executor_kill": by_kill,
+        "latest_end_vs_deadline_s": round(worst, 2) if ended else None,
+    }
 
 
 def audit_tasks(queue, submitted: dict[str, int]) -> dict:
@@ -168,8 +183,13 @@ def audit_tasks(queue, submitted: dict[str, int]) -> dict:
     pending = sum(r.xpending(s, queue.group)["pending"] for s in streams if r.exists(s))
     assert pending == 0, f"{pending} task entries still pending"
     moved = sum(len({x["worker"] for x in t["turns"]}) > 1 for t in results)
-    return {"tasks": len(submitted), "results": len(results), "duplicates": 0,
-            "handed_over": moved, "workers": len({x["worker"] for t in results for x in t["turns"]})}
+    return {
+        "tasks": len(submitted),
+        "results": len(results),
+        "duplicates": 0,
+        "handed_over": moved,
+        "workers": len({x["worker"] for t in results for x in t["turns"]}),
+    }
 
 
 def audit_weights(out_dir: Path, want_flat: np.ndarray, versions: int) -> dict:

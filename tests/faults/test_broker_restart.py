@@ -25,15 +25,22 @@ pytestmark = pytest.mark.stack
 
 def test_broker_restart_under_load(cfg, stack, tmp_path):
     events = workload(16, 200, prefix="br", seed=9)
-    env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
-           "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix}
-    sched = subprocess.Popen([sys.executable, "-m", "rose", "scheduler", "--instance", "br"], env=env,
-                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "scheduler.log", "wb"))
+    env = {
+        **os.environ,
+        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+    }
+    sched = subprocess.Popen(
+        [sys.executable, "-m", "rose", "scheduler", "--instance", "br"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "scheduler.log", "wb"),
+    )
 
     def feed():
         p = make_producer(cfg.kafka)  # librdkafka buffers and retries through the outage
         for i in range(0, len(events), 160):
-            for ev in events[i:i + 160]:
+            for ev in events[i : i + 160]:
                 produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)
             p.poll(0)
             time.sleep(0.3)
@@ -60,9 +67,11 @@ def test_broker_restart_under_load(cfg, stack, tmp_path):
         exit_s = terminate_all({"scheduler": sched})
     ids = Counter(c["command_id"] for c in got)
     log = (tmp_path / "scheduler.log").read_text(errors="replace")
-    print(f"\n[broker-restart] outage={outage:.1f}s scheduler alive={alive} aborted transactions="
-          f"{log.count('transaction.abort')} commands expected={n_want} got={len(got)} "
-          f"duplicates={sum(n > 1 for n in ids.values())}")
+    print(
+        f"\n[broker-restart] outage={outage:.1f}s scheduler alive={alive} aborted transactions="
+        f"{log.count('transaction.abort')} commands expected={n_want} got={len(got)} "
+        f"duplicates={sum(n > 1 for n in ids.values())}"
+    )
     assert alive, "scheduler died during the broker outage"
     assert exit_s["scheduler"] <= SHUTDOWN_BOUND_S, f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {exit_s}"
     assert all(n == 1 for n in ids.values())

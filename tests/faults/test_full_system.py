@@ -41,8 +41,8 @@ from rose.kafka.admin import partitions_of
 from rose.kafka.consumer import TopicPartition, make_consumer, read_all
 from rose.kafka.producer import make_producer, produce
 from rose.rollout.episode import Task, ToolLatency
-from rose.rollout.tasks import TaskQueue
 from rose.rollout.launcher import WorkerConfig, launch
+from rose.rollout.tasks import TaskQueue
 from rose.sim.telemetry_workload import workload
 from tests.faults import audit
 from tests.processes import SHUTDOWN_BOUND_S
@@ -93,11 +93,14 @@ class Proc:
     kills: list[float] = field(default_factory=list)
     stop_s: float | None = None
 
-    def start(self, argv: list[str] | None = None, worker: WorkerConfig | None = None) -> "Proc":
+    def start(self, argv: list[str] | None = None, worker: WorkerConfig | None = None) -> Proc:
         self.starts += 1
-        io = {"env": self.env, "stdin": subprocess.DEVNULL,
-              "stdout": open(self.logs / f"{self.name}.{self.starts}.out", "wb"),
-              "stderr": open(self.logs / f"{self.name}.{self.starts}.log", "wb")}
+        io = {
+            "env": self.env,
+            "stdin": subprocess.DEVNULL,
+            "stdout": open(self.logs / f"{self.name}.{self.starts}.out", "wb"),
+            "stderr": open(self.logs / f"{self.name}.{self.starts}.log", "wb"),
+        }
         self.proc = launch(worker, **io) if worker is not None else subprocess.Popen(argv or self.argv, **io)
         return self
 
@@ -139,32 +142,64 @@ class Proc:
 class System:
     """Every ROSE process of one node plus a trainer, on the test's topics and keys."""
 
-    def __init__(self, cfg, tmp_path: Path, *, agent_trace: Path | None = None, duration_s: float = 30.0,
-                 versions: int = 6, tasks_per_wave: int = 12, seed: int = 1):
+    def __init__(
+        self,
+        cfg,
+        tmp_path: Path,
+        *,
+        agent_trace: Path | None = None,
+        duration_s: float = 30.0,
+        versions: int = 6,
+        tasks_per_wave: int = 12,
+        seed: int = 1,
+    ):
         self.cfg, self.tmp, self.duration_s, self.versions = cfg, tmp_path, duration_s, versions
         self.tasks_per_wave = tasks_per_wave
         self.logs = tmp_path / "logs"
         self.logs.mkdir()
         self.weights_dir = tmp_path / "follower"
-        self.env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap, "ROSE_REDIS_URL": cfg.redis.url,
-                    "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
-                    "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
-                    "ROSE_KAFKA__PARTITIONS": str(cfg.kafka.partitions),
-                    "ROSE_EXECUTOR__LATENCY_DIR": str(tmp_path / "latency"), "ROSE_EXECUTOR__JOB": JOB,
-                    "ROSE_EXECUTOR__REVOKE_DEADLINE_S": str(REVOKE_DEADLINE_S)}
+        self.env = {
+            **os.environ,
+            "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+            "ROSE_REDIS_URL": cfg.redis.url,
+            "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+            "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
+            "ROSE_KAFKA__PARTITIONS": str(cfg.kafka.partitions),
+            "ROSE_EXECUTOR__LATENCY_DIR": str(tmp_path / "latency"),
+            "ROSE_EXECUTOR__JOB": JOB,
+            "ROSE_EXECUTOR__REVOKE_DEADLINE_S": str(REVOKE_DEADLINE_S),
+        }
         self.env.pop("ROSE_CONFIG", None)
         rose = [sys.executable, "-m", "rose"]
         self.procs = {
             "scheduler": Proc("scheduler", rose + ["scheduler", "--instance", "fs"], self.env, self.logs),
             "executor": Proc("executor", rose + ["executor", "--simulate", str(N_GPUS)], self.env, self.logs),
-            "follower": Proc("follower", rose + ["weights", "follow", "--model", MODEL, "--out", str(self.weights_dir),
-                                                 "--until-version", str(versions)], self.env, self.logs),
+            "follower": Proc(
+                "follower",
+                rose
+                + [
+                    "weights",
+                    "follow",
+                    "--model",
+                    MODEL,
+                    "--out",
+                    str(self.weights_dir),
+                    "--until-version",
+                    str(versions),
+                ],
+                self.env,
+                self.logs,
+            ),
             "worker": Proc("worker", [], self.env, self.logs),
         }
         self.agent_trace = agent_trace
         if agent_trace is not None:
-            self.procs["agent"] = Proc("agent", rose + ["agent", "--simulate", str(agent_trace), "--gpus", str(N_GPUS),
-                                                        "--speed", "4"], self.env, self.logs)
+            self.procs["agent"] = Proc(
+                "agent",
+                rose + ["agent", "--simulate", str(agent_trace), "--gpus", str(N_GPUS), "--speed", "4"],
+                self.env,
+                self.logs,
+            )
         self.r = redis_lib.Redis.from_url(cfg.redis.url)
         self.queue = TaskQueue(self.r, cfg.redis, JOB)
         self.submitted: dict[str, int] = {}
@@ -184,9 +219,20 @@ class System:
     # ---- parts ---------------------------------------------------------------------------
     def worker_config(self) -> WorkerConfig:
         n = self.procs["worker"].starts + 1
-        return WorkerConfig(gpu="rollout/0", worker_id=f"dedicated-{n}", redis=self.cfg.redis, job=JOB, model=MODEL,
-                            dedicated=True, nice=5, max_batch=4, model_spec=SMALL, min_idle_ms=3000,
-                            reclaim_every_ms=500, seed=n)
+        return WorkerConfig(
+            gpu="rollout/0",
+            worker_id=f"dedicated-{n}",
+            redis=self.cfg.redis,
+            job=JOB,
+            model=MODEL,
+            dedicated=True,
+            nice=5,
+            max_batch=4,
+            model_spec=SMALL,
+            min_idle_ms=3000,
+            reclaim_every_ms=500,
+            seed=n,
+        )
 
     def start_worker(self) -> None:
         self.procs["worker"].start(worker=self.worker_config())
@@ -199,9 +245,17 @@ class System:
     def submit(self, wave: int, n: int) -> None:
         for i in range(n):
             tid = f"w{wave}-{i}"
-            self.queue.submit(Task(task_id=tid, prompt=[1 + (i * 7 + wave) % 200, 2, 3, 4], max_turns=TURNS,
-                                   tokens_per_turn=12, obs_tokens=4, tool=ToolLatency(mu=math.log(TOOL_S), sigma=0.3),
-                                   seed=i + 100 * wave))
+            self.queue.submit(
+                Task(
+                    task_id=tid,
+                    prompt=[1 + (i * 7 + wave) % 200, 2, 3, 4],
+                    max_turns=TURNS,
+                    tokens_per_turn=12,
+                    obs_tokens=4,
+                    tool=ToolLatency(mu=math.log(TOOL_S), sigma=0.3),
+                    seed=i + 100 * wave,
+                )
+            )
             self.submitted[tid] = TURNS
 
     def _thread(self, fn) -> None:
@@ -289,7 +343,7 @@ class System:
                 time.sleep(0.5)
 
     # ---- run -----------------------------------------------------------------------------
-    def start(self) -> "System":
+    def start(self) -> System:
         self.submit(1, self.tasks_per_wave)
         for name in ("scheduler", "executor", "follower"):
             self.procs[name].start()
@@ -303,8 +357,11 @@ class System:
         return self
 
     def lease_states(self) -> list[dict]:
-        return [{**orjson.loads(m.value()), "_ts": m.timestamp()[1] / 1000}
-                for m in read_all(self.cfg.kafka, [self.cfg.kafka.lease_state_topic]) if m.value()]
+        return [
+            {**orjson.loads(m.value()), "_ts": m.timestamp()[1] / 1000}
+            for m in read_all(self.cfg.kafka, [self.cfg.kafka.lease_state_topic])
+            if m.value()
+        ]
 
     def wait_loaded(self, timeout: float = 60) -> None:
         """Under load: a lease active (its worker running) and episodes completing."""
@@ -341,12 +398,17 @@ class System:
             t.join(self.duration_s + 120)
         assert not self.errors, f"feeder/trainer failed: {self.errors!r}"
         wait_for(self.scheduler_caught_up, drain_s, "the scheduler did not consume all telemetry", every=1)
-        wait_for(lambda: self.r.hlen(self.queue.done_key) >= len(self.submitted), drain_s,
-                 f"tasks not all done ({self.r.hlen(self.queue.done_key)}/{len(self.submitted)})", every=1)
+        wait_for(
+            lambda: self.r.hlen(self.queue.done_key) >= len(self.submitted),
+            drain_s,
+            f"tasks not all done ({self.r.hlen(self.queue.done_key)}/{len(self.submitted)})",
+            every=1,
+        )
         wait_for(lambda: not self.procs["follower"].alive(), 60, "the follower did not reach the last version")
         fol = self.procs["follower"]
-        assert fol.proc.returncode == 0, \
+        assert fol.proc.returncode == 0, (
             f"the follower exited {fol.proc.returncode}: {(self.logs / f'follower.{fol.starts}.log').read_text()[-800:]}"
+        )
         self._stopping.set()
         time.sleep(0.6)
         codes = {}
@@ -395,8 +457,13 @@ def report(tag: str, fault: dict, counts: dict, codes: dict, stop_s: dict) -> No
 
 def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: int, duration_s: float) -> None:
     rng, seed = fault_rng(target)
-    sysm = System(cfg, tmp_path, duration_s=duration_s, seed=7,
-                  agent_trace=traces_dir / "azure_llm2023_code.csv" if target == "agent" else None)
+    sysm = System(
+        cfg,
+        tmp_path,
+        duration_s=duration_s,
+        seed=7,
+        agent_trace=traces_dir / "azure_llm2023_code.csv" if target == "agent" else None,
+    )
     fault = {"kind": f"SIGKILL {target}", "seed": seed, "at_s": [], "restarted": 0}
     executor_kills: list[float] = []
     orphans_exited = []
@@ -425,8 +492,15 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
             if target == "executor":
                 executor_kills.append(t)
                 # its workers got SIGTERM (pdeathsig): they drain and exit within the revoke deadline
-                wait_for(lambda: not any(psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE
-                                         for x in orphans), REVOKE_DEADLINE_S + 5, "orphaned workers still running")
+                wait_for(
+                    lambda: (
+                        not any(
+                            psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE for x in orphans
+                        )
+                    ),
+                    REVOKE_DEADLINE_S + 5,
+                    "orphaned workers still running",
+                )
                 orphans_exited.append(len(orphans))
             time.sleep(rng.uniform(0.0, 1.5))
             if target == "worker":
@@ -538,8 +612,11 @@ def test_stack_stops_its_process_without_a_pid_file(tmp_path):
 
     port = free_port()
     (tmp_path / "redis").mkdir()
-    listen = [sys.executable, "-c", "import socket,time\ns=socket.socket();s.bind(('127.0.0.1',%d));s.listen();"
-              "time.sleep(60)" % port]
+    listen = [
+        sys.executable,
+        "-c",
+        f"import socket,time\ns=socket.socket();s.bind(('127.0.0.1',{port}));s.listen();time.sleep(60)",
+    ]
     st = LocalStack(dataclasses.replace(StackConfig(), data_dir=str(tmp_path), redis_port=port), "", "")
     other = subprocess.Popen(listen, cwd=tmp_path)  # on the port, but not from the stack's redis dir
     try:

@@ -12,8 +12,8 @@ import time
 import orjson
 import pytest
 
-from rose.executor.service import Executor
 from rose.contract.codec import encode
+from rose.executor.service import Executor
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce
 from tests.examples import command_example
@@ -34,8 +34,13 @@ def corpus(valid: dict) -> list[tuple[str, bytes, str]]:
         ("not an object", b'"grant"', "expected JSON object"),
         ("wrong type", mut(epoch="seven"), "expected integer"),
         ("missing field", orjson.dumps(missing), "missing required field"),
-        ("NaN literal", orjson.dumps(valid).replace(b'"compute_share":' + orjson.dumps(valid["compute_share"]),
-                                                    b'"compute_share":NaN'), "invalid JSON"),
+        (
+            "NaN literal",
+            orjson.dumps(valid).replace(
+                b'"compute_share":' + orjson.dumps(valid["compute_share"]), b'"compute_share":NaN'
+            ),
+            "invalid JSON",
+        ),
         ("negative memory", mut(mem_bytes=-1), "outside"),
         ("absurd memory", mut(mem_bytes=1 << 60), "outside"),
         ("share above one", mut(compute_share=2.0), "outside"),
@@ -48,15 +53,20 @@ def corpus(valid: dict) -> list[tuple[str, bytes, str]]:
 
 
 def test_hostile_commands_land_in_dlq_and_change_no_lease(cfg, tmp_path):
-    cfg = dataclasses.replace(cfg, executor=dataclasses.replace(
-        cfg.executor, worker="placeholder", latency_dir=str(tmp_path), revoke_deadline_s=1.0))
+    cfg = dataclasses.replace(
+        cfg,
+        executor=dataclasses.replace(
+            cfg.executor, worker="placeholder", latency_dir=str(tmp_path), revoke_deadline_s=1.0
+        ),
+    )
     ex = Executor(cfg, [GPU], guard=False).start()
     stop = threading.Event()
     t = threading.Thread(target=lambda: [ex.run_once(0.02) for _ in iter(stop.is_set, True)], daemon=True)
     t.start()
     now = time.time()
-    grant = command_example(gpu=GPU, lease_id=f"{GPU}#1", epoch=1, ts=now, expires_at=now + 60,
-                            mem_bytes=1 * GiB, command_id="hc-grant")
+    grant = command_example(
+        gpu=GPU, lease_id=f"{GPU}#1", epoch=1, ts=now, expires_at=now + 60, mem_bytes=1 * GiB, command_id="hc-grant"
+    )
     revoke = dataclasses.replace(grant, kind="revoke", command_id="hc-revoke", mem_bytes=0, compute_share=0.0)
     cases = corpus(grant.to_dict())
     p = make_producer(cfg.kafka, **{"message.max.bytes": 17 << 20})
@@ -70,8 +80,11 @@ def test_hostile_commands_land_in_dlq_and_change_no_lease(cfg, tmp_path):
         deadline = time.monotonic() + 60
         states = []
         while time.monotonic() < deadline:
-            states = [orjson.loads(m.value())["state"] for m in read_all(cfg.kafka, [cfg.kafka.lease_state_topic])
-                      if m.key() == GPU.encode()]
+            states = [
+                orjson.loads(m.value())["state"]
+                for m in read_all(cfg.kafka, [cfg.kafka.lease_state_topic])
+                if m.key() == GPU.encode()
+            ]
             if "revoked" in states:
                 break
             time.sleep(0.5)
@@ -80,8 +93,7 @@ def test_hostile_commands_land_in_dlq_and_change_no_lease(cfg, tmp_path):
         stop.set()
         t.join(10)
         ex.shutdown()
-    dlq = {header(m, "corpus").decode(): m for m in read_all(cfg.kafka, [cfg.kafka.dlq_topic])
-           if header(m, "corpus")}
+    dlq = {header(m, "corpus").decode(): m for m in read_all(cfg.kafka, [cfg.kafka.dlq_topic]) if header(m, "corpus")}
     print()
     for name, value, words in cases:
         assert name in dlq, f"{name} did not reach the dlq"

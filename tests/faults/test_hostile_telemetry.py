@@ -10,10 +10,10 @@ import time
 import orjson
 import pytest
 
-from rose.scheduler.service import Scheduler
 from rose.contract.codec import encode
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce
+from rose.scheduler.service import Scheduler
 from rose.sim.telemetry_workload import expected_commands, workload
 
 pytestmark = pytest.mark.stack
@@ -35,10 +35,16 @@ def hostile_corpus(valid: dict) -> list[tuple[str, bytes, str]]:
         ("wrong type", mut(gpu_util="high"), "expected number"),
         ("wrong nested type", mut(latency_ms={"ttft_p99": "x", "tpot_p99": 1}), "expected number"),
         ("missing field", orjson.dumps(missing), "missing required field"),
-        ("NaN literal", orjson.dumps(valid).replace(b'"rps":' + orjson.dumps(valid["rps"]), b'"rps":NaN'),
-         "invalid JSON"),
-        ("Infinity literal", orjson.dumps(valid).replace(b'"rps":' + orjson.dumps(valid["rps"]), b'"rps":Infinity'),
-         "invalid JSON"),
+        (
+            "NaN literal",
+            orjson.dumps(valid).replace(b'"rps":' + orjson.dumps(valid["rps"]), b'"rps":NaN'),
+            "invalid JSON",
+        ),
+        (
+            "Infinity literal",
+            orjson.dumps(valid).replace(b'"rps":' + orjson.dumps(valid["rps"]), b'"rps":Infinity'),
+            "invalid JSON",
+        ),
         ("negative memory", mut(mem_used_bytes=-5), "outside"),
         ("absurd memory", mut(mem_total_bytes=1 << 62, mem_used_bytes=1 << 61), "outside"),
         ("used above total", mut(mem_used_bytes=valid["mem_total_bytes"] + 1), "exceeds mem_total_bytes"),

@@ -30,20 +30,41 @@ GiB = 1 << 30
 
 
 def calm(i: int) -> Telemetry:
-    return Telemetry(event_id=f"p-{i}", ts=time.time(), node="part", gpu=GPU, pool="serving", gpu_util=0.3,
-                     mem_total_bytes=80 * GiB, mem_used_bytes=30 * GiB, rollout_mem_bytes=0,
-                     latency_ms=Latency(100.0, 10.0), slo_ms=Latency(1000.0, 100.0), rps=2.0, queue_depth=0)
+    return Telemetry(
+        event_id=f"p-{i}",
+        ts=time.time(),
+        node="part",
+        gpu=GPU,
+        pool="serving",
+        gpu_util=0.3,
+        mem_total_bytes=80 * GiB,
+        mem_used_bytes=30 * GiB,
+        rollout_mem_bytes=0,
+        latency_ms=Latency(100.0, 10.0),
+        slo_ms=Latency(1000.0, 100.0),
+        rps=2.0,
+        queue_depth=0,
+    )
 
 
 def lease_states(cfg) -> list[dict]:
-    return [{**orjson.loads(m.value()), "_ts": m.timestamp()[1] / 1000}
-            for m in read_all(cfg.kafka, [cfg.kafka.lease_state_topic]) if m.value()]
+    return [
+        {**orjson.loads(m.value()), "_ts": m.timestamp()[1] / 1000}
+        for m in read_all(cfg.kafka, [cfg.kafka.lease_state_topic])
+        if m.value()
+    ]
 
 
 def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
-    env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap, "ROSE_REDIS_URL": cfg.redis.url,
-           "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix, "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
-           "ROSE_EXECUTOR__LATENCY_DIR": str(tmp_path / "lat"), "ROSE_EXECUTOR__REVOKE_DEADLINE_S": "2"}
+    env = {
+        **os.environ,
+        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+        "ROSE_REDIS_URL": cfg.redis.url,
+        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+        "ROSE_REDIS__KEY_PREFIX": cfg.redis.key_prefix,
+        "ROSE_EXECUTOR__LATENCY_DIR": str(tmp_path / "lat"),
+        "ROSE_EXECUTOR__REVOKE_DEADLINE_S": "2",
+    }
     stop_feed = threading.Event()
 
     def feed():
@@ -57,10 +78,18 @@ def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
             time.sleep(0.25)
         p.flush(10)
 
-    ex = subprocess.Popen([sys.executable, "-m", "rose", "executor", "--gpus", GPU], env=env,
-                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / "executor.log", "wb"))
-    sch = subprocess.Popen([sys.executable, "-m", "rose", "scheduler", "--instance", "part"], env=env,
-                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / "scheduler.log", "wb"))
+    ex = subprocess.Popen(
+        [sys.executable, "-m", "rose", "executor", "--gpus", GPU],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "executor.log", "wb"),
+    )
+    sch = subprocess.Popen(
+        [sys.executable, "-m", "rose", "scheduler", "--instance", "part"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "scheduler.log", "wb"),
+    )
     feeder = threading.Thread(target=feed)
     feeder.start()
     try:
@@ -94,9 +123,11 @@ def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
     final_states = lease_states(cfg)
     after = [s for s in final_states if s["lease_id"] == lease and s["_ts"] > expired[0]["_ts"]]
     rejected = [s for s in after if s["state"] == "rejected"]
-    print(f"\n[partition] SIGSTOP->expired {took:.2f}s; backlog renews of the expired lease rejected by the "
-          f"executor: {len(rejected)}; new grant: {cmds[new_grant]['lease_id'] if new_grant is not None else None}; "
-          f"duplicates: {sum(n > 1 for n in ids.values())}")
+    print(
+        f"\n[partition] SIGSTOP->expired {took:.2f}s; backlog renews of the expired lease rejected by the "
+        f"executor: {len(rejected)}; new grant: {cmds[new_grant]['lease_id'] if new_grant is not None else None}; "
+        f"duplicates: {sum(n > 1 for n in ids.values())}"
+    )
     assert took <= cfg.policy.ttl_s + 3, "lease held well past its expiry"
     assert not any(s["state"] == "active" for s in after), "expired lease came back to life"
     assert new_grant is not None, "the resumed scheduler never learned that the lease expired"

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import orjson
 import pytest
@@ -30,20 +30,27 @@ pytestmark = pytest.mark.stack
 
 def test_zombie_scheduler_is_fenced(cfg, tmp_path):
     events = workload(24, 240, prefix="z", seed=5)
-    env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
-           "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix}
+    env = {
+        **os.environ,
+        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+    }
 
     def feed():
         p = make_producer(cfg.kafka)
         for i in range(0, len(events), 240):
-            for ev in events[i:i + 240]:
+            for ev in events[i : i + 240]:
                 produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)
             p.flush(10)
             time.sleep(0.4)
 
     def start(name):
-        return subprocess.Popen([sys.executable, "-m", "rose", "scheduler", "--instance", name],
-                                env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "wb"))
+        return subprocess.Popen(
+            [sys.executable, "-m", "rose", "scheduler", "--instance", name],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"{name}.log", "wb"),
+        )
 
     a, b = start("a"), start("b")
     feeder = threading.Thread(target=feed)
@@ -51,9 +58,9 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
     try:
         time.sleep(6)
         a.send_signal(signal.SIGSTOP)  # A freezes mid-stream; B gets its partitions after the session timeout
-        frozen_at = datetime.now(timezone.utc)
+        frozen_at = datetime.now(UTC)
         time.sleep(14)
-        thawed_at = datetime.now(timezone.utc)
+        thawed_at = datetime.now(UTC)
         a.send_signal(signal.SIGCONT)  # A wakes up as a zombie
         feeder.join()
         want = expected_commands(events, cfg.policy)
@@ -69,13 +76,17 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
     dups = sum(n > 1 for n in ids.values())
     held_by_a = owned_partitions(logs["a"], until=frozen_at)
     held_by_b = owned_partitions(logs["b"], until=thawed_at)
-    print(f"\n[zombie] commands expected={n_want} got={len(got)} duplicates={dups} aborted transactions={aborts} "
-          f"A held {sorted(held_by_a)} when frozen, B held {sorted(held_by_b)} when A thawed; exit after SIGTERM {exit_s}")
+    print(
+        f"\n[zombie] commands expected={n_want} got={len(got)} duplicates={dups} aborted transactions={aborts} "
+        f"A held {sorted(held_by_a)} when frozen, B held {sorted(held_by_b)} when A thawed; exit after SIGTERM {exit_s}"
+    )
     assert held_by_a, "A owned no partition when it was frozen: the test would not exercise a zombie"
     assert held_by_a <= held_by_b, "B did not take over the partitions of the frozen A"
     assert dups == 0
     assert by_gpu(got) == want
-    assert all(t <= SHUTDOWN_BOUND_S for t in exit_s.values()), f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {exit_s}"
+    assert all(t <= SHUTDOWN_BOUND_S for t in exit_s.values()), (
+        f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {exit_s}"
+    )
 
 
 def owned_partitions(log: str, until: datetime) -> set[int]:

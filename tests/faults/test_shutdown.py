@@ -11,20 +11,24 @@ import time
 
 import pytest
 
-from rose.stack import free_port
 from rose.shutdown import EXIT_FORCED
+from rose.stack import free_port
 from tests.conftest import TRACES
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 
 def spawn(args: list[str], env: dict, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rose", *args], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=log)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rose", *args], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
+    )
 
 
 def test_every_process_stops_within_the_bound_while_kafka_and_redis_are_down(tmp_path):
-    env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}",
-           "ROSE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    env = {
+        **os.environ,
+        "ROSE_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}",
+        "ROSE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+    }
     procs = {
         "scheduler": ["scheduler", "--instance", "down"],
         "executor": ["executor", "--simulate", "2"],
@@ -47,8 +51,11 @@ def test_every_process_stops_within_the_bound_while_kafka_and_redis_are_down(tmp
 def test_a_fenced_scheduler_stops_within_the_bound(cfg, tmp_path):
     """A second instance with the same id fences the first (init_transactions bumps the epoch):
     the first replaces its client in a loop; SIGTERM still ends it in time."""
-    env = {**os.environ, "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
-           "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix}
+    env = {
+        **os.environ,
+        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+    }
     first = spawn(["scheduler", "--instance", "same"], env, open(tmp_path / "first.log", "wb"))
     time.sleep(4)
     second = spawn(["scheduler", "--instance", "same"], env, open(tmp_path / "second.log", "wb"))
@@ -61,10 +68,12 @@ def test_a_fenced_scheduler_stops_within_the_bound(cfg, tmp_path):
 def test_a_wedged_graceful_exit_is_cut_at_the_deadline():
     """The hard deadline itself: a process whose stop hook never lets it return is ended with
     EXIT_FORCED after GRACE_S, and one log line says so."""
-    code = ("import time\nfrom rose.shutdown import Shutdown\n"
-            "s = Shutdown.install(grace_s=1.0, name='wedged')\n"
-            "print('ready', flush=True)\n"
-            "while True:\n    time.sleep(0.1)  # ignores s.stop: a wedged client call\n")
+    code = (
+        "import time\nfrom rose.shutdown import Shutdown\n"
+        "s = Shutdown.install(grace_s=1.0, name='wedged')\n"
+        "print('ready', flush=True)\n"
+        "while True:\n    time.sleep(0.1)  # ignores s.stop: a wedged client call\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
