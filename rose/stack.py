@@ -94,6 +94,16 @@ def _log(msg: str) -> None:
     print(f"[stack] {msg}", file=sys.stderr, flush=True)
 
 
+def kafka_cluster_id() -> str:
+    """A random KRaft cluster id as Kafka makes one (`Uuid.randomUuid`): url-safe base64 of 16
+    bytes, never starting with `-`, which the storage tool's argument parser would read as a flag
+    (one id in 64 would make `rose stack up` fail on a fresh machine)."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
 @dataclass
 class LocalStack:
     scfg: StackConfig
@@ -305,7 +315,7 @@ class LocalStack:
         cp = f"{self.libs}/*"
         data = self.root / "kafka-data"
         if not (data / "meta.properties").exists():
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            cluster_id = kafka_cluster_id()
             r = subprocess.run(
                 [
                     java,

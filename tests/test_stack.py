@@ -292,3 +292,12 @@ def test_jaeger_takes_an_otlp_span_on_loopback_and_shows_it(tmp_path):
     finally:
         assert st.down() == ["jaeger"]
     assert not st.jaeger_alive() and not psutil.pid_exists(pid)
+
+
+def test_kafka_cluster_ids_never_start_with_a_dash():
+    """The storage tool reads a leading `-` as a flag: Kafka's own ids avoid it, and so must ours."""
+    from rose.stack import kafka_cluster_id
+
+    ids = [kafka_cluster_id() for _ in range(5000)]
+    assert not any(i.startswith("-") for i in ids)
+    assert all(len(i) == 22 for i in ids) and len(set(ids)) == len(ids)
