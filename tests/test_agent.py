@@ -16,7 +16,9 @@ import pytest
 from rose.contract.events import Telemetry
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce_event
-from rose.node.agent import LeaseView, SimOptions, run_simulated, telemetry_records
+from rose.node.lease_view import LeaseView
+from rose.node.telemetry import telemetry_records
+from rose.sim.agent import SimOptions, run_simulated
 from tests.examples import command_example, lease_state_example
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,6 +127,17 @@ def test_lease_view_state_and_share():
     assert v.rollout("sim/0") == (0.5, True, GiB)  # grant not seen: the policy's max share
     v.on_command(command_example(gpu="sim/0", lease_id="L1", compute_share=0.2))
     assert v.rollout("sim/0") == (0.2, True, GiB)
+    # v1.1: a throttle to 0 pauses (memory held, nothing runs); a throttle up resumes at its share
+    v.on_command(command_example(gpu="sim/0", lease_id="L1", kind="throttle", compute_share=0.0))
+    v.on_lease_state(
+        lease_state_example(gpu="sim/0", lease_id="L1", epoch=1, state="paused", ts=1.7e9 + 1, rollout_mem_bytes=GiB)
+    )
+    assert v.rollout("sim/0") == (0.0, False, GiB)
+    v.on_command(command_example(gpu="sim/0", lease_id="L1", kind="throttle", compute_share=0.35))
+    v.on_lease_state(
+        lease_state_example(gpu="sim/0", lease_id="L1", epoch=1, state="active", ts=1.7e9 + 2, rollout_mem_bytes=GiB)
+    )
+    assert v.rollout("sim/0") == (0.35, True, GiB)
     v.on_lease_state(lease_state_example(gpu="sim/0", lease_id="L1", epoch=1, state="revoked", ts=2e9))
     assert v.rollout("sim/0") == (0.0, False, 0)
     v.on_lease_state(lease_state_example(gpu="sim/0", lease_id="L0", epoch=0, state="active", ts=3e9))
@@ -208,7 +221,7 @@ def test_active_lease_adds_interference_and_revoke_restores(cfg, traces_dir):
 def test_simulated_agent_feeds_the_local_guard(tmp_path, traces_dir):
     """`--feed-guard`: each window's p99 lands where the executor's guard reads it."""
     from rose.executor.guard import FileLatencySource
-    from rose.node.agent import feed_guard
+    from rose.node.telemetry import feed_guard
 
     feed_guard(str(tmp_path), ["sim/0", "sim/1"], 1000.0, [120.0, 900.0], [10.0, 95.0], (1000.0, 100.0))
     src = FileLatencySource(tmp_path)

@@ -62,7 +62,7 @@ def _vllm_page(step: int) -> str:
 
 def _real_path_us_per_event(n: int) -> float:
     from rose.node import prometheus
-    from rose.node.agent import telemetry_records
+    from rose.node.telemetry import telemetry_records
 
     names = prometheus.metric_names("vllm")
     keep = prometheus.all_names(names)
@@ -100,7 +100,7 @@ def run(cfg, quick: bool) -> dict:
     from rose.kafka.admin import wait_for_broker
     from rose.kafka.telemetry_publisher import TelemetryPublisher
     from rose.kafka.topics import create_topics, delete_topics
-    from rose.node.agent import SimOptions, run_simulated
+    from rose.sim.agent import SimOptions, run_simulated
     from rose.sim.traces import TraceError
 
     gpus = 5000

@@ -34,8 +34,8 @@ def run(cfg, quick: bool, steps: int | None = None) -> dict:
         try:
             alone = percentiles_ms(_measure(serve, steps))
             slo_ms = alone["p99_ms"] * SLO_OVER_ALONE
-            lat = {"alone": alone}
-            rollout = {
+            lat: dict[str, dict] = {"alone": alone}
+            rollout: dict[str, dict] = {
                 "alone": {
                     "tokens_per_s": 0.0,
                     "decode_steps_per_s": 0.0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 GOAL_KAFKA_PAUSED_P99_MS = 20.0
 GOAL_GUARD_PAUSED_P99_MS = 2.0
@@ -54,7 +55,7 @@ def run(cfg, quick: bool) -> dict:
         try:
             for epoch in range(1, cycles + 1):
                 now = time.time()
-                base = dict(
+                base: dict[str, Any] = dict(
                     gpu=GPU,
                     lease_id=f"{GPU}#{epoch}",
                     epoch=epoch,

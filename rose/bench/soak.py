@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from rose.config import Config
 from rose.stack import free_port
@@ -119,14 +120,14 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
         ],
     )
     group = f"{cfg.kafka.topic_prefix}rose-scheduler"
-    series = []
+    series: list[dict[str, Any]] = []
     prev_hist = None
     t0 = time.monotonic()
     try:
         while time.monotonic() - t0 < seconds:
             time.sleep(sample_s)
             hist = _decision_hist(port)
-            row = {
+            row: dict[str, Any] = {
                 "t_s": round(time.monotonic() - t0, 1),
                 "lag_messages": _lag(cfg, group),
                 "decision_p99_ms": _window_p99_ms(hist, prev_hist),

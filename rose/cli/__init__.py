@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
+from typing import NoReturn
 
 import typer
 
@@ -39,7 +40,7 @@ def cli_config():
     return load_config(_state["config_path"])
 
 
-def fail(message: str, code: int = 2) -> typer.Exit:
+def fail(message: str, code: int = 2) -> NoReturn:
     """Print one clear line to stderr and exit; for errors the user can fix."""
     typer.echo(f"rose: {message}", err=True)
     raise typer.Exit(code)

@@ -111,11 +111,12 @@ def register(app: typer.Typer) -> None:
                 nv.close()
         else:
             from rose.kafka.telemetry_publisher import TelemetryPublisher
-            from rose.node.agent import SimOptions, run_simulated
+            from rose.sim.agent import SimOptions, run_simulated
             from rose.sim.models import gpu_spec
             from rose.sim.models import model_size as model_preset
             from rose.sim.traces import TraceError, load_trace
 
+            assert simulate is not None  # exactly one of --simulate / --nvml, checked above
             try:
                 load_trace(simulate)  # validate before connecting anywhere
                 model_preset(model_size or cfg.telemetry.model_size)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TypeVar, overload
+
 import orjson
 
 from rose.contract.events import EVENT_TYPES, Event, InvalidEvent
+
+_E = TypeVar("_E", bound=Event)
 
 MAX_VALUE_BYTES = 1 << 20  # 1 MiB: a telemetry or command value is < 1 KiB; more is hostile
 
@@ -13,7 +17,11 @@ def encode(event: Event) -> bytes:
     return orjson.dumps(event.to_dict())
 
 
-def decode(value: bytes | None, expect: type | None = None) -> Event:
+@overload
+def decode(value: bytes | None, expect: type[_E]) -> _E: ...
+@overload
+def decode(value: bytes | None, expect: None = None) -> Event: ...
+def decode(value: bytes | None, expect: type[_E] | None = None) -> Event:
     """Decode one message value; raises InvalidEvent naming what is wrong.
 
     `expect` pins the type (a topic carries one schema); without it the `schema`
@@ -24,9 +32,10 @@ def decode(value: bytes | None, expect: type | None = None) -> Event:
     d = load_object(value)
     if expect is None:
         schema = d.get("schema")
-        expect = EVENT_TYPES.get(schema) if isinstance(schema, str) else None
-        if expect is None:
+        found = EVENT_TYPES.get(schema) if isinstance(schema, str) else None
+        if found is None:
             raise InvalidEvent("schema", f"unknown schema {schema!r}")
+        return found.from_dict(d)
     return expect.from_dict(d)
 
 

@@ -89,7 +89,7 @@ def _schema(d: dict, expected: str) -> None:
 def _plain(event: Any, schema: str) -> dict:
     """What dataclasses.asdict gives (schema first, then the fields in order), without its
     recursive deep copies, which cost more than the encoding on the scheduler's hot path."""
-    d = {"schema": schema}
+    d: dict[str, Any] = {"schema": schema}
     for name in event.__slots__:
         v = getattr(event, name)
         d[name] = {"ttft_p99": v.ttft_p99, "tpot_p99": v.tpot_p99} if type(v) is Latency else v
@@ -337,4 +337,4 @@ class LeaseState:
 
 
 Event = Telemetry | Command | LeaseState
-EVENT_TYPES: dict[str, type] = {t.schema: t for t in (Telemetry, Command, LeaseState)}
+EVENT_TYPES: dict[str, type[Event]] = {t.schema: t for t in (Telemetry, Command, LeaseState)}

@@ -173,7 +173,8 @@ class CoServed:
         from rose.contract.events import Latency
         from rose.executor.guard import LatencySample, write_latency
         from rose.kafka.telemetry_publisher import TelemetryPublisher
-        from rose.node.agent import LeaseFollower, LeaseView, telemetry_records
+        from rose.node.lease_view import LeaseFollower, LeaseView
+        from rose.node.telemetry import telemetry_records
         from rose.rollout.engine import GenRequest
 
         spec, cfg, r = self.spec, self.cfg, self.r
