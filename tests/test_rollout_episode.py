@@ -34,10 +34,15 @@ def test_continuation_round_trips_and_keeps_turns(prompt, turns, tpt, obs, seed,
         ep.on_token(i % 256, version=3, now=now)
     cont = Task.from_dict(ep.continuation().to_dict())
     assert [x.action for x in cont.turns] == [x.action for x in ep.turns]
-    assert all(len(x.action) == tpt for x in cont.turns)  # a partial action is never carried
+    assert all(len(x.action) == tpt and x.versions == [3] * tpt for x in cont.turns)
     assert cont.moves == 1
     resumed = Episode(cont, "w2", "g2", True, now=now)
-    assert resumed.context() == ep.context()[: len(resumed.context())]
+    # no lost tokens: the action in progress travels with its per-token versions
+    assert resumed.context() == ep.context()
+    if ep.state == GENERATE:
+        assert resumed.action == ep.action and resumed.action_versions == [3] * len(ep.action)
+        assert resumed.resumed_tokens == len(ep.action)
+        assert resumed.to_feed() == ep.context()  # re-prefill, then sample on
     if ep.state == TOOL:  # preempted during its tool call: the next worker runs it again
         assert resumed.state == TOOL
     elif ep.state == GENERATE:
@@ -88,3 +93,26 @@ def test_invalid_tasks_name_the_field(bad, field):
     with pytest.raises(InvalidTask) as e:
         Task.from_dict(bad)
     assert e.value.field == field
+
+
+def test_resumed_action_keeps_versions_per_token_in_the_trajectory():
+    t = Task("t", [65], max_turns=1, tokens_per_turn=4, obs_tokens=0, tool=ToolLatency(mu=-5, sigma=0))
+    ep = Episode(t, "w", "g", False, now=0.0)
+    ep.on_token(1, version=5, now=0.0)
+    ep.on_token(2, version=6, now=0.0)  # a new policy version arrived between decode steps
+    seed_fresh = Episode(t, "x", "g", False, now=0.0).sampler_seed()
+    resumed = Episode(Task.from_dict(ep.continuation().to_dict()), "w2", "g2", True, now=1.0)
+    assert resumed.sampler_seed() != seed_fresh  # the resumed draw is not the turn's first draw again
+    resumed.on_token(3, version=7, now=1.0)
+    resumed.on_token(4, version=7, now=1.0)
+    traj = resumed.trajectory(now=2.0)
+    assert traj["turns"][0]["action"] == [1, 2, 3, 4]
+    assert traj["token_versions"] == [[5, 6, 7, 7]] and traj["versions"] == [5]
+
+
+def test_a_partial_action_must_fit_and_carry_one_version_per_token():
+    base = {"task_id": "t", "prompt": [1], "tokens_per_turn": 4}
+    with pytest.raises(InvalidTask, match="partial_versions"):
+        Task.from_dict({**base, "partial": [1, 2], "partial_versions": [0]})
+    with pytest.raises(InvalidTask, match="partial"):
+        Task.from_dict({**base, "partial": [1, 2, 3, 4], "partial_versions": [0, 0, 0, 0]})

@@ -51,6 +51,7 @@ class Turn:
     gpu: str
     dedicated: bool
     tool_s: float = 0.0
+    versions: list[int] = field(default_factory=list)  # per action token (v1.1); empty in older data
 
     @classmethod
     def from_dict(cls, d: dict, path: str) -> Turn:
@@ -65,6 +66,7 @@ class Turn:
                 gpu=str(d.get("gpu", "")),
                 dedicated=bool(d.get("dedicated", False)),
                 tool_s=float(d.get("tool_s", 0.0)),
+                versions=_versions(d, "versions", len(d["action"]), path) if "versions" in d else [],
             )
         except KeyError as e:
             raise InvalidTask(f"{path}{e.args[0]}", "missing required field") from None
@@ -76,6 +78,14 @@ def _tokens(d: dict, key: str, path: str = "") -> list[int]:
     v = d.get(key)
     if not isinstance(v, list) or len(v) > MAX_TOKENS or not all(isinstance(t, int) and 0 <= t < 256 for t in v):
         raise InvalidTask(path + key, "expected a list of byte tokens (ints 0..255)")
+    return v
+
+
+def _versions(d: dict, key: str, n: int, path: str = "") -> list[int]:
+    """Per-token policy versions: one non-negative int per token."""
+    v = d.get(key)
+    if not isinstance(v, list) or len(v) != n or not all(isinstance(x, int) and x >= 0 for x in v):
+        raise InvalidTask(path + key, f"expected {n} policy versions (ints >= 0), one per token")
     return v
 
 
@@ -100,6 +110,10 @@ class Task:
     step: int = 0  # the RL step this episode belongs to
     turns: list[Turn] = field(default_factory=list)  # a continuation carries the turns so far
     moves: int = 0  # how many times the episode changed worker
+    # a continuation also carries the action in progress (v1.1, no lost tokens): its tokens and
+    # the policy version of each; the next worker prefills them and samples on from there
+    partial: list[int] = field(default_factory=list)
+    partial_versions: list[int] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -145,7 +159,12 @@ class Task:
                 for i, x in enumerate(raw_turns)
             ],
             moves=_int(d, "moves", 0, 1 << 31, 0),
+            partial=_tokens(d, "partial") if "partial" in d else [],
         )
+        if t.partial:
+            t.partial_versions = _versions(d, "partial_versions", len(t.partial))
+            if len(t.partial) >= t.tokens_per_turn:
+                raise InvalidTask("partial", f"{len(t.partial)} tokens >= tokens_per_turn {t.tokens_per_turn}")
         if not t.prompt:
             raise InvalidTask("prompt", "must not be empty")
         if len(t.turns) > t.max_turns:
@@ -181,6 +200,7 @@ class Episode:
         self.turns: list[Turn] = list(task.turns)
         self.worker, self.gpu, self.dedicated = worker, gpu, dedicated
         self.action: list[int] = []
+        self.action_versions: list[int] = []
         self.version_first = -1
         self.fed = 0  # context tokens the engine already holds (sampled tokens included)
         self.new_turn = True
@@ -193,6 +213,11 @@ class Episode:
             self.state = DONE
         else:
             self.state = GENERATE
+            if task.partial:  # resumed mid-action: keep its tokens, prefill them, sample on
+                self.action = list(task.partial)
+                self.action_versions = list(task.partial_versions)
+                self.version_first = self.action_versions[0]
+        self.resumed_tokens = len(self.action)
 
     @property
     def remaining_turns(self) -> int:
@@ -220,13 +245,15 @@ class Episode:
         """A seed when a turn starts (so the turn's draws depend only on the task), else None."""
         if self.new_turn:
             self.new_turn = False
-            return turn_seed(self.task.seed, len(self.turns))
+            seed = turn_seed(self.task.seed, len(self.turns))
+            return seed if not self.action else turn_seed(seed, len(self.action))  # resumed mid-action
         return None
 
     def on_token(self, tok: int, version: int, now: float) -> None:
         if not self.action:
             self.version_first = version
         self.action.append(tok)
+        self.action_versions.append(version)
         self.fed += 1
         if len(self.action) >= self.task.tokens_per_turn:
             self.turns.append(
@@ -238,9 +265,11 @@ class Episode:
                     worker=self.worker,
                     gpu=self.gpu,
                     dedicated=self.dedicated,
+                    versions=self.action_versions,
                 )
             )
             self.action = []
+            self.action_versions = []
             self.new_turn = True
             if len(self.turns) >= self.task.max_turns:
                 self.state = DONE
@@ -264,12 +293,18 @@ class Episode:
         self.state = GENERATE
 
     def continuation(self) -> Task:
-        """The task to push back: the turns so far; a partial action is dropped (it is
-        regenerated from the same seed), a tool call in flight is re-run by the next worker."""
-        t = Task(
-            **{**self.task.__dict__, "turns": [Turn(**asdict(x)) for x in self.turns], "moves": self.task.moves + 1}
+        """The task to push back: the turns so far and the action in progress with the policy
+        version of each of its tokens (the next worker prefills them, never regenerates them);
+        a tool call in flight is re-run by the next worker."""
+        return Task(
+            **{
+                **self.task.__dict__,
+                "turns": [Turn(**asdict(x)) for x in self.turns],
+                "moves": self.task.moves + 1,
+                "partial": list(self.action),
+                "partial_versions": list(self.action_versions),
+            }
         )
-        return t
 
     def trajectory(self, now: float | None = None) -> dict:
         """The finished episode as appended to the results stream."""
@@ -280,6 +315,8 @@ class Episode:
             "turns": [asdict(t) for t in self.turns],
             "tokens": self.context(),
             "versions": [t.version for t in self.turns],
+            # per action token, so the trainer can mask or correct tokens of a stale policy
+            "token_versions": [t.versions or [t.version] * len(t.action) for t in self.turns],
             "worker": self.worker,
             "gpu": self.gpu,
             "dedicated": self.dedicated,
