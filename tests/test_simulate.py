@@ -63,13 +63,14 @@ def test_revoke_mid_episode_parks_work_and_resumes_it_once():
     pool = np.zeros(1)
     led.progress(lease, np.array([4.0]), np.array([5.5]))  # 8 episodes in flight, 1.5 past the fill
     assert led.completed == 1 and lease[0] == pytest.approx(4.5)
-    led.park(lease, np.array([8]))  # revoke: each of the 8 episodes loses half a turn = 1/16
+    led.park(lease, np.array([8]))  # revoke: each of the 8 episodes loses one decode step
     assert lease[0] == 0.0
-    assert led.recomputed == pytest.approx(8 / 16) and led.parked == pytest.approx(4.0)
+    one_step = 1 / (ep.turns * ep.gen_tokens)  # of an episode's generated tokens
+    assert led.recomputed == pytest.approx(8 * one_step) and led.parked == pytest.approx(4.5 - 8 * one_step)
     pool[0] += led.unpark()  # the dedicated pool resumes the continuations
-    assert led.parked == 0.0 and pool[0] == pytest.approx(4.0)
+    assert led.parked == 0.0 and pool[0] == pytest.approx(4.5 - 8 * one_step)
     led.progress(pool, np.array([4.0]), np.array([3.0]))
-    assert led.completed == 1 + 3  # resumed work counts once: 4 + 3 - fill 4 = 3 more episodes
+    assert led.completed == 1 + 3  # resumed work counts once: 4.47 + 3 - fill 4 = 3 more episodes
     assert led.produced == pytest.approx(led.completed + pool.sum() + led.parked + led.recomputed)
 
 

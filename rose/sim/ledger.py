@@ -1,6 +1,7 @@
 """Episode work of one policy, as a fluid and exact ledger: a slot (the dedicated pool, an
 external GPU, a lease) holds in-flight work in episode units; a slot that ends parks its
-episodes as continuations, losing the turn in progress. At every window
+episodes as continuations, which carry every token generated so far (v1.1), losing at most the
+decode step in flight. At every window
 ``produced = completed + in flight + parked + recomputed``, and ``completed = consumed by the
 trainer + buffered`` (docs/simulator.md "Work ledger").
 """
@@ -33,8 +34,10 @@ class Ledger:
         self.completed += int(done.sum())
 
     def park(self, w: np.ndarray, batch: np.ndarray) -> None:
-        """Slots ending: their episodes go back as continuations, losing the turn in progress."""
-        lost = np.minimum(w, batch / (2.0 * self.ep.turns))
+        """Slots ending: their episodes go back as continuations with the tokens generated so far
+        (the next slot re-prefills them), losing at most the decode step in flight: one token
+        of the `turns * gen_tokens` an episode generates, per running episode."""
+        lost = np.minimum(w, batch / float(self.ep.turns * self.ep.gen_tokens))
         self.recomputed += float(lost.sum())
         self.parked += float((w - lost).sum())
         w[...] = 0.0
