@@ -5,7 +5,7 @@ STAMP := .rose-stack/.installed
 DEMO_DURATION ?= 180
 DEMO_REPORT ?= reports/demo
 
-.PHONY: install test test-fast demo stack-up stack-down bench clean
+.PHONY: install lint test test-fast demo stack-up stack-down bench clean
 
 $(STAMP): pyproject.toml
 	@command -v java >/dev/null || (echo "installing Java 17 ..." && apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless)
@@ -24,11 +24,17 @@ stack-up: install
 stack-down:
 	-rose stack down
 
+# Lint, format and types: what CI and the pre-commit hooks check.
+lint: install
+	ruff check rose tests consumers producers
+	ruff format --check rose tests consumers producers
+	mypy
+
 # Starts the real Kafka and Redis, runs every test against them, stops them (also on failure;
 # ROSE_KEEP_STACK=1 keeps them running). Refuses, starting nothing, when another checkout's stack
 # or another program holds the stack's ports: the tests stop and restart the services they own.
-test: install
-	rose stack up --own
+test: install lint
+	rose stack up --own --jaeger
 	ROSE_KEEP_STACK=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	  [ "$$ROSE_KEEP_STACK" = 1 ] || rose stack down; exit $$rc
 

@@ -143,6 +143,10 @@ class ExecutorConfig:
     metrics_port: int = 0  # Prometheus /metrics and /healthz; 0 = off
     worker: str = "rollout"  # rollout | placeholder (a `sleep` process: control-plane load and soak runs)
     worker_weights: str = "static"  # static (seeded policy) | follow (apply the trainer's versions of `model`)
+    # started, paused rollout workers kept ready (model built, newest weights, no lease memory):
+    # a grant hands one its lease instead of starting a process; 0 = every lease starts cold
+    warm_workers: int = 1
+    max_staleness: int = 1  # a worker takes tasks only with a policy at most this many versions behind
 
 
 @dataclass(frozen=True)

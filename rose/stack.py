@@ -806,6 +806,7 @@ exporters:
     def _stop(self, name: str, timeout_s: float) -> bool:
         """Stop a process this stack started; False if there was none."""
         pf = self._pidfile(name)
+        pid: int | None
         try:
             pid = int(pf.read_text())
             os.kill(pid, 0)

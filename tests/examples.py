@@ -1,8 +1,7 @@
 """Valid example events for tests (one place, so every test agrees on what valid means)."""
 
+from rose.config import GiB
 from rose.contract.events import Command, Latency, LeaseState, Telemetry
-
-GiB = 1 << 30
 
 
 def telemetry_example(**over) -> Telemetry:

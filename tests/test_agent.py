@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rose.config import GiB
 from rose.contract.events import Telemetry
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce_event
@@ -22,7 +23,6 @@ from rose.sim.agent import SimOptions, run_simulated
 from tests.examples import command_example, lease_state_example
 
 REPO = Path(__file__).resolve().parent.parent
-GiB = 1 << 30
 
 
 def agent_env(cfg) -> dict:

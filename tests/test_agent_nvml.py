@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from rose.config import load_config
+from rose.config import GiB, load_config
 from rose.contract.events import Telemetry
 from rose.node import prometheus as prom
 from rose.node.agent import LatencyCarry, NvmlOptions, run_nvml
@@ -19,7 +19,6 @@ from rose.node.nvml import GpuSample
 from tests.test_agent import REPO, Collect
 from tests.test_prometheus import vllm_text
 
-GiB = 1 << 30
 SLO = (1000.0, 100.0)
 
 

@@ -62,3 +62,33 @@ def test_interference_bench_reports_three_phases(cfg):
         if out["protected_p99_over_alone"] < out["unprotected_p99_over_alone"]:
             return
     pytest.fail(f"protected p99/alone not below unprotected p99/alone in {len(runs)} runs: {runs}")
+
+
+def test_coelastic_bench_reports_every_figure(cfg):
+    """Every figure is there and measured; loose guards only: a warm grant decodes sooner than a
+    cold one, a paused worker launches no decode step, and a revoke wastes at most the decode
+    step in flight (every decoded token is carried on)."""
+    from rose.bench import coelastic
+
+    out = coelastic.run(cfg, quick=True)
+    ft = out["grant_to_first_token_ms"]
+    for k in ("warm", "cold"):
+        assert ft[k]["n"] > 0 and ft[k]["p50_ms"] > 0 and ft[k]["p99_ms"] >= ft[k]["p50_ms"]
+    assert out["warm_leases_on_warm_workers_fraction"] == 1.0
+    assert out["cold_leases_on_warm_workers_fraction"] == 0.0
+    assert ft["warm"]["p50_ms"] < ft["cold"]["p50_ms"], ft
+    for k in ("throttle_to_paused_ms", "throttle_flag_to_paused_ms", "resume_to_first_token_ms"):
+        assert out[k]["n"] > 0 and out[k]["p99_ms"] is not None
+    assert out["decode_steps_while_paused"] == 0
+    w = out["wasted_tokens_per_revoke"]
+    assert w["n"] > 0 and w["decoded_tokens"] > 0 and w["not_carried_tokens"] == 0
+    assert 0.0 <= out["wasted_tokens_per_in_flight_episode"] <= 1.0
+    assert 0.0 < out["progress_fraction_of_leased_time"] <= 1.0
+    assert 0.0 <= out["progress_fraction_of_leased_time_cold"] < out["progress_fraction_of_leased_time"]
+    for k in (
+        "warm_first_token_p99_over_goal",
+        "resume_first_token_p99_over_goal",
+        "wasted_tokens_per_in_flight_episode_over_goal",
+        "warm_over_cold_first_token_p50_ratio",
+    ):
+        assert out[k] is not None, k

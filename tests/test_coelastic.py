@@ -15,12 +15,13 @@ import psutil
 import pytest
 import redis
 
+from rose.config import GiB
 from rose.contract.events import Latency
 from rose.kafka.producer import make_producer, produce_event
 from tests.examples import telemetry_example
 from tests.kafka_checks import commands
 from tests.processes import terminate_all
-from tests.test_executor import GPU, ExecutorProc, GiB, LeaseStates, env_for, submit, wait_until
+from tests.test_executor import GPU, ExecutorProc, LeaseStates, env_for, submit, wait_until
 
 pytestmark = pytest.mark.stack
 

@@ -11,9 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rose.demo import report
-from rose.demo.coserve import CoserveSpec, LatencyWindow, calibrated_slo, p99, scaled_lengths
+from rose.demo.coserve import CoserveSpec, LatencyWindow, calibrated_slo, scaled_lengths
 from rose.demo.observed import Observed
 from rose.demo.trainer import advantages, reward, sequence_and_mask, staleness
+from rose.obs.stats import percentile
 
 
 def _ls(gpu, lid, state, ts, cid="c", epoch=1):
@@ -79,7 +80,7 @@ def test_throughput_phases_and_sources():
 
 @given(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=1, max_size=200))
 def test_p99_is_an_observed_value_at_or_above_99_percent_of_them(xs):
-    v = p99(xs)
+    v = percentile(xs, 0.99)
     assert v in xs
     assert sum(1 for x in xs if x <= v) >= 0.99 * len(xs)
 

@@ -17,9 +17,9 @@ import psutil
 import pytest
 import redis
 
-from rose.config import TracingConfig
-from rose.contract.codec import decode, encode
+from rose.config import GiB, TracingConfig
 from rose.contract.events import LeaseState
+from rose.contract.wire import decode, encode
 from rose.kafka.consumer import make_consumer
 from rose.kafka.producer import make_producer, partition_for, produce
 from rose.obs.tracing import inject_headers, setup_tracing, tracer
@@ -30,7 +30,6 @@ from tests.examples import command_example
 pytestmark = pytest.mark.stack
 
 GPU = "sim/0"
-GiB = 1 << 30
 JOB = "exec-test"
 
 

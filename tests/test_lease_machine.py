@@ -11,11 +11,11 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rose.config import GiB
 from rose.executor import lease_machine as lm
 from tests.examples import command_example
 
 GPU = "node-1/0"
-GiB = 1 << 30
 P = lm.Params(revoke_deadline_s=2.0, restart_backoff_s=1.0)
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rose.config import PolicyConfig
+from rose.config import GiB, PolicyConfig
 from rose.contract.events import Latency, Telemetry
 from rose.policy.core import observe_lease_state
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
@@ -23,7 +23,6 @@ from rose.policy.lease_policy import (
 )
 from tests.examples import lease_state_example
 
-GiB = 1 << 30
 CFG = PolicyConfig()
 SLO = Latency(ttft_p99=1000.0, tpot_p99=100.0)
 

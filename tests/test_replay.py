@@ -11,12 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from rose.cli import app
-from rose.config import PolicyConfig
+from rose.config import GiB, PolicyConfig
 from rose.contract.events import Latency, Telemetry
 from rose.policy.replay import first_divergence, read_log, replay
 from tests.conftest import TRACES
 
-GiB = 1 << 30
 T0 = 1_750_000_000.0
 GPUS = {"az/0": 80, "az/1": 141, "az/2": 48}  # heterogeneous: GiB per GPU
 runner = CliRunner()

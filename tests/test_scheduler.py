@@ -14,7 +14,7 @@ from collections import Counter
 import orjson
 import pytest
 
-from rose.contract.codec import encode
+from rose.contract.wire import encode
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce, produce_event
 from rose.scheduler.service import Scheduler

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from rose.contract.codec import MAX_VALUE_BYTES, decode, encode
 from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
+from rose.contract.wire import MAX_VALUE_BYTES, decode, encode
 from tests.examples import command_example, lease_state_example, telemetry_example
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from rose.config import GiB
 from rose.sim.models import GPUS, MODELS, EngineConfig, gpu_spec, model_size
 from rose.sim.serving_model import ServingSim, spread, windows
 from rose.sim.traces import Trace
 
-GiB = 1 << 30
 PERIOD = 0.5
 FAST = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rose.contract.codec import decode
 from rose.contract.events import Telemetry
+from rose.contract.wire import decode
 from rose.kafka.admin import ConfigResource, make_admin
 from rose.kafka.producer import make_producer, produce_event
 from rose.kafka.topics import create_topics
@@ -176,7 +176,7 @@ def test_make_test_refuses_a_stack_it_does_not_own(other_stack, tmp_path):
     stamp = tmp_path / "installed"
     stamp.touch()  # the install step is done: `make` goes straight to the stack
     r = subprocess.run(
-        ["make", "-s", "test", f"STAMP={stamp}", "PYTEST_ARGS=--collect-only -q tests/test_config.py"],
+        ["make", "-s", "-o", "lint", "test", f"STAMP={stamp}", "PYTEST_ARGS=--collect-only -q tests/test_config.py"],
         cwd=REPO,
         env=_env_for(mine),
         capture_output=True,
@@ -196,7 +196,7 @@ def test_make_test_runs_on_its_own_stack_and_rose_keep_stack_keeps_it(tmp_path):
     mine = _stack_at(tmp_path / ".rose-stack")
     stamp = tmp_path / "installed"
     stamp.touch()
-    make = ["make", "-s", "test", f"STAMP={stamp}", "PYTEST_ARGS=tests/test_stack.py::test_redis_answers"]
+    make = ["make", "-s", "-o", "lint", "test", f"STAMP={stamp}", "PYTEST_ARGS=tests/test_stack.py::test_redis_answers"]
     try:
         r = subprocess.run(
             make, cwd=REPO, env={**_env_for(mine), "ROSE_KEEP_STACK": "1"}, capture_output=True, text=True, timeout=300

@@ -13,7 +13,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from rose.contract.codec import encode
+from rose.contract.wire import encode
 from rose.executor.service import Executor, command_group
 from rose.kafka.producer import make_producer, partition_for, produce
 from rose.obs.tracing import inject_headers, memory_exporter, send_span, setup_tracing

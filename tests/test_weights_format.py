@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rose.weights import codec, delta_file
+from rose.weights import codec, delta_file, xor_delta
 from rose.weights.entries import Entry, UnsupportedFormat, from_fields, to_fields
 from rose.weights.follower import Receiver
 from rose.weights.layout import make_layout
@@ -70,7 +70,7 @@ def test_checksum_is_xxh3_of_the_shard_bytes():
 )
 def test_scan_and_apply_across_block_boundaries(seed, block_words, unit, density):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(codec, "_BLOCK", 8 * block_words)  # many blocks per shard, changes at their edges
+        mp.setattr(xor_delta, "_BLOCK", 8 * block_words)  # many blocks per shard, changes at their edges
         _scan_and_apply(np.random.default_rng(seed), unit, density)
 
 
@@ -81,10 +81,10 @@ def _scan_and_apply(rng, unit, density):
     hit = rng.random(n) < density
     hit[[0, n - 1]] |= rng.random(2) < 0.5
     new[hit] ^= rng.integers(1, 256, int(hit.sum()), dtype=np.uint8)
-    diff = np.flatnonzero(old.view(codec._UINT[unit]) != new.view(codec._UINT[unit]))
-    pos, xor = codec.changed_units(old, new, unit)
+    diff = np.flatnonzero(old.view(xor_delta._UINT[unit]) != new.view(xor_delta._UINT[unit]))
+    pos, xor = xor_delta.changed_units(old, new, unit)
     assert pos.tolist() == diff.tolist()
-    assert np.array_equal(xor, old.view(codec._UINT[unit])[diff] ^ new.view(codec._UINT[unit])[diff])
+    assert np.array_equal(xor, old.view(xor_delta._UINT[unit])[diff] ^ new.view(xor_delta._UINT[unit])[diff])
     layout = make_layout(
         {"t": ({1: "uint8", 2: "bfloat16", 4: "float32", 8: "int64"}[unit], (n // unit,))}, shard_bytes=n
     )

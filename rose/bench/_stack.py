@@ -8,6 +8,7 @@ import dataclasses
 import uuid
 
 from rose.config import Config
+from rose.obs.stats import percentile
 
 
 @contextlib.contextmanager
@@ -63,17 +64,11 @@ def fill_tasks(cfg: Config, job: str, n: int, turns: int = 4, tokens_per_turn: i
 
 
 def percentiles_ms(samples_ns: list[int]) -> dict:
-    """p50/p99/max in milliseconds of nanosecond samples (nearest rank)."""
-    if not samples_ns:
-        return {"p50_ms": None, "p99_ms": None, "max_ms": None, "n": 0}
-    s = sorted(samples_ns)
-
-    def rank(q: float) -> float:
-        return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))] / 1e6
-
+    """p50/p99/max in milliseconds of nanosecond samples (nearest rank; None for no samples)."""
+    ms = [x / 1e6 for x in samples_ns]
     return {
-        "p50_ms": round(rank(0.50), 3),
-        "p99_ms": round(rank(0.99), 3),
-        "max_ms": round(s[-1] / 1e6, 3),
-        "n": len(s),
+        "p50_ms": percentile(ms, 0.50, 3),
+        "p99_ms": percentile(ms, 0.99, 3),
+        "max_ms": percentile(ms, 1.0, 3),
+        "n": len(ms),
     }

@@ -7,6 +7,8 @@ import subprocess
 import threading
 import time
 
+from rose.obs.stats import percentile
+
 GOAL_PROTECTED_OVER_ALONE = 1.05  # at most: serving p99 beside protected rollout / alone
 PROTECTED_SHARE = 0.5  # compute share of the protected worker
 # at least: rollout tokens/s kept under protection / unprotected. Protection grants the worker
@@ -270,6 +272,5 @@ def _measure(step, n: int, report=None, window: int = 20) -> list[int]:
         step()
         out.append(time.perf_counter_ns() - t0)
         if report is not None:
-            recent = sorted(out[-window:])
-            report(recent[min(len(recent) - 1, int(0.99 * len(recent)))] / 1e6)
+            report((percentile(out[-window:], 0.99) or 0.0) / 1e6)
     return out

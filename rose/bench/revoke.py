@@ -6,9 +6,10 @@ import threading
 import time
 from typing import Any
 
+from rose.config import GiB
+
 GOAL_KAFKA_PAUSED_P99_MS = 20.0
 GOAL_GUARD_PAUSED_P99_MS = 2.0
-GiB = 1 << 30
 GPU = "sim/0"
 
 
@@ -18,8 +19,8 @@ def run(cfg, quick: bool) -> dict:
     import psutil
 
     from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
-    from rose.contract.codec import decode, encode
     from rose.contract.events import Command, Latency, LeaseState
+    from rose.contract.wire import decode, encode
     from rose.executor.guard import LatencySample, default_latency_dir, write_latency
     from rose.executor.service import Executor
     from rose.kafka.consumer import make_consumer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from rose.config import Config
+from rose.obs.stats import percentile
 
 GOAL_EVENTS_PER_S = 100_000
 GOAL_RATIO = 0.3
@@ -12,7 +13,7 @@ GOAL_P99_MS = 20.0
 
 
 def _fill(cfg: Config, events) -> None:
-    from rose.contract.codec import encode
+    from rose.contract.wire import encode
     from rose.kafka.producer import make_producer, produce
 
     p = make_producer(cfg.kafka, **{"linger.ms": 20})
@@ -24,8 +25,8 @@ def _fill(cfg: Config, events) -> None:
 
 def _raw_rate(cfg: Config, n: int) -> float:
     """Consume and decode the same messages, no decisions: the ceiling for the scheduler."""
-    from rose.contract.codec import decode
     from rose.contract.events import Telemetry
+    from rose.contract.wire import decode
     from rose.kafka.consumer import make_consumer
 
     c = make_consumer(cfg.kafka, f"{cfg.kafka.topic_prefix}raw", **{"fetch.wait.max.ms": 5})
@@ -64,7 +65,7 @@ def _scheduler_rate(cfg: Config, n: int) -> tuple[float, int]:
 
 def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
     """The latency bench's telemetry source: a tick of every GPU's event at `rate_per_s`."""
-    from rose.contract.codec import encode
+    from rose.contract.wire import encode
     from rose.kafka.producer import make_producer, produce
     from rose.sim.telemetry_workload import workload
 
@@ -108,14 +109,13 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
     finally:
         feeder.join(10)
         s.close()
-    lat = sorted(s.stats.latencies_s)
-    if not lat:
+    lat_ms = [x * 1000 for x in s.stats.latencies_s]
+    if not lat_ms:
         return {"p50_ms": None, "p99_ms": None, "commands": 0}
-    q = lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 3)  # noqa: E731
     return {
-        "p50_ms": q(0.5),
-        "p99_ms": q(0.99),
-        "commands": len(lat),
+        "p50_ms": percentile(lat_ms, 0.5, 3),
+        "p99_ms": percentile(lat_ms, 0.99, 3),
+        "commands": len(lat_ms),
         "load_events_per_s": rate_per_s,
         "feeder_exit": feeder.exitcode,
     }

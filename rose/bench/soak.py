@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rose.config import Config
+from rose.obs.stats import percentile
 from rose.stack import free_port
 
 GOAL_P99_MS = 20.0
@@ -66,6 +67,8 @@ def _window_p99_ms(now, prev) -> float | None:
 def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: int) -> dict:
     import psutil
 
+    from rose.scheduler.service import SCHEDULER_GROUP
+
     env = {
         **os.environ,
         "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
@@ -119,7 +122,7 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
             str(seconds + 5),
         ],
     )
-    group = f"{cfg.kafka.topic_prefix}rose-scheduler"
+    group = f"{cfg.kafka.topic_prefix}{SCHEDULER_GROUP}"
     series: list[dict[str, Any]] = []
     prev_hist = None
     t0 = time.monotonic()
@@ -166,8 +169,8 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
         k = f"rss_mb.{name}"
         a, b = mean(first[1:] or first, k), mean(second, k)
         growth[name] = round((b - a) / a, 3) if a else None
-    p99s = sorted(r["decision_p99_ms"] for r in second if r.get("decision_p99_ms") is not None)
-    p99 = p99s[len(p99s) // 2] if p99s else None  # median of the per-interval p99s, second half
+    p99s = [r["decision_p99_ms"] for r in second if r.get("decision_p99_ms") is not None]
+    p99 = percentile(p99s, 0.5)  # median of the per-interval p99s, second half
     return {
         "gpus": gpus,
         "rate_hz_per_gpu": 2,

@@ -1,1 +1,2 @@
-"""The wire: typed events, their bytes, their signatures."""
+"""The contract in code: typed events (`events`), their bytes on the wire (`wire`), their signatures
+(`signing`)."""

@@ -4,24 +4,11 @@ id (default `real/0`).
 
     python -m rose.demo.coserve --spec '<CoserveSpec JSON>'      (config from ROSE_* env)
 
-Serving engine: `rose.rollout.engine.TorchEngine` (continuous batching over a slot KV cache),
-one `generate(..., 1)` per iteration: new requests are prefilled, running ones decode one token.
-TTFT = first token returned − arrival (queueing included); TPOT = time between two tokens of a
-request (vLLM's inter-token latency). The p99 of each over the last `lookback_s` seconds is
-published every telemetry period, and written for the executor's local guard
-(rose.guard.write_latency) at most every `guard_every_s`.
-
-Load: the trace's requests (all of them by default; with `replicas` > 1, one replica's share as
-rose.serving_model.spread deals them), token counts scaled down (`prompt_scale`, `output_scale`,
-clipped) to fit a model this small.
-
-SLO: measured, not assumed. After the orchestrator's go signal the device serves alone for
-`calibrate_s` and `calibrate_requests` requests (no lease can exist yet); the SLO is `slo_factor` × the p99 measured then (floors
-`min_slo_*_ms`). Telemetry is published from then on.
-
-Memory: CPU — the host's total and used memory (psutil: used = total − available, which
-includes the rollout worker); CUDA — torch.cuda.mem_get_info. `gpu_util` is the process's CPU
-time over the window (CPU) or NVML-free approximation busy-time / window (CUDA).
+It serves with `rose.rollout.engine.TorchEngine` (continuous batching), measures TTFT and TPOT of
+every request, and publishes the p99 of each over the last `lookback_s` seconds every telemetry
+period (and writes it for the executor's local guard). The SLO is measured, not assumed:
+`slo_factor` × the p99 of a calibration phase served alone. Load, latency, SLO and memory
+definitions: docs/demo.md.
 """
 
 from __future__ import annotations
@@ -32,10 +19,12 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from rose.demo.spec_process import JsonSpec, spec_main
+from rose.obs.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -75,14 +64,6 @@ def scaled_lengths(prompt: np.ndarray, output: np.ndarray, spec: CoserveSpec) ->
     return p, o
 
 
-def p99(values) -> float:
-    """Nearest-rank 99th percentile (0.0 for no values)."""
-    if not len(values):
-        return 0.0
-    s = sorted(values)
-    return float(s[min(len(s) - 1, max(0, int(np.ceil(0.99 * len(s))) - 1))])
-
-
 @dataclass
 class LatencyWindow:
     """Samples (time, ms) of one metric; p99 over the last `lookback_s` (the last value when
@@ -99,15 +80,15 @@ class LatencyWindow:
         while self.samples and self.samples[0][0] < now - self.lookback_s:
             self.samples.popleft()
         if self.samples:
-            self.last = p99([ms for _, ms in self.samples])
+            self.last = percentile([ms for _, ms in self.samples], 0.99) or 0.0
         return self.last
 
 
 def calibrated_slo(ttft_ms: list[float], tpot_ms: list[float], spec: CoserveSpec) -> tuple[float, float]:
     """The SLO (ttft, tpot) in ms: slo_factor × the p99 measured alone, with floors."""
     return (
-        max(spec.min_slo_ttft_ms, spec.slo_factor * p99(ttft_ms)),
-        max(spec.min_slo_tpot_ms, spec.slo_factor * p99(tpot_ms)),
+        max(spec.min_slo_ttft_ms, spec.slo_factor * (percentile(ttft_ms, 0.99) or 0.0)),
+        max(spec.min_slo_tpot_ms, spec.slo_factor * (percentile(tpot_ms, 0.99) or 0.0)),
     )
 
 
@@ -277,8 +258,8 @@ class CoServed:
                         "state": "serving",
                         "slo_ttft_ms": slo[0],
                         "slo_tpot_ms": slo[1],
-                        "calib_ttft_p99_ms": p99(calib_ttft),
-                        "calib_tpot_p99_ms": p99(calib_tpot),
+                        "calib_ttft_p99_ms": percentile(calib_ttft, 0.99) or 0.0,
+                        "calib_tpot_p99_ms": percentile(calib_tpot, 0.99) or 0.0,
                         "calib_requests": len(calib_ttft),
                         "slo_factor": spec.slo_factor,
                     },
@@ -345,24 +326,17 @@ class CoServed:
 
     def summary(self) -> dict:
         """Per-request latency, split by whether a rollout lease was running on this device."""
-        out = {"requests": self.served}
+        out: dict[str, Any] = {"requests": self.served}
         for name, flag in (("with_rollout", True), ("without_rollout", False)):
             rows = [d for d in self.done if d[3] is flag]
             out[name] = {
                 "requests": len(rows),
-                "ttft_p50_ms": _pct([d[1] for d in rows], 0.5),
-                "ttft_p99_ms": _pct([d[1] for d in rows], 0.99),
-                "tpot_p50_ms": _pct([d[2] for d in rows], 0.5),
-                "tpot_p99_ms": _pct([d[2] for d in rows], 0.99),
+                "ttft_p50_ms": percentile([d[1] for d in rows], 0.5, 3),
+                "ttft_p99_ms": percentile([d[1] for d in rows], 0.99, 3),
+                "tpot_p50_ms": percentile([d[2] for d in rows], 0.5, 3),
+                "tpot_p99_ms": percentile([d[2] for d in rows], 0.99, 3),
             }
         return out
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return round(float(s[min(len(s) - 1, max(0, int(np.ceil(q * len(s))) - 1))]), 3)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,6 +83,30 @@ class Observed:
         )
 
 
+ENDED = ("revoking", "revoked", "expired", "rejected")
+
+
+def lease_intervals(lease_states: list[dict], t_end: float) -> dict[str, list[tuple[float, float]]]:
+    """Per GPU, the [start, end) wall-clock intervals in which a lease was `active`."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    open_: dict[str, tuple[str, float]] = {}
+    for s in sorted(lease_states, key=lambda s: (s["ts"], s["_record_ms"])):
+        gpu, lid = s["gpu"], s["lease_id"]
+        cur = open_.get(gpu)
+        if s["state"] == "active":
+            if cur is not None and cur[0] != lid:
+                out.setdefault(gpu, []).append((cur[1], s["ts"]))
+                cur = None
+            if cur is None:
+                open_[gpu] = (lid, s["ts"])
+        elif s["state"] in ENDED and cur is not None and cur[0] == lid:
+            out.setdefault(gpu, []).append((cur[1], s["ts"]))
+            del open_[gpu]
+    for gpu, (_lid, start) in open_.items():
+        out.setdefault(gpu, []).append((start, t_end))
+    return out
+
+
 TOPICS = ("telemetry", "commands", "lease-state")
 
 
@@ -98,7 +122,7 @@ def quiet_logger():
     return log
 
 
-def _kind(kcfg, topic: str) -> str:
+def _kind(kcfg, topic: str | None) -> str:
     for k in TOPICS:
         if topic == kcfg.topic(k):
             return k

@@ -33,13 +33,13 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from rose.config import Config, load_config
+from rose.config import Config, GiB, load_config
 from rose.rollout.launcher import WorkerConfig, launch, spawn
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_TRACE = "azure_llm2023_conv.csv"
-GiB = 1 << 30
 # what load_config reads from the environment: the children get none of it but ROSE_CONFIG
 _CONFIG_VARS = ("ROSE_CONFIG", "ROSE_KAFKA_BOOTSTRAP", "ROSE_REDIS_URL")
 
@@ -86,7 +86,7 @@ class Processes:
         `cpus` (None: any; a worker config names its own)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
-        io = {
+        io: dict[str, Any] = {
             "env": self.env,
             "stdin": subprocess.DEVNULL,
             "stdout": log,
@@ -197,6 +197,8 @@ class Demo:
         # On CPU the co-served "device" is one core: the serving model and its leased rollout worker
         # run there, every other process of the demo on the remaining cores.
         cpus = sorted(os.sched_getaffinity(0))
+        self.device_cpus: set[int] | None
+        self.host_cpus: set[int] | None
         if not self.cuda and len(cpus) >= 2:
             self.device_cpus, self.host_cpus = {cpus[-1]}, set(cpus[:-1])
         else:
@@ -463,11 +465,12 @@ class Demo:
         would be stale before they start)."""
         from rose.kafka.admin import partitions_of
         from rose.kafka.consumer import TopicPartition, make_consumer
+        from rose.scheduler.service import SCHEDULER_GROUP
 
         k = self.cfg.kafka
         from rose.demo.observed import quiet_logger
 
-        c = make_consumer(k, f"{k.topic_prefix}rose-scheduler", logger=quiet_logger())
+        c = make_consumer(k, f"{k.topic_prefix}{SCHEDULER_GROUP}", logger=quiet_logger())
 
         def commit() -> None:
             ends = []

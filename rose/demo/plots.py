@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rose.demo.observed import Observed
-from rose.demo.report import lease_intervals
+from rose.demo.observed import Observed, lease_intervals
 
 LEASE_COLOR = "#f4c542"
 

@@ -22,39 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rose.demo.observed import Observed
-
-ENDED = ("revoking", "revoked", "expired", "rejected")
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile, None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    i = min(len(s) - 1, max(0, int(-(-q * len(s) // 1)) - 1))
-    return round(float(s[i]), 3)
-
-
-def lease_intervals(lease_states: list[dict], t_end: float) -> dict[str, list[tuple[float, float]]]:
-    """Per GPU, the [start, end) wall-clock intervals in which a lease was `active`."""
-    out: dict[str, list[tuple[float, float]]] = {}
-    open_: dict[str, tuple[str, float]] = {}
-    for s in sorted(lease_states, key=lambda s: (s["ts"], s["_record_ms"])):
-        gpu, lid = s["gpu"], s["lease_id"]
-        cur = open_.get(gpu)
-        if s["state"] == "active":
-            if cur is not None and cur[0] != lid:
-                out.setdefault(gpu, []).append((cur[1], s["ts"]))
-                cur = None
-            if cur is None:
-                open_[gpu] = (lid, s["ts"])
-        elif s["state"] in ENDED and cur is not None and cur[0] == lid:
-            out.setdefault(gpu, []).append((cur[1], s["ts"]))
-            del open_[gpu]
-    for gpu, (_lid, start) in open_.items():
-        out.setdefault(gpu, []).append((start, t_end))
-    return out
+from rose.demo import plots
+from rose.demo.observed import Observed, lease_intervals
+from rose.obs.stats import percentile
 
 
 def leased_at(intervals: list[tuple[float, float]], t: float) -> bool:
@@ -110,11 +80,19 @@ def revoke_latency(obs: Observed) -> dict:
     return {
         "revokes": len(revokes),
         "measured": len(to_revoked),
-        "p50": pct(to_revoked, 0.5),
-        "p99": pct(to_revoked, 0.99),
-        "max": pct(to_revoked, 1.0),
-        "to_revoking_ms": {"p50": pct(to_revoking, 0.5), "p99": pct(to_revoking, 0.99), "n": len(to_revoking)},
-        "telemetry_to_revoke_command_ms": {"p50": pct(decide, 0.5), "p99": pct(decide, 0.99), "n": len(decide)},
+        "p50": percentile(to_revoked, 0.5, 3),
+        "p99": percentile(to_revoked, 0.99, 3),
+        "max": percentile(to_revoked, 1.0, 3),
+        "to_revoking_ms": {
+            "p50": percentile(to_revoking, 0.5, 3),
+            "p99": percentile(to_revoking, 0.99, 3),
+            "n": len(to_revoking),
+        },
+        "telemetry_to_revoke_command_ms": {
+            "p50": percentile(decide, 0.5, 3),
+            "p99": percentile(decide, 0.99, 3),
+            "n": len(decide),
+        },
         "samples_ms": sorted(to_revoked),
         "samples_to_revoking_ms": sorted(to_revoking),
     }
@@ -308,8 +286,6 @@ def _num(x):
 
 
 def write(directory: str | Path, rep: dict, obs: Observed) -> list[Path]:
-    from rose.demo import plots
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     rep["plots"] = [p.name for p in plots.write_all(d, rep, obs)]

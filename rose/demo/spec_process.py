@@ -8,12 +8,16 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rose.shutdown import Shutdown
 
 
 class JsonSpec:
     """JSON round trip for a frozen dataclass; unknown fields are refused by name."""
+
+    if TYPE_CHECKING:  # subclasses are dataclasses
+        __dataclass_fields__: ClassVar[dict[str, Any]]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

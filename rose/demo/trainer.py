@@ -2,25 +2,12 @@
 
     python -m rose.demo.trainer --spec '<TrainerSpec JSON>'      (config: $ROSE_CONFIG, ROSE_* env)
 
-1. Publishes the initial policy as version 1 (a keyframe) through `rose.weights.WeightPublisher`,
-   signed with `security.weights_hmac_key` when it is set (keyed workers refuse anything else).
-2. Keeps `inflight` agentic episodes queued on `rose:tasks:{job}` (rose.rollout.tasks.TaskQueue),
-   each tagged with the policy version current when it was submitted (`step`).
-3. Whenever at least `batch_min` trajectories have arrived on `rose:results:{job}`, takes one
-   optimizer step on up to `batch_max` of them and publishes the new weights (bf16, as rollout
-   runs them; the trainer keeps fp32 master weights) — a delta against the receivers' view.
-
-The toy task: reward = the fraction of the policy's action tokens that are lowercase ASCII
-letters (a byte-level policy starts near 26/256 ≈ 0.10; 1.0 is the maximum). Loss: REINFORCE
-with the batch-mean reward as baseline, −Σ (r − r̄) log π(a_t | context) over action tokens,
-divided by the number of action tokens. Trajectories may be a few versions old (rollout runs
-ahead of training); the loss makes no importance correction, and the staleness is recorded.
-
-The forward pass is the reference policy's own (`PolicyModel.forward`, without its inference-
-mode wrapper, on a fresh cache), so training and rollout run the same code.
-
-Progress goes to Redis for the live view and the report: hash `demo:trainer` (latest figures)
-and list `demo:versions` (one JSON object per published version).
+It publishes the initial policy as version 1 (a keyframe), keeps `inflight` episodes queued on
+the task queue, and whenever at least `batch_min` trajectories have arrived takes one REINFORCE
+step on up to `batch_max` of them and publishes the new weights as a delta against the
+receivers' view. The toy task rewards lowercase ASCII action tokens. The forward pass is the
+reference policy's own, so training and rollout run the same code. The loop, the loss and what
+it reports to Redis: docs/demo.md.
 """
 
 from __future__ import annotations
@@ -118,7 +105,9 @@ class Trainer:
         self.last_id = "0-0"
         self.buffer: list[dict] = []
         self.stop = False
-        self._forward = type(self.model).forward.__wrapped__  # the policy's forward, with autograd
+        # the policy's forward, with autograd; torch types inference_mode() as keeping the
+        # function's type, but it wraps it (functools.wraps sets __wrapped__)
+        self._forward = type(self.model).forward.__wrapped__  # type: ignore[attr-defined]
 
     def publish(self, extra: dict) -> None:
         import torch
@@ -200,9 +189,9 @@ class Trainer:
             self.model, tok, self.model.new_cache(B), torch.arange(B), torch.zeros(B, dtype=torch.long)
         )
         logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])[..., 0]
-        m = mask[:, 1:].float()
+        keep = mask[:, 1:].float()
         a = torch.tensor(adv)[:, None]
-        loss = -(a * logp * m).sum() / m.sum().clamp(min=1)
+        loss = -(a * logp * keep).sum() / keep.sum().clamp(min=1)
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()

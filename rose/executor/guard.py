@@ -102,6 +102,7 @@ class FileLatencySource:
         hit = self._cache.get(gpu)
         if hit is not None and hit[0] == stamp:
             return hit[1]
+        sample: LatencySample | None
         try:
             sample = LatencySample.from_dict(orjson.loads(path.read_bytes()))
         except (OSError, orjson.JSONDecodeError, InvalidEvent):
@@ -168,6 +169,7 @@ class Guard:
             now = tripped_next(was, headroom, self.trip_headroom, self.clear_headroom)
             if now == was:
                 continue
+            assert headroom is not None  # no signal keeps the state (tripped_next)
             self.tripped[gpu] = now
             if now:
                 self.on_trip(gpu)

@@ -1,26 +1,12 @@
 """The executor's lease state machine for one GPU: a pure step `(state, input, now) -> (state', actions)`.
 
 No I/O and no clock: `now` is the executor's monotonic clock, passed in. The imperative shell
-(consumers/executor.py) turns actions into process signals and Kafka messages, and turns process
-exits, guard trips and the passage of time into inputs. Because it is pure, the safety rules are
-property-tested (tests/test_lease_machine.py) over arbitrary command and time sequences:
-
-- the one rollout worker of a GPU is started only inside a lease and with that lease's
-  `mem_bytes` / `compute_share`; a memory resize or an ended lease stops it before anything new
-  starts;
-- two levels (v1.1): a `throttle` (or any command) that changes only the compute share is applied
-  to the running worker (`Throttle`; share 0 pauses it, `paused` is published): its process,
-  weights, KV cache and in-flight episodes stay; memory is the only thing a lease ends for;
-- fencing: a command whose epoch is below the highest seen for the GPU is ignored and answered
-  `rejected`; a command id seen before is a no-op;
-- a lease ends on revoke, on expiry (TTL = expires_at - ts, counted from receipt on the monotonic
-  clock, less the command's transit age), on a newer grant, or on shutdown; its worker is paused at
-  once, asked to stop, killed at the deadline, and only after it is gone is the terminal state
-  (`revoked` | `expired`) published: a published terminal state means the memory is back.
-
-Compaction keeps only the newest lease state per GPU, so whenever a step publishes a record that
-is not the GPU's current truth (a `rejected` answer, an older lease's terminal state), the truth is
-published again after it: the newest record per key is always the executor's current word.
+(rose.executor.service) turns actions into process signals and Kafka messages, and turns process
+exits, guard trips and the passage of time into inputs. Because it is pure, its safety rules
+(one worker per GPU, only inside a lease; fencing by epoch; a terminal state published only once
+the worker is gone; the GPU's current truth republished after any record that is not) are
+property-tested over arbitrary command and time sequences (tests/test_lease_machine.py).
+The rules one by one: docs/executor.md; the lease states: docs/contract.md §5.1.
 """
 
 from __future__ import annotations
@@ -49,7 +35,7 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
-class Worker:
+class WorkerState:
     """The GPU's rollout worker as the machine believes it to be (until the shell reports its exit).
     `compute_share` is the share last handed to it (at start or by `Throttle`)."""
 
@@ -75,7 +61,7 @@ class GpuLease:
     gpu: str
     highest_epoch: int = -1
     lease: Lease | None = None
-    worker: Worker | None = None
+    worker: WorkerState | None = None
     ended: tuple[Record, ...] = ()  # terminal states waiting for the worker to be gone
     truth: Record | None = None  # the newest word on the GPU's highest epoch
     seen: tuple[str, ...] = ()
@@ -251,6 +237,7 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
     # grant, renew or throttle: each states the desired lease (level-triggered)
     if held:
         lease = s.lease
+        assert lease is not None  # held
         resized = (lease.mem_bytes, lease.compute_share) != (c.mem_bytes, c.compute_share)
         s = replace(
             s,
@@ -330,7 +317,7 @@ def _reconcile(s: GpuLease, now: float, p: Params, out: list[Action]) -> GpuLeas
         s = replace(s, ended=())
     if w is None and want is not None and now >= s.restart_at and want.mem_bytes > 0:
         out.append(Start(s.gpu, want.lease_id, want.epoch, want.mem_bytes, want.compute_share, s.guard_paused))
-        s = replace(s, worker=Worker(want.mem_bytes, want.compute_share))
+        s = replace(s, worker=WorkerState(want.mem_bytes, want.compute_share))
     return s
 
 
@@ -344,7 +331,7 @@ def _with_truth(s: GpuLease, out: list[Action]) -> tuple[Action, ...]:
 __all__ = [
     "Params",
     "Lease",
-    "Worker",
+    "WorkerState",
     "Record",
     "GpuLease",
     "Received",

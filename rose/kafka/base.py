@@ -17,8 +17,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Message
 
 from rose.config import KafkaConfig
 from rose.obs.logs import get_logger
@@ -32,10 +33,18 @@ __all__ = [
     "UNREACHABLE_HINT",
     "client_conf",
     "error_callback",
+    "message_headers",
     "report_unreachable",
 ]
 
 Headers = list[tuple[str, bytes]]
+
+
+def message_headers(msg: Message) -> list[tuple[str, bytes | None]]:
+    """A consumed message's headers, [] when it has none. librdkafka gives a list of (name,
+    bytes or None); the stubs' type also allows the dict form that produce() accepts."""
+    return cast("list[tuple[str, bytes | None]]", msg.headers() or [])
+
 
 MAX_RECORD_BYTES = 16 << 20  # max.message.bytes of ROSE's topics (rose.kafka.topics) and the local broker
 
@@ -140,7 +149,7 @@ _LIBRDKAFKA_LOG = LibrdkafkaLog()
 def client_conf(kcfg: KafkaConfig, **overrides) -> dict:
     """bootstrap + the user's librdkafka pass-through + the caller's overrides, with ROSE's
     `logger` and `error_cb` unless the caller or the config sets its own."""
-    conf = {"bootstrap.servers": kcfg.bootstrap, **kcfg.librdkafka}
+    conf: dict[str, Any] = {"bootstrap.servers": kcfg.bootstrap, **kcfg.librdkafka}
     conf.update({k if k in _PY_CALLBACKS else k.replace("_", "."): v for k, v in overrides.items()})
     if "debug" not in conf:
         conf.setdefault("logger", _LIBRDKAFKA_LOG)

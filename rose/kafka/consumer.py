@@ -12,7 +12,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, Top
 
 from rose.config import KafkaConfig
 from rose.kafka.admin import partitions_of, retrying
-from rose.kafka.base import Headers, KafkaError, KafkaException, client_conf
+from rose.kafka.base import Headers, KafkaError, KafkaException, client_conf, message_headers
 
 __all__ = [
     "Consumer",
@@ -99,19 +99,20 @@ def read_partitions(
         deadline = time.monotonic() + timeout_s
         while remaining and time.monotonic() < deadline:
             for m in consume_batch(consumer, 1000, timeout=0.2):
-                if m.error():
-                    if m.error().code() == KafkaError._PARTITION_EOF:
+                if err := m.error():
+                    if err.code() == KafkaError._PARTITION_EOF:
                         continue
-                    raise KafkaException(m.error())
+                    raise KafkaException(err)
                 out.append(m)
-                tp = (m.topic(), m.partition())
-                if tp in remaining and m.offset() + 1 >= remaining[tp]:
-                    del remaining[tp]
+                topic, partition, offset = m.topic(), m.partition(), m.offset()
+                assert topic is not None and partition is not None and offset is not None  # not an error
+                if (topic, partition) in remaining and offset + 1 >= remaining[(topic, partition)]:
+                    del remaining[(topic, partition)]
             # transaction markers and aborted records occupy offsets: done once the position is at the end
             if remaining:
-                for tp in consumer.position([TopicPartition(t, p) for (t, p) in remaining]):
-                    if tp.offset >= remaining.get((tp.topic, tp.partition), 1 << 62):
-                        del remaining[(tp.topic, tp.partition)]
+                for pos in consumer.position([TopicPartition(t, p) for (t, p) in remaining]):
+                    if pos.offset >= remaining.get((pos.topic, pos.partition), 1 << 62):
+                        del remaining[(pos.topic, pos.partition)]
         if remaining:
             raise TimeoutError(f"could not read {sorted(remaining)} to their end in {timeout_s}s")
         return out
@@ -130,7 +131,7 @@ def read_all(
 def message_record(m: Message) -> dict:
     """A Kafka message as one NDJSON-able dict (the `rose record` line format)."""
     ts_type, ts_ms = m.timestamp()
-    value = m.value()
+    key, value = m.key(), m.value()
     try:
         decoded = orjson.loads(value) if value is not None else None
     except orjson.JSONDecodeError:
@@ -140,8 +141,8 @@ def message_record(m: Message) -> dict:
         "partition": m.partition(),
         "offset": m.offset(),
         "timestamp_ms": ts_ms,
-        "key": m.key().decode("utf-8", "replace") if m.key() is not None else None,
-        "headers": {k: (v or b"").decode("utf-8", "replace") for k, v in (m.headers() or [])},
+        "key": key.decode("utf-8", "replace") if key is not None else None,
+        "headers": {k: (v or b"").decode("utf-8", "replace") for k, v in message_headers(m)},
     }
     if decoded is not None or value is None:
         rec["value"] = decoded

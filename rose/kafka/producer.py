@@ -3,12 +3,14 @@ full queue, the dead-letter topic, and the partition a key goes to."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from confluent_kafka import Message, Producer
 
 from rose.config import KafkaConfig
-from rose.contract.codec import encode
 from rose.contract.events import Event
-from rose.kafka.base import MAX_RECORD_BYTES, Headers, KafkaError, KafkaException, client_conf
+from rose.contract.wire import encode
+from rose.kafka.base import MAX_RECORD_BYTES, Headers, KafkaError, KafkaException, client_conf, message_headers
 
 __all__ = [
     "Headers",
@@ -80,7 +82,7 @@ def produce(
 ) -> None:
     """Produce without blocking on a healthy broker; when librdkafka's queue is full,
     serve delivery reports and retry (back-pressure instead of an exception)."""
-    kwargs = {"headers": headers} if headers else {}
+    kwargs: dict[str, Any] = {"headers": headers} if headers else {}
     if partition is not None:
         kwargs["partition"] = partition
     while True:
@@ -109,7 +111,7 @@ def dead_letter(
         ("rose.dlq.partition", str(msg.partition()).encode()),
         ("rose.dlq.offset", str(msg.offset()).encode()),
     ]
-    for k, v in msg.headers() or []:
+    for k, v in message_headers(msg):
         if not k.startswith("rose.dlq."):
             headers.append((k, v if isinstance(v, bytes) else (v or b"")))
     produce(producer, dlq_topic, msg.value(), msg.key(), headers)

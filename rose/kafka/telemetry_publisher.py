@@ -126,6 +126,7 @@ class TelemetryPublisher:
 
     def _queue(self, items: list[tuple[bytes, bytes]], headers: Headers | None, ts_ms: int) -> None:
         buf = self.buffer
+        assert buf.maxlen is not None  # bounded in __init__
         room = buf.maxlen - len(buf)
         if len(items) > room:
             self.dropped += len(items) - room

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
@@ -37,7 +37,7 @@ class FatalTransactionError(RuntimeError):
 def bounded(what: str, fn: Callable[[], T], timeout_s: float, fatal: type[Exception] = FatalTransactionError) -> T:
     """Run `fn` on a daemon thread and wait at most `timeout_s` for it; raise `fatal` when it
     has not returned by then (the thread is left behind), else return or raise what it did."""
-    out: dict = {}
+    out: dict[str, Any] = {}
 
     def call():
         try:
@@ -52,14 +52,16 @@ def bounded(what: str, fn: Callable[[], T], timeout_s: float, fatal: type[Except
         raise fatal(f"{what} did not return within {timeout_s:.0f}s")
     if "e" in out:
         raise out["e"]
-    return out.get("v")
+    return out["v"]  # the thread ended without raising: fn returned
 
 
 def positions(msgs: Sequence[Message]) -> list[TopicPartition]:
     """The offsets to commit once `msgs` are done: one past the last of each partition."""
     last: dict[tuple[str, int], int] = {}
     for m in msgs:
-        last[(m.topic(), m.partition())] = m.offset()
+        topic, partition, offset = m.topic(), m.partition(), m.offset()
+        assert topic is not None and partition is not None and offset is not None  # not an error
+        last[(topic, partition)] = offset
     return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
 
 

@@ -104,9 +104,9 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
                 continue
             t = time.monotonic()
             p = prev.get(url)
-            w = windows_by_url[url] = prometheus.window(sc, p[1] if p else None, t - p[0] if p else 0.0, names)
+            scraped = windows_by_url[url] = prometheus.window(sc, p[1] if p else None, t - p[0] if p else 0.0, names)
             prev[url] = (t, sc)
-            for role in w.missing:
+            for role in scraped.missing:
                 if (url, role) not in warned_missing:
                     warned_missing.add((url, role))
                     log.warning(
@@ -118,6 +118,7 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
                     )
         pids = read_pids(opt.rollout_pids)
         idx, lat = [], []
+        ws = []  # the window of each GPU that publishes
         for i in range(n):
             w = windows_by_url.get(urls[i])
             if w is None:
@@ -129,9 +130,9 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
             counts["carried"] += not p99[2]
             idx.append(i)
             lat.append(p99)
+            ws.append(w)
         if idx:
             samples = [nvml.sample(i, pids) for i in idx]
-            ws = [windows_by_url[urls[i]] for i in idx]
             recs = telemetry_records(
                 ts=now_wall,
                 node=opt.node,

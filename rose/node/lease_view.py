@@ -68,8 +68,8 @@ class LeaseFollower:
             self.assigned = True
 
     def poll(self, max_batches: int = 20) -> int:
-        from rose.contract.codec import decode
         from rose.contract.events import InvalidEvent
+        from rose.contract.wire import decode
 
         if not self.assigned:
             self._assign()

@@ -1,1 +1,2 @@
-"""Observability: structured logs, OpenTelemetry traces, Prometheus metrics."""
+"""Observability: structured logs, OpenTelemetry traces, Prometheus metrics, percentiles of samples
+(`stats`)."""

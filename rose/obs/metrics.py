@@ -105,17 +105,6 @@ class Histogram(_Metric):
         lines += [f"{self.name}_sum {self._sum}", f"{self.name}_count {self._n}"]
         return lines
 
-    def quantile(self, q: float) -> float | None:
-        """Upper bucket bound holding the q-quantile (coarse; for status lines)."""
-        if not self._n:
-            return None
-        target, acc = q * self._n, 0
-        for b, c in zip(self.buckets, self._counts):
-            acc += c
-            if acc >= target:
-                return b
-        return float("inf")
-
 
 def _get(cls, name: str, help_: str, **kw):
     with _lock:

@@ -10,8 +10,11 @@ that context (`send_span`, `process_span`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -70,14 +73,17 @@ def tracer(name: str = "rose") -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-class _HeaderGetter:
-    def get(self, carrier, key):
+_Carrier = Sequence[tuple[str, bytes | str | None]]  # a Kafka message's headers
+
+
+class _HeaderGetter(Getter[_Carrier]):
+    def get(self, carrier: _Carrier, key: str) -> list[str] | None:
         for k, v in carrier or []:
             if k == key:
                 return [v.decode("latin-1") if isinstance(v, bytes) else str(v)]
         return None
 
-    def keys(self, carrier):
+    def keys(self, carrier: _Carrier) -> list[str]:
         return [k for k, _ in carrier or []]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import Any
 
 from rose.config import PolicyConfig
 from rose.contract.events import InvalidEvent, LeaseState, Telemetry
@@ -49,7 +50,7 @@ def observe_lease_state(view: GpuView | None, state: LeaseState, cfg: PolicyConf
     if view is None:
         view = GpuView(gpu=state.gpu)
     epoch = view.epoch if view.epoch >= state.epoch else state.epoch
-    lease = {}
+    lease: dict[str, Any] = {}
     cooldown_until, revokes_in_row = view.cooldown_until, view.revokes_in_row
     if state.state in _LEASE_ENDING_STATES:
         current = view.lease_id is not None and state.lease_id == view.lease_id
@@ -126,6 +127,6 @@ class SchedulingCore:
         for ls in lease_states:
             self.lease_floor[ls.gpu] = ls
         for gpu, ls in self.lease_floor.items():
-            v = self.views.get(gpu)
-            if v is not None:
-                self.views[gpu] = observe_lease_state(v, ls, self.cfg)
+            view = self.views.get(gpu)
+            if view is not None:
+                self.views[gpu] = observe_lease_state(view, ls, self.cfg)

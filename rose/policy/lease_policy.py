@@ -13,12 +13,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, fields, replace
 
-from rose.config import PolicyConfig
+from rose.config import GiB, PolicyConfig
 from rose.contract.events import Command, Telemetry
 
 POLICY_VERSION = "1.1"
 
-_GiB = float(1 << 30)
 _NEVER = -1.0  # "no previous sample" for ts, p99 and memory fields (real values are ≥ 0)
 
 
@@ -121,7 +120,7 @@ def free_memory(total: int, serving: int, lease_mem: int, rollout: int) -> int:
 
 
 def _gib(b: float) -> str:
-    return f"{b / _GiB:.2f} GiB"
+    return f"{b / GiB:.2f} GiB"
 
 
 def _lease_mem(avail: int, h: float, cfg: PolicyConfig) -> int:
@@ -279,6 +278,7 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         base_load = _ewma(base_load, load, w_est)
 
     def command(kind: str, mem: int, cshare: float, expires: float, why: str) -> tuple[Command, ...]:
+        assert lease_id is not None  # every command is about a lease: the held one, or the one granted
         return (
             Command(
                 command_id(event.event_id, kind, gpu, epoch),
@@ -341,9 +341,9 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
             )
     else:
         avail = free - margin
-        why = slow + short
-        if why:
-            action, reason = "none", "no grant: " + "; ".join(why)
+        blockers = slow + short
+        if blockers:
+            action, reason = "none", "no grant: " + "; ".join(blockers)
         elif streak < cfg.grant_streak:
             if h_min < g:
                 m = "ttft_p99" if h_ttft < h_tpot else "tpot_p99"

@@ -17,23 +17,23 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from rose.config import PolicyConfig
-from rose.contract.codec import load_object
+from rose.config import GiB, PolicyConfig
 from rose.contract.events import (
     COMMAND_SCHEMA,
     LEASE_STATE_SCHEMA,
     TELEMETRY_SCHEMA,
     Command,
+    Event,
     InvalidEvent,
     LeaseState,
     Telemetry,
 )
+from rose.contract.wire import load_object
 from rose.policy.core import SchedulingCore, check_admission
 from rose.policy.lease_policy import Decision, GpuView
 
-_GiB = float(1 << 30)
-_PLAIN = {TELEMETRY_SCHEMA: Telemetry, COMMAND_SCHEMA: Command, LEASE_STATE_SCHEMA: LeaseState}
-_KIND_BY_TYPE = {Telemetry: "telemetry", Command: "command", LeaseState: "lease state"}
+_PLAIN: dict[str, type[Event]] = {TELEMETRY_SCHEMA: Telemetry, COMMAND_SCHEMA: Command, LEASE_STATE_SCHEMA: LeaseState}
+_KIND_BY_TYPE: dict[type[Event], str] = {Telemetry: "telemetry", Command: "command", LeaseState: "lease state"}
 
 OnError = Callable[[int, str], None]
 
@@ -49,7 +49,7 @@ class Log:
     skipped: int = 0  # malformed or not admitted lines, each reported through on_error
 
 
-def _topic_type(topic: str) -> type | None:
+def _topic_type(topic: str) -> type[Event] | None:
     if topic.endswith("telemetry"):
         return Telemetry
     if topic.endswith("commands"):
@@ -80,7 +80,7 @@ def parse_line(line: bytes, cfg: PolicyConfig) -> tuple[Telemetry | Command | Le
         ev = _typed(typ, d["value"])
         ts_ms = d.get("timestamp_ms")
         ts_ms = ts_ms if isinstance(ts_ms, int) and not isinstance(ts_ms, bool) else None
-        if typ is Telemetry:
+        if isinstance(ev, Telemetry):  # typ is Telemetry
             key = d.get("key")
             try:
                 check_admission(ev, ts_ms, key if isinstance(key, str) else None, cfg)
@@ -96,7 +96,7 @@ def parse_line(line: bytes, cfg: PolicyConfig) -> tuple[Telemetry | Command | Le
     return _typed(typ, d), None
 
 
-def _typed(typ: type, value: object):
+def _typed(typ: type[Event], value: object) -> Event:
     try:
         return typ.from_dict(value)
     except InvalidEvent as e:
@@ -123,6 +123,7 @@ def read_log(lines: Iterable[bytes], cfg: PolicyConfig, on_error: OnError) -> Lo
         elif type(ev) is Command:
             log.commands.append((lineno, ev))
         else:
+            assert isinstance(ev, LeaseState)  # parse_line gives one of the three event types
             log.lease_states.append((lineno, ev))
     return log
 
@@ -266,14 +267,14 @@ def explain_step(lineno: int, ev: Telemetry, before: GpuView | None, d: Decision
         ph = " ".join(f"{k}={v:.3f}" for k, v in x.predicted_headroom.items())
         serving = ev.mem_used_bytes - ev.rollout_mem_bytes
         lines.append(
-            f"  headroom {hr} | predicted {ph} | serving {serving / _GiB:.2f} GiB, "
-            f"free {x.free_mem_bytes / _GiB:.2f} GiB of {ev.mem_total_bytes / _GiB:.2f} GiB, "
+            f"  headroom {hr} | predicted {ph} | serving {serving / GiB:.2f} GiB, "
+            f"free {x.free_mem_bytes / GiB:.2f} GiB of {ev.mem_total_bytes / GiB:.2f} GiB, "
             f"util {ev.gpu_util:.2f}"
         )
     lines.append("  view before: " + (orjson.dumps(before.to_dict()).decode() if before else "(none: first event)"))
     for c in d.commands:
         lines.append(
-            f"  -> {c.kind} {c.lease_id} epoch {c.epoch} mem {c.mem_bytes / _GiB:.2f} GiB "
+            f"  -> {c.kind} {c.lease_id} epoch {c.epoch} mem {c.mem_bytes / GiB:.2f} GiB "
             f"share {c.compute_share:.3f} until {c.expires_at:.3f} id {c.command_id}"
         )
     return "\n".join(lines)

@@ -1,25 +1,9 @@
 """The rollout engine interface, and the torch engine that runs the reference policy.
 
-`RolloutEngine` is what a worker needs from an inference engine, and nothing more:
-
-- `generate(requests, max_new_tokens, pause_check) -> list[list[int]]`: for each request,
-  append `request.tokens` to the sequence `request.seq_id` (a new id starts a sequence; the
-  engine keeps its cache), then sample up to `max_new_tokens` tokens. `pause_check()` is
-  called before every decode step; when it returns True the engine launches nothing more
-  and returns what it has (possibly fewer tokens). Called with `max_new_tokens=1` on every
-  loop iteration it gives continuous batching: sequences join and leave between steps.
-- `release(seq_id)` drops a sequence's cache; `free_slots()` says how many more fit.
-- `load_weights(version, state_dict)` swaps the policy between two `generate` calls; the
-  engine is single-threaded, so no step ever runs on a half-updated policy.
-
-vLLM or SGLang plug in behind the same methods: `generate` maps to a request with
-`max_tokens` (prefix caching keeps the sequence's KV blocks; `release` is an abort or a
-cache eviction hint), `pause_check` to aborting or pausing the scheduler between steps
-(vLLM's sleep/pause APIs), and `load_weights` to their in-place weight update
-(`collective_rpc("update_weights")` / `update_weights_from_tensor`).
-
-The torch engine also enforces the worker's memory budget (`MemoryBudget`): the slot count
-comes from it, and every forward is sized so that its activations fit what is left.
+`RolloutEngine` is what a worker needs from an inference engine, and nothing more; vLLM or
+SGLang plug in behind the same methods (how: docs/rollout.md). The torch engine also enforces
+the worker's memory budget (`MemoryBudget`): the slot count comes from it, and every forward is
+sized so that its activations fit what is left.
 """
 
 from __future__ import annotations
@@ -42,6 +26,19 @@ class GenRequest:
 
 
 class RolloutEngine(Protocol):
+    """What a worker needs from an inference engine.
+
+    - `generate(requests, max_new_tokens, pause_check) -> list[list[int]]`: for each request,
+      append `request.tokens` to the sequence `request.seq_id` (a new id starts a sequence; the
+      engine keeps its cache), then sample up to `max_new_tokens` tokens. `pause_check()` is
+      called before every decode step; when it returns True the engine launches nothing more
+      and returns what it has (possibly fewer tokens). Called with `max_new_tokens=1` on every
+      loop iteration it gives continuous batching: sequences join and leave between steps.
+    - `release(seq_id)` drops a sequence's cache; `free_slots()` says how many more fit.
+    - `load_weights(version, state_dict)` swaps the policy between two `generate` calls; the
+      engine is single-threaded, so no step ever runs on a half-updated policy.
+    """
+
     version: int
 
     def generate(
@@ -143,7 +140,9 @@ class TorchEngine:
         self.spec = spec
         self.budget = budget
         self.device = torch.device(device)
-        self.n_slots = budget.slots(max_batch)
+        self.max_batch = max_batch
+        # a warm engine (budget 0: no lease yet) holds the model and no KV cache until `assign`
+        self.n_slots = budget.slots(max_batch) if budget.limit_bytes else 0
         self.stream = stream
         self.temperature = temperature
         self.model = PolicyModel(spec).to(self.device).eval()
@@ -152,7 +151,22 @@ class TorchEngine:
         self._seqs: dict[str, _Seq] = {}
         self._free = list(range(self.n_slots - 1, -1, -1))
         self.steps = 0
+        self.interrupted_tokens = 0  # tokens of decode steps cut short by a pause (recomputed later)
         self.peak_activation_bytes = 0
+
+    def assign(self, budget: MemoryBudget, device: str | None = None, stream: torch.cuda.Stream | None = None) -> None:
+        """Size a warm engine to its lease: move the model to `device` (when given), then
+        allocate the KV cache for the slots `budget` allows (BudgetError when not even one
+        fits). Only before any sequence is admitted."""
+        if self._seqs:
+            raise RuntimeError("assign: the engine already runs sequences")
+        n = budget.slots(self.max_batch)
+        if device is not None and torch.device(device) != self.device:
+            self.device = torch.device(device)
+            self.model.to(self.device)
+        self.budget, self.n_slots, self.stream = budget, n, stream
+        self.cache = self.model.new_cache(n)
+        self._free = list(range(n - 1, -1, -1))
 
     # weights ---------------------------------------------------------------------------
     def load_weights(self, version: int, state_dict: dict) -> None:
@@ -192,6 +206,10 @@ class TorchEngine:
         self, requests: Sequence[GenRequest], max_new_tokens: int, pause_check: Callable[[], bool] = lambda: False
     ) -> list[list[int]]:
         seqs = [self._seq(r) for r in requests]
+        gens: list[torch.Generator] = []
+        for s in seqs:
+            assert s.gen is not None  # _seq gives every sequence one
+            gens.append(s.gen)
         out: list[list[int]] = [[] for _ in seqs]
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             for _ in range(max_new_tokens):
@@ -200,7 +218,7 @@ class TorchEngine:
                 logits = self._step(seqs, pause_check)
                 if logits is None:  # paused between prefill chunks; the rest stays pending
                     break
-                for i, (s, tok) in enumerate(zip(seqs, self._sample(logits, [s.gen for s in seqs]))):
+                for i, (s, tok) in enumerate(zip(seqs, self._sample(logits, gens))):
                     s.pending.append(tok)
                     out[i].append(tok)
                 self.steps += 1
@@ -228,14 +246,18 @@ class TorchEngine:
                 starts = torch.tensor([s.length for s in part], device=self.device)
                 self._track(len(part), 1, ctx)
                 lg = self.model(toks, self.cache, slots, starts, pause_check)
-                if lg is None:
+                if lg is None:  # paused between layers: this decode step's work is thrown away
+                    self.interrupted_tokens += len(part)
                     return None
                 lg = lg[:, -1]
                 for k, s in enumerate(part):
                     s.length += 1
                     s.pending.clear()
                     s.logits = lg[k]
-        out = [s.logits for s in seqs]
+        out: list[torch.Tensor] = []
+        for s in seqs:
+            assert s.logits is not None  # fed above, or kept from its last feed (checked on entry)
+            out.append(s.logits)
         for s in seqs:
             s.logits = None
         return out

@@ -207,6 +207,7 @@ class Episode:
         self.tool_until = 0.0
         self.pending_obs: list[int] = []
         self.affinity_hits = 0
+        self.decoded = 0  # tokens sampled on this worker: all carried on by trajectory() or continuation()
         if self.turns and self.turns[-1].observation is None and len(self.turns) < task.max_turns:
             self._start_tool(now)  # preempted during its tool call: run the call again
         elif len(self.turns) >= task.max_turns:
@@ -255,6 +256,7 @@ class Episode:
         self.action.append(tok)
         self.action_versions.append(version)
         self.fed += 1
+        self.decoded += 1
         if len(self.action) >= self.task.tokens_per_turn:
             self.turns.append(
                 Turn(

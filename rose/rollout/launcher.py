@@ -12,6 +12,9 @@ missing) passed as descriptor N, which the worker reads once and closes. Neither
 nor a Redis password ever appears on the command line (`ps`, /proc/<pid>/cmdline) or in the
 environment. By hand: `python -m rose.rollout.worker < worker.json` (the default fd is stdin).
 
+A warm worker (`warm=True`, the executor's pool) is launched the same way before any lease: it
+gets its lease later, still without argv, as a `LeaseRecord` file next to its pause flag.
+
 `spawn(argv)` is the shared way to start a supervised child: PR_SET_PDEATHSIG=SIGTERM, so
 the child drains and exits when its parent dies, and optionally pinned to a set of CPUs
 before exec (every thread the child ever starts inherits the affinity).
@@ -29,8 +32,9 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from rose.config import Config, RedisConfig
+from rose.config import Config, GiB, RedisConfig
 
 WORKER_MODULE = "rose.rollout.worker"
 MAX_CONFIG_BYTES = 1 << 20
@@ -46,7 +50,7 @@ class WorkerConfig:
     model: str  # weights stream name (rose:weights:{model})
     weights_hmac_key: str = field(default="", repr=False)  # "" = followed weights are not verified
     device: str = "cpu"  # "cpu" or "cuda:N"
-    mem_bytes: int = 1 << 30  # hard cap of everything the worker allocates
+    mem_bytes: int = GiB  # hard cap of everything the worker allocates
     compute_share: float = 1.0
     pause_flag: str = ""  # shared-memory name of the PauseFlag; "" = none
     dedicated: bool = False
@@ -63,6 +67,12 @@ class WorkerConfig:
     model_spec: dict = field(default_factory=dict)  # ModelSpec overrides
     max_episodes: int = 0  # exit 0 after completing this many (0: run until STOP)
     temperature: float = 1.0
+    max_staleness: int = 1  # take tasks only with a policy at most this many versions behind the newest
+    # A warm worker (the executor's pool): started, paused and without a lease. It builds its
+    # model and follows the weights, then waits for the `LeaseRecord` the executor writes to
+    # `lease_file` (announced by the pause flag's assignment counter) and runs that lease.
+    warm: bool = False
+    lease_file: str = ""
 
     @classmethod
     def from_config(cls, cfg: Config, **fields) -> WorkerConfig:
@@ -89,10 +99,15 @@ class WorkerConfig:
         if not isinstance(d, dict):
             raise ValueError("worker config: expected a JSON object")
         c = cls(**_typed_fields(cls, d))
-        if c.mem_bytes <= 0:
+        if c.warm:
+            if not c.pause_flag or not c.lease_file:
+                raise ValueError("warm: a warm worker needs pause_flag and lease_file")
+        elif c.mem_bytes <= 0:
             raise ValueError(f"mem_bytes: must be > 0, got {c.mem_bytes}")
-        if not 0 < c.compute_share <= 1:
-            raise ValueError(f"compute_share: must be in (0, 1], got {c.compute_share}")
+        if not 0 <= c.compute_share <= 1:  # 0: a lease paused at share 0 (v1.1) restarts its worker paused
+            raise ValueError(f"compute_share: must be in [0, 1], got {c.compute_share}")
+        if c.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {c.max_staleness}")
         if not (c.device == "cpu" or c.device.startswith("cuda")):
             raise ValueError(f"device: expected 'cpu' or 'cuda:N', got {c.device!r}")
         if c.weights not in ("static", "follow"):
@@ -101,8 +116,88 @@ class WorkerConfig:
             raise ValueError("max_batch: must be >= 1")
         return c
 
+    def can_run_as(self, other: WorkerConfig) -> bool:
+        """Whether this (warm) worker can take the lease of `other`: equal in everything but the
+        fields a `LeaseRecord` sets and those fixed at its own start (flag, seed, warm set-up)."""
+        own = dataclasses.replace(self, **_PER_WORKER_DEFAULTS)
+        return own == dataclasses.replace(other, **_PER_WORKER_DEFAULTS)
 
-_SCALARS = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict}
+
+# what a LeaseRecord sets, and what each process has of its own: ignored by `can_run_as`
+_PER_WORKER_DEFAULTS: dict[str, Any] = {
+    "gpu": "",
+    "worker_id": "",
+    "mem_bytes": 0,
+    "compute_share": 0.0,
+    "pause_flag": "",
+    "seed": 0,
+    "warm": False,
+    "lease_file": "",
+}
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """A warm worker's lease, handed over without a command line: the executor writes it next
+    to the worker's pause flag (`write`, an atomic rename, 0600), then bumps the flag's
+    assignment counter; the worker, which polls the counter, reads it (`read`) and checks that
+    `assignment` matches, so it never acts on an older record."""
+
+    assignment: int
+    gpu: str
+    worker_id: str
+    lease_id: str
+    epoch: int
+    mem_bytes: int
+    compute_share: float
+
+    def write(self, path: str) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: str) -> LeaseRecord:
+        """The record in `path`; OSError if it cannot be read, ValueError (naming the field) if
+        it is not a valid record."""
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        try:
+            d = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"lease record: not valid JSON ({getattr(e, 'msg', e)})") from None
+        if not isinstance(d, dict):
+            raise ValueError("lease record: expected a JSON object")
+        r = cls(**_typed_fields(cls, d))
+        if r.mem_bytes <= 0:
+            raise ValueError(f"mem_bytes: must be > 0, got {r.mem_bytes}")
+        if not 0 <= r.compute_share <= 1:
+            raise ValueError(f"compute_share: must be in [0, 1], got {r.compute_share}")
+        return r
+
+    def apply(self, config: WorkerConfig) -> WorkerConfig:
+        """The warm worker's config turned into this lease's worker."""
+        return dataclasses.replace(
+            config,
+            gpu=self.gpu,
+            worker_id=self.worker_id,
+            mem_bytes=self.mem_bytes,
+            compute_share=self.compute_share,
+            warm=False,
+        )
+
+
+_SCALARS: dict[str, type | tuple[type, ...]] = {
+    "str": str,
+    "int": int,
+    "float": (int, float),
+    "bool": bool,
+    "dict": dict,
+}
 
 
 def _typed_fields(cls, d: dict, where: str = "") -> dict:
@@ -112,7 +207,7 @@ def _typed_fields(cls, d: dict, where: str = "") -> dict:
     for k in d:
         if k not in known:
             raise ValueError(f"{where}{k}: unknown {cls.__name__} field")
-    out = {}
+    out: dict[str, Any] = {}
     for f in known.values():
         name = where + f.name
         if f.name not in d:
@@ -129,7 +224,8 @@ def _typed_fields(cls, d: dict, where: str = "") -> dict:
                 raise ValueError(f"{name}: expected a list of integers, got {v!r}")
             out[f.name] = tuple(v)
         else:
-            want = _SCALARS.get(f.type, object)
+            # a string here: both modules annotate with `from __future__ import annotations`
+            want = _SCALARS.get(f.type, object) if isinstance(f.type, str) else object
             if not isinstance(v, want) or (f.type in ("int", "float") and isinstance(v, bool)):
                 raise ValueError(f"{name}: expected {f.type}, got {v!r}")
             out[f.name] = v
@@ -137,23 +233,25 @@ def _typed_fields(cls, d: dict, where: str = "") -> dict:
 
 
 # ---- child processes -----------------------------------------------------------------------
-def die_with_parent(cpus: Sequence[int] = ()) -> Callable[[], None]:
-    """A `preexec_fn`: SIGTERM the child when its parent dies (PR_SET_PDEATHSIG), and pin it to
-    `cpus` (empty: any) before it execs."""
+def die_with_parent(cpus: Sequence[int] = (), nice: int = 0) -> Callable[[], None]:
+    """A `preexec_fn`: SIGTERM the child when its parent dies (PR_SET_PDEATHSIG), pin it to
+    `cpus` (empty: any) and lower its priority by `nice` before it execs."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork; the child only calls it
-    cpus = set(cpus)
+    cpu_set = set(cpus)
 
     def setup() -> None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
+        if cpu_set:
+            os.sched_setaffinity(0, cpu_set)
+        if nice:
+            os.nice(nice)
 
     return setup
 
 
-def spawn(argv: Sequence[str], *, cpus: Sequence[int] = (), **popen) -> subprocess.Popen:
+def spawn(argv: Sequence[str], *, cpus: Sequence[int] = (), nice: int = 0, **popen) -> subprocess.Popen:
     """`subprocess.Popen(argv, **popen)` for a supervised child (see `die_with_parent`)."""
-    return subprocess.Popen(list(argv), preexec_fn=die_with_parent(cpus), **popen)
+    return subprocess.Popen(list(argv), preexec_fn=die_with_parent(cpus, nice), **popen)
 
 
 def _config_file(data: bytes) -> int:
@@ -182,7 +280,11 @@ def launch(config: WorkerConfig, **popen) -> subprocess.Popen:
     fd = _config_file(config.to_json().encode())
     try:
         return spawn(
-            [sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)], cpus=config.cpus, pass_fds=(fd,), **popen
+            [sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)],
+            cpus=config.cpus,
+            nice=config.nice if config.warm else 0,  # a warm worker imports and builds at its lease's priority
+            pass_fds=(fd,),
+            **popen,
         )
     finally:
         os.close(fd)

@@ -1,24 +1,12 @@
 """Elastic placement of agentic turns (the elastic rollout scheduler), as a pure policy.
 
-Routing is per TURN, not per episode: after every turn, while the tool call runs, the
-worker holding the episode decides where the next turn goes. The policy, in order:
-
-1. Cache affinity by default: the next turn stays on the worker that already holds the
-   episode's prefix in its KV cache (no re-prefill). A moved turn goes to one worker's
-   directed stream, so the prefix it rebuilds there is reused for the turns after it; a
-   directed turn not taken within `affinity_grace_ms` may be taken by any worker.
-2. Long tail on dedicated workers: an episode with ≥ `long_tail_tokens` still to
-   generate that sits on a leased (revocable) worker moves to the dedicated worker with
-   the most free slots; a leased worker that reads such an episode from the shared
-   stream forwards it before generating anything. Short turns stay on leased workers,
-   whose capacity comes and goes with serving load.
-3. Stragglers off revocable workers: once `straggler_frac` of the RL step's episodes are
-   complete, every episode still on a leased worker moves to a dedicated one, so a revoke
-   near the end of the step cannot hold the step back.
-4. A move needs somewhere to go: no live dedicated worker with a free slot → stay. An
-   episode moves at most `max_moves` times (no ping-pong on stale capacity figures).
-Dedicated workers never move work away. Measured by `affinity_hit_rate` and
-`long_tail_on_dedicated` over the results stream (tests/test_rollout_placement.py).
+Routing is per TURN, not per episode: after every turn, while the tool call runs, the worker
+holding the episode decides where the next turn goes. By default it stays (cache affinity: no
+re-prefill); an episode with a long tail still to generate, or every episode once the RL step is
+nearly complete (stragglers), moves from a leased (revocable) worker to the live dedicated
+worker with the most free slots, at most `max_moves` times. Dedicated workers never move work
+away. The rules in order, and how `affinity_hit_rate` and `long_tail_on_dedicated` measure
+them: docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -46,13 +34,15 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
-class Decision:
+class Placement:
+    """Where an episode's next turn runs: here (`move` False), or on worker `to`, and why."""
+
     move: bool
     to: str | None = None
     reason: str = ""
 
 
-STAY = Decision(False, None, "affinity")
+STAY = Placement(False, None, "affinity")
 
 
 def place(
@@ -62,7 +52,7 @@ def place(
     others: Iterable[WorkerView],
     step_done_frac: float,
     cfg: PlacementConfig,
-) -> Decision:
+) -> Placement:
     """Where the next turn of an episode runs: stay here, or move to one named worker."""
     if here.dedicated or moves >= cfg.max_moves:
         return STAY
@@ -74,7 +64,7 @@ def place(
     if not targets:
         return STAY
     best = max(targets, key=lambda w: (w.free_slots, w.worker_id))
-    return Decision(True, best.worker_id, "long-tail" if long_tail else "straggler")
+    return Placement(True, best.worker_id, "long-tail" if long_tail else "straggler")
 
 
 def affinity_hit_rate(trajectories: Sequence[dict]) -> float:

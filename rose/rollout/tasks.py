@@ -1,31 +1,18 @@
 """The agentic task queue on Redis Streams: the trainer submits episodes, rollout workers
 take them through one consumer group, and finished trajectories go to a results stream.
 
-Keys (`RedisConfig.key`): `tasks:{job}` (the shared stream, docs/contract.md §6.1), `results:{job}`,
-`tasks:{job}:to:{worker}` (directed streams: a turn routed to one worker for cache
-affinity; any worker may take it once it has waited `grace_ms`), `tasks:{job}:workers`
-(the set of directed streams), `tasks:{job}:stats` (submitted/completed per RL step),
-`results:{job}:done` (task_id → result entry id: the dedup record), `tasks:{job}:dead`
-(tasks that cannot be decoded, with the reason).
-
-No trajectory is lost or duplicated:
-- `complete` appends the trajectory, records the task_id, acks and deletes the task entry
-  in one Lua script; a task_id already recorded is acked without a second append, so a
-  reclaimed task whose first worker did finish is harmless.
-- `requeue` pushes a continuation and acks the original in one Lua script, only while the
-  caller still owns the entry (XPENDING by consumer): a worker whose task was reclaimed
-  by another cannot fork the episode.
-- `reclaim` takes entries idle for `min_idle_ms` from crashed (or stalled) consumers with
-  XAUTOCLAIM; `touch` keeps a live worker's entries from going idle, and reports entries
-  that another consumer took in the meantime so the worker drops them.
-The scripts touch several keys, so on Redis Cluster the job's keys need one hash slot
-(put the job name in braces); the local stack is a single node.
+Keys (`RedisConfig.key`): docs/contract.md §6.1. No trajectory is lost or duplicated: `complete`
+(append, record the task_id, ack) and `requeue` (continuation and ack, only while the caller
+still owns the entry) are each one Lua script, and `reclaim` takes entries idle for
+`min_idle_ms` from crashed consumers with XAUTOCLAIM while `touch` keeps a live worker's entries
+from going idle. Each guarantee, and Redis Cluster hash slots: docs/rollout.md.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import orjson
 import redis
@@ -34,6 +21,10 @@ from rose.config import RedisConfig
 from rose.rollout.episode import InvalidTask, Task
 
 GROUP = "rollout"
+
+# A stream's entries as this client reads them (RESP2, bytes): redis-py's types also cover RESP3
+# replies and decode_responses=True.
+_Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 _COMPLETE = """
 local added = 0
@@ -157,7 +148,10 @@ class TaskQueue:
         return int(a or 0), int(b or 0)
 
     def results(self, last_id: str = "0-0", count: int = 1000, block_ms: int | None = None) -> list[tuple[str, dict]]:
-        got = self.r.xread({self.results_stream: last_id}, count=count, block=block_ms)
+        got = cast(
+            "list[tuple[bytes, _Entries]] | None",
+            self.r.xread({self.results_stream: last_id}, count=count, block=block_ms),
+        )
         out = []
         for _stream, entries in got or []:
             for eid, fields in entries:
@@ -165,7 +159,7 @@ class TaskQueue:
         return out
 
     def all_results(self) -> list[dict]:
-        return [orjson.loads(f[b"trajectory"]) for _i, f in self.r.xrange(self.results_stream)]
+        return [orjson.loads(f[b"trajectory"]) for _i, f in cast(_Entries, self.r.xrange(self.results_stream))]
 
     # worker side -----------------------------------------------------------------------
     def read(

@@ -22,6 +22,10 @@ class WeightSource(Protocol):
     def current(self) -> tuple[int | None, dict]:
         """The visible version and its full state dict (None before the first commit)."""
 
+    def newest(self) -> int | None:
+        """The newest version committed at the source (applied or not), None before the first:
+        a worker takes tasks only while its policy is within `max_staleness` of it."""
+
 
 class StaticWeights:
     def __init__(self, spec: ModelSpec, seed: int, version: int = 0):
@@ -35,6 +39,9 @@ class StaticWeights:
 
     def current(self) -> tuple[int, dict]:
         return self._v, self._sd
+
+    def newest(self) -> int | None:
+        return self._v
 
     def publish(self, version: int, state_dict: dict) -> None:
         """Swap in a complete new version (tests and in-process trainers)."""
@@ -55,3 +62,6 @@ class FollowedWeights:
     def current(self) -> tuple[int, dict]:
         v, sd = self.follower.current()
         return (-1, self._seeded) if v is None else (v, sd)
+
+    def newest(self) -> int | None:
+        return self.follower.newest()

@@ -3,24 +3,13 @@ dedicated rollout GPU) that runs agentic episodes from the task queue.
 
     python -m rose.rollout.worker --config-fd N      (rose.rollout.launcher.launch(WorkerConfig))
 
-Its one configuration, `rose.rollout.launcher.WorkerConfig`, arrives as JSON on descriptor N
-(default 0, stdin), never on the command line: it carries the Redis connection and the
-weights HMAC key. Redis client, task queue and weight follower are all built from it; with
-`weights_hmac_key` set, followed weight entries that are unsigned or wrongly signed are
-refused (counted and logged) and the worker keeps running its last good version.
-
-One loop, one decode step per iteration (continuous batching): read the pause flag and
-beat the heartbeat; switch policy versions if a new one is complete; admit tasks into free
-KV-cache slots; finish tool calls and place each episode's next turn (placement.place);
-run one batched decode step for every episode that is generating; complete finished
-episodes. The flag is read before every forward and between the model's layers, so PAUSE
-launches nothing more after at most one layer; STOP or SIGTERM drains:
-each unfinished episode goes back as a continuation task, acked atomically, then exit 0.
-
-Protection of serving: a hard memory cap (CUDA: the allocator's per-process fraction;
-CPU: `MemoryBudget`, which sizes the KV cache and every forward — the worker exits 3 with
-one line when the model and one sequence do not fit), rollout kernels on the lowest-
-priority CUDA stream, OS nice and a thread count from `compute_share` on CPU.
+Its one configuration, `WorkerConfig`, arrives as JSON on descriptor N (default 0, stdin), never
+on the command line: it carries the Redis connection and the weights HMAC key. One loop, one
+decode step per iteration (continuous batching). The pause flag is read before every forward and
+between the model's layers, so PAUSE launches nothing more after at most one layer; STOP or
+SIGTERM drains (unfinished episodes go back as continuation tasks). Serving is protected by a
+hard memory cap, the lowest-priority CUDA stream, and nice and fewer threads on CPU.
+The loop step by step and the protections in full: docs/rollout.md.
 Exit codes: 0 drained, 2 bad config, 3 memory budget too small.
 """
 
@@ -31,10 +20,14 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from rose.rollout.launcher import WorkerConfig, read_config
+from rose.rollout.launcher import LeaseRecord, WorkerConfig, read_config
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
 from rose.shutdown import Shutdown
+
+if TYPE_CHECKING:
+    from rose.rollout.tasks import Claimed
 
 EXIT_BAD_CONFIG = 2
 EXIT_BUDGET = 3
@@ -48,14 +41,15 @@ def lowest_priority_stream(device):
     return torch.cuda.Stream(device=device, priority=low)
 
 
-def protect(config: WorkerConfig):
+def protect(config: WorkerConfig, niced: bool = False):
     """Apply the serving protections to this process; the CUDA stream to run on (or None).
-    CPU: OS nice and a thread count from compute_share. CUDA: the allocator's hard cap at
-    mem_bytes (per-process memory fraction) and the lowest-priority stream."""
+    CPU: OS nice (unless `niced`: a warm worker starts niced) and a thread count from
+    compute_share. CUDA: the allocator's hard cap at mem_bytes (per-process memory fraction)
+    and the lowest-priority stream."""
     import torch
 
     if config.device == "cpu":
-        if config.nice:
+        if config.nice and not niced:
             os.nice(config.nice)
         torch.set_num_threads(max(1, int(config.compute_share * (os.cpu_count() or 1))))
         return None
@@ -63,6 +57,44 @@ def protect(config: WorkerConfig):
     total = torch.cuda.get_device_properties(dev).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, config.mem_bytes / total), dev)
     return lowest_priority_stream(dev)
+
+
+def fresh_enough(applied: int, newest: int | None, max_staleness: int) -> bool:
+    """Weight-version gating: a worker takes rollout tasks only with a policy at most
+    `max_staleness` versions behind the newest committed one (None: none committed yet)."""
+    return newest is None or applied >= newest - max_staleness
+
+
+def wait_for_lease(config: WorkerConfig, flag: PauseFlag, engine, weights, stop) -> LeaseRecord | None:
+    """A warm worker's wait, started and paused with no lease: keep applying weight versions as
+    they commit (so it starts at the newest), poll the flag's assignment counter, and return
+    the lease record the executor announced; None on STOP or `stop` (a threading.Event).
+    Raises ValueError for a record that is not valid."""
+    import redis
+
+    next_weights = 0.0
+    while not stop.is_set() and flag.get() != STOP:
+        n = flag.assignment  # a fresh flag says 0; a warm worker is assigned once
+        if n:
+            try:
+                rec = LeaseRecord.read(config.lease_file)
+            except FileNotFoundError:
+                rec = None
+            if rec is not None and rec.assignment == n:
+                return rec
+        now = time.monotonic()
+        if now >= next_weights:
+            next_weights = now + Worker.WEIGHTS_S
+            try:
+                if weights.poll() is not None:
+                    v, sd = weights.current()
+                    if v != engine.version:
+                        engine.load_weights(v, sd)
+                        flag.set_version(v)
+            except (redis.ConnectionError, redis.TimeoutError):
+                next_weights = now + 1.0  # Redis is away: try again later, the lease may still come
+        time.sleep(0.001)
+    return None
 
 
 class Worker:
@@ -85,7 +117,10 @@ class Worker:
         self.stop_requested = False
         self.paused = False
         self._marked = False  # this PAUSE/STOP's sighting is recorded in the flag
+        self._tokened = False  # a token was produced since the start or the last pause
+        self._fresh = True  # the applied policy is within max_staleness of the newest: take tasks
         self.stats = {"episodes": 0, "turns": 0, "tokens": 0, "moved": 0, "requeued": 0, "lost": 0, "duplicates": 0}
+        self.stats["carried"] = 0  # tokens handed on, in trajectories or continuations
         self._next = {"hb": 0.0, "view": 0.0, "weights": 0.0, "reclaim": 0.0, "touch": 0.0, "read": 0.0}
         self._views: list = []
         self._progress: dict[int, tuple[float, float]] = {}
@@ -114,6 +149,7 @@ class Worker:
         if self.flag is not None and not self._marked:
             self.flag.mark_paused()
             self._marked = True
+            self._tokened = False
 
     def publish(self, state: str) -> None:
         s = self.config
@@ -137,6 +173,8 @@ class Worker:
                 "tokens": self.stats["tokens"],
                 "moved": self.stats["moved"],
                 "requeued": self.stats["requeued"],
+                "tokens_carried": self.stats["carried"],
+                "tokens_interrupted": self.engine.interrupted_tokens,
             },
         )
         p.expire(self.hb_key, 60)
@@ -245,11 +283,12 @@ class Worker:
         """Leave `busy_s * (1 - share) / share` idle after a step of `busy_s`, so the worker
         uses its lease's compute share; the idle time is cut short the moment the flag says
         PAUSE or STOP (the wait is sliced at 1 ms)."""
-        share = self.flag.share if self.flag is not None else 1.0
-        if share >= 1.0 or share <= 0.0:
+        flag = self.flag
+        share = flag.share if flag is not None else 1.0
+        if flag is None or share >= 1.0 or share <= 0.0:
             return
         until = time.monotonic() + busy_s * (1.0 - share) / share
-        while not self.stop_requested and self.flag.effective() == RUN:
+        while not self.stop_requested and flag.effective() == RUN:
             left = until - time.monotonic()
             if left <= 0:
                 return
@@ -262,6 +301,9 @@ class Worker:
                 v, sd = self.weights.current()
                 if v != self.engine.version:
                     self.engine.load_weights(v, sd)
+                    if self.flag is not None:
+                        self.flag.set_version(v)
+            self._fresh = fresh_enough(self.engine.version, self.weights.newest(), s.max_staleness)
         if self._due("hb", now, self.HEARTBEAT_S):
             self.publish("running")
         if self.active and self._due("touch", now, s.min_idle_ms / 3000):
@@ -270,7 +312,7 @@ class Worker:
         # an admitted episode takes its slot at its first decode step (one waiting on a tool call
         # of a continuation takes it later): count active episodes, not the engine's free slots
         free = min(self.engine.free_slots(), self.engine.n_slots - len(self.active))
-        if free > 0 and self._due("read", now, 0.005):
+        if free > 0 and self._fresh and self._due("read", now, 0.005):
             got = self.q.read(s.worker_id, count=free, directed=self.directed)
             if len(got) < free and self._due("reclaim", now, s.reclaim_every_ms / 1000):
                 got += self.q.reclaim(s.worker_id, s.min_idle_ms, count=free - len(got))
@@ -279,9 +321,9 @@ class Worker:
             for c in got:
                 self._admit(c, now)
 
-    def _steal(self, n: int):
+    def _steal(self, n: int) -> list[Claimed]:
         g = self.config.affinity_grace_ms
-        out = []
+        out: list[Claimed] = []
         for v in self._views_now(time.monotonic()):
             if len(out) >= n or v.worker_id == self.config.worker_id:
                 continue
@@ -310,6 +352,7 @@ class Worker:
         if d.move:
             if self.q.requeue(c, s.worker_id, ep.continuation(), to=d.to):
                 self.stats["moved"] += 1
+                self.stats["carried"] += ep.decoded
             return
         self.active[c.stream + "/" + c.entry_id] = (c, ep)
 
@@ -326,6 +369,7 @@ class Worker:
                 del self.active[key]
                 if self.q.requeue(c, self.config.worker_id, ep.continuation(), to=d.to):
                     self.stats["moved"] += 1
+                    self.stats["carried"] += ep.decoded
         return worked
 
     def _decode_step(self, now: float) -> bool:
@@ -339,6 +383,9 @@ class Worker:
         out = self.engine.generate(reqs, 1, pause_check=self._should_pause)
         if self.flag is not None and any(out):
             self.flag.count_steps()
+            if not self._tokened:
+                self.flag.mark_first_token()
+                self._tokened = True
         v = self.engine.version
         t = time.monotonic()
         for (k, c, ep), toks in zip(ready, out):
@@ -356,6 +403,7 @@ class Worker:
     def _complete(self, c, ep) -> None:
         if self.q.complete(c, ep.trajectory()):
             self.stats["episodes"] += 1
+            self.stats["carried"] += ep.decoded
         else:
             self.stats["duplicates"] += 1
 
@@ -371,6 +419,7 @@ class Worker:
         for key, (c, ep) in list(self.active.items()):
             if self.q.requeue(c, self.config.worker_id, ep.continuation()):
                 self.stats["requeued"] += 1
+                self.stats["carried"] += ep.decoded
             else:
                 self.stats["lost"] += 1  # another worker already holds it
             self.engine.release(key)
@@ -408,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         config = read_config(a.config_fd)
     except ValueError as e:
         return _fail(str(e), EXIT_BAD_CONFIG)
+    if config.warm:
+        return _warm(config)
     if config.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
         os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
     import redis
@@ -440,9 +491,15 @@ def main(argv: list[str] | None = None) -> int:
     v, sd = weights.current()
     engine.load_weights(v, sd)
     flag = PauseFlag(config.pause_flag) if config.pause_flag else None
+    if flag is not None:
+        flag.set_version(v)
     q = TaskQueue(r, config.redis, config.job)
     w = Worker(config, r, q, engine, weights, flag)
     Shutdown.install(name="rose-worker", hooks=(lambda: setattr(w, "stop_requested", True),))
+    return _run_and_exit(w, flag, r)
+
+
+def _run_and_exit(w: Worker, flag: PauseFlag | None, r) -> int:
     try:
         code = w.run()
     finally:
@@ -455,6 +512,61 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _warm(config: WorkerConfig) -> int:
+    """A warm worker (the executor's pool; launched niced): import, build the model and apply the
+    newest weights with no lease, wait for one (`wait_for_lease`), then size itself to it and
+    run it like a worker started for it. Until assigned it holds no lease memory: the model
+    waits in host memory with no KV cache (0 slots); the device, its memory cap, the stream and
+    the KV cache are set up at assignment, from the lease's mem_bytes."""
+    shutdown = Shutdown.install(name="rose-worker")  # until assigned, a stop has nothing to drain
+    import redis
+
+    from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
+    from rose.rollout.policy_model import ModelSpec
+    from rose.rollout.tasks import TaskQueue
+
+    try:
+        mspec = ModelSpec(**config.model_spec)
+    except TypeError as e:
+        return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
+    engine = TorchEngine(
+        mspec, MemoryBudget(0, mspec), max_batch=config.max_batch, device="cpu", temperature=config.temperature
+    )
+    r = redis.Redis.from_url(config.redis.url)
+    try:
+        weights = weight_source(config, mspec, r)
+    except ValueError as e:
+        return _fail(str(e), EXIT_BAD_CONFIG)
+    flag = PauseFlag(config.pause_flag)
+    v, sd = weights.current()
+    engine.load_weights(v, sd)
+    flag.set_version(v)
+    flag.mark_ready()
+    try:
+        rec = wait_for_lease(config, flag, engine, weights, shutdown.stop)
+    except ValueError as e:
+        return _fail(f"lease record: {e}", EXIT_BAD_CONFIG)
+    if rec is None:  # stopped while warm: nothing to hand back
+        flag.close()
+        r.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    config = rec.apply(config)
+    if config.device.startswith("cuda"):  # the CUDA context starts only now, so MPS still reads this
+        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
+    stream = protect(config, niced=True)
+    try:
+        engine.assign(MemoryBudget(config.mem_bytes, mspec), device=config.device, stream=stream)
+    except BudgetError as e:
+        return _fail(str(e), EXIT_BUDGET)
+    q = TaskQueue(r, config.redis, config.job)
+    w = Worker(config, r, q, engine, weights, flag)
+    shutdown.hooks.append(lambda: setattr(w, "stop_requested", True))
+    w.stop_requested = shutdown.requested
+    return _run_and_exit(w, flag, r)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,15 @@
 """`rose scheduler`: the stateless elastic lease scheduler.
 
-Consume telemetry → decide (rose.policy.core, the fold around the pure decide()) → produce commands,
-inside ONE Kafka transaction together with the consumed offsets
-(`send_offsets_to_transaction`) and the scheduler's view changelog. The transactions themselves
-(retries, abort and restore, the coordinator-call deadline) are rose.kafka.transactional's
-`Transactor`; this module decodes, decides and emits. Exactly once from
-telemetry to commands: a crash anywhere aborts the open transaction, and whoever owns the
-partition next resumes from the committed offsets with the view as of that commit.
+Consume telemetry → decide (rose.policy.core, the fold around the pure decide()) → produce
+commands, inside ONE Kafka transaction together with the consumed offsets and the scheduler's
+view changelog (`<prefix>scheduler-state`). rose.kafka.transactional's `Transactor` runs the
+transactions; this module decodes, decides and emits. A crash anywhere aborts the open
+transaction, and whoever owns the partition next resumes from the committed offsets with the
+view as of that commit: exactly once from telemetry to commands.
 
-State (level-triggered, as a Kubernetes controller): the per-GPU views are a cache, rebuilt
-on every partition assignment from
-  1. `<prefix>scheduler-state` (compacted, key = gpu, written in the same transaction as
-     the commands and offsets, co-partitioned with telemetry: record i of telemetry
-     partition p writes its view to partition p), so the view matches the committed
-     offsets exactly — replaying the log gives byte-identical commands, restarts included;
-  2. `<prefix>lease-state` (compacted, written by executors), folded in with
-     observe_lease_state: the epoch floor rises to every epoch an executor has seen and a
-     lease an executor ended is never renewed or resurrected.
-Between rebuilds the scheduler keeps folding the lease-state stream (a plain assigned
-consumer over all its partitions, outside the consumer group; folding is idempotent) into the
-views it owns. In normal operation this changes nothing — the scheduler already knows every
-lease it granted, renewed or revoked — so live decisions stay a function of the telemetry
-log (replayable byte for byte). It matters after a fault: when the scheduler was cut off past
-a lease's TTL, the executor expired the lease by its own clock, and the backlog of telemetry
-alone would make the resumed scheduler renew a lease the executor has dropped. The executor's
-`expired` (or `rejected`) ends the lease in the view, and the next grant takes a new epoch.
-
-Rebalance: consume() is only called outside a transaction, so a rebalance callback never
-sees an open transaction; revoked partitions drop their views, assigned ones rebuild.
-Zombies: the transactional.id is stable per instance (fences a restarted instance's
-predecessor) and offsets are committed with the consumer group metadata (KIP-447 fences a
-stale group member), so two schedulers racing for a partition cannot both commit.
+The per-GPU views are a cache, rebuilt on every partition assignment from `scheduler-state` and
+the executors' `lease-state`, which the scheduler also keeps folding in between rebuilds. Why
+both, why the fold matters after a fault, rebalances and zombies: docs/scheduler.md.
 """
 
 from __future__ import annotations
@@ -42,9 +21,9 @@ from dataclasses import dataclass, field
 import orjson
 
 from rose.config import Config
-from rose.contract.codec import decode, encode
 from rose.contract.events import InvalidEvent, LeaseState, Telemetry
 from rose.contract.signing import sign_headers
+from rose.contract.wire import decode, encode
 from rose.kafka.admin import partitions_of, retrying
 from rose.kafka.consumer import (
     OFFSET_BEGINNING,
@@ -65,6 +44,8 @@ from rose.obs.tracing import ensure_provider, inject_headers, process_span, send
 from rose.policy.core import SchedulingCore
 from rose.policy.lease_policy import POLICY_VERSION, GpuView
 from rose.shutdown import Shutdown
+
+SCHEDULER_GROUP = "rose-scheduler"  # the consumer group id of every scheduler instance, after the topic prefix
 
 EVENTS_IN = metrics.counter("rose_scheduler_events_total", "Telemetry messages consumed")
 COMMANDS_OUT = metrics.counter("rose_scheduler_commands_total", "Commands committed, by kind")
@@ -102,7 +83,7 @@ class Scheduler:
         self,
         cfg: Config,
         instance: str = "0",
-        group: str = "rose-scheduler",
+        group: str = SCHEDULER_GROUP,
         batch_max: int = 5000,
         record_latencies: bool = False,
         init_timeout_s: float = 30,
@@ -181,11 +162,13 @@ class Scheduler:
         executors' lease states folded in (SchedulingCore.restore over this instance's views)."""
         views = []
         for m in read_partitions(self.k, [(self.state_topic, p) for p in partitions]):
-            if m.value() is None:
+            value, partition = m.value(), m.partition()
+            if value is None:
                 continue
-            v = GpuView.from_dict(orjson.loads(m.value()))
+            assert partition is not None  # read_partitions gives messages, not errors
+            v = GpuView.from_dict(orjson.loads(value))
             views.append(v)
-            self.gpu_partition[v.gpu] = m.partition()
+            self.gpu_partition[v.gpu] = partition
         lease_states = []
         lease_parts = [(self.k.lease_state_topic, p) for p in partitions_of(self.k, self.k.lease_state_topic)]
         for m in read_partitions(self.k, lease_parts):
@@ -309,7 +292,9 @@ class Scheduler:
             if gpu not in snapshot:
                 snapshot[gpu] = views.get(gpu)
             d = core.decide(ev)
-            gpu_partition[gpu] = dirty[gpu] = m.partition()
+            partition = m.partition()
+            assert partition is not None  # step() passes messages, not errors
+            gpu_partition[gpu] = dirty[gpu] = partition
             if d.explain.action == "ignored":
                 # kept, not dropped: the dlq shows which producer repeats or reorders events
                 IGNORED.inc()
@@ -411,7 +396,12 @@ def run_scheduler(
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     current: list[Scheduler] = []
     shutdown = shutdown or Shutdown.install(name="rose-scheduler")
-    shutdown.hooks.append(lambda: [s.stop() for s in current])
+
+    def stop_current() -> None:
+        for s in current:
+            s.stop()
+
+    shutdown.hooks.append(stop_current)
     stop = shutdown.stop
     health = {"ok": True}
     if metrics_port is not None:

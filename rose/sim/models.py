@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rose.config import GiB
+
 if TYPE_CHECKING:
     from rose.sim.serving_model import ServingSim
 
-GiB = 1 << 30
 MiB = 1 << 20
 
 

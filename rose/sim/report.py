@@ -70,6 +70,9 @@ def result_of(
                 grants=run.grants, expiries=run.expiries, guard_pauses=run.guard_pauses, decide_calls=run.decide_calls
             )
         if p == "elastic":
+            from rose.sim.runs import ElasticRun
+
+            assert isinstance(run, ElasticRun)  # RUNS["elastic"]
             res.update(external_gpu_hours=round(run.ext_gpu_s / 3600.0, 3), external_gpu_cap=run.cap)
         pol[p] = res
     rollout, slo = ctx.rollout, ctx.slo

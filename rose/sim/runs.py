@@ -116,7 +116,7 @@ class Run:
 class ElasticRun(Run):
     """Static pool + whole external GPUs on backlog, after a provisioning delay, under a cost cap."""
 
-    def __init__(self, name, ctx, sim):
+    def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None) -> None:
         super().__init__(name, ctx, sim)
         self.ext_w = np.zeros(0)
         self.requested: list[float] = []  # ready times of requested GPUs not yet arrived
@@ -157,7 +157,10 @@ class ElasticRun(Run):
 class ShareAllRun(Run):
     """Every serving GPU lends a fixed share and memory from the start; never revoked."""
 
-    def __init__(self, name, ctx, sim):
+    sim: ServingSim  # always given one: rollout shares the serving GPUs
+
+    def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None) -> None:
+        assert sim is not None  # the serving GPUs it shares (simulate() gives one)
         super().__init__(name, ctx, sim)
         room = ctx.gpu.mem_bytes - sim.static_bytes
         self.mem = np.full(ctx.G, int(room * SHARE_ALL_MEM_FRAC), dtype=np.int64)
@@ -188,9 +191,12 @@ class RoseRun(Run):
     """Static pool + leases: each serving GPU's telemetry through the scheduling core, the
     commands through the executors' lease machine, the executors' guard on every window."""
 
+    sim: ServingSim  # always given one: rollout shares the serving GPUs
+
     _PEND = ("ts", "util", "used", "rmem", "ttft", "tpot", "rps", "qd")
 
-    def __init__(self, name, ctx, sim):
+    def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None) -> None:
+        assert sim is not None  # the serving GPUs it shares (simulate() gives one)
         super().__init__(name, ctx, sim)
         G = ctx.G
         self.core = SchedulingCore(ctx.policy)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rose.sim.models import EngineConfig, GiB, GpuSpec, ModelSize
+from rose.config import GiB
+from rose.sim.models import EngineConfig, GpuSpec, ModelSize
 
 ALPHA = 1.0  # serving slowdown per unit of rollout compute share (docs/simulator.md "Interference")
 P99 = 0.99

@@ -6,11 +6,9 @@ from __future__ import annotations
 import random
 import time
 
+from rose.config import GiB
 from rose.contract.events import Latency, Telemetry
 from rose.policy.core import SchedulingCore
-
-GiB = 1 << 30
-
 
 MEM_LOW, MEM_HIGH = 0.35, 0.55  # serving memory stays in this fraction of total
 MEM_STEP = 0.005  # ... moving at most this fraction of total per event (a KV cache filling and draining)

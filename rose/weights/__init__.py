@@ -1,8 +1,8 @@
 """The weight transfer engine: sharded, sparse, bit-exact weight deltas.
 
 Pure parts (no I/O, numpy only): `layout` (the canonical flat layout and its shards),
-`codec` (lossless shard deltas), `lossy` (opt-in top-k / int8 with error feedback),
-`delta_file` (the `rose weights diff` file format), `entries` (the Redis entry wire format
-and its HMAC). Adapters: `checkpoint` (safetensors/torch files; torch imported lazily),
+`codec` (shard patches, lossless by default), `xor_delta` (the XOR delta body of one shard),
+`lossy` (opt-in top-k / int8 with error feedback), `delta_file` (the `rose weights diff` file
+format), `entries` (the Redis entry wire format and its HMAC). Adapters: `checkpoint` (safetensors/torch files; torch imported lazily),
 `stream` (the Redis Streams publisher) and `follower` (the exactly-once receiver).
 """

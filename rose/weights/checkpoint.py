@@ -128,9 +128,9 @@ def _read_safetensors(path: Path) -> Checkpoint:
         dtype = _ST_DTYPES.get(info.get("dtype"))
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
-        b, e = info["data_offsets"]
+        start, end = info["data_offsets"]
         specs[name] = (dtype, tuple(info["shape"]))
-        arrays[name] = data[b:e]
+        arrays[name] = data[start:end]
     return Checkpoint(specs, arrays, "safetensors", dict(meta))
 
 

@@ -1,24 +1,14 @@
 """The receiving side of the weight stream: apply every entry exactly once, in order.
 
-`Receiver` is the pure state machine (no I/O): it takes decoded stream entries one by one.
-- An entry whose seq is at or below the last applied seq is a duplicate and is skipped.
-- A seq beyond the next one (a gap: trimmed, lost or reordered entries), a checksum mismatch,
-  a corrupt payload or a new publisher epoch drops the staging buffer and waits for the first
-  entry of a keyframe version (`needs_resync` tells the reader to go back to the newest one).
-- A version is built in a staging buffer (a copy of the last committed state, or zeros for a
-  keyframe) and becomes visible only at its commit entry: one reference swap under a lock,
-  all shards at once. Arrays handed out by `current()` are never written again, so a reader
-  never sees a half-updated policy; after a resync, versions older than the visible one are
-  rebuilt silently and not shown.
-- With an HMAC key, unsigned or wrongly signed entries are refused (logged and counted) and
-  never applied. So are entries of a wire format this release does not know (counted in
-  `unsupported`, logged once per format with the reason).
-
-Exactly once across restarts: the applied seq is part of the committed snapshot
-(version, seq, epoch, state) and a `FileStateStore` writes all of it in one file that
-replaces the old one by an atomic rename, so after a kill -9 the file holds a state together
-with the seq it corresponds to, and the follower resumes reading right after that seq.
-`WeightFollower` is the Redis adapter around a Receiver (XREAD from the last seq).
+`Receiver` is the pure state machine (no I/O): it takes decoded stream entries one by one,
+skips duplicates, and on a gap, a checksum mismatch, a corrupt payload or a new publisher epoch
+drops its staging buffer and waits for a keyframe. A version becomes visible only at its commit
+entry, all shards at once (one reference swap; arrays handed out by `current()` are never
+written again). With an HMAC key, unsigned or wrongly signed entries are refused, as are entries
+of a wire format this release does not know. The applied seq is part of the committed snapshot,
+which a `FileStateStore` replaces atomically, so a follower resumes right after it across a
+kill -9. `WeightFollower` is the Redis adapter around a Receiver (XREAD from the last seq).
+Each rule in full: docs/weights.md.
 """
 
 from __future__ import annotations
@@ -185,7 +175,9 @@ class Receiver:
         if e.part + 1 < e.parts:
             return None
         payload, self._parts = b"".join(self._parts), []
+        assert self._staging_layout is not None  # _begin_version set it
         if self._staging is None:  # first changed shard of a delta version: copy the base once
+            assert self._base is not None  # _begin_version checked the delta's base
             self._staging = self._base.flat.copy()
         apply_patch(self._staging_layout, self._staging, ShardPatch(e.shard, e.kind, e.codec, payload, e.checksum))
         self._staged[e.shard] = e.checksum
@@ -212,9 +204,13 @@ class Receiver:
         if listed != self._staged:
             raise _Diverged(f"commit lists {len(listed)} shards, {len(self._staged)} applied or checksums differ")
         layout = self._staging_layout
+        assert layout is not None  # _begin_version set it
         if body.get("keyframe") and len(listed) != layout.num_shards:
             raise _Diverged("keyframe commit without every shard")
-        flat = self._staging if self._staging is not None else self._base.flat
+        flat = self._staging
+        if flat is None:  # a delta version that changed no shard: its base
+            assert self._base is not None  # _begin_version checked it
+            flat = self._base.flat
         snap = Snapshot(e.version, e.seq, e.epoch, layout, flat)
         shown = None
         with self._lock:
@@ -332,6 +328,13 @@ class WeightFollower:
         if self.store is not None and snap is not None and snap.seq != self._saved_seq:
             self.store.save(snap, self.receiver.stats.applied_versions)
             self._saved_seq = snap.seq
+
+    def newest(self) -> int | None:
+        """The newest version the publisher has committed (its meta hash, written after the
+        version's commit entry), whether or not this follower has applied it yet; None before
+        the first."""
+        v = self.redis.hget(self.meta, "version")
+        return None if v is None else int(v)
 
     def current(self) -> tuple[int, dict] | tuple[None, dict]:
         """(version, state dict of torch tensors) of the visible version; never half-updated."""

@@ -18,7 +18,14 @@ import struct
 
 import numpy as np
 
-from rose.weights.codec import CorruptPayload, apply_delta_body, changed_units, delta_body, varint_decode, varint_encode
+from rose.weights.xor_delta import (
+    CorruptPayload,
+    apply_delta_body,
+    changed_units,
+    delta_body,
+    varint_decode,
+    varint_encode,
+)
 
 FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 CODECS = ("topk", "int8")

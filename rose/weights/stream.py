@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 
 from rose.config import RedisConfig
@@ -83,8 +84,8 @@ class WeightPublisher:
         self.keep_keyframes = max(1, keep_keyframes)
         self.log = get_logger("rose.weights.publisher", model=model)
         self._layout: Layout | None = None
-        self._view = None  # the receivers' bytes
-        self._scratch = None
+        self._view: np.ndarray | None = None  # the receivers' bytes
+        self._scratch: np.ndarray | None = None
         self._epoch: str | None = None
         self._version = 0
         self._seq = 0
@@ -181,6 +182,8 @@ class WeightPublisher:
         )
 
     def _entries(self, layout: Layout, version: int, patches: list[wcodec.ShardPatch], keyframe: bool):
+        epoch = self._epoch
+        assert epoch is not None  # publish_raw recovered it
         vstart = self._seq + 1
         seq = vstart
         for n, p in enumerate(patches):
@@ -199,13 +202,13 @@ class WeightPublisher:
                     p.checksum,
                     layout.digest,
                     vstart,
-                    self._epoch,
+                    epoch,
                     chunk,
                     layout.to_json() if keyframe and n == 0 and part == 0 else b"",
                 )
                 seq += 1
         commit = orjson.dumps({"shards": [[p.shard, p.checksum] for p in patches], "keyframe": keyframe})
-        yield Entry(seq, version, "commit", -1, 0, 1, "", 0, "", layout.digest, vstart, self._epoch, commit)
+        yield Entry(seq, version, "commit", -1, 0, 1, "", 0, "", layout.digest, vstart, epoch, commit)
 
     def _send(self, layout: Layout, version: int, patches, keyframe: bool) -> tuple[int, int, int, int]:
         pipe = self.redis.pipeline(transaction=False)
@@ -220,7 +223,7 @@ class WeightPublisher:
                 pipe.execute()
                 pending = 0
             self._seq = entry.seq
-        meta = {"epoch": self._epoch, "version": version, "last_seq": self._seq}
+        meta: dict[str, Any] = {"epoch": self._epoch, "version": version, "last_seq": self._seq}
         if keyframe:
             kept = orjson.loads(self.redis.hget(self.meta, "keyframes") or b"[]")
             kept = (kept + [[first, version]])[-self.keep_keyframes :]

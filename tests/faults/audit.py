@@ -31,8 +31,8 @@ import numpy as np
 import orjson
 
 from rose.config import Config
-from rose.contract.codec import decode
 from rose.contract.events import InvalidEvent, Telemetry
+from rose.contract.wire import decode
 from rose.kafka.consumer import read_all
 from rose.policy.core import check_admission
 from rose.sim.telemetry_workload import expected_commands

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from rose.contract.codec import encode
+from rose.contract.wire import encode
 from rose.kafka.producer import make_producer, produce
 from rose.sim.telemetry_workload import expected_commands, workload
 from tests.kafka_checks import by_gpu, wait_for_commands

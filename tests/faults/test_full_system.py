@@ -36,13 +36,14 @@ import psutil
 import pytest
 import redis as redis_lib
 
-from rose.contract.codec import encode
+from rose.contract.wire import encode
 from rose.kafka.admin import partitions_of
 from rose.kafka.consumer import TopicPartition, make_consumer, read_all
 from rose.kafka.producer import make_producer, produce
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.launcher import WorkerConfig, launch
 from rose.rollout.tasks import TaskQueue
+from rose.scheduler.service import SCHEDULER_GROUP
 from rose.sim.telemetry_workload import workload
 from tests.faults import audit
 from tests.processes import SHUTDOWN_BOUND_S
@@ -378,7 +379,7 @@ class System:
 
     def scheduler_caught_up(self) -> bool:
         k = self.cfg.kafka
-        c = make_consumer(k, f"{k.topic_prefix}rose-scheduler")
+        c = make_consumer(k, f"{k.topic_prefix}{SCHEDULER_GROUP}")
         try:
             tps = [TopicPartition(k.telemetry_topic, p) for p in partitions_of(k, k.telemetry_topic)]
             committed = c.committed(tps, timeout=10)

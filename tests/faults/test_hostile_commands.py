@@ -12,7 +12,8 @@ import time
 import orjson
 import pytest
 
-from rose.contract.codec import encode
+from rose.config import GiB
+from rose.contract.wire import encode
 from rose.executor.service import Executor
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce
@@ -20,7 +21,6 @@ from tests.examples import command_example
 
 pytestmark = pytest.mark.stack
 GPU = "hc/0"
-GiB = 1 << 30
 
 
 def corpus(valid: dict) -> list[tuple[str, bytes, str]]:

@@ -10,7 +10,7 @@ import time
 import orjson
 import pytest
 
-from rose.contract.codec import encode
+from rose.contract.wire import encode
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce
 from rose.scheduler.service import Scheduler

@@ -18,15 +18,15 @@ from collections import Counter
 import orjson
 import pytest
 
-from rose.contract.codec import encode
+from rose.config import GiB
 from rose.contract.events import Latency, Telemetry
+from rose.contract.wire import encode
 from rose.kafka.consumer import read_all
 from rose.kafka.producer import make_producer, produce
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
 GPU = "part/0"
-GiB = 1 << 30
 
 
 def calm(i: int) -> Telemetry:

@@ -1,0 +1,310 @@
+"""Co-elasticity: grant → first token from the warm pool vs a cold start, throttle → paused, resume → first token, tokens wasted per revoke, and the leased time that made progress."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+GOAL_WARM_FIRST_TOKEN_P99_MS = 1000.0
+GOAL_RESUME_FIRST_TOKEN_P99_MS = 100.0
+GOAL_WASTED_TOKENS_PER_IN_FLIGHT_EPISODE = 1.0  # at most one decode step per in-flight episode
+GiB = 1 << 30
+GPU = "sim/0"
+SHARE = 0.5  # the lease's compute share while it runs
+SAMPLE_S = 0.1  # the progress sampler's window: longer than a decode step and its duty-cycle idle
+
+
+def run(cfg, quick: bool) -> dict:
+    import dataclasses
+
+    from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
+    from rose.kafka.consumer import make_consumer
+    from rose.kafka.producer import make_producer
+    from rose.obs.logs import setup_logging
+
+    setup_logging("WARNING")
+    cold_cycles, warm_cycles, throttles = (2, 2, 2) if quick else (5, 10, 5)
+    job = "bench-coelastic"
+    with private_stack(cfg, "coelastic") as c:
+        c = dataclasses.replace(
+            c,
+            executor=dataclasses.replace(
+                c.executor,
+                job=job,
+                guard_period_s=0.0,  # the Kafka path is measured here; the guard has its own bench (revoke)
+                worker_nice=10,
+                revoke_deadline_s=5.0,
+            ),
+        )
+        fill_tasks(c, job, 400 if quick else 4000)
+        producer = make_producer(c.kafka, **{"linger.ms": 0})
+        states = make_consumer(c.kafka, f"bench-{time.monotonic_ns()}", **{"fetch.wait.max.ms": 5})
+        states.subscribe([c.kafka.lease_state_topic])
+        b = _Bench(c, producer, states)
+        try:
+            cold = b.phase(warm_workers=0, cycles=cold_cycles, throttles=throttles)
+            warm = b.phase(warm_workers=1, cycles=warm_cycles, throttles=throttles)
+        finally:
+            states.close()
+    out: dict[str, Any] = {
+        "path": "command→executor",
+        "path_note": "commands are produced to the commands topic directly (the scheduler's decision time is "
+        "measured by its own bench); t0 is just before produce(); the executor runs in this process, its "
+        "workers are real processes",
+        "cycles": {"cold": cold_cycles, "warm": warm_cycles, "throttles_per_lease": throttles},
+    }
+    wf, cf = percentiles_ms(warm["first_token"]), percentiles_ms(cold["first_token"])
+    out["grant_to_first_token_ms"] = {"warm": wf, "cold": cf}
+    out["warm_leases_on_warm_workers_fraction"] = _frac(warm["warm_started"])
+    out["cold_leases_on_warm_workers_fraction"] = _frac(cold["warm_started"])
+    out["warm_over_cold_first_token_p50_ratio"] = (
+        round(wf["p50_ms"] / cf["p50_ms"], 4) if wf["n"] and cf["n"] and cf["p50_ms"] else None
+    )
+    out["goal_warm_first_token_p99_ms"] = GOAL_WARM_FIRST_TOKEN_P99_MS
+    out["warm_first_token_p99_over_goal"] = round(wf["p99_ms"] / GOAL_WARM_FIRST_TOKEN_P99_MS, 4) if wf["n"] else None
+    paused = percentiles_ms(cold["paused"] + warm["paused"])
+    out["throttle_to_paused_ms"] = paused
+    out["throttle_flag_to_paused_ms"] = percentiles_ms(cold["paused_flag"] + warm["paused_flag"])
+    out["decode_steps_while_paused"] = sum(cold["steps_while_paused"] + warm["steps_while_paused"])
+    resume = percentiles_ms(cold["resume"] + warm["resume"])
+    out["resume_to_first_token_ms"] = resume
+    out["goal_resume_to_first_token_p99_ms"] = GOAL_RESUME_FIRST_TOKEN_P99_MS
+    out["resume_first_token_p99_over_goal"] = (
+        round(resume["p99_ms"] / GOAL_RESUME_FIRST_TOKEN_P99_MS, 4) if resume["n"] else None
+    )
+    revokes = cold["revokes"] + warm["revokes"]
+    in_flight = sum(r["in_flight_episodes"] for r in revokes)
+    wasted = sum(r["wasted_tokens"] for r in revokes)
+    per_episode = round(wasted / in_flight, 4) if in_flight else None
+    out["wasted_tokens_per_revoke"] = {
+        "n": len(revokes),
+        "mean_tokens": round(wasted / len(revokes), 3) if revokes else None,
+        "max_tokens": max((r["wasted_tokens"] for r in revokes), default=None),
+        "in_flight_episodes_mean": round(in_flight / len(revokes), 3) if revokes else None,
+        "not_carried_tokens": sum(r["not_carried_tokens"] for r in revokes),
+        "interrupted_decode_tokens": sum(r["interrupted_tokens"] for r in revokes),
+        "decoded_tokens": sum(r["decoded_tokens"] for r in revokes),
+    }
+    out["wasted_tokens_per_in_flight_episode"] = per_episode
+    out["goal_wasted_tokens_per_in_flight_episode"] = GOAL_WASTED_TOKENS_PER_IN_FLIGHT_EPISODE
+    out["wasted_tokens_per_in_flight_episode_over_goal"] = (
+        round(per_episode / GOAL_WASTED_TOKENS_PER_IN_FLIGHT_EPISODE, 4) if per_episode is not None else None
+    )
+    out["progress_fraction_of_leased_time"] = _frac_of(warm["progress"])
+    out["progress_fraction_of_leased_time_cold"] = _frac_of(cold["progress"])
+    out["leased_s"] = {
+        "warm": round(sum(t for _a, t in warm["progress"]), 3),
+        "cold": round(sum(t for _a, t in cold["progress"]), 3),
+    }
+    out["note"] = (
+        "first token: the worker records in its pause flag when it produced its first token after starting or "
+        "after a pause; paused: when it saw share 0 (both CLOCK_MONOTONIC). Wasted tokens: tokens a worker "
+        "decoded that no trajectory or continuation carries, plus the tokens of a decode step a pause cut short, "
+        "over the episodes it handed back at the revoke. Progress: the part of the lease's wall time (grant "
+        f"produced → revoke produced, sampled every {SAMPLE_S * 1000:.0f} ms, paused periods included) in which "
+        "the worker's decode-step counter advanced. `warm`: an executor with executor.warm_workers = 1 (each "
+        "grant waits for the pool to be ready again); `cold`: warm_workers = 0."
+    )
+    return out
+
+
+class _Bench:
+    def __init__(self, cfg, producer, states):
+        self.cfg, self.producer, self.states = cfg, producer, states
+        self.epoch = 0
+
+    def command(self, kind: str, epoch: int, cid: str, share: float) -> None:
+        from rose.contract.events import Command
+        from rose.contract.wire import encode
+        from rose.kafka.producer import produce
+
+        now = time.time()
+        end = kind == "revoke"
+        cmd = Command(
+            command_id=cid,
+            kind=kind,
+            gpu=GPU,
+            lease_id=f"{GPU}#{epoch}",
+            epoch=epoch,
+            mem_bytes=0 if end else GiB,
+            compute_share=0.0 if end else share,
+            ts=now,
+            expires_at=now if end else now + 300,
+            reason="bench",
+            cause_event_id=f"bench-{cid}",
+        )
+        produce(self.producer, self.cfg.kafka.commands_topic, encode(cmd), GPU)
+        self.producer.poll(0)
+
+    def phase(self, warm_workers: int, cycles: int, throttles: int) -> dict:
+        import dataclasses
+
+        import redis
+
+        from rose.executor.service import Executor
+
+        c = dataclasses.replace(self.cfg, executor=dataclasses.replace(self.cfg.executor, warm_workers=warm_workers))
+        res: dict[str, list] = {
+            "first_token": [],
+            "warm_started": [],
+            "paused": [],
+            "paused_flag": [],
+            "resume": [],
+            "steps_while_paused": [],
+            "revokes": [],
+            "progress": [],
+        }
+        ex = Executor(c, [GPU], guard=False).start()
+        stop = threading.Event()
+        loop = threading.Thread(target=ex.run, args=(stop,), daemon=True)
+        loop.start()
+        r = redis.Redis.from_url(c.redis.url)
+        try:
+            for _ in range(cycles):
+                if warm_workers:
+                    _wait(lambda: _pool_ready(ex), 180)
+                self.epoch += 1
+                epoch = self.epoch
+                sampler = _Progress(ex, epoch)
+                t0 = time.monotonic_ns()
+                sampler.start()
+                self.command("grant", epoch, f"g{epoch}", SHARE)
+                h = _wait(lambda: _handle(ex, epoch), 120)
+                flag = h.flag
+                _wait(lambda: flag.first_token_ns > t0, 120)
+                res["first_token"].append(flag.first_token_ns - t0)
+                res["warm_started"].append(h.warm)
+                for i in range(throttles):
+                    s0 = flag.steps
+                    _wait(lambda: flag.steps > s0 + 5, 30)  # decoding again
+                    t1 = time.monotonic_ns()
+                    self.command("throttle", epoch, f"p{epoch}-{i}", 0.0)
+                    _wait(lambda: flag.paused_seen_ns > t1, 10)
+                    res["paused"].append(flag.paused_seen_ns - t1)
+                    res["paused_flag"].append(flag.paused_seen_ns - flag.set_ns)
+                    s1 = flag.steps
+                    time.sleep(0.1)
+                    res["steps_while_paused"].append(flag.steps - s1)
+                    t2 = time.monotonic_ns()
+                    self.command("throttle", epoch, f"u{epoch}-{i}", SHARE)
+                    _wait(lambda: flag.first_token_ns > t2, 10)
+                    res["resume"].append(flag.first_token_ns - t2)
+                s0 = flag.steps
+                _wait(lambda: flag.steps > s0 + 5, 30)
+                res["progress"].append(sampler.stop())
+                self.command("revoke", epoch, f"r{epoch}", 0.0)
+                _wait(lambda: _revoked(self.states, epoch), 30)
+                w = _wasted(r, c, epoch)
+                if w is not None:
+                    res["revokes"].append(w)
+        finally:
+            stop.set()
+            loop.join(30)
+            r.close()
+        return res
+
+
+def _pool_ready(ex) -> bool:
+    try:
+        return any(w.ready for w in list(ex.pool))
+    except TypeError:  # a warm worker was reaped this instant (its flag is closed)
+        return False
+
+
+def _handle(ex, epoch: int):
+    h = ex.workers.get(GPU)
+    return h if h is not None and h.epoch == epoch and h.flag is not None else None
+
+
+class _Progress:
+    """Samples the lease's decode-step counter every SAMPLE_S from the grant: the part of the
+    samples in which it advanced (before the worker exists, none does)."""
+
+    def __init__(self, ex, epoch: int):
+        self.ex, self.epoch = ex, epoch
+        self.samples = self.advanced = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self._t.start()
+
+    def _run(self) -> None:
+        last = None
+        while not self._stop.wait(SAMPLE_S):
+            h = _handle(self.ex, self.epoch)
+            try:
+                steps = h.flag.steps if h is not None else None
+            except (TypeError, AttributeError):  # the flag was closed this instant
+                steps = None
+            self.samples += 1
+            if steps is not None and last is not None and steps > last:
+                self.advanced += 1
+            last = steps if steps is not None else last
+
+    def stop(self) -> tuple[float, float]:
+        """(fraction of samples with progress, leased seconds sampled)."""
+        self._stop.set()
+        self._t.join(5)
+        return (self.advanced / self.samples if self.samples else 0.0), time.monotonic() - self.t0
+
+
+def _wasted(r, cfg, epoch: int) -> dict | None:
+    """The drained worker's own counters (its last heartbeat, written after the drain); None
+    when it did not drain (killed at the revoke deadline)."""
+    key = cfg.redis.key("workers", f"{socket.gethostname()}:{GPU}:{epoch}")
+    try:
+        hb = _wait(lambda: _stopped(r, key), 15)
+    except TimeoutError:
+        return None
+    decoded, carried = int(hb[b"tokens"]), int(hb[b"tokens_carried"])
+    interrupted = int(hb[b"tokens_interrupted"])
+    in_flight = int(hb[b"requeued"]) + int(hb.get(b"lost", 0))
+    return {
+        "decoded_tokens": decoded,
+        "not_carried_tokens": decoded - carried,
+        "interrupted_tokens": interrupted,
+        "wasted_tokens": decoded - carried + interrupted,
+        "in_flight_episodes": in_flight,
+    }
+
+
+def _stopped(r, key: str):
+    hb = r.hgetall(key)
+    return hb if hb.get(b"state") == b"stopped" else None
+
+
+def _revoked(consumer, epoch: int) -> bool:
+    from rose.contract.events import LeaseState
+    from rose.contract.wire import decode
+
+    for m in consumer.consume(50, timeout=0.002):
+        if m.error():
+            continue
+        ls = decode(m.value(), expect=LeaseState)
+        if ls.state == "revoked" and ls.epoch == epoch:
+            return True
+    return False
+
+
+def _frac(flags: list[bool]) -> float | None:
+    return round(sum(flags) / len(flags), 4) if flags else None
+
+
+def _frac_of(progress: list[tuple[float, float]]) -> float | None:
+    """Leased-time-weighted fraction with progress."""
+    total = sum(t for _f, t in progress)
+    return round(sum(f * t for f, t in progress) / total, 4) if total > 0 else None
+
+
+def _wait(fn, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.0002)
+    raise TimeoutError(f"bench: condition not met within {timeout_s}s")
