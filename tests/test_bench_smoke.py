@@ -1,6 +1,6 @@
 """The executor benches run end to end on the local stack (quick mode) and report their
-figures; timings are reported, not asserted, except one loose ordering (protected serving
-p99 below unprotected) that guards the interference bench against regressions."""
+figures; timings are reported with loose regression guards only (pause latencies far above
+their goals, protected serving p99 below unprotected): the benches themselves hold the goals."""
 
 import pytest
 
@@ -16,6 +16,9 @@ def test_revoke_bench_reports_every_figure(cfg):
     assert out["path"] == "command→executor"
     assert out["memory_freed_fraction"] == 1.0
     assert "kafka_paused_p99_over_goal" in out and "guard_paused_p99_over_goal" in out
+    # loose regression guards (the bench holds the goals: 20 ms via Kafka, 2 ms via the guard)
+    assert out["guard_worker_paused_ms"]["p99_ms"] < 50, out["guard_worker_paused_ms"]
+    assert out["kafka_worker_paused_ms"]["p99_ms"] < 500, out["kafka_worker_paused_ms"]
 
 
 def test_interference_bench_reports_three_phases(cfg):

@@ -152,6 +152,23 @@ def test_a_warm_engine_has_no_kv_cache_until_assigned_a_lease():
         e.assign(MemoryBudget(GiB, spec))
 
 
+@pytest.mark.cuda
+def test_a_warm_engine_leaves_the_gpu_alone_until_assigned():
+    import torch
+
+    from rose.rollout.engine import GenRequest, MemoryBudget, TorchEngine
+    from rose.rollout.policy_model import ModelSpec
+
+    spec = ModelSpec()
+    before = torch.cuda.memory_allocated(0)
+    e = TorchEngine(spec, MemoryBudget(0, spec), max_batch=4, device="cpu")
+    assert torch.cuda.memory_allocated(0) == before
+    e.assign(MemoryBudget(GiB, spec), device="cuda:0")
+    assert next(e.model.parameters()).device.type == "cuda" and e.cache[0].device.type == "cuda"
+    assert torch.cuda.memory_allocated(0) > before
+    assert len(e.generate([GenRequest("a", [1, 2, 3], seed=1)], 2)[0]) == 2
+
+
 # ---- the warm worker's wait ------------------------------------------------------------------
 class _Weights:
     def __init__(self):
@@ -364,6 +381,18 @@ def _first_token_s(r, cfg, epoch: int, t0: float, timeout: float = 120) -> float
     raise AssertionError(f"the worker of epoch {epoch} decoded no token within {timeout}s")
 
 
+def _more_tasks(cfg, tag: str, n: int) -> None:
+    import redis
+
+    from rose.rollout.episode import Task, ToolLatency
+    from rose.rollout.tasks import TaskQueue
+    from tests.test_executor import JOB
+
+    q = TaskQueue(redis.Redis.from_url(cfg.redis.url), cfg.redis, JOB)
+    for i in range(n):
+        q.submit(Task(f"{tag}-{i}", [1 + i % 200, 2, 3], max_turns=2, tokens_per_turn=8, tool=ToolLatency(-4.0, 0.0)))
+
+
 @pytest.mark.stack
 def test_a_grant_runs_on_a_warm_worker_started_before_it_and_decodes_sooner_than_a_cold_start(
     cfg, tmp_path, redis_client
@@ -401,6 +430,7 @@ def test_a_grant_runs_on_a_warm_worker_started_before_it_and_decodes_sooner_than
     assert ex.proc.returncode == 0
     assert pids and not any(psutil.pid_exists(x) for x in pids)  # the pool stopped with its executor
 
+    _more_tasks(cfg, "cold", 60)  # the warm lease may have finished every task
     cold = ExecutorProc(env_for(cfg, tmp_path, ROSE_EXECUTOR__WARM_WORKERS="0"))
     try:
         t0 = time.monotonic()

@@ -193,10 +193,14 @@ class _Bench:
                     res["resume"].append(flag.first_token_ns - t2)
                 s0 = flag.steps
                 _wait(lambda: flag.steps > s0 + 5, 30)
+                # the decode steps the throttles cut short are not the revoke's: count from here
+                key = c.redis.key("workers", f"{socket.gethostname()}:{GPU}:{epoch}")
+                since = time.time()
+                before = _wait(lambda: _heartbeat_since(r, key, since), 10)
                 res["progress"].append(sampler.stop())
                 self.command("revoke", epoch, f"r{epoch}", 0.0)
                 _wait(lambda: _revoked(self.states, epoch), 30)
-                w = _wasted(r, c, epoch)
+                w = _wasted(r, key, int(before[b"tokens_interrupted"]))
                 if w is not None:
                     res["revokes"].append(w)
         finally:
@@ -252,17 +256,21 @@ class _Progress:
         return (self.advanced / self.samples if self.samples else 0.0), time.monotonic() - self.t0
 
 
-def _wasted(r, cfg, epoch: int) -> dict | None:
+def _heartbeat_since(r, key: str, since: float):
+    hb = r.hgetall(key)
+    return hb if hb and float(hb.get(b"ts", 0)) > since else None
+
+
+def _wasted(r, key: str, interrupted_before: int) -> dict | None:
     """The drained worker's own counters (its last heartbeat, written after the drain); None
     when it did not drain (killed at the revoke deadline)."""
-    key = cfg.redis.key("workers", f"{socket.gethostname()}:{GPU}:{epoch}")
     try:
         hb = _wait(lambda: _stopped(r, key), 15)
     except TimeoutError:
         return None
     decoded, carried = int(hb[b"tokens"]), int(hb[b"tokens_carried"])
-    interrupted = int(hb[b"tokens_interrupted"])
-    in_flight = int(hb[b"requeued"]) + int(hb.get(b"lost", 0))
+    interrupted = int(hb[b"tokens_interrupted"]) - interrupted_before
+    in_flight = int(hb[b"requeued"])
     return {
         "decoded_tokens": decoded,
         "not_carried_tokens": decoded - carried,

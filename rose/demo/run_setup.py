@@ -1,0 +1,239 @@
+"""What a demo run is asked for (DemoOptions) and what it sets up before anything starts: the
+run's own topic and key prefixes, its config file, its children's environment and what each
+child runs.
+
+Every process gets the run's configuration in one piece: `Demo.cfg` (the caller's config with
+the run's topic and key prefixes, job, model and guard settings) is written to a 0600 TOML
+file in a private directory, and each child loads it through `ROSE_CONFIG`, nothing else (the
+caller's own ROSE_* settings are already in it and are not passed on). The dedicated rollout
+worker gets its `WorkerConfig` from `rose.rollout.launcher.launch`, off the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rose.config import Config, GiB, load_config
+from rose.demo.processes import REPO
+from rose.rollout.launcher import WorkerConfig
+
+DEFAULT_TRACE = "azure_llm2023_conv.csv"
+# what load_config reads from the environment: the children get none of it but ROSE_CONFIG
+_CONFIG_VARS = ("ROSE_CONFIG", "ROSE_KAFKA_BOOTSTRAP", "ROSE_REDIS_URL")
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run; the message says why."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    duration_s: float = 180.0
+    report_dir: str = "reports/demo"
+    gpus: int = 3
+    trace: str | None = None
+    speed: float = 0.5  # trace arrival rate × this (0.5: the trace's load over 3 GPUs at half rate)
+    phase1_frac: float = 0.2  # dedicated-only share of the run (clamped to [10, 30] s)
+    max_batch: int = 4  # KV slots (concurrent episodes) per rollout worker
+    keep: bool = False  # keep the run's topics and Redis keys
+    live: bool | None = None  # None: rich view on a terminal, progress lines otherwise
+    startup_timeout_s: float = 240.0
+    line_every_s: float = 5.0
+
+    @property
+    def phase1_s(self) -> float:
+        return min(30.0, max(10.0, self.phase1_frac * self.duration_s))
+
+
+def default_trace() -> Path:
+    base = Path(os.environ.get("ROSE_TRACES", REPO.parent / "shared" / "traces"))
+    return base / DEFAULT_TRACE
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+class DemoSetup:
+    """A demo run's options, configuration and devices, and what its children get."""
+
+    def __init__(self, cfg: Config, opts: DemoOptions, echo: Callable[[str], None] = print):
+        from rose.executor.guard import default_latency_dir
+
+        self.opts, self.echo = opts, echo
+        self.run_id = uuid.uuid4().hex[:8]
+        self.trace = str(Path(opts.trace) if opts.trace else default_trace())
+        self.job, self.model = "demo", "policy"
+        self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
+        self.cfg = dataclasses.replace(
+            cfg,
+            kafka=dataclasses.replace(
+                cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}demo-{self.run_id}.", partitions=4
+            ),
+            redis=dataclasses.replace(cfg.redis, key_prefix=f"{cfg.redis.key_prefix}demo-{self.run_id}:"),
+            executor=dataclasses.replace(
+                cfg.executor,
+                job=self.job,
+                model=self.model,
+                worker_weights="follow",
+                latency_dir=str(self.latency_dir),
+                guard_period_s=0.002,
+            ),
+        )
+        self.config_dir: str | None = None  # holds the run's config file (secrets: 0700 / 0600)
+        self.real_gpu = "real/0"
+        self.cuda = _cuda()
+        self.real_device = "cuda:0" if self.cuda else "cpu"
+        self.report_dir = Path(opts.report_dir)
+        # On CPU the co-served "device" is one core: the serving model and its leased rollout worker
+        # run there, every other process of the demo on the remaining cores.
+        cpus = sorted(os.sched_getaffinity(0))
+        self.device_cpus: set[int] | None
+        self.host_cpus: set[int] | None
+        if not self.cuda and len(cpus) >= 2:
+            self.device_cpus, self.host_cpus = {cpus[-1]}, set(cpus[:-1])
+        else:
+            self.device_cpus = self.host_cpus = None
+        self.problems: list[str] = []
+        self.timeline: dict = {}
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _write_config(self) -> str:
+        """The run's config as a TOML file only this user can read; its path."""
+        self.config_dir = tempfile.mkdtemp(prefix=f"rose-demo-{self.run_id}-")
+        path = os.path.join(self.config_dir, "config.toml")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(config_toml(self.cfg))
+        if load_config(path, env={}) != self.cfg:
+            raise DemoError("the run's config does not survive its TOML file (a value TOML cannot hold?)")
+        return path
+
+    def _env(self) -> dict:
+        env = {
+            k: v for k, v in os.environ.items() if k not in _CONFIG_VARS and not (k.startswith("ROSE_") and "__" in k)
+        }
+        env.update(
+            {
+                "ROSE_CONFIG": self._write_config(),
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+            }
+        )
+        return env
+
+    def _argv(self) -> dict[str, list[str] | WorkerConfig]:
+        from rose.demo.coserve import CoserveSpec
+        from rose.demo.trainer import TrainerSpec
+
+        py, o = sys.executable, self.opts
+        worker = ["--max-batch", str(o.max_batch)]
+        sims = ",".join(f"sim/{i}" for i in range(o.gpus))
+        return {
+            "coserve": [
+                py,
+                "-m",
+                "rose.demo.coserve",
+                "--spec",
+                CoserveSpec(
+                    trace=self.trace,
+                    gpu=self.real_gpu,
+                    speed=1.0,
+                    device=self.real_device,
+                    latency_dir=str(self.latency_dir),
+                ).to_json(),
+            ],
+            "agent": [
+                py,
+                "-m",
+                "rose",
+                "agent",
+                "--simulate",
+                self.trace,
+                "--gpus",
+                str(o.gpus),
+                "--speed",
+                str(o.speed),
+            ],
+            "trainer": [
+                py,
+                "-m",
+                "rose.demo.trainer",
+                "--spec",
+                TrainerSpec(job=self.job, model=self.model, inflight=max(24, 4 * o.max_batch * (o.gpus + 2))).to_json(),
+            ],
+            "dedicated": WorkerConfig.from_config(
+                self.cfg,
+                gpu="rollout/0",
+                worker_id=f"dedicated-{self.run_id}",
+                device="cpu",
+                mem_bytes=2 * GiB,
+                compute_share=0.5,
+                dedicated=True,
+                nice=0,
+                seed=11,
+                weights="follow",
+                max_batch=o.max_batch,
+            ),
+            "executor-sim": [py, "-m", "rose.demo.executor_node", "--gpus", sims, "--no-guard", *worker],
+            "executor-real": [
+                py,
+                "-m",
+                "rose.demo.executor_node",
+                "--gpus",
+                self.real_gpu,
+                "--device",
+                self.real_device,
+                *worker,
+                "--worker-cpus",
+                ",".join(map(str, sorted(self.device_cpus or ()))),
+            ],
+            "scheduler": [py, "-m", "rose", "scheduler", "--instance", f"demo-{self.run_id}"],
+        }
+
+
+def config_toml(cfg: Config) -> str:
+    """`cfg` as a TOML document that `load_config` reads back to an equal Config."""
+    lines: list[str] = []
+    tables: list[tuple[str, Mapping]] = []
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(part):
+            v = getattr(part, f.name)
+            if isinstance(v, Mapping):
+                tables.append((f"{section.name}.{f.name}", v))
+            else:
+                lines.append(f"{f.name} = {_toml_value(v)}")
+    for name, table in tables:
+        lines.append(f"[{name}]")
+        lines += [f"{_toml_value(str(k))} = {_toml_value(str(v))}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)  # 0.5, 1e-05, inf: all TOML floats
+    body = "".join(
+        {'"': '\\"', "\\": "\\\\"}.get(ch, ch) if ord(ch) >= 0x20 and ord(ch) != 0x7F else f"\\u{ord(ch):04x}"
+        for ch in str(v)
+    )
+    return f'"{body}"'

@@ -1,0 +1,238 @@
+"""The stack's Apache Kafka: one broker in KRaft mode (combined broker+controller) on loopback.
+
+Its jars come from Maven Central (deploy/kafka/pom.xml, `mvn dependency:copy-dependencies`),
+it runs as `java -cp libs/* kafka.Kafka server.properties` with a bounded heap, and it is
+ready when it answers with cluster metadata in which every partition has a leader, never after
+a sleep. Besides PLAINTEXT it has a SCRAM listener and, where openssl is there, a TLS one.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from rose.stack.errors import StackError
+from rose.stack.layout import REPO_ROOT
+from rose.stack.processes import StackProcesses, log
+from rose.stack.tls import ensure_local_tls
+
+POM = REPO_ROOT / "deploy" / "kafka" / "pom.xml"
+
+
+def kafka_cluster_id() -> str:
+    """A random KRaft cluster id as Kafka makes one (`Uuid.randomUuid`): url-safe base64 of 16
+    bytes, never starting with `-`, which the storage tool's argument parser would read as a flag
+    (one id in 64 would make `rose stack up` fail on a fresh machine)."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
+class KafkaBroker(StackProcesses):
+    """Fetches, configures, starts, checks and stops the stack's Kafka broker."""
+
+    @property
+    def libs(self) -> Path:
+        return self.root / f"kafka-{self.scfg.kafka_version}-libs"
+
+    def fetch_kafka(self) -> None:
+        """Download the broker's jars once (Maven Central) into the data dir."""
+        if self.libs.is_dir() and any(self.libs.glob("kafka_2.13-*.jar")):
+            return
+        if not shutil.which("mvn"):
+            raise StackError("Maven (mvn) is needed to fetch Apache Kafka's jars: apt-get install maven")
+        log(f"fetching Apache Kafka {self.scfg.kafka_version} jars from Maven Central ...")
+        tmp = self.libs.with_suffix(".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        r = subprocess.run(
+            [
+                "mvn",
+                "-q",
+                "-B",
+                "-f",
+                str(POM),
+                f"-Dkafka.version={self.scfg.kafka_version}",
+                "dependency:copy-dependencies",
+                f"-DoutputDirectory={tmp}",
+                "-DincludeScope=runtime",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise StackError(
+                f"mvn could not fetch Kafka {self.scfg.kafka_version}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
+            )
+        tmp.rename(self.libs)
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.root / "tls"
+
+    def ensure_tls(self) -> bool:
+        """The TLS listener's certificate under tls_dir (see `ensure_local_tls`); False (no TLS
+        listener) without openssl."""
+        return ensure_local_tls(self.tls_dir)
+
+    def server_properties(self) -> dict[str, str]:
+        s = self.scfg
+        tls = self.ensure_tls()
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.bootstrap.servers": f"127.0.0.1:{s.controller_port}",
+            "listeners": (
+                f"PLAINTEXT://127.0.0.1:{s.kafka_port},CONTROLLER://127.0.0.1:{s.controller_port},"
+                f"SASL_PLAINTEXT://127.0.0.1:{s.sasl_port}"
+            ),
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{s.kafka_port},SASL_PLAINTEXT://127.0.0.1:{s.sasl_port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+            # a SCRAM listener, so secured client configs (sasl.*) are tested against a real broker;
+            # users are created with AdminClient.alter_user_scram_credentials
+            "sasl.enabled.mechanisms": "SCRAM-SHA-256,SCRAM-SHA-512",
+            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "log.dirs": str(self.root / "kafka-data"),
+            "num.partitions": "1",
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "8",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "8",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            "auto.create.topics.enable": "false",
+            # hostile-input tests produce 10 MB values; they must reach the broker to reach the dlq
+            "message.max.bytes": str(16 << 20),
+            "replica.fetch.max.bytes": str(16 << 20),
+            "log.segment.bytes": str(64 << 20),
+            "log.cleaner.dedupe.buffer.size": str(16 << 20),
+            "log.retention.hours": "24",
+        }
+        if tls:
+            props["listeners"] += f",SSL://127.0.0.1:{s.tls_port}"
+            props["advertised.listeners"] += f",SSL://127.0.0.1:{s.tls_port}"
+            props["listener.security.protocol.map"] += ",SSL:SSL"
+            props["listener.name.ssl.ssl.keystore.type"] = "PEM"
+            props["listener.name.ssl.ssl.keystore.location"] = str(self.tls_dir / "server.pem")
+            props["listener.name.ssl.ssl.client.auth"] = "none"
+        return props
+
+    def _write_config(self) -> Path:
+        props = self.root / "server.properties"
+        props.write_text("".join(f"{k}={v}\n" for k, v in self.server_properties().items()))
+        (self.root / "log4j2.properties").write_text(
+            "rootLogger.level=INFO\nrootLogger.appenderRef.file.ref=file\n"
+            "appender.file.type=RollingFile\nappender.file.name=file\n"
+            f"appender.file.fileName={self.root}/kafka-server.log\n"
+            f"appender.file.filePattern={self.root}/kafka-server.log.%i\n"
+            "appender.file.layout.type=PatternLayout\n"
+            "appender.file.layout.pattern=[%d] %p %m (%c)%n\n"
+            "appender.file.policies.type=Policies\n"
+            "appender.file.policies.size.type=SizeBasedTriggeringPolicy\n"
+            "appender.file.policies.size.size=20MB\n"
+            "appender.file.strategy.type=DefaultRolloverStrategy\nappender.file.strategy.max=2\n"
+        )
+        return props
+
+    def _java(self) -> str:
+        java = shutil.which("java")
+        if not java:
+            raise StackError("Java 17+ is needed for the local Kafka broker: apt-get install openjdk-17-jre-headless")
+        return java
+
+    def kafka_up(self, timeout_s: float = 90.0) -> None:
+        if self.kafka_alive():
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fetch_kafka()
+        java = self._java()
+        props = self._write_config()
+        cp = f"{self.libs}/*"
+        data = self.root / "kafka-data"
+        if not (data / "meta.properties").exists():
+            cluster_id = kafka_cluster_id()
+            r = subprocess.run(
+                [
+                    java,
+                    "-cp",
+                    cp,
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "--standalone",
+                    "-t",
+                    cluster_id,
+                    "-c",
+                    str(props),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            if r.returncode != 0:
+                raise StackError(f"kafka storage format failed: {r.stdout[-1500:]}{r.stderr[-1500:]}")
+        self._mark()
+        out = open(self.root / "kafka.out", "ab")
+        proc = subprocess.Popen(
+            [
+                java,
+                f"-Xmx{self.scfg.kafka_heap}",
+                f"-Xms{self.scfg.kafka_heap}",
+                "-XX:+UseG1GC",
+                "-XX:TieredStopAtLevel=1",
+                "-Djava.awt.headless=true",
+                f"-Dlog4j2.configurationFile={self.root}/log4j2.properties",
+                f"-Dkafka.logs.dir={self.root}",
+                "-cp",
+                cp,
+                "kafka.Kafka",
+                str(props),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._pidfile("kafka").write_text(str(proc.pid))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (self.root / "kafka.out").read_text(errors="replace")[-2000:]
+                raise StackError(f"Kafka exited with code {proc.returncode}; see {self.root}/kafka-server.log\n{tail}")
+            if self.kafka_alive() and self._partitions_led():
+                return
+            time.sleep(0.3)
+        raise StackError(
+            f"Kafka did not answer on {self.kafka_bootstrap} within {timeout_s}s; see {self.root}/kafka-server.log"
+        )
+
+    def kafka_alive(self, timeout_s: float = 2.0) -> bool:
+        from rose.kafka.admin import AdminClient, KafkaException
+
+        try:
+            md = AdminClient(
+                {"bootstrap.servers": self.kafka_bootstrap, "socket.timeout.ms": 1000, "log_level": 0}
+            ).list_topics(timeout=timeout_s)
+            return bool(md.brokers)
+        except KafkaException:
+            return False
+
+    def _partitions_led(self) -> bool:
+        """After a restart the broker answers before it leads its partitions again; clients
+        see NOT_LEADER until then. Ready means every partition has a leader."""
+        from rose.kafka.admin import AdminClient, KafkaException
+
+        try:
+            md = AdminClient({"bootstrap.servers": self.kafka_bootstrap, "log_level": 0}).list_topics(timeout=5)
+        except KafkaException:
+            return False
+        return all(p.leader >= 0 and p.error is None for t in md.topics.values() for p in t.partitions.values())
+
+    def kafka_down(self, timeout_s: float = 30.0) -> bool:
+        return self._stop("kafka", timeout_s)

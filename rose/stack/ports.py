@@ -1,0 +1,27 @@
+"""Loopback TCP ports: a free one, whether one is listened on, and the environment variables
+that move each service of the stack to other ports."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# the environment variables that set each service's ports (`ROSE_STACK__<NAME>`)
+PORT_ENV = {
+    "kafka": ["KAFKA_PORT", "CONTROLLER_PORT", "SASL_PORT", "TLS_PORT"],
+    "redis": ["REDIS_PORT"],
+    "jaeger": ["JAEGER_QUERY_PORT", "JAEGER_OTLP_GRPC_PORT", "JAEGER_OTLP_HTTP_PORT"],
+}
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
