@@ -30,7 +30,7 @@ def _spec(**kw):
 def test_rollout_stream_has_the_lowest_priority():
     import torch
 
-    from rose.rollout.worker import lowest_priority_stream
+    from rose.rollout.worker_process import lowest_priority_stream
 
     s = lowest_priority_stream(torch.device("cuda:0"))
     low, high = torch.cuda.Stream.priority_range()
@@ -42,7 +42,7 @@ def test_memory_cap_is_enforced_in_the_worker_process():
     code = textwrap.dedent(f"""
         import torch
         from rose.rollout.launcher import WorkerConfig
-        from rose.rollout.worker import protect
+        from rose.rollout.worker_process import protect
         protect(WorkerConfig.from_json({_spec(mem_bytes=1 << 30).to_json()!r}))
         ok = torch.empty(512 << 20, dtype=torch.uint8, device="cuda:0")
         try:
@@ -64,7 +64,7 @@ def test_engine_runs_on_cuda_on_the_low_priority_stream():
 
     from rose.rollout.engine import GenRequest, MemoryBudget, TorchEngine
     from rose.rollout.policy_model import ModelSpec, init_state_dict
-    from rose.rollout.worker import lowest_priority_stream
+    from rose.rollout.worker_process import lowest_priority_stream
 
     spec = ModelSpec(max_seq=256)
     cpu = TorchEngine(spec, MemoryBudget(1 << 30, spec), max_batch=4, temperature=0)

@@ -83,10 +83,10 @@ def _nudged(sd: dict, seed: int, frac: float = 0.02) -> dict:
 
 def test_keyed_worker_refuses_unsigned_and_wrongly_signed_deltas(cfg, redis_client):
     """Through the worker's own path: its WorkerConfig, read back from the descriptor the
-    launcher hands over, builds the weight source (rose.rollout.worker.weight_source)."""
+    launcher hands over, builds the weight source (rose.rollout.worker_process.weight_source)."""
     from rose.rollout.launcher import WorkerConfig, _config_file, read_config
     from rose.rollout.policy_model import ModelSpec, init_state_dict
-    from rose.rollout.worker import weight_source
+    from rose.rollout.worker_process import weight_source
     from rose.weights.stream import WeightPublisher
 
     key = "wk-" + uuid.uuid4().hex
@@ -138,7 +138,8 @@ def test_executor_hands_the_key_to_its_worker_off_the_command_line(cfg, redis_cl
     import torch
 
     from rose.executor import lease_machine as lm
-    from rose.executor.service import Executor, worker_config
+    from rose.executor.service import Executor
+    from rose.executor.workers import worker_config
     from rose.rollout.pause_flag import STOP
     from rose.rollout.policy_model import ModelSpec, init_state_dict
     from rose.weights.stream import WeightPublisher

@@ -19,7 +19,8 @@ from rose.config import GiB, load_config
 from rose.executor import lease_machine as lm
 from rose.rollout.launcher import LeaseRecord, WorkerConfig
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
-from rose.rollout.worker import fresh_enough, wait_for_lease
+from rose.rollout.worker import fresh_enough
+from rose.rollout.worker_process import wait_for_lease
 
 
 @pytest.fixture
@@ -242,7 +243,7 @@ def test_a_bad_record_is_refused(flag, tmp_path):
 @pytest.fixture
 def executor(monkeypatch):
     """An executor that is never started (no Kafka): its workers are `sleep` processes."""
-    from rose.executor import service
+    from rose.executor import service, workers
 
     launched: list[WorkerConfig] = []
 
@@ -250,7 +251,7 @@ def executor(monkeypatch):
         launched.append(config)
         return subprocess.Popen(["sleep", "60"], **popen)
 
-    monkeypatch.setattr(service, "launch", fake_launch)
+    monkeypatch.setattr(workers, "launch", fake_launch)
     cfg = load_config(env={})
     ex = service.Executor(cfg, ["sim/0", "sim/1"], guard=False)
     ex.launched = launched
@@ -264,20 +265,20 @@ def _start(gpu: str, epoch: int, share: float = 0.5, paused: bool = False) -> lm
 
 def test_a_start_goes_to_a_ready_warm_worker_and_the_pool_refills(executor):
     ex = executor
-    assert ex.pool_size == 1 and not ex.pool
-    ex._pool_on = True
-    ex._tend_pool()
-    assert len(ex.pool) == 1 and ex.launched[-1].warm and ex.launched[-1].mem_bytes == 0
-    w = ex.pool[0]
+    assert ex.pool.size == 1 and not ex.pool.workers
+    ex.pool.on = True
+    ex.pool.tend()
+    assert len(ex.pool.workers) == 1 and ex.launched[-1].warm and ex.launched[-1].mem_bytes == 0
+    w = ex.pool.workers[0]
     ex._start_worker(_start("sim/0", 1))  # the warm worker is not ready yet: a cold start
     assert not ex.workers["sim/0"].warm and not ex.launched[-1].warm and ex.launched[-1].mem_bytes == GiB
-    assert ex.pool == [w]
+    assert ex.pool.workers == [w]
     w.flag.mark_ready()
-    ex._tend_pool()
+    ex.pool.tend()
     assert w.ready_said
     ex._start_worker(_start("sim/1", 2, share=0.25, paused=True))
     h = ex.workers["sim/1"]
-    assert h.warm and h.proc is w.proc and h.flag is w.flag and not ex.pool
+    assert h.warm and h.proc is w.proc and h.flag is w.flag and not ex.pool.workers
     rec = LeaseRecord.read(w.config.lease_file)
     assert (rec.assignment, rec.gpu, rec.epoch, rec.lease_id, rec.mem_bytes, rec.compute_share) == (
         1,
@@ -289,11 +290,11 @@ def test_a_start_goes_to_a_ready_warm_worker_and_the_pool_refills(executor):
     )
     assert rec.worker_id.endswith(":sim/1:2")
     assert h.flag.assignment == 1 and h.flag.get() == PAUSE and h.flag.share == 0.25  # the lease's state and share
-    ex._tend_pool()  # the refill waits for the lease's first token: no start-up competes with it
-    assert not ex.pool
+    ex.pool.tend()  # the refill waits for the lease's first token: no start-up competes with it
+    assert not ex.pool.workers
     h.flag.mark_first_token()
-    ex._tend_pool()  # then refills, in the background
-    assert len(ex.pool) == 1 and ex.pool[0].proc.pid != w.proc.pid
+    ex.pool.tend()  # then refills, in the background
+    assert len(ex.pool.workers) == 1 and ex.pool.workers[0].proc.pid != w.proc.pid
     lease_file = w.config.lease_file
     h.proc.kill()
     ex._reap("sim/1")
@@ -303,26 +304,26 @@ def test_a_start_goes_to_a_ready_warm_worker_and_the_pool_refills(executor):
 
 def test_a_warm_worker_that_dies_before_it_is_ready_is_replaced_after_a_backoff(executor):
     ex = executor
-    ex._pool_on = True
-    ex._tend_pool()
-    first = ex.pool[0]
+    ex.pool.on = True
+    ex.pool.tend()
+    first = ex.pool.workers[0]
     first.proc.kill()
     first.proc.wait()
-    ex._tend_pool()
-    assert not ex.pool and ex._pool_failures == 1 and ex._pool_retry_at > time.monotonic()
-    ex._pool_retry_at = 0.0
-    ex._tend_pool()
-    assert len(ex.pool) == 1
+    ex.pool.tend()
+    assert not ex.pool.workers and ex.pool.failures == 1 and ex.pool.retry_at > time.monotonic()
+    ex.pool.retry_at = 0.0
+    ex.pool.tend()
+    assert len(ex.pool.workers) == 1
 
 
 def test_shutdown_stops_the_pool(executor):
     ex = executor
-    ex._pool_on = True
-    ex._tend_pool()
-    w = ex.pool[0]
+    ex.pool.on = True
+    ex.pool.tend()
+    w = ex.pool.workers[0]
     name = w.flag.name
     ex.shutdown(timeout_s=5)
-    assert not ex.pool and w.proc.returncode is not None
+    assert not ex.pool.workers and w.proc.returncode is not None
     with pytest.raises(FileNotFoundError):
         PauseFlag(name)
 
@@ -332,9 +333,9 @@ def test_no_pool_for_placeholders_or_when_turned_off():
 
     cfg = load_config(env={})
     off = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor, warm_workers=0))
-    assert Executor(off, ["sim/0"], guard=False).pool_size == 0
+    assert Executor(off, ["sim/0"], guard=False).pool.size == 0
     ph = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor, worker="placeholder"))
-    assert Executor(ph, ["sim/0"], guard=False).pool_size == 0
+    assert Executor(ph, ["sim/0"], guard=False).pool.size == 0
     bad = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor, warm_workers=-1))
     with pytest.raises(ValueError, match="warm_workers"):
         Executor(bad, ["sim/0"], guard=False)

@@ -212,7 +212,7 @@ class _Bench:
 
 def _pool_ready(ex) -> bool:
     try:
-        return any(w.ready for w in list(ex.pool))
+        return any(w.ready for w in list(ex.pool.workers))
     except TypeError:  # a warm worker was reaped this instant (its flag is closed)
         return False
 

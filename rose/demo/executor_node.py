@@ -7,7 +7,7 @@ workers get the demo's slot count and, on the co-served device, its CPU.
 Config comes from `load_config()` (the demo hands every process its run's config file); the
 workers follow the trainer's weights when `executor.worker_weights = "follow"`, with
 `security.weights_hmac_key`. The executor builds each worker's `WorkerConfig`
-(`rose.executor.service.worker_config`); this process only replaces two of its fields.
+(`rose.executor.workers.worker_config`); this process only replaces two of its fields.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 def demo_worker_config(max_batch: int, cpus: tuple[int, ...] = ()):
     """A `worker_config` for Executor: the stock WorkerConfig with `max_batch` KV slots, pinned
     to `cpus` (empty: any) — the demo's co-served "device" core."""
-    from rose.executor.service import worker_config
+    from rose.executor.workers import worker_config
 
     def make(cfg, start, flag_name: str, device: str, seed: int):
         return dataclasses.replace(

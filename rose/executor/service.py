@@ -8,6 +8,8 @@ word are rebuilt from the compacted lease-state topic. A command's TTL counts on
 monotonic clock from receipt, less its transit age. Workers get PR_SET_PDEATHSIG=SIGTERM, so
 they drain and exit with their executor. Every command is a `process {topic}` span, each
 transition a `lease.apply` span; malformed or badly signed commands go to the dead-letter topic.
+A lease's worker process (start, stop, reap, its memory) is rose.executor.workers; the pool of
+warm workers a `Start` may take instead, rose.executor.warm_pool.
 Why assignment rather than a group, and the rest in full: docs/executor.md.
 """
 
@@ -15,17 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
-
-import psutil
 
 from rose.config import Config
 from rose.contract.events import Command, InvalidEvent, LeaseState
@@ -33,6 +29,16 @@ from rose.contract.signing import SIGNATURE_HEADER, verify
 from rose.contract.wire import decode, encode
 from rose.executor import lease_machine as lm
 from rose.executor.guard import FileLatencySource, Guard, LatencySource
+from rose.executor.warm_pool import WarmPool, lease_file_for
+from rose.executor.workers import (
+    STARTS,
+    WorkerHandle,
+    measure_rollout_mem,
+    reap_worker,
+    start_worker,
+    stop_worker,
+    worker_config,
+)
 from rose.kafka.admin import partitions_of, retrying
 from rose.kafka.consumer import (
     OFFSET_END,
@@ -49,13 +55,12 @@ from rose.kafka.producer import Producer, dead_letter, make_producer, partition_
 from rose.obs import metrics
 from rose.obs.logs import get_logger
 from rose.obs.tracing import inject_headers, process_span, send_span, tracer
-from rose.rollout.launcher import LeaseRecord, WorkerConfig, launch, spawn
+from rose.rollout.launcher import WorkerConfig
+from rose.rollout.pause_flag import PAUSE, RUN
 from rose.shutdown import Shutdown
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue
-
-    from rose.rollout.pause_flag import PauseFlag
 
 COMMANDS_IN = metrics.counter("rose_executor_commands_total", "Commands for this node's GPUs, by kind")
 TRANSITIONS = metrics.counter("rose_executor_transitions_total", "Lease states published, by state")
@@ -64,8 +69,6 @@ GUARD_TRIPS = metrics.counter("rose_executor_guard_trips_total", "Local guard pa
 KILLS = metrics.counter("rose_executor_worker_kills_total", "Workers killed at the revoke deadline")
 WORKERS = metrics.gauge("rose_executor_workers", "Rollout workers alive")
 ROLLOUT_MEM = metrics.gauge("rose_executor_rollout_mem_bytes", "Measured rollout memory, by gpu")
-WARM = metrics.gauge("rose_executor_warm_workers", "Warm workers in the pool, by whether they are ready")
-STARTS = metrics.counter("rose_executor_worker_starts_total", "Lease workers, by how they started (warm | cold)")
 
 
 def simulated_gpus(n: int) -> list[str]:
@@ -75,100 +78,6 @@ def simulated_gpus(n: int) -> list[str]:
 def command_group(gpus: list[str]) -> str:
     """Offsets are committed under a group id that is stable for a node's set of GPUs."""
     return "rose-executor-" + hashlib.sha1(",".join(sorted(gpus)).encode()).hexdigest()[:16]
-
-
-# A stand-in process for a worker (`executor.worker = "placeholder"`): it holds the lease's slot
-# and dies on SIGTERM, so load and soak runs exercise the whole control plane on fleets of
-# thousands of GPUs without a model per lease.
-PLACEHOLDER_ARGV = ("sleep", "infinity")
-
-
-def worker_config(cfg: Config, start: lm.Start, flag_name: str, device: str, seed: int) -> WorkerConfig:
-    """The configuration of a lease's rollout worker (rose.rollout.worker): the lease's share,
-    and `cfg`'s Redis connection, weights key, job and model. `rose.rollout.launcher.launch`
-    hands it to the worker off the command line."""
-    return WorkerConfig.from_config(
-        cfg,
-        gpu=start.gpu,
-        worker_id=f"{socket.gethostname()}:{start.gpu}:{start.epoch}",
-        device=device,
-        mem_bytes=start.mem_bytes,
-        compute_share=start.compute_share,
-        pause_flag=flag_name,
-        dedicated=False,
-        nice=cfg.executor.worker_nice,
-        seed=seed,
-        weights=cfg.executor.worker_weights,
-        max_staleness=cfg.executor.max_staleness,
-    )
-
-
-def measure_rollout_mem(pid: int, device: str) -> int:
-    """Bytes the worker holds: NVML per-process memory on CUDA when available, else RSS."""
-    if device.startswith("cuda"):
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            idx = int(device.split(":")[1]) if ":" in device else 0
-            h = pynvml.nvmlDeviceGetHandleByIndex(idx)
-            used = sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == pid)
-            if used:
-                return int(used)
-        except Exception:  # noqa: BLE001 - NVML absent or no permission: fall back to RSS
-            pass
-    try:
-        proc = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return 0
-
-
-@dataclass
-class WorkerHandle:
-    gpu: str
-    proc: subprocess.Popen
-    flag: PauseFlag | None  # None once the worker is reaped
-    epoch: int
-    started_ns: int = field(default_factory=time.monotonic_ns)
-    lease_file: str = ""  # a warm worker's lease record, removed with the flag
-    warm: bool = False  # taken from the pool rather than started for this lease
-
-
-@dataclass
-class WarmWorker:
-    """A worker of the executor's pool: started and paused with no lease. It builds its model
-    and applies the newest weights, then says so in its flag (`ready_ns`); a grant hands it the
-    lease through a `LeaseRecord` in `lease_file` and the flag's assignment counter."""
-
-    proc: subprocess.Popen
-    flag: PauseFlag
-    config: WorkerConfig
-    started_ns: int = field(default_factory=time.monotonic_ns)
-    ready_said: bool = False
-
-    @property
-    def ready(self) -> bool:
-        return self.flag.ready_ns > 0 and self.proc.poll() is None
-
-
-# A refill waits until the lease the last warm worker took has decoded its first token (at most
-# this long), so that the new worker's imports and model build do not compete with it for the CPU.
-POOL_HOLD_S = 2.0
-
-
-def lease_file_for(flag_name: str) -> str:
-    """Where the lease record of a warm worker goes: next to its flag (in /dev/shm when there)."""
-    d = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return os.path.join(d, f"{flag_name}.lease")
-
-
-def _unlink(path: str) -> None:
-    if path:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 class Executor:
@@ -200,14 +109,14 @@ class Executor:
         if cfg.executor.warm_workers < 0:
             raise ValueError(f"executor.warm_workers: expected >= 0, got {cfg.executor.warm_workers}")
         self.worker_config = worker_config  # (cfg, Start, flag name, device, seed) -> WorkerConfig
-        # the warm pool (shell state; the lease machine only says Start): filled from start()
-        self.pool: list[WarmWorker] = []
-        self.pool_size = cfg.executor.warm_workers if cfg.executor.worker == "rollout" else 0
-        self._pool_on = False
-        self._pool_retry_at = 0.0
-        self._pool_failures = 0  # warm workers in a row that exited before they were ready
-        self._pool_hold: tuple[PauseFlag, float] | None = None  # refill waits for this lease's first token
         self.log = get_logger(log_name, gpus=",".join(self.gpus) if len(self.gpus) <= 8 else f"{len(self.gpus)} GPUs")
+        # the warm pool (shell state; the lease machine only says Start): filled from start()
+        self.pool = WarmPool(
+            cfg.executor.warm_workers if cfg.executor.worker == "rollout" else 0,
+            self.params.restart_backoff_s,
+            self._new_warm_worker,
+            self.log,
+        )
         self._tracer = tracer("rose.executor")
         self._hmac = cfg.security.command_hmac_key or None
         self._stopping = False
@@ -238,8 +147,7 @@ class Executor:
         retrying(self._rebuild)
         self.consumer = make_consumer(self.k, self.group, **{"fetch.wait.max.ms": 10})
         retrying(self._assign)
-        self._pool_on = self.pool_size > 0
-        self._tend_pool()
+        self.pool.start()
         if self.guard is not None:
             # the guard thread must get the interpreter within its poll period, not CPython's default 5 ms
             sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.executor.guard_period_s))
@@ -320,8 +228,8 @@ class Executor:
         for gpu in self.gpus:
             self._apply(gpu, lm.Tick(), None, quiet=True)
         WORKERS.set(len(self.workers))
-        if self._pool_on or self.pool:
-            self._tend_pool()
+        if self.pool.on or self.pool.workers:
+            self.pool.tend()
         if self.producer is not None:
             self.producer.poll(0)
 
@@ -331,23 +239,18 @@ class Executor:
             return
         self._stopping = True
         self.log.info("executor.stopping")
-        self._pool_on = False
-        for w in self.pool:  # nothing to drain: STOP and SIGTERM end a warm worker at once
-            self._stop_warm(w)
+        self.pool.stop_all()  # nothing to drain: STOP and SIGTERM end a warm worker at once
         for gpu in self.gpus:
             self._apply(gpu, lm.Shutdown(), None)
         deadline = time.monotonic() + (timeout_s or self.params.revoke_deadline_s + 5.0)
-        while (self.workers or self.pool) and time.monotonic() < deadline:
+        while (self.workers or self.pool.workers) and time.monotonic() < deadline:
             self._housekeeping()
             time.sleep(self.cfg.executor.tick_s)
         for gpu in list(self.workers):  # the kernel did not deliver the kill in time: never leave one behind
             self.workers[gpu].proc.kill()
             self.workers[gpu].proc.wait(5)
             self._reap(gpu)
-        for w in list(self.pool):
-            w.proc.kill()
-            w.proc.wait(5)
-            self._reap_warm(w)
+        self.pool.kill_all()
         if self.guard is not None:
             self.guard.stop()
         if self.producer is not None:
@@ -439,9 +342,9 @@ class Executor:
     def _act(self, actions) -> None:
         for a in actions:
             if isinstance(a, lm.Pause):
-                self._signal_flag(a.gpu, "PAUSE")
+                self._signal_flag(a.gpu, PAUSE)
             elif isinstance(a, lm.Resume):
-                self._signal_flag(a.gpu, "RUN")
+                self._signal_flag(a.gpu, RUN)
             elif isinstance(a, lm.Throttle):
                 self._throttle(a)
             elif isinstance(a, lm.Stop):
@@ -486,33 +389,29 @@ class Executor:
         )
 
     # ---- workers ---------------------------------------------------------------------------
+    def _next_flag_name(self) -> tuple[str, int]:
+        """A new worker's pause flag name and seed."""
+        self._flag_seq += 1
+        self._seed += 1
+        return f"rose-{os.getpid()}-{self._flag_seq}", self._seed
+
     def _start_worker(self, a: lm.Start) -> None:
         """Carry out `Start`: hand the lease to a ready warm worker of the pool when one fits,
         else start a worker for it (cold)."""
-        from rose.rollout.pause_flag import PAUSE, RUN, PauseFlag
-
-        self._flag_seq += 1
-        name = f"rose-{os.getpid()}-{self._flag_seq}"
-        self._seed += 1
+        name, seed = self._next_flag_name()
         wc = None
         if self.cfg.executor.worker != "placeholder":
-            wc = self.worker_config(self.cfg, a, name, self.device, self._seed)
-            warm = next((w for w in self.pool if w.ready and w.config.can_run_as(wc)), None)
+            wc = self.worker_config(self.cfg, a, name, self.device, seed)
+            warm = self.pool.ready_for(wc)
             if warm is not None:
-                return self._assign_warm(warm, a, wc)
-        flag = PauseFlag(name, create=True)
-        flag.set(PAUSE if a.paused else RUN)
-        flag.set_share(a.compute_share)
-        if wc is None:
-            proc = spawn(PLACEHOLDER_ARGV, stdin=subprocess.DEVNULL)
-        else:
-            proc = launch(wc, stdin=subprocess.DEVNULL)
-        self.workers[a.gpu] = WorkerHandle(a.gpu, proc, flag, a.epoch)
+                self.workers[a.gpu] = self.pool.hand_lease(warm, a, wc)
+                return
+        h = self.workers[a.gpu] = start_worker(a, name, wc)
         STARTS.inc(how="cold")
         self.log.info(
             "worker.started",
             gpu=a.gpu,
-            pid=proc.pid,
+            pid=h.proc.pid,
             epoch=a.epoch,
             mem_bytes=a.mem_bytes,
             compute_share=a.compute_share,
@@ -520,134 +419,25 @@ class Executor:
             warm=False,
         )
 
-    def _assign_warm(self, w: WarmWorker, a: lm.Start, wc: WorkerConfig) -> None:
-        """The lease goes to warm worker `w`: its lease record first, then the flag's state and
-        share, then the assignment counter that the worker polls (so it reads a complete record
-        and starts in the lease's state)."""
-        from rose.rollout.pause_flag import PAUSE, RUN
-
-        self.pool.remove(w)
-        flag = w.flag
-        rec = LeaseRecord(
-            assignment=(flag.assignment + 1) & 0xFFFFFFFF,
-            gpu=wc.gpu,
-            worker_id=wc.worker_id,
-            lease_id=a.lease_id,
-            epoch=a.epoch,
-            mem_bytes=wc.mem_bytes,
-            compute_share=wc.compute_share,
-        )
-        rec.write(w.config.lease_file)
-        flag.set(PAUSE if a.paused else RUN)
-        flag.set_share(a.compute_share)
-        flag.assign()
-        self.workers[a.gpu] = WorkerHandle(a.gpu, w.proc, flag, a.epoch, lease_file=w.config.lease_file, warm=True)
-        STARTS.inc(how="warm")
-        self._pool_hold = (flag, time.monotonic() + POOL_HOLD_S)
-        self.log.info(
-            "worker.started",
-            gpu=a.gpu,
-            pid=w.proc.pid,
-            epoch=a.epoch,
-            mem_bytes=a.mem_bytes,
-            compute_share=a.compute_share,
-            paused=a.paused,
-            warm=True,
-            warm_for_s=round((time.monotonic_ns() - w.started_ns) / 1e9, 3),
-            weights_version=flag.version,
-        )
-
-    # ---- the warm pool ---------------------------------------------------------------------
-    def _tend_pool(self) -> None:
-        """Reap warm workers that exited, note those that became ready, and start a new one
-        while the pool is short (it imports and builds on its own: the executor does not wait)."""
-        now = time.monotonic()
-        for w in list(self.pool):
-            if w.proc.poll() is not None:
-                if not w.ready_said:  # died on the way up: back off, a broken set-up must not spin
-                    self._pool_failures += 1
-                    delay = self.params.restart_backoff_s * 2 ** min(self._pool_failures - 1, 5)
-                    self._pool_retry_at = now + min(30.0, delay)
-                self._reap_warm(w)
-            elif not w.ready_said and w.flag.ready_ns > 0:
-                w.ready_said = True
-                self._pool_failures = 0
-                self.log.info(
-                    "worker.warm_ready",
-                    pid=w.proc.pid,
-                    after_s=round((w.flag.ready_ns - w.started_ns) / 1e9, 3),
-                    weights_version=w.flag.version,
-                )
-        if self._pool_hold is not None:
-            flag, until = self._pool_hold
-            try:
-                if now >= until or flag.first_token_ns > 0:
-                    self._pool_hold = None
-            except TypeError:  # the lease's worker is gone already (its flag is closed)
-                self._pool_hold = None
-        if self._pool_on and len(self.pool) < self.pool_size and now >= self._pool_retry_at and not self._pool_hold:
-            self._start_warm()
-        ready = sum(w.ready_said for w in self.pool)
-        WARM.set(ready, ready="yes")
-        WARM.set(len(self.pool) - ready, ready="no")
-
-    def _start_warm(self) -> None:
-        from rose.rollout.pause_flag import PAUSE, PauseFlag
-
-        self._flag_seq += 1
-        name = f"rose-{os.getpid()}-{self._flag_seq}"
-        self._seed += 1
-        # the stock config of this executor's workers, less everything a lease decides
+    def _new_warm_worker(self) -> tuple[str, WorkerConfig]:
+        """A warm worker's pause flag name and config: the stock config of this executor's
+        workers, less everything a lease decides."""
+        name, seed = self._next_flag_name()
         template = lm.Start(gpu="", lease_id="", epoch=0, mem_bytes=0, compute_share=0.0, paused=True)
         wc = replace(
-            self.worker_config(self.cfg, template, name, self.device, self._seed),
+            self.worker_config(self.cfg, template, name, self.device, seed),
             gpu="",
             worker_id="",
             warm=True,
             lease_file=lease_file_for(name),
         )
-        _unlink(wc.lease_file)
-        flag = PauseFlag(name, create=True)
-        flag.set(PAUSE)
-        flag.set_share(0.0)
-        try:
-            proc = launch(wc, stdin=subprocess.DEVNULL)
-        except OSError as e:
-            flag.close()
-            flag.unlink()
-            self._pool_failures += 1
-            self._pool_retry_at = time.monotonic() + min(30.0, self.params.restart_backoff_s * 2**self._pool_failures)
-            self.log.warning("worker.warm_failed", error=str(e))
-            return
-        self.pool.append(WarmWorker(proc, flag, wc))
-        self.log.info("worker.warming", pid=proc.pid, device=wc.device)
+        return name, wc
 
-    def _stop_warm(self, w: WarmWorker) -> None:
-        from rose.rollout.pause_flag import STOP
-
-        w.flag.set(STOP)
-        try:
-            w.proc.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-
-    def _reap_warm(self, w: WarmWorker) -> None:
-        if w in self.pool:
-            self.pool.remove(w)
-        code = w.proc.wait()
-        w.flag.close()
-        w.flag.unlink()
-        _unlink(w.config.lease_file)
-        log = self.log.info if code == 0 or self._stopping else self.log.warning
-        log("worker.warm_exited", pid=w.proc.pid, code=code, ready=w.ready_said)
-
-    def _signal_flag(self, gpu: str, state: str) -> None:
-        from rose.rollout import pause_flag
-
+    def _signal_flag(self, gpu: str, state: int) -> None:
         h = self.workers.get(gpu)
         if h is not None:
             assert h.flag is not None  # a running worker's
-            h.flag.set(getattr(pause_flag, state))
+            h.flag.set(state)
 
     def _throttle(self, a: lm.Throttle) -> None:
         """The lease's new compute share, in place: 0 pauses the worker at its next decode step;
@@ -664,8 +454,6 @@ class Executor:
         h = self.workers.get(gpu)
         if h is not None:
             try:
-                from rose.rollout.pause_flag import PAUSE
-
                 flag = h.flag
                 if flag is not None:  # None: reaped this instant
                     flag.set(PAUSE)
@@ -673,23 +461,9 @@ class Executor:
                 pass  # the worker is being reaped this instant; nothing left to pause
 
     def _stop_worker(self, gpu: str) -> None:
-        from rose.rollout.pause_flag import STOP
-
         h = self.workers.get(gpu)
-        if h is None:
-            return
-        assert h.flag is not None  # a running worker's
-        h.flag.set(STOP)
-        try:
-            # a draining worker launches no more compute; at nice 19 on a busy host it would
-            # take seconds to get the CPU it needs to hand its episodes back and exit
-            os.setpriority(os.PRIO_PROCESS, h.proc.pid, 0)
-        except (PermissionError, ProcessLookupError, OSError):
-            pass  # lowering niceness needs CAP_SYS_NICE; draining still works, only slower
-        try:
-            h.proc.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        if h is not None:
+            stop_worker(h)
 
     def _kill_worker(self, gpu: str) -> None:
         h = self.workers.get(gpu)
@@ -700,12 +474,6 @@ class Executor:
 
     def _reap(self, gpu: str) -> None:
         h = self.workers.pop(gpu)
-        code = h.proc.wait()
-        flag = h.flag
-        assert flag is not None  # reaped once: it has left self.workers
-        h.flag = None
-        flag.close()
-        flag.unlink()
-        _unlink(h.lease_file)
+        code = reap_worker(h)
         self.log.info("worker.exited", gpu=gpu, pid=h.proc.pid, code=code)
         self._apply(gpu, lm.WorkerExited(), None)

@@ -2,6 +2,6 @@
 elastic placement and the worker process that the executor starts inside a lease
 (`launcher`: the worker's one `WorkerConfig`, handed over off the command line).
 
-Torch is imported only by the modules that need it (policy_model, engine, worker), so the
+Torch is imported only by the modules that need it (policy_model, engine, weight_source, worker_process), so the
 control plane can import tasks, placement and pause_flag without the rollout extra.
 """

@@ -17,9 +17,10 @@ counting. `steps` counts decode steps only: rollout progress, zero while paused.
 pause (so `first_token_ns - set_ns` of a resume is resume → first token); `version` is the
 policy version it has applied.
 
-A warm worker (rose.executor.service's pool) waits, started and paused, for a lease: it sets
-`ready_ns` once its model is built and its weights loaded, and polls `assignment`; the executor
-writes the lease (`rose.rollout.launcher.LeaseRecord`) next to the flag, then bumps the counter.
+A warm worker (the executor's pool, rose.executor.warm_pool) waits, started and paused, for a
+lease: it sets `ready_ns` once its model is built and its weights loaded, and polls `assignment`;
+the executor writes the lease (`rose.rollout.launcher.LeaseRecord`) next to the flag, then bumps
+the counter.
 """
 
 from __future__ import annotations

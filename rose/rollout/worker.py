@@ -1,100 +1,36 @@
-"""The rollout worker: a separate process the executor starts inside a lease (or on a
+"""The rollout worker: the loop of the process the executor starts inside a lease (or on a
 dedicated rollout GPU) that runs agentic episodes from the task queue.
 
     python -m rose.rollout.worker --config-fd N      (rose.rollout.launcher.launch(WorkerConfig))
 
-Its one configuration, `WorkerConfig`, arrives as JSON on descriptor N (default 0, stdin), never
-on the command line: it carries the Redis connection and the weights HMAC key. One loop, one
-decode step per iteration (continuous batching). The pause flag is read before every forward and
-between the model's layers, so PAUSE launches nothing more after at most one layer; STOP or
-SIGTERM drains (unfinished episodes go back as continuation tasks). Serving is protected by a
-hard memory cap, the lowest-priority CUDA stream, and nice and fewer threads on CPU.
+runs `rose.rollout.worker_process.main`, which reads the worker's `WorkerConfig`, builds its
+engine, task queue and weight source and protects serving, then runs `Worker.run`. One loop,
+one decode step per iteration (continuous batching). The pause flag is read before every
+forward and between the model's layers, so PAUSE launches nothing more after at most one layer;
+STOP or SIGTERM drains (unfinished episodes go back as continuation tasks). A worker takes tasks
+only while its policy is fresh enough (`fresh_enough`).
 The loop step by step and the protections in full: docs/rollout.md.
-Exit codes: 0 drained, 2 bad config, 3 memory budget too small.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from typing import TYPE_CHECKING
 
-from rose.rollout.launcher import LeaseRecord, WorkerConfig, read_config
+from rose.rollout.launcher import WorkerConfig
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
-from rose.shutdown import Shutdown
 
 if TYPE_CHECKING:
     from rose.rollout.tasks import Claimed
-
-EXIT_BAD_CONFIG = 2
-EXIT_BUDGET = 3
-
-
-def lowest_priority_stream(device):
-    """A CUDA stream at the lowest priority (PyTorch: larger number = lower priority)."""
-    import torch
-
-    low, _high = torch.cuda.Stream.priority_range()
-    return torch.cuda.Stream(device=device, priority=low)
-
-
-def protect(config: WorkerConfig, niced: bool = False):
-    """Apply the serving protections to this process; the CUDA stream to run on (or None).
-    CPU: OS nice (unless `niced`: a warm worker starts niced) and a thread count from
-    compute_share. CUDA: the allocator's hard cap at mem_bytes (per-process memory fraction)
-    and the lowest-priority stream."""
-    import torch
-
-    if config.device == "cpu":
-        if config.nice and not niced:
-            os.nice(config.nice)
-        torch.set_num_threads(max(1, int(config.compute_share * (os.cpu_count() or 1))))
-        return None
-    dev = torch.device(config.device)
-    total = torch.cuda.get_device_properties(dev).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, config.mem_bytes / total), dev)
-    return lowest_priority_stream(dev)
 
 
 def fresh_enough(applied: int, newest: int | None, max_staleness: int) -> bool:
     """Weight-version gating: a worker takes rollout tasks only with a policy at most
     `max_staleness` versions behind the newest committed one (None: none committed yet)."""
     return newest is None or applied >= newest - max_staleness
-
-
-def wait_for_lease(config: WorkerConfig, flag: PauseFlag, engine, weights, stop) -> LeaseRecord | None:
-    """A warm worker's wait, started and paused with no lease: keep applying weight versions as
-    they commit (so it starts at the newest), poll the flag's assignment counter, and return
-    the lease record the executor announced; None on STOP or `stop` (a threading.Event).
-    Raises ValueError for a record that is not valid."""
-    import redis
-
-    next_weights = 0.0
-    while not stop.is_set() and flag.get() != STOP:
-        n = flag.assignment  # a fresh flag says 0; a warm worker is assigned once
-        if n:
-            try:
-                rec = LeaseRecord.read(config.lease_file)
-            except FileNotFoundError:
-                rec = None
-            if rec is not None and rec.assignment == n:
-                return rec
-        now = time.monotonic()
-        if now >= next_weights:
-            next_weights = now + Worker.WEIGHTS_S
-            try:
-                if weights.poll() is not None:
-                    v, sd = weights.current()
-                    if v != engine.version:
-                        engine.load_weights(v, sd)
-                        flag.set_version(v)
-            except (redis.ConnectionError, redis.TimeoutError):
-                next_weights = now + 1.0  # Redis is away: try again later, the lease may still come
-        time.sleep(0.001)
-    return None
 
 
 class Worker:
@@ -428,146 +364,7 @@ class Worker:
         self.publish("stopped")
 
 
-def _fail(msg: str, code: int) -> int:
-    print(f"rose-worker: {msg}", file=sys.stderr, flush=True)
-    return code
-
-
-def weight_source(config: WorkerConfig, mspec, r):
-    """The worker's policy source: the seeded policy, or the trainer's weight stream followed
-    with the config's HMAC key (unsigned or wrongly signed entries are refused)."""
-    from rose.rollout.weight_source import FollowedWeights, StaticWeights
-
-    if config.weights == "static":
-        return StaticWeights(mspec, config.seed)
-    from rose.weights.follower import WeightFollower
-
-    f = WeightFollower(r, config.redis, config.model, hmac_key=config.weights_hmac_key)
-    f.poll()
-    return FollowedWeights(f, mspec, config.seed)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rose.rollout.worker")
-    ap.add_argument(
-        "--config-fd", type=int, default=0, help="Descriptor to read the WorkerConfig JSON from (default: stdin)"
-    )
-    a = ap.parse_args(argv)
-    try:
-        config = read_config(a.config_fd)
-    except ValueError as e:
-        return _fail(str(e), EXIT_BAD_CONFIG)
-    if config.warm:
-        return _warm(config)
-    if config.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
-        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
-    import redis
-
-    from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
-    from rose.rollout.policy_model import ModelSpec
-    from rose.rollout.tasks import TaskQueue
-
-    stream = protect(config)
-    try:
-        mspec = ModelSpec(**config.model_spec)
-    except TypeError as e:
-        return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
-    try:
-        engine = TorchEngine(
-            mspec,
-            MemoryBudget(config.mem_bytes, mspec),
-            max_batch=config.max_batch,
-            device=config.device,
-            stream=stream,
-            temperature=config.temperature,
-        )
-    except BudgetError as e:
-        return _fail(str(e), EXIT_BUDGET)
-    r = redis.Redis.from_url(config.redis.url)
-    try:
-        weights = weight_source(config, mspec, r)
-    except ValueError as e:
-        return _fail(str(e), EXIT_BAD_CONFIG)
-    v, sd = weights.current()
-    engine.load_weights(v, sd)
-    flag = PauseFlag(config.pause_flag) if config.pause_flag else None
-    if flag is not None:
-        flag.set_version(v)
-    q = TaskQueue(r, config.redis, config.job)
-    w = Worker(config, r, q, engine, weights, flag)
-    Shutdown.install(name="rose-worker", hooks=(lambda: setattr(w, "stop_requested", True),))
-    return _run_and_exit(w, flag, r)
-
-
-def _run_and_exit(w: Worker, flag: PauseFlag | None, r) -> int:
-    try:
-        code = w.run()
-    finally:
-        if flag is not None:
-            flag.close()
-        r.close()
-    # Everything is drained and acknowledged in Redis: leave without the interpreter's and
-    # torch's teardown, which takes seconds for a low-priority process on a busy host and
-    # would hold the lease's memory past the revoke.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _warm(config: WorkerConfig) -> int:
-    """A warm worker (the executor's pool; launched niced): import, build the model and apply the
-    newest weights with no lease, wait for one (`wait_for_lease`), then size itself to it and
-    run it like a worker started for it. Until assigned it holds no lease memory: the model
-    waits in host memory with no KV cache (0 slots); the device, its memory cap, the stream and
-    the KV cache are set up at assignment, from the lease's mem_bytes."""
-    shutdown = Shutdown.install(name="rose-worker")  # until assigned, a stop has nothing to drain
-    import redis
-
-    from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
-    from rose.rollout.policy_model import ModelSpec
-    from rose.rollout.tasks import TaskQueue
-
-    try:
-        mspec = ModelSpec(**config.model_spec)
-    except TypeError as e:
-        return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
-    engine = TorchEngine(
-        mspec, MemoryBudget(0, mspec), max_batch=config.max_batch, device="cpu", temperature=config.temperature
-    )
-    r = redis.Redis.from_url(config.redis.url)
-    try:
-        weights = weight_source(config, mspec, r)
-    except ValueError as e:
-        return _fail(str(e), EXIT_BAD_CONFIG)
-    flag = PauseFlag(config.pause_flag)
-    v, sd = weights.current()
-    engine.load_weights(v, sd)
-    flag.set_version(v)
-    flag.mark_ready()
-    try:
-        rec = wait_for_lease(config, flag, engine, weights, shutdown.stop)
-    except ValueError as e:
-        return _fail(f"lease record: {e}", EXIT_BAD_CONFIG)
-    if rec is None:  # stopped while warm: nothing to hand back
-        flag.close()
-        r.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    config = rec.apply(config)
-    if config.device.startswith("cuda"):  # the CUDA context starts only now, so MPS still reads this
-        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
-    stream = protect(config, niced=True)
-    try:
-        engine.assign(MemoryBudget(config.mem_bytes, mspec), device=config.device, stream=stream)
-    except BudgetError as e:
-        return _fail(str(e), EXIT_BUDGET)
-    q = TaskQueue(r, config.redis, config.job)
-    w = Worker(config, r, q, engine, weights, flag)
-    shutdown.hooks.append(lambda: setattr(w, "stop_requested", True))
-    w.stop_requested = shutdown.requested
-    return _run_and_exit(w, flag, r)
-
-
 if __name__ == "__main__":
+    from rose.rollout.worker_process import main
+
     sys.exit(main())
