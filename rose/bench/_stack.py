@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import uuid
 
 from rose.config import Config
@@ -72,3 +73,15 @@ def percentiles_ms(samples_ns: list[int]) -> dict:
         "max_ms": percentile(ms, 1.0, 3),
         "n": len(ms),
     }
+
+
+def wait_for(fn, timeout_s: float):
+    """Poll `fn` (every 0.2 ms: the benches time sub-millisecond events) until it returns
+    something true, and return that; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.0002)
+    raise TimeoutError(f"bench: condition not met within {timeout_s}s")

@@ -7,6 +7,8 @@ import threading
 import time
 from typing import Any
 
+from rose.bench._stack import wait_for
+
 GOAL_WARM_FIRST_TOKEN_P99_MS = 1000.0
 GOAL_RESUME_FIRST_TOKEN_P99_MS = 100.0
 GOAL_WASTED_TOKENS_PER_IN_FLIGHT_EPISODE = 1.0  # at most one decode step per in-flight episode
@@ -164,24 +166,24 @@ class _Bench:
         try:
             for _ in range(cycles):
                 if warm_workers:
-                    _wait(lambda: _pool_ready(ex), 180)
+                    wait_for(lambda: _pool_ready(ex), 180)
                 self.epoch += 1
                 epoch = self.epoch
                 sampler = _Progress(ex, epoch)
                 t0 = time.monotonic_ns()
                 sampler.start()
                 self.command("grant", epoch, f"g{epoch}", SHARE)
-                h = _wait(lambda: _handle(ex, epoch), 120)
+                h = wait_for(lambda: _handle(ex, epoch), 120)
                 flag = h.flag
-                _wait(lambda: flag.first_token_ns > t0, 120)
+                wait_for(lambda: flag.first_token_ns > t0, 120)
                 res["first_token"].append(flag.first_token_ns - t0)
                 res["warm_started"].append(h.warm)
                 for i in range(throttles):
                     s0 = flag.steps
-                    _wait(lambda: flag.steps > s0 + 5, 30)  # decoding again
+                    wait_for(lambda: flag.steps > s0 + 5, 30)  # decoding again
                     t1 = time.monotonic_ns()
                     self.command("throttle", epoch, f"p{epoch}-{i}", 0.0)
-                    _wait(lambda: flag.paused_seen_ns > t1, 10)
+                    wait_for(lambda: flag.paused_seen_ns > t1, 10)
                     res["paused"].append(flag.paused_seen_ns - t1)
                     res["paused_flag"].append(flag.paused_seen_ns - flag.set_ns)
                     s1 = flag.steps
@@ -189,17 +191,17 @@ class _Bench:
                     res["steps_while_paused"].append(flag.steps - s1)
                     t2 = time.monotonic_ns()
                     self.command("throttle", epoch, f"u{epoch}-{i}", SHARE)
-                    _wait(lambda: flag.first_token_ns > t2, 10)
+                    wait_for(lambda: flag.first_token_ns > t2, 10)
                     res["resume"].append(flag.first_token_ns - t2)
                 s0 = flag.steps
-                _wait(lambda: flag.steps > s0 + 5, 30)
+                wait_for(lambda: flag.steps > s0 + 5, 30)
                 # the decode steps the throttles cut short are not the revoke's: count from here
                 key = c.redis.key("workers", f"{socket.gethostname()}:{GPU}:{epoch}")
                 since = time.time()
-                before = _wait(lambda: _heartbeat_since(r, key, since), 10)
+                before = wait_for(lambda: _heartbeat_since(r, key, since), 10)
                 res["progress"].append(sampler.stop())
                 self.command("revoke", epoch, f"r{epoch}", 0.0)
-                _wait(lambda: _revoked(self.states, epoch), 30)
+                wait_for(lambda: _revoked(self.states, epoch), 30)
                 w = _wasted(r, key, int(before[b"tokens_interrupted"]))
                 if w is not None:
                     res["revokes"].append(w)
@@ -265,7 +267,7 @@ def _wasted(r, key: str, interrupted_before: int) -> dict | None:
     """The drained worker's own counters (its last heartbeat, written after the drain); None
     when it did not drain (killed at the revoke deadline)."""
     try:
-        hb = _wait(lambda: _stopped(r, key), 15)
+        hb = wait_for(lambda: _stopped(r, key), 15)
     except TimeoutError:
         return None
     decoded, carried = int(hb[b"tokens"]), int(hb[b"tokens_carried"])
@@ -306,13 +308,3 @@ def _frac_of(progress: list[tuple[float, float]]) -> float | None:
     """Leased-time-weighted fraction with progress."""
     total = sum(t for _f, t in progress)
     return round(sum(f * t for f, t in progress) / total, 4) if total > 0 else None
-
-
-def _wait(fn, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.0002)
-    raise TimeoutError(f"bench: condition not met within {timeout_s}s")

@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+from rose.bench._stack import wait_for
 from rose.config import GiB
 
 GOAL_KAFKA_PAUSED_P99_MS = 20.0
@@ -71,22 +72,22 @@ def run(cfg, quick: bool) -> dict:
                     producer, c.kafka.commands_topic, encode(Command(command_id=f"g{epoch}", kind="grant", **base)), GPU
                 )
                 producer.flush(10)
-                h = _wait(
+                h = wait_for(
                     lambda: ex.workers.get(GPU) if ex.workers.get(GPU) and ex.workers[GPU].epoch == epoch else None, 30
                 )
                 flag = h.flag
                 beat0 = flag.heartbeat
-                _wait(lambda: flag.heartbeat > beat0 + 50, 60)  # the worker is in its decode loop
+                wait_for(lambda: flag.heartbeat > beat0 + 50, 60)  # the worker is in its decode loop
                 for _ in range(guard_per_cycle):  # the local guard path
                     t0 = time.monotonic_ns()
                     write_latency(lat_dir, GPU, spike)
-                    _wait(lambda: flag.get() == PAUSE and flag.paused_seen_ns > t0, 5)
+                    wait_for(lambda: flag.get() == PAUSE and flag.paused_seen_ns > t0, 5)
                     g_flag.append(flag.set_ns - t0)
                     g_paused.append(flag.paused_seen_ns - t0)
                     write_latency(lat_dir, GPU, calm)
-                    _wait(lambda: flag.get() == RUN, 5)
+                    wait_for(lambda: flag.get() == RUN, 5)
                     b = flag.heartbeat
-                    _wait(lambda: flag.heartbeat > b + 5, 5)
+                    wait_for(lambda: flag.heartbeat > b + 5, 5)
                 pid = h.proc.pid
                 t0 = time.monotonic_ns()  # the Kafka path: revoke command -> paused -> revoked
                 produce(
@@ -96,10 +97,10 @@ def run(cfg, quick: bool) -> dict:
                     GPU,
                 )
                 producer.poll(0)
-                _wait(lambda: flag.paused_seen_ns > t0 if flag._buf is not None else True, 10)
+                wait_for(lambda: flag.paused_seen_ns > t0 if flag._buf is not None else True, 10)
                 k_flag.append(flag.set_ns - t0)
                 k_paused.append(flag.paused_seen_ns - t0)
-                revoked = _wait(lambda: _find(states, LeaseState, decode, "revoked", epoch), 15)
+                revoked = wait_for(lambda: _find(states, LeaseState, decode, "revoked", epoch), 15)
                 k_revoked.append(time.monotonic_ns() - t0)
                 freed.append(revoked.rollout_mem_bytes == 0 and not psutil.pid_exists(pid))
         finally:
@@ -131,16 +132,6 @@ def run(cfg, quick: bool) -> dict:
         "note": "paused = the worker itself recorded that it saw the flag (it checks between decode steps); "
         "revoked = the `revoked` lease state read back from Kafka, worker process gone, rollout_mem_bytes 0",
     }
-
-
-def _wait(fn, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.0002)
-    raise TimeoutError(f"bench: condition not met within {timeout_s}s")
 
 
 def _find(consumer, typ, decode, state: str, epoch: int):
