@@ -92,13 +92,7 @@ class WorkerConfig:
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerConfig:
         """Parse and check; ValueError names the field."""
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"worker config: not valid JSON ({getattr(e, 'msg', e)})") from None
-        if not isinstance(d, dict):
-            raise ValueError("worker config: expected a JSON object")
-        c = cls(**_typed_fields(cls, d))
+        c = cls(**_typed_fields(cls, _json_object(text, "worker config")))
         if c.warm:
             if not c.pause_flag or not c.lease_file:
                 raise ValueError("warm: a warm worker needs pause_flag and lease_file")
@@ -166,13 +160,7 @@ class LeaseRecord:
         it is not a valid record."""
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
-        try:
-            d = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"lease record: not valid JSON ({getattr(e, 'msg', e)})") from None
-        if not isinstance(d, dict):
-            raise ValueError("lease record: expected a JSON object")
-        r = cls(**_typed_fields(cls, d))
+        r = cls(**_typed_fields(cls, _json_object(data, "lease record")))
         if r.mem_bytes <= 0:
             raise ValueError(f"mem_bytes: must be > 0, got {r.mem_bytes}")
         if not 0 <= r.compute_share <= 1:
@@ -198,6 +186,17 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "bool": bool,
     "dict": dict,
 }
+
+
+def _json_object(text: str | bytes, what: str) -> dict:
+    """The JSON object in `text`; ValueError naming `what` otherwise."""
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what}: not valid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{what}: expected a JSON object")
+    return d
 
 
 def _typed_fields(cls, d: dict, where: str = "") -> dict:
