@@ -45,7 +45,8 @@ class Feeder:
         p = make_producer(self.cfg.kafka)
         i = 0
         while not self._stop.is_set():
-            lat, used = self.MODES[self.mode]
+            mode = self.mode  # read once: the event and its record must agree
+            lat, used = self.MODES[mode]
             ev = telemetry_example(
                 event_id=f"co-{i}",
                 ts=time.time(),
@@ -57,7 +58,7 @@ class Feeder:
             )
             produce_event(p, self.cfg.kafka.telemetry_topic, ev)
             p.flush(5)
-            self.sent.append((ev.event_id, self.mode))
+            self.sent.append((ev.event_id, mode))
             i += 1
             self._stop.wait(0.5)
 
