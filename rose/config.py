@@ -97,6 +97,9 @@ class PolicyConfig:
     # other about 1 + share); the online estimate replaces it after the first leased events
     interference_prior: float = 1.0
     interference_weight: float = 0.1  # EWMA weight of each new observation (base load and slowdown)
+    # v1.1 gang leases: GPUs per lease, the rollout model's tensor-parallel degree. Above 1 a lease
+    # spans that many GPUs of one node, granted all or none (docs/policy.md "Gang leases")
+    group_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,11 @@ def from_schema(schema: dict):
         return st.sampled_from(schema["enum"])
     t = schema["type"]
     if t == "object":
-        return st.fixed_dictionaries({k: from_schema(v) for k, v in schema["properties"].items()})
+        props, required = schema["properties"], set(schema.get("required", ()))
+        return st.fixed_dictionaries(
+            {k: from_schema(v) for k, v in props.items() if k in required},
+            optional={k: from_schema(v) for k, v in props.items() if k not in required},
+        )
     if t == "string":
         return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 20), 20))
     if t == "integer":
@@ -49,7 +53,12 @@ def from_schema(schema: dict):
     ) | st.integers(int(lo) + ("exclusiveMinimum" in schema), int(schema.get("maximum", 2**53)))
 
 
+OPTIONAL = {typ: {f.name for f in dataclasses.fields(typ) if f.default is not dataclasses.MISSING} for typ in EXAMPLES}
+
+
 def cross_field_ok(d) -> bool:
+    if d.get("schema") == "rose.command.v1":
+        return ("group_id" in d) == ("group_size" in d)  # the schema's dependentRequired
     if d.get("schema") != "rose.telemetry.v1":
         return True
     return d["mem_used_bytes"] <= d["mem_total_bytes"] and d["rollout_mem_bytes"] <= d["mem_used_bytes"]
@@ -60,7 +69,7 @@ def test_schema_fields_match_type(name, typ):
     schema = load(name)
     jsonschema.Draft202012Validator.check_schema(schema)
     fields = set(typ.__dataclass_fields__) | {"schema"}
-    assert set(schema["required"]) == fields
+    assert set(schema["required"]) == fields - OPTIONAL[typ]
     assert set(schema["properties"]) == fields
     assert schema["properties"]["schema"]["const"] == typ.schema
 
@@ -72,7 +81,24 @@ def test_examples_validate_against_schema_and_round_trip(name, typ):
     assert decode(encode(ev)) == ev
     assert decode(encode(ev), typ) == ev
     # the hand-written to_dict keeps dataclasses.asdict's keys, order and nesting (bytes on the wire)
-    assert encode(ev) == orjson.dumps({"schema": name, **dataclasses.asdict(ev)})
+    # (optional fields at their defaults stay off the wire)
+    plain = {
+        k: v for k, v in dataclasses.asdict(ev).items() if k in typ.__dataclass_fields__ and k not in OPTIONAL[typ]
+    }
+    assert encode(ev) == orjson.dumps({"schema": name, **plain})
+
+
+def test_gang_fields_travel_only_on_gang_commands():
+    plain = orjson.loads(encode(command_example()))
+    assert "group_id" not in plain and "group_size" not in plain  # v1 bytes unchanged
+    gang = command_example(group_id="node-1#g1", group_size=2)
+    d = orjson.loads(encode(gang))
+    assert (d["group_id"], d["group_size"]) == ("node-1#g1", 2)
+    jsonschema.validate(d, load("rose.command.v1"))
+    assert decode(encode(gang)) == gang
+    del d["group_size"]
+    with pytest.raises(InvalidEvent, match="group_size"):
+        decode(orjson.dumps(d), Command)
 
 
 @pytest.mark.parametrize("name", list(TYPES))

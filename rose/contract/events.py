@@ -27,6 +27,7 @@ MAX_TS = 1e11  # year ~5138; a larger event time is garbage, not a clock
 MAX_QUEUE = 1 << 31
 MAX_RPS = 1e9
 MAX_MS = 1e9
+MAX_GROUP_SIZE = 64  # GPUs in one gang lease: a tensor-parallel degree; no node of this decade has more
 
 
 class InvalidEvent(ValueError):
@@ -263,6 +264,10 @@ class Command:
     expires_at: float
     reason: str
     cause_event_id: str
+    # v1.1 gang lease (docs/contract.md §2): `group_size` grants on GPUs of one node, one
+    # tensor-parallel worker; "" and 0 on a lease of one GPU, and then absent on the wire
+    group_id: str = ""
+    group_size: int = 0
 
     schema: ClassVar[str] = COMMAND_SCHEMA
 
@@ -271,7 +276,10 @@ class Command:
         return self.gpu
 
     def to_dict(self) -> dict:
-        return _plain(self, COMMAND_SCHEMA)
+        d = _plain(self, COMMAND_SCHEMA)
+        if not self.group_id:  # a v1 command's bytes stay what they were
+            del d["group_id"], d["group_size"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> Command:
@@ -293,7 +301,18 @@ class Command:
             expires_at=_num(d, "expires_at", 0.0, MAX_TS),
             reason=_str(d, "reason", MAX_REASON_LEN),
             cause_event_id=_str(d, "cause_event_id"),
+            **_group(d),
         )
+
+
+def _group(d: dict) -> dict:
+    """The optional gang fields of a command: both or neither."""
+    has_id, has_size = "group_id" in d, "group_size" in d
+    if not has_id and not has_size:
+        return {}
+    if has_id != has_size:
+        raise InvalidEvent("group_size" if has_id else "group_id", "missing: group_id and group_size go together")
+    return {"group_id": _str(d, "group_id"), "group_size": _int(d, "group_size", 1, MAX_GROUP_SIZE)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from rose.contract.events import Command, Telemetry
 POLICY_VERSION = "1.1"
 
 _NEVER = -1.0  # "no previous sample" for ts, p99 and memory fields (real values are ≥ 0)
+NEVER = _NEVER
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,14 @@ class GpuView:
     # compute share while a lease runs, both EWMAs; _NEVER until first seen
     base_load: float = _NEVER
     slowdown_per_share: float = _NEVER
+    # gang leases (docs/policy.md "Gang leases"; kept by rose.policy.core, which alone groups
+    # GPUs): the node of the last event, the held lease's group, and what this GPU's last event
+    # would have granted (ready_mem_bytes > 0) or resumed to (ready_share > 0) on its own
+    node: str = ""
+    group_id: str = ""
+    group_size: int = 0
+    ready_mem_bytes: int = 0
+    ready_share: float = 0.0
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in _VIEW_FIELDS}
@@ -92,6 +101,7 @@ class Decision:
     view: GpuView
     commands: tuple[Command, ...]
     explain: Explanation
+    others: tuple[GpuView, ...] = ()  # views of other GPUs the step changed (a gang's members)
 
 
 def command_id(cause_event_id: str, kind: str, gpu: str, epoch: int) -> str:

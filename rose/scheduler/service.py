@@ -274,7 +274,7 @@ class Scheduler:
         core = self.core
         dirty: dict[str, int] = {}
         latency_ts: list[int] = []
-        views, gpu_partition = self.views, self.gpu_partition
+        gpu_partition = self.gpu_partition
         self.stats.events += len(msgs)
         EVENTS_IN.inc(len(msgs))
         time_ns = time.time_ns
@@ -289,12 +289,12 @@ class Scheduler:
                 DLQ.inc()
                 continue
             gpu = ev.gpu
-            if gpu not in snapshot:
-                snapshot[gpu] = views.get(gpu)
-            d = core.decide(ev)
+            d = core.decide(ev, snapshot)
             partition = m.partition()
             assert partition is not None  # step() passes messages, not errors
             gpu_partition[gpu] = dirty[gpu] = partition
+            for other in d.others:  # a gang's members: their views go where their telemetry goes
+                dirty[other.gpu] = gpu_partition.get(other.gpu, partition)
             if d.explain.action == "ignored":
                 # kept, not dropped: the dlq shows which producer repeats or reorders events
                 IGNORED.inc()
