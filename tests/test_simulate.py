@@ -54,6 +54,9 @@ def test_invariants_hold_every_window(traces_dir, model):
     rose = r["policies"]["rose"]
     if model == "7B":
         assert rose["grants"] > 0 and rose["revokes"] > 0  # the run exercised revokes mid-episode
+    else:  # TP 2: gang leases of two GPUs (check_invariants: all or none, every window)
+        assert r["fleet"]["tensor_parallel"] == r["fleet"]["lease_group_size"] == 2
+        assert rose["grants"] > 0 and rose["grants"] % 2 == 0
 
 
 def test_revoke_mid_episode_parks_work_and_resumes_it_once():

@@ -32,6 +32,8 @@ class Lease:
     compute_share: float
     expires_at: float  # monotonic
     command_id: str
+    group_id: str = ""  # a gang lease (docs/contract.md §2): one worker for group_size GPUs
+    group_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +105,15 @@ class Shutdown(_Event):
     __slots__ = ()
 
 
-Input = Received | Tick | WorkerExited | GuardTrip | GuardClear | Shutdown
+@dataclass(frozen=True, slots=True)
+class GroupEnded:
+    """Another member of the gang `group_id` lost its lease: the group's one worker goes, so
+    this member's lease ends too (any member's revoke revokes the group)."""
+
+    group_id: str
+
+
+Input = Received | Tick | WorkerExited | GuardTrip | GuardClear | Shutdown | GroupEnded
 
 
 # ---- actions ------------------------------------------------------------------------------------
@@ -124,6 +134,8 @@ class Start:
     mem_bytes: int
     compute_share: float
     paused: bool
+    group_id: str = ""  # a gang member: the shell starts one worker once every member said Start
+    group_size: int = 0
 
 
 class Pause(_OnWorker):
@@ -208,6 +220,9 @@ def step(s: GpuLease, inp: Input, now: float, p: Params = Params()) -> tuple[Gpu
     elif isinstance(inp, Shutdown):
         if s.lease is not None:
             s = _end(s, "revoked", out)
+    elif isinstance(inp, GroupEnded):
+        if s.lease is not None and s.lease.group_id == inp.group_id:
+            s = _end(s, "revoked", out)
     else:  # pragma: no cover - a bug in the shell
         raise TypeError(f"unknown input {inp!r}")
     s = _reconcile(s, now, p, out)
@@ -262,7 +277,9 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
     s = replace(s, highest_epoch=c.epoch)
     if ttl_left <= 0:
         return _ended_unheld(s, Record(c.lease_id, c.epoch, "expired", c.command_id))
-    lease = Lease(c.lease_id, c.epoch, c.mem_bytes, c.compute_share, now + ttl_left, c.command_id)
+    lease = Lease(
+        c.lease_id, c.epoch, c.mem_bytes, c.compute_share, now + ttl_left, c.command_id, c.group_id, c.group_size
+    )
     rec = Record(c.lease_id, c.epoch, lease_state(c.compute_share), c.command_id)
     out.append(Publish(s.gpu, rec))
     return replace(s, lease=lease, truth=rec, restart_at=now)
@@ -316,7 +333,18 @@ def _reconcile(s: GpuLease, now: float, p: Params, out: list[Action]) -> GpuLeas
                 s = replace(s, truth=rec)
         s = replace(s, ended=())
     if w is None and want is not None and now >= s.restart_at and want.mem_bytes > 0:
-        out.append(Start(s.gpu, want.lease_id, want.epoch, want.mem_bytes, want.compute_share, s.guard_paused))
+        out.append(
+            Start(
+                s.gpu,
+                want.lease_id,
+                want.epoch,
+                want.mem_bytes,
+                want.compute_share,
+                s.guard_paused,
+                want.group_id,
+                want.group_size,
+            )
+        )
         s = replace(s, worker=WorkerState(want.mem_bytes, want.compute_share))
     return s
 
@@ -340,6 +368,7 @@ __all__ = [
     "GuardTrip",
     "GuardClear",
     "Shutdown",
+    "GroupEnded",
     "Start",
     "Pause",
     "Resume",

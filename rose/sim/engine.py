@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -98,11 +99,13 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     stream = RequestStream(trace, rps_gpu * G, n_win * cfg.period_s, cfg.seed)
     ded_rate = M * rollout.dedicated_rate
     every = cfg.decide_every or auto_decide_every(G, n_win, cfg.period_s, cfg.policy)
+    # a policy model split over tp GPUs runs rollout on gang leases of tp GPUs of one node
+    policy = replace(cfg.policy, group_size=model.tp) if model.tp > 1 and cfg.policy.group_size == 1 else cfg.policy
     ctx = RunContext(
         G,
         M,
         ep,
-        cfg.policy,
+        policy,
         gpu,
         rollout,
         slo,
@@ -216,6 +219,10 @@ def check_invariants(run: Run, st) -> None:
         assert (run.mem[~run.leased] == 0).all() and (run.share[~run.leased] == 0).all(), "lease left behind"
         assert (run.worker == run.leased).all(), "a lease without its worker, or a worker without a lease"
         assert not (run.running() & run.tripped).any(), "rollout running while the guard is tripped"
+        if pc.group_size > 1:  # gang leases: every live group holds all its GPUs, or none
+            groups = Counter(m.lease.group_id for m in run.machines if m.lease is not None)
+            assert "" not in groups, "a lease outside a gang"
+            assert all(n == pc.group_size for n in groups.values()), f"a gang lease not all-or-none: {groups}"
     if isinstance(run, ShareAllRun):
         assert (run.mem <= st.mem_total_bytes - run.sim.static_bytes).all(), "share-all lends beyond the GPU"
 

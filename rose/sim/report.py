@@ -78,6 +78,14 @@ def result_of(
     rollout, slo = ctx.rollout, ctx.slo
     out: dict = {
         "policies": pol,
+        "fleet": {
+            "serving_gpus": ctx.G,
+            "dedicated_gpus": ctx.M,
+            "model": model.name,
+            "tensor_parallel": model.tp,
+            "gpu": ctx.gpu.name,
+            "lease_group_size": ctx.policy.group_size,  # GPUs per ROSE lease: gang leases when > 1
+        },
         "config": {
             "trace": trace.name,
             "trace_format": trace.fmt,

@@ -267,6 +267,8 @@ class RoseRun(Run):
         c, pc, slo = self.ctx, self.ctx.policy, self.ctx.slo
         ttft, tpot = self.acc_ttft, self.acc_tpot
         defer = deferrable(self.view_lease, min_headroom(ttft, tpot, slo), pc)
+        if pc.group_size > 1:  # a gang is formed from its members' latest word: hold nothing back
+            defer[:] = False
         vals = {
             "ts": ts,
             "util": st.gpu_util,
@@ -313,10 +315,13 @@ class RoseRun(Run):
             d = core.decide(_telemetry(g, w, ts, util[g], total, used[g], rmem[g], lt[g], lp[g], slo, rps[g], qd[g]))
             self.decide_calls += 1
             self.view_lease[g] = d.view.lease_id is not None
+            for other in d.others:  # a gang's other members
+                self.view_lease[_index(other.gpu)] = other.lease_id is not None
             for cmd in d.commands:
-                out.append((g, cmd))
+                m = g if cmd.gpu == d.view.gpu else _index(cmd.gpu)
+                out.append((m, cmd))
                 if cmd.kind == "grant":
-                    self.grant_room[g] = free_memory(total, used[g] - rmem[g], 0, rmem[g]) - memory_margin(total, pc)
+                    self.grant_room[m] = free_memory(total, used[m] - rmem[m], 0, rmem[m]) - memory_margin(total, pc)
         return out
 
     def apply(self, commands: list, t1: float) -> None:
@@ -413,6 +418,11 @@ POLICIES = tuple(RUNS)
 def min_headroom(ttft_ms: np.ndarray, tpot_ms: np.ndarray, slo: Latency) -> np.ndarray:
     """Per GPU, the smallest headroom over the SLO metrics, `1 - p99 / slo`."""
     return np.minimum(1.0 - ttft_ms / slo.ttft_p99, 1.0 - tpot_ms / slo.tpot_p99)
+
+
+def _index(gpu: str) -> int:
+    """The index of simulated GPU `sim/<i>`."""
+    return int(gpu[4:])
 
 
 def _telemetry(
