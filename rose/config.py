@@ -150,6 +150,15 @@ class ExecutorConfig:
     # a grant hands one its lease instead of starting a process; 0 = every lease starts cold
     warm_workers: int = 1
     max_staleness: int = 1  # a worker takes tasks only with a policy at most this many versions behind
+    # Enforced memory caps of CPU lease workers (rose.executor.memory_cap). The watchdog samples
+    # each worker's RSS (summed over its process tree) every mem_cap_poll_s. 0.25 s is half the
+    # telemetry period: with mem_cap_samples = 2 an overage is caught within one telemetry window
+    # (0.5 s), the time the scheduler would need to see it as memory pressure, while a sample
+    # costs a few /proc reads per worker (~0.2 ms; under 0.1% of a core). 0 turns the watchdog off.
+    mem_cap_poll_s: float = 0.25
+    mem_cap_samples: int = 2  # consecutive samples over the grant that stop the worker (a fork's double count is 1)
+    mem_cap_grace_s: float = 1.0  # SIGKILL an over-cap worker still there this long after its stop
+    mem_cap_cgroup: str = "auto"  # cgroup v2 memory.max per worker: auto | off | a delegated cgroup v2 directory
 
 
 @dataclass(frozen=True)

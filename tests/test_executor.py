@@ -52,11 +52,11 @@ def env_for(cfg, tmp_path, **extra) -> dict:
 
 
 class ExecutorProc:
-    """`rose executor --simulate 1` with its JSON log lines collected."""
+    """`rose executor --simulate N` (GPUs sim/0 … sim/N-1) with its JSON log lines collected."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, gpus: int = 1):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rose", "executor", "--simulate", "1"],
+            [sys.executable, "-m", "rose", "executor", "--simulate", str(gpus)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -29,6 +29,7 @@ from rose.contract.signing import SIGNATURE_HEADER, verify
 from rose.contract.wire import decode, encode
 from rose.executor import lease_machine as lm
 from rose.executor.guard import FileLatencySource, Guard, LatencySource
+from rose.executor.memory_cap import MemoryWatchdog
 from rose.executor.warm_pool import WarmPool, lease_file_for
 from rose.executor.workers import (
     STARTS,
@@ -103,7 +104,12 @@ class Executor:
             revoke_deadline_s=cfg.executor.revoke_deadline_s, restart_backoff_s=cfg.executor.restart_backoff_s
         )
         self.states: dict[str, lm.GpuLease] = {g: lm.initial(g) for g in self.gpus}
-        self.workers: dict[str, WorkerHandle] = {}
+        self.workers: dict[str, WorkerHandle] = {}  # a gang's members share their one worker's handle
+        # gang leases: group_id -> the members that said Start, until all have (then one worker);
+        # gpu -> its gang; and inputs for other GPUs raised while an input is being applied
+        self.gangs: dict[str, dict[str, lm.Start]] = {}
+        self.gang_of: dict[str, str] = {}
+        self._deferred: list[tuple[str, lm.Input]] = []
         if cfg.executor.worker not in ("rollout", "placeholder"):
             raise ValueError(f"executor.worker: expected rollout or placeholder, got {cfg.executor.worker!r}")
         if cfg.executor.warm_workers < 0:
@@ -117,6 +123,8 @@ class Executor:
             self._new_warm_worker,
             self.log,
         )
+        # lease workers over their grant's memory are stopped and their lease revoked (CPU)
+        self.mem_watch = MemoryWatchdog.from_config(cfg.executor, device, self.log)
         self._tracer = tracer("rose.executor")
         self._hmac = cfg.security.command_hmac_key or None
         self._stopping = False
@@ -148,6 +156,7 @@ class Executor:
         self.consumer = make_consumer(self.k, self.group, **{"fetch.wait.max.ms": 10})
         retrying(self._assign)
         self.pool.start()
+        self.mem_watch.start()
         if self.guard is not None:
             # the guard thread must get the interpreter within its poll period, not CPython's default 5 ms
             sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.executor.guard_period_s))
@@ -225,6 +234,8 @@ class Executor:
         for gpu, h in list(self.workers.items()):
             if h.proc.poll() is not None:
                 self._reap(gpu)
+        for breach in self.mem_watch.poll():
+            self._revoke_itself(breach.gpu)
         for gpu in self.gpus:
             self._apply(gpu, lm.Tick(), None, quiet=True)
         WORKERS.set(len(self.workers))
@@ -337,6 +348,9 @@ class Executor:
             )
         with self._tracer.start_as_current_span("lease.apply", context=parent, attributes=attrs):
             self._act(actions)
+        while self._deferred:  # a gang member's end, carried to the other members
+            g, deferred = self._deferred.pop(0)
+            self._apply(g, deferred, None)
         return actions
 
     def _act(self, actions) -> None:
@@ -396,7 +410,34 @@ class Executor:
         return f"rose-{os.getpid()}-{self._flag_seq}", self._seed
 
     def _start_worker(self, a: lm.Start) -> None:
-        """Carry out `Start`: hand the lease to a ready warm worker of the pool when one fits,
+        """Carry out `Start`. A gang member's waits until every member of its group has said
+        Start; then one worker, on the first member's GPU, holds the whole group's memory at
+        the smallest share (on CPU one process stands for the tensor-parallel group)."""
+        if a.group_size <= 1:
+            self._start_one(a)
+            return
+        self.gang_of[a.gpu] = a.group_id
+        waiting = self.gangs.setdefault(a.group_id, {})
+        waiting[a.gpu] = a
+        if len(waiting) < a.group_size:
+            self.log.info("gang.waiting", gpu=a.gpu, group_id=a.group_id, members=len(waiting), of=a.group_size)
+            return
+        del self.gangs[a.group_id]
+        members = sorted(waiting)
+        starts = list(waiting.values())
+        lead = replace(
+            waiting[members[0]],
+            mem_bytes=sum(m.mem_bytes for m in starts),
+            compute_share=min(m.compute_share for m in starts),
+            paused=any(m.paused for m in starts),
+        )
+        self._start_one(lead)
+        for g in members[1:]:
+            self.workers[g] = self.workers[lead.gpu]
+        self.log.info("gang.started", group_id=a.group_id, gpus=",".join(members), pid=self.workers[lead.gpu].proc.pid)
+
+    def _start_one(self, a: lm.Start) -> None:
+        """Carry out `Start` for one worker: hand the lease to a ready warm worker of the pool when one fits,
         else start a worker for it (cold)."""
         name, seed = self._next_flag_name()
         wc = None
@@ -404,9 +445,11 @@ class Executor:
             wc = self.worker_config(self.cfg, a, name, self.device, seed)
             warm = self.pool.ready_for(wc)
             if warm is not None:
-                self.workers[a.gpu] = self.pool.hand_lease(warm, a, wc)
+                h = self.workers[a.gpu] = self.pool.hand_lease(warm, a, wc)
+                self.mem_watch.watch(a.gpu, h.proc, a.mem_bytes)
                 return
         h = self.workers[a.gpu] = start_worker(a, name, wc)
+        self.mem_watch.watch(a.gpu, h.proc, a.mem_bytes)
         STARTS.inc(how="cold")
         self.log.info(
             "worker.started",
@@ -435,16 +478,14 @@ class Executor:
 
     def _signal_flag(self, gpu: str, state: int) -> None:
         h = self.workers.get(gpu)
-        if h is not None:
-            assert h.flag is not None  # a running worker's
+        if h is not None and h.flag is not None:  # None: a gang's worker another member reaped
             h.flag.set(state)
 
     def _throttle(self, a: lm.Throttle) -> None:
         """The lease's new compute share, in place: 0 pauses the worker at its next decode step;
         its process, weights, KV cache and in-flight episodes stay."""
         h = self.workers.get(a.gpu)
-        if h is not None:
-            assert h.flag is not None  # a running worker's
+        if h is not None and h.flag is not None:  # None: a gang's worker another member reaped
             h.flag.set_share(a.compute_share)
             self.log.info("worker.throttled", gpu=a.gpu, pid=h.proc.pid, compute_share=a.compute_share)
 
@@ -462,8 +503,20 @@ class Executor:
 
     def _stop_worker(self, gpu: str) -> None:
         h = self.workers.get(gpu)
-        if h is not None:
+        if h is not None and h.flag is not None:
             stop_worker(h)
+        gid = self.gang_of.pop(gpu, None)
+        if gid is None:
+            return
+        # any member's end ends the gang: its one worker goes, so every member's lease does
+        waiting = self.gangs.get(gid, {})
+        if waiting.pop(gpu, None) is not None:  # the gang's worker never started: nothing to wait for
+            self._deferred.append((gpu, lm.WorkerExited()))
+        if not waiting:
+            self.gangs.pop(gid, None)
+        for g, other in self.gang_of.items():
+            if other == gid:
+                self._deferred.append((g, lm.GroupEnded(gid)))
 
     def _kill_worker(self, gpu: str) -> None:
         h = self.workers.get(gpu)
@@ -472,8 +525,16 @@ class Executor:
             self.log.warning("worker.killed", gpu=gpu, pid=h.proc.pid)
             h.proc.kill()
 
+    def _revoke_itself(self, gpu: str) -> None:
+        """End `gpu`'s lease from this side (its worker went over its memory cap): as at
+        shutdown, the machine pauses and stops the worker, publishes `revoking`, and `revoked`
+        once the worker is gone."""
+        self._apply(gpu, lm.Shutdown(), None)
+
     def _reap(self, gpu: str) -> None:
+        if self.mem_watch.unwatch(gpu) is not None:  # the kernel ended it at its cgroup's memory.max
+            self._revoke_itself(gpu)
         h = self.workers.pop(gpu)
-        code = reap_worker(h)
+        code = reap_worker(h) if h.flag is not None else h.proc.returncode  # a gang's: reaped once
         self.log.info("worker.exited", gpu=gpu, pid=h.proc.pid, code=code)
         self._apply(gpu, lm.WorkerExited(), None)

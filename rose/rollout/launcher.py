@@ -16,8 +16,10 @@ A warm worker (`warm=True`, the executor's pool) is launched the same way before
 gets its lease later, still without argv, as a `LeaseRecord` file next to its pause flag.
 
 `spawn(argv)` is the shared way to start a supervised child: PR_SET_PDEATHSIG=SIGTERM, so
-the child drains and exits when its parent dies, and optionally pinned to a set of CPUs
-before exec (every thread the child ever starts inherits the affinity).
+the child drains and exits when its parent dies, optionally pinned to a set of CPUs and set to
+a niceness before exec (every thread the child ever starts inherits both). `launch` starts
+every worker, cold or warm, at its config's `nice` (the executor's `worker_nice`), so that even
+its imports and model build yield the CPU to serving.
 """
 
 from __future__ import annotations
@@ -232,9 +234,17 @@ def _typed_fields(cls, d: dict, where: str = "") -> dict:
 
 
 # ---- child processes -----------------------------------------------------------------------
+def apply_nice(nice: int) -> None:
+    """Run this process at niceness `nice` (absolute, so applying it twice is harmless); never
+    raises its priority above what it has, which would need CAP_SYS_NICE."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > current:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
 def die_with_parent(cpus: Sequence[int] = (), nice: int = 0) -> Callable[[], None]:
     """A `preexec_fn`: SIGTERM the child when its parent dies (PR_SET_PDEATHSIG), pin it to
-    `cpus` (empty: any) and lower its priority by `nice` before it execs."""
+    `cpus` (empty: any) and set its niceness to `nice` (`apply_nice`) before it execs."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork; the child only calls it
     cpu_set = set(cpus)
 
@@ -243,7 +253,7 @@ def die_with_parent(cpus: Sequence[int] = (), nice: int = 0) -> Callable[[], Non
         if cpu_set:
             os.sched_setaffinity(0, cpu_set)
         if nice:
-            os.nice(nice)
+            apply_nice(nice)
 
     return setup
 
@@ -281,7 +291,7 @@ def launch(config: WorkerConfig, **popen) -> subprocess.Popen:
         return spawn(
             [sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)],
             cpus=config.cpus,
-            nice=config.nice if config.warm else 0,  # a warm worker imports and builds at its lease's priority
+            nice=config.nice,  # cold or warm: imports and the model build already yield to serving
             pass_fds=(fd,),
             **popen,
         )

@@ -6,9 +6,11 @@ itself is rose.rollout.worker.Worker).
 Its one configuration, `WorkerConfig`, arrives as JSON on descriptor N (default 0, stdin), never
 on the command line: it carries the Redis connection and the weights HMAC key, from which the
 process builds its engine, Redis client, task queue and weight source (`weight_source`).
-Serving is protected (`protect`) by a hard memory cap, the lowest-priority CUDA stream, and nice
-and fewer threads on CPU. A warm worker (`warm=True`, the executor's pool) builds its model and
-follows the weights with no lease (`wait_for_lease`), then sizes itself to the lease it is handed.
+Serving is protected (`protect`) by a hard memory cap, the lowest-priority CUDA stream, OS nice
+(also set by the launcher before exec) and fewer threads on CPU; on CPU the executor enforces
+the memory cap (rose.executor.memory_cap). A warm worker (`warm=True`, the executor's pool)
+builds its model and follows the weights with no lease (`wait_for_lease`), then sizes itself to
+the lease it is handed.
 In full: docs/rollout.md.
 Exit codes: 0 drained, 2 bad config, 3 memory budget too small.
 """
@@ -16,17 +18,25 @@ Exit codes: 0 drained, 2 bad config, 3 memory budget too small.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import sys
 import time
+from collections.abc import Mapping
 
-from rose.rollout.launcher import LeaseRecord, WorkerConfig, read_config
+from rose.rollout.launcher import LeaseRecord, WorkerConfig, apply_nice, read_config
 from rose.rollout.pause_flag import STOP, PauseFlag
 from rose.rollout.worker import Worker
 from rose.shutdown import Shutdown
 
 EXIT_BAD_CONFIG = 2
 EXIT_BUDGET = 3
+
+# Fault injection, for tests only: a worker whose environment sets this to N allocates and
+# touches N more bytes of host memory once its lease runs, and holds them, so that the
+# executor's memory cap (rose.executor.memory_cap) can be seen to act. Never set in production.
+FAULT_ALLOCATE_BYTES_ENV = "ROSE_TEST_ALLOCATE_BYTES"
+_fault_ballast: list[bytearray] = []
 
 
 def lowest_priority_stream(device):
@@ -37,16 +47,16 @@ def lowest_priority_stream(device):
     return torch.cuda.Stream(device=device, priority=low)
 
 
-def protect(config: WorkerConfig, niced: bool = False):
+def protect(config: WorkerConfig):
     """Apply the serving protections to this process; the CUDA stream to run on (or None).
-    CPU: OS nice (unless `niced`: a warm worker starts niced) and a thread count from
-    compute_share. CUDA: the allocator's hard cap at mem_bytes (per-process memory fraction)
-    and the lowest-priority stream."""
+    Both: OS niceness `config.nice` (the launcher set it before exec; again here for a worker
+    started by hand). CPU: a thread count from compute_share. CUDA: the allocator's hard cap at
+    mem_bytes (per-process memory fraction) and the lowest-priority stream."""
     import torch
 
+    if config.nice:
+        apply_nice(config.nice)
     if config.device == "cpu":
-        if config.nice and not niced:
-            os.nice(config.nice)
         torch.set_num_threads(max(1, int(config.compute_share * (os.cpu_count() or 1))))
         return None
     dev = torch.device(config.device)
@@ -85,6 +95,22 @@ def wait_for_lease(config: WorkerConfig, flag: PauseFlag, engine, weights, stop)
                 next_weights = now + 1.0  # Redis is away: try again later, the lease may still come
         time.sleep(0.001)
     return None
+
+
+def inject_memory_fault(env: Mapping[str, str] = os.environ) -> int:
+    """The fault-injection hook (`FAULT_ALLOCATE_BYTES_ENV`): allocate, touch and keep that many
+    bytes; how many (0 when unset or not a positive integer)."""
+    try:
+        n = int(env.get(FAULT_ALLOCATE_BYTES_ENV, "") or 0)
+    except ValueError:
+        return 0
+    if n <= 0:
+        return 0
+    ballast = bytearray(n)
+    ballast[:: mmap.PAGESIZE] = b"\x01" * len(range(0, n, mmap.PAGESIZE))  # every page resident
+    _fault_ballast.append(ballast)
+    print(f"rose-worker: fault injection: holding {n} bytes ({FAULT_ALLOCATE_BYTES_ENV})", file=sys.stderr, flush=True)
+    return n
 
 
 def _fail(msg: str, code: int) -> int:
@@ -159,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_and_exit(w: Worker, flag: PauseFlag | None, r) -> int:
+    inject_memory_fault()
     try:
         code = w.run()
     finally:
@@ -216,7 +243,7 @@ def _warm_main(config: WorkerConfig) -> int:
     config = rec.apply(config)
     if config.device.startswith("cuda"):  # the CUDA context starts only now, so MPS still reads this
         os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
-    stream = protect(config, niced=True)
+    stream = protect(config)
     try:
         engine.assign(MemoryBudget(config.mem_bytes, mspec), device=config.device, stream=stream)
     except BudgetError as e:

@@ -1,0 +1,75 @@
+"""A gang lease on the real stack (docs/contract.md §2 `group_id`, `group_size`): `rose
+executor --simulate 2` starts one worker for the group only once every member's grant has
+arrived, and when one member is revoked, every member's lease ends and the one worker goes."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from rose.config import GiB
+from rose.contract.wire import encode
+from rose.kafka.producer import make_producer, produce
+from rose.obs.tracing import inject_headers
+from tests.examples import command_example
+from tests.test_executor import ExecutorProc, LeaseStates, env_for, submit, wait_until
+
+pytestmark = pytest.mark.stack
+
+GROUP = "sim#sim/0#1"
+
+
+def gang_command(cfg, producer, gpu: str, kind: str, cid: str) -> None:
+    now = time.time()
+    cmd = command_example(
+        kind=kind,
+        gpu=gpu,
+        epoch=1,
+        command_id=cid,
+        lease_id=f"{gpu}#1",
+        mem_bytes=GiB,
+        compute_share=0.5,
+        ts=now,
+        expires_at=now + 30.0,
+        group_id=GROUP,
+        group_size=2,
+    )
+    produce(producer, cfg.kafka.commands_topic, encode(cmd), gpu, inject_headers())
+    producer.flush(10)
+
+
+def seen(states: LeaseStates) -> set[tuple[str, str]]:
+    states.states()
+    return {(s.gpu, s.state) for s, _ in states.seen if s.epoch == 1}
+
+
+def test_one_worker_per_gang_and_a_members_revoke_ends_the_gang(cfg, tmp_path, redis_client):
+    submit(cfg, 20)
+    states = LeaseStates(cfg)
+    ex = ExecutorProc(env_for(cfg, tmp_path), gpus=2)
+    p = make_producer(cfg.kafka)
+    try:
+        gang_command(cfg, p, "sim/0", "grant", "g0")
+        ex.wait_log("gang.waiting", 30, gpu="sim/0")
+        time.sleep(1.0)
+        assert not any(ln.get("event") == "gang.started" for ln in ex.lines), "a gang worker before every member"
+
+        gang_command(cfg, p, "sim/1", "grant", "g1")
+        started = ex.wait_log("gang.started", 60, group_id=GROUP)
+        assert started["gpus"] == "sim/0,sim/1"
+        pid = started["pid"]
+        wait_until(lambda: seen(states) >= {("sim/0", "active"), ("sim/1", "active")}, 30, "both members active")
+        assert sum(1 for ln in ex.lines if ln.get("event") == "gang.started") == 1
+
+        gang_command(cfg, p, "sim/1", "revoke", "r1")
+        wait_until(
+            lambda: seen(states) >= {("sim/0", "revoked"), ("sim/1", "revoked")},
+            30,
+            "a member's revoke did not end the whole gang",
+        )
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        ex.stop()
+        states.close()
