@@ -72,7 +72,7 @@ class StackProcesses(StackLayout):
             except ProcessLookupError:
                 break
             _reap(pid)
-            if _exited(pid):  # an adopted process: its parent reaps it, or nobody does
+            if exited(pid):  # an adopted process: its parent reaps it, or nobody does
                 break
             time.sleep(0.1)
         else:
@@ -82,7 +82,7 @@ class StackProcesses(StackLayout):
         return True
 
 
-def _exited(pid: int) -> bool:
+def exited(pid: int) -> bool:
     import psutil
 
     try:
