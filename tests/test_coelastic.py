@@ -27,7 +27,8 @@ pytestmark = pytest.mark.stack
 
 
 class Feeder:
-    """One telemetry event for GPU every 0.5 s, in the mode the test sets."""
+    """One telemetry event per GPU of `gpus` (node "sim") every 0.5 s, in the mode the test sets:
+    `mode` for every GPU, or `modes[gpu]` for one."""
 
     MODES = {
         "calm": (Latency(200.0, 20.0), 30 * GiB),
@@ -35,8 +36,9 @@ class Feeder:
         "memory": (Latency(200.0, 20.0), 78 * GiB),
     }
 
-    def __init__(self, cfg):
-        self.cfg, self.mode, self.sent = cfg, "calm", []  # sent: (event_id, mode)
+    def __init__(self, cfg, gpus: tuple[str, ...] = (GPU,)):
+        self.cfg, self.gpus, self.mode, self.sent = cfg, gpus, "calm", []  # sent: (event_id, mode)
+        self.modes: dict[str, str] = {}
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -45,20 +47,21 @@ class Feeder:
         p = make_producer(self.cfg.kafka)
         i = 0
         while not self._stop.is_set():
-            mode = self.mode  # read once: the event and its record must agree
-            lat, used = self.MODES[mode]
-            ev = telemetry_example(
-                event_id=f"co-{i}",
-                ts=time.time(),
-                node="sim",
-                gpu=GPU,
-                latency_ms=lat,
-                mem_total_bytes=80 * GiB,
-                mem_used_bytes=used,
-            )
-            produce_event(p, self.cfg.kafka.telemetry_topic, ev)
-            p.flush(5)
-            self.sent.append((ev.event_id, mode))
+            for gpu in self.gpus:
+                mode = self.modes.get(gpu, self.mode)  # read once: the event and its record must agree
+                lat, used = self.MODES[mode]
+                ev = telemetry_example(
+                    event_id=f"co-{i}" if len(self.gpus) == 1 else f"co-{gpu}-{i}",
+                    ts=time.time(),
+                    node="sim",
+                    gpu=gpu,
+                    latency_ms=lat,
+                    mem_total_bytes=80 * GiB,
+                    mem_used_bytes=used,
+                )
+                produce_event(p, self.cfg.kafka.telemetry_topic, ev)
+                p.flush(5)
+                self.sent.append((ev.event_id, mode))
             i += 1
             self._stop.wait(0.5)
 

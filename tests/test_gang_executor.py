@@ -1,9 +1,12 @@
-"""A gang lease on the real stack (docs/contract.md §2 `group_id`, `group_size`): `rose
+"""Gang leases on the real stack (docs/contract.md §2 `group_id`, `group_size`, §4.9): `rose
 executor --simulate 2` starts one worker for the group only once every member's grant has
-arrived, and when one member is revoked, every member's lease ends and the one worker goes."""
+arrived, and when one member is revoked, every member's lease ends and the one worker goes;
+through `rose scheduler`, a node's two GPUs are granted, paused and revoked together."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import psutil
@@ -14,6 +17,9 @@ from rose.contract.wire import encode
 from rose.kafka.producer import make_producer, produce
 from rose.obs.tracing import inject_headers
 from tests.examples import command_example
+from tests.kafka_checks import commands
+from tests.processes import terminate_all
+from tests.test_coelastic import Feeder
 from tests.test_executor import ExecutorProc, LeaseStates, env_for, submit, wait_until
 
 pytestmark = pytest.mark.stack
@@ -72,4 +78,46 @@ def test_one_worker_per_gang_and_a_members_revoke_ends_the_gang(cfg, tmp_path, r
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     finally:
         ex.stop()
+        states.close()
+
+
+def test_scheduler_grants_pauses_and_revokes_a_gang_end_to_end(cfg, tmp_path, redis_client):
+    """`policy.group_size` 2: live telemetry of sim/0 and sim/1 (node "sim") through `rose
+    scheduler` gives two grants of one group in one transaction, one worker; a spike on one
+    member pauses both; memory pressure on the other revokes both."""
+    env = env_for(cfg, tmp_path, ROSE_POLICY__GROUP_SIZE="2")
+    submit(cfg, 40, turns=4)
+    states = LeaseStates(cfg)
+    sched = subprocess.Popen(
+        [sys.executable, "-m", "rose", "scheduler", "--instance", "gang"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "scheduler.log", "wb"),
+    )
+    ex = ExecutorProc(env, gpus=2)
+    feed = Feeder(cfg, gpus=("sim/0", "sim/1"))
+    try:
+        started = ex.wait_log("gang.started", 90)
+        assert started["gpus"] == "sim/0,sim/1"
+        wait_until(lambda: seen(states) >= {("sim/0", "active"), ("sim/1", "active")}, 30, "both members active")
+        grants = [c for c in commands(cfg) if c["kind"] == "grant"]
+        assert sorted(c["gpu"] for c in grants) == ["sim/0", "sim/1"]
+        assert len({c["group_id"] for c in grants}) == 1 and {c["group_size"] for c in grants} == {2}
+        assert len({c["cause_event_id"] for c in grants}) == 1, "the gang's grants came from different steps"
+
+        feed.modes["sim/1"] = "spike"
+        wait_until(
+            lambda: seen(states) >= {("sim/0", "paused"), ("sim/1", "paused")}, 20, "a member's spike paused both"
+        )
+        pauses = [c for c in commands(cfg) if c["kind"] == "throttle" and c["compute_share"] == 0.0]
+        assert {c["gpu"] for c in pauses} == {"sim/0", "sim/1"} and len({c["cause_event_id"] for c in pauses}) == 1
+
+        feed.modes.pop("sim/1")
+        feed.modes["sim/0"] = "memory"
+        wait_until(lambda: seen(states) >= {("sim/0", "revoked"), ("sim/1", "revoked")}, 30, "memory revoked both")
+        assert sum(1 for ln in ex.lines if ln.get("event") == "gang.started") == 1
+    finally:
+        feed.stop()
+        ex.stop()
+        terminate_all({"scheduler": sched})
         states.close()
