@@ -19,6 +19,15 @@ REPO = Path(__file__).resolve().parent.parent
 TRACES = Path(os.environ.get("ROSE_TRACES", REPO.parent / "shared" / "traces"))
 
 
+def slow_enabled(path: Path, setting: str) -> bool:
+    """Whether the long variant at `path` runs: ROSE_SLOW=1 runs them all; a comma-separated
+    list of folders or files (relative to the repository, e.g. `tests/faults`, which `make
+    test` sets) runs those under them; unset or empty, none."""
+    if setting.strip() == "1":
+        return True
+    return any(path.is_relative_to(REPO / p.strip()) for p in setting.split(",") if p.strip())
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -26,12 +35,12 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    slow = os.environ.get("ROSE_SLOW") == "1"
+    slow = os.environ.get("ROSE_SLOW", "")
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "slow" in item.keywords and not slow:
-            item.add_marker(pytest.mark.skip(reason="long variant; set ROSE_SLOW=1"))
+        if "slow" in item.keywords and not slow_enabled(Path(item.path), slow):
+            item.add_marker(pytest.mark.skip(reason="long variant; set ROSE_SLOW=1 (or ROSE_SLOW=its folder)"))
 
 
 @pytest.fixture(scope="session")

@@ -111,16 +111,26 @@ def stop_worker(h: WorkerHandle) -> None:
     """Ask the worker to drain and exit: STOP in its flag, its niceness back to 0, SIGTERM."""
     assert h.flag is not None  # a running worker's
     h.flag.set(STOP)
-    try:
-        # a draining worker launches no more compute; at nice 19 on a busy host it would
-        # take seconds to get the CPU it needs to hand its episodes back and exit
-        os.setpriority(os.PRIO_PROCESS, h.proc.pid, 0)
-    except (PermissionError, ProcessLookupError, OSError):
-        pass  # lowering niceness needs CAP_SYS_NICE; draining still works, only slower
+    # a draining worker launches no more compute; at nice 19 on a busy host it would take
+    # seconds to get the CPU it needs to hand its episodes back and exit. Niceness is per
+    # thread on Linux (every thread the worker started inherited it): renice each one.
+    for tid in _threads(h.proc.pid):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except (PermissionError, ProcessLookupError, OSError):
+            pass  # lowering niceness needs CAP_SYS_NICE; draining still works, only slower
     try:
         h.proc.send_signal(signal.SIGTERM)
     except ProcessLookupError:
         pass
+
+
+def _threads(pid: int) -> list[int]:
+    """The thread ids of process `pid` (just `pid` where /proc is not there to list them)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError):
+        return [pid]
 
 
 def reap_worker(h: WorkerHandle) -> int:

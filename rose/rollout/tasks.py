@@ -5,7 +5,10 @@ Keys (`RedisConfig.key`): docs/contract.md §6.1. No trajectory is lost or dupli
 (append, record the task_id, ack) and `requeue` (continuation and ack, only while the caller
 still owns the entry) are each one Lua script, and `reclaim` takes entries idle for
 `min_idle_ms` from crashed consumers with XAUTOCLAIM while `touch` keeps a live worker's entries
-from going idle. Each guarantee, and Redis Cluster hash slots: docs/rollout.md.
+from going idle. An episode completed a second time (its first holder stalled, was taken over
+and finished anyway) appends nothing and is counted in the stats hash as `duplicates:{step}`,
+next to `submitted:{step}` and `completed:{step}`. Each guarantee, and Redis Cluster hash
+slots: docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 0 then
   redis.call('HSET', KEYS[3], ARGV[3], id)
   redis.call('HINCRBY', KEYS[4], 'completed:' .. ARGV[5], 1)
   added = 1
+else
+  redis.call('HINCRBY', KEYS[4], 'duplicates:' .. ARGV[5], 1)
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -224,7 +229,8 @@ class TaskQueue:
 
     def complete(self, c: Claimed, trajectory: dict) -> bool:
         """Append the trajectory (once per task_id) and ack the task, atomically.
-        Returns False when the task_id already had a result (the append was skipped)."""
+        Returns False when the task_id already had a result (the append was skipped, the
+        step's `duplicates` counter counts it)."""
         return bool(
             self._complete(
                 keys=[c.stream, self.results_stream, self.done_key, self.stats_key],

@@ -111,6 +111,10 @@ class Worker:
                 "requeued": self.stats["requeued"],
                 "tokens_carried": self.stats["carried"],
                 "tokens_interrupted": self.engine.interrupted_tokens,
+                # episodes this worker ran twice: completed after another worker had
+                # (`duplicates`), or taken over by another while it held them (`lost`)
+                "duplicates": self.stats["duplicates"],
+                "lost": self.stats["lost"],
             },
         )
         p.expire(self.hb_key, 60)

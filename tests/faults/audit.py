@@ -3,12 +3,21 @@ lease held too long, every weight follower exact. Each check reads what the syst
 Kafka, Redis and on disk (never a process's own account of itself), raises AssertionError
 naming what is wrong, and returns what it counted.
 
-- commands: read with read_committed, every command_id once; per GPU the commands equal the
-  pure policy (rose.telemetry_workload.expected_commands) over the telemetry actually in the
-  topic — up to the first point where an executor ended a lease on its own (`expired`,
-  `rejected`), which the scheduler folds into its view (a partition, a kill, an outage);
-  from there on the structural rules: unique ids, epochs strictly increasing from grant to
-  grant, renew/revoke carry the epoch of the lease they belong to, no renew after a revoke.
+- commands: read with read_committed, every command_id once, each caused by telemetry in the
+  topic. Per GPU, the commands must equal the scheduling core's (rose.policy.core) over the
+  GPU's admitted telemetry with its executor's lease states folded in (`admissible_replay`):
+  at their record time, or where the scheduler may have seen them instead (after every
+  decision it committed before the state was written, before every event written more than
+  `LEASE_LAG_S` after it), or, in a window where the fault may have made the scheduler rebuild
+  its views, only the newest of them as a rebuild does. A GPU that matches is audited
+  exactly, however many leases its executor ended (`expired`, `rejected`) or faults it went
+  through. Only a GPU whose executor ended a lease at or before its first unexplained command
+  may fall back to the structural rules (unique ids, epochs strictly increasing from grant to
+  grant, renew/revoke carrying the epoch of their lease, no renew after a revoke); every GPU
+  gets those, and at least `min_exact` GPUs must be exact.
+- transactions: what read_uncommitted sees beyond read_committed in `commands` and
+  `scheduler-state` is output of aborted transactions (`audit_aborted`); every record of a
+  transaction open when the scheduler was killed must be one of them.
 - leases: every lease that went `active` ends `revoked`/`expired` no later than its last
   deadline (record time of its last grant/renew + that command's TTL, which is how the
   executor counts it) + revoke deadline + slack, is never `active` again after it ended,
@@ -16,41 +25,62 @@ naming what is wrong, and returns what it counted.
   at the kill (its worker dies with the executor; the caller checks that) — the `expired`
   the restarted executor publishes comes later by construction.
 - tasks: every submitted task_id exactly once in the results stream, each trajectory
-  complete, nothing pending, nothing dead-lettered.
-- weights: the follower's state file bit-identical to the trainer's last version, and every
-  version applied exactly once, in order.
+  complete, nothing pending, nothing dead-lettered; the queue's per-step counters agree with
+  the results; episodes completed a second time (`duplicates:{step}`, counted by the queue's
+  completion script, not by the workers) at most `max_duplicates`.
+- weights: the trainer's versions recomputed from its seed (`trainer_states`), not taken from
+  the run; the stream's per-version shard checksums (commit entries, carried forward over
+  deltas) equal the recomputed versions'; the follower's state file is the last version bit
+  for bit, at the seq and epoch of the stream's last commit (and its own record of versions
+  applied lists each once, in order).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import orjson
 
-from rose.config import Config
-from rose.contract.events import InvalidEvent, Telemetry
+from rose.config import Config, PolicyConfig
+from rose.contract.events import InvalidEvent, LeaseState, Telemetry
 from rose.contract.wire import decode
-from rose.kafka.consumer import read_all
-from rose.policy.core import check_admission
-from rose.sim.telemetry_workload import expected_commands
+from rose.kafka.consumer import message_record, read_all
+from rose.policy.core import SchedulingCore, check_admission
 
 LEASE_ENDS = ("revoked", "expired")
 EXECUTOR_ENDS = ("expired", "rejected")  # a lease ended by the executor, not by a command
+# How long after its record time a lease state may still be unseen by the scheduler deciding a
+# GPU's telemetry: the lease consumer's lag, which a broker outage or a client replacement
+# stretches to seconds.
+LEASE_LAG_S = 10.0
+SEARCH_BUDGET = 50_000  # nodes of the placement search per GPU
 
 
-def _records(cfg: Config, topic: str) -> list[tuple[dict, float]]:
+def _records(cfg: Config, topic: str, isolation: str = "read_committed") -> list[tuple[dict, float]]:
     return [
         (orjson.loads(m.value()), m.timestamp()[1] / 1000.0)
-        for m in read_all(cfg.kafka, [topic])
+        for m in read_all(cfg.kafka, [topic], isolation=isolation)
         if m.value() is not None
     ]
 
 
-def admitted_telemetry(cfg: Config) -> list[Telemetry]:
-    """The telemetry the scheduler decides on: what is in the topic and passes admission."""
+def dump_records(cfg: Config, path: Path) -> int:
+    """Telemetry, commands and lease states as `rose record` writes them (`rose replay --diff
+    PATH` re-runs the policy over them): for reading a failed audit."""
+    k = cfg.kafka
+    msgs = read_all(k, [k.telemetry_topic, k.commands_topic, k.lease_state_topic])
+    msgs.sort(key=lambda m: m.timestamp()[1])
+    path.write_bytes(b"".join(orjson.dumps(message_record(m)) + b"\n" for m in msgs))
+    return len(msgs)
+
+
+def admitted_telemetry(cfg: Config) -> list[tuple[Telemetry, float]]:
+    """The telemetry the scheduler decides on: what is in the topic and passes admission, with
+    its record time."""
     out = []
     for m in read_all(cfg.kafka, [cfg.kafka.telemetry_topic]):
         try:
@@ -58,51 +88,158 @@ def admitted_telemetry(cfg: Config) -> list[Telemetry]:
             check_admission(ev, m.timestamp()[1], m.key(), cfg.policy)
         except InvalidEvent:
             continue
-        out.append(ev)
+        out.append((ev, m.timestamp()[1] / 1000.0))
     return out
 
 
-def audit_commands(cfg: Config) -> dict:
+def admissible_replay(
+    events: list[tuple[Telemetry, float]],
+    states: list[tuple[LeaseState, float]],
+    recorded: list[tuple[dict, float]],
+    policy: PolicyConfig,
+    rebuilds: list[tuple[float, float]] = (),
+    lag_s: float = LEASE_LAG_S,
+    budget: int = SEARCH_BUDGET,
+) -> tuple[bool, dict]:
+    """Whether one GPU's recorded commands are exactly what the scheduling core decides over its
+    telemetry (`events`, offset order) with its lease states (`states`, offset order: the
+    order the scheduler reads them in) folded in at admissible points. State i may be folded
+    before event k only if no command recorded before the state was written came from event k
+    or later (that decision was taken without it), and must be folded before every event
+    recorded more than `lag_s` after it. Within a `rebuilds` window (wall-clock intervals in
+    which the fault may have made a scheduler rebuild its views: a restart, a client
+    replacement) the scheduler may instead rebuild, as `SchedulingCore.restore` does: fold only
+    the newest state recorded by then (all a compacted topic promises to keep), the ones before
+    it unseen. Depth-first, the record-time placement first (as `rose replay` places states),
+    rebuilds last; a mismatching command prunes a branch.
+
+    Returns (matched, info): `displaced` counts states folded away from their record time and
+    `rebuilt` the rebuilds that folded a state; without a match, `at` is the index of the
+    deepest command no placement explained, with the `recorded` and `replayed` commands there."""
+    n, m = len(events), len(states)
+    pos = {ev.event_id: k for k, (ev, _) in enumerate(events)}
+
+    def decided_before(t: float) -> int:  # events whose decision was committed before `t`
+        return max((pos.get(c["cause_event_id"], -1) + 1 for c, tc in recorded if tc < t), default=0)
+
+    lo, hi, at_time = [], [], []
+    for _ls, t in states:
+        lo.append(decided_before(t))
+        hi.append(next((k for k, (_, te) in enumerate(events) if te > t + lag_s), n))
+        at_time.append(next((k for k, (_, te) in enumerate(events) if te >= t), n))
+    for i in range(m - 2, -1, -1):  # a state is folded before the ones after it
+        hi[i] = min(hi[i], hi[i + 1])
+    # per window: the events decided before it, and how many states a rebuild in it can have read
+    windows = [(decided_before(a), sum(t <= a for _, t in states), sum(t <= b for _, t in states)) for a, b in rebuilds]
+    gpu = events[0][0].gpu if events else ""
+    best: dict = {"at": -1}
+    seen: set = set()
+    # node: (next event, next state, next recorded command, view, last folded state, placements)
+    stack: list[tuple] = [(0, 0, 0, None, None, ())]
+    while stack and len(seen) < budget:
+        k, i, j, view, floor, placed = stack.pop()
+        if (k, i, j, view) in seen:
+            continue
+        seen.add((k, i, j, view))
+        if k == n:
+            if j == len(recorded):
+                return True, {
+                    "displaced": sum(p != at_time[s] for s, p, _ in placed),
+                    "rebuilt": sum(r for _, _, r in placed),
+                    "nodes": len(seen),
+                }
+            if j > best["at"]:
+                best = {"at": j, "recorded": recorded[j][0], "replayed": None}
+            continue
+        views = {gpu: view} if view is not None else {}
+        children = []  # explored last to first
+        for after, first, last in windows:  # a rebuild now, having read states up to i2 - 1
+            for i2 in range(max(i + 2, first), last + 1) if after <= k else ():
+                if lo[i2 - 1] <= k:
+                    core = SchedulingCore(policy, dict(views), {})
+                    core.restore(list(views.values()), [ls for ls, _ in states[:i2]])
+                    children.append((k, i2, j, core.views.get(gpu), states[i2 - 1][0], placed + ((i2 - 1, k, 1),)))
+        fold = decided = None
+        if i < m and lo[i] <= k:  # state i may be seen before event k is decided
+            core = SchedulingCore(policy, dict(views), {})
+            core.observe(states[i][0])
+            fold = (k, i + 1, j, core.views.get(gpu), states[i][0], placed + ((i, k, 0),))
+        if i == m or k < hi[i]:  # event k may be decided before state i is seen
+            core = SchedulingCore(policy, dict(views), {gpu: floor} if floor else {})
+            got = [c.to_dict() for c in core.decide(events[k][0]).commands]
+            want = [c for c, _ in recorded[j : j + len(got)]]
+            if got == want:
+                decided = (k + 1, i, j + len(got), core.views[gpu], floor, placed)
+            elif j > best["at"]:
+                best = {"at": j, "recorded": recorded[j][0] if j < len(recorded) else None, "replayed": got[0]}
+        in_time = fold is not None and at_time[i] <= k  # the state's record time has come: fold first
+        children += [c for c in ((decided, fold) if in_time else (fold, decided)) if c is not None]
+        stack.extend(children)
+    best["nodes"] = len(seen)
+    return False, best
+
+
+def audit_commands(cfg: Config, rebuilds: list[tuple[float, float]] = (), min_exact: int = 1) -> dict:
+    """`rebuilds`: wall-clock windows in which the fault may have made the scheduler rebuild its
+    views (`admissible_replay`)."""
+    assert cfg.policy.group_size <= 1, "the audit replays each GPU alone: gang leases (group_size > 1) join them"
     events = admitted_telemetry(cfg)
-    want = expected_commands(events, cfg.policy)
     cmds = _records(cfg, cfg.kafka.commands_topic)
     states = _records(cfg, cfg.kafka.lease_state_topic)
     ids = Counter(c["command_id"] for c, _ in cmds)
     dups = {i: n for i, n in ids.items() if n > 1}
     assert not dups, f"duplicated commands: {dups}"
-    causes = {e.event_id for e in events}
+    causes = {e.event_id for e, _ in events}
     unknown = [c["command_id"] for c, _ in cmds if c["cause_event_id"] not in causes]
     assert not unknown, f"commands caused by no telemetry in the topic: {unknown[:5]}"
     by_gpu: dict[str, list[tuple[dict, float]]] = {}
     for c, ts in cmds:  # per GPU in offset order: a GPU's commands share a partition
         by_gpu.setdefault(c["gpu"], []).append((c, ts))
+    ev_by_gpu: dict[str, list[tuple[Telemetry, float]]] = {}
+    for ev, ts in events:
+        ev_by_gpu.setdefault(ev.gpu, []).append((ev, ts))
+    st_by_gpu: dict[str, list[tuple[LeaseState, float]]] = {}
     exec_ends: dict[str, list[float]] = {}
     for s, ts in states:
-        if s["state"] in EXECUTOR_ENDS:
-            exec_ends.setdefault(s["gpu"], []).append(ts)
-    exact = diverged = 0
-    for gpu in sorted(set(by_gpu) | set(want)):
+        try:
+            ls = LeaseState.from_dict(s)
+        except InvalidEvent:
+            continue  # the scheduler skips it too
+        st_by_gpu.setdefault(ls.gpu, []).append((ls, ts))
+        if ls.state in EXECUTOR_ENDS:
+            exec_ends.setdefault(ls.gpu, []).append(ts)
+    exact, structural, displaced, rebuilt = [], [], 0, 0
+    for gpu in sorted(set(by_gpu) | set(ev_by_gpu)):
         got = by_gpu.get(gpu, [])
-        w = want.get(gpu, [])
-        i = next((j for j, ((c, _), wc) in enumerate(zip(got, w)) if c != wc), min(len(got), len(w)))
-        if i == len(got) == len(w):
-            exact += 1
+        ok, info = admissible_replay(ev_by_gpu.get(gpu, []), st_by_gpu.get(gpu, []), got, cfg.policy, list(rebuilds))
+        if ok:
+            exact.append(gpu)
+            displaced += info["displaced"]
+            rebuilt += info["rebuilt"]
         else:
-            at = got[i][1] if i < len(got) else float("inf")
+            i = info["at"]
+            at = got[i][1] if 0 <= i < len(got) else float("inf")
             assert any(t <= at for t in exec_ends.get(gpu, [])), (
-                f"{gpu}: command {i} differs from the pure policy with no lease ended by its executor before it: "
-                f"got {got[i][0] if i < len(got) else None}, want {w[i] if i < len(w) else None}"
+                f"{gpu}: command {i} is not the scheduling core's under any admissible placement of its lease "
+                f"states, and no lease was ended by its executor before it: got {info.get('recorded')}, "
+                f"want {info.get('replayed')}"
             )
-            diverged += 1
+            structural.append(gpu)
         _structure(gpu, [c for c, _ in got])
+    assert len(exact) >= min_exact, (
+        f"{len(exact)} GPUs audited exactly ({exact}), at least {min_exact} required; structural only: {structural}"
+    )
     kinds = Counter(c["kind"] for c, _ in cmds)
     return {
         "telemetry": len(events),
         "commands": len(cmds),
         "duplicates": 0,
         **kinds,
-        "gpus_exact": exact,
-        "gpus_after_executor_end": diverged,
+        "gpus_exact": len(exact),
+        "gpus_structural_only": len(structural),
+        "lease_states_folded_off_record_time": displaced,
+        "lease_states_folded_by_a_rebuild": rebuilt,
+        "executor_ended_leases": sum(map(len, exec_ends.values())),
     }
 
 
@@ -117,6 +254,39 @@ def _structure(gpu: str, cmds: list[dict]) -> None:
             assert c["epoch"] == current, f"{gpu}: {c['kind']} of epoch {c['epoch']}, current lease {current}"
             assert not ended, f"{gpu}: {c['kind']} of lease {c['lease_id']} after its revoke"
             ended = c["kind"] == "revoke"
+
+
+def audit_aborted(cfg: Config, open_at_kills: list[dict] = ()) -> dict:
+    """Records of aborted transactions in the scheduler's output topics: what a
+    read_uncommitted reader sees there and a read_committed one does not (transaction markers
+    take offsets but are no records, so the difference is exactly the aborted records).
+    `open_at_kills`: per scheduler kill, the offsets [LSO, HWM) of its open transaction per
+    (topic, partition) at the kill: each of them must be such an aborted record."""
+    k = cfg.kafka
+    aborted: dict[tuple[str, int], set[int]] = {}
+    commands = 0
+    for topic in (k.commands_topic, k.topic("scheduler-state")):
+        committed = {(m.partition(), m.offset()) for m in read_all(k, [topic])}
+        for m in read_all(k, [topic], isolation="read_uncommitted"):
+            if (m.partition(), m.offset()) not in committed:
+                aborted.setdefault((topic, m.partition()), set()).add(m.offset())
+                commands += topic == k.commands_topic
+    in_kills = []
+    for open_tx in open_at_kills:
+        n = 0
+        for (topic, p), (lso, hwm) in open_tx.items():
+            missing = sorted(set(range(lso, hwm)) - aborted.get((topic, p), set()))
+            assert not missing, (
+                f"{topic}[{p}] offsets {missing[:5]} were in the transaction the scheduler was killed in, "
+                "and are not aborted records (committed, or gone)"
+            )
+            n += hwm - lso
+        in_kills.append(n)
+    return {
+        "aborted_records": sum(map(len, aborted.values())),
+        "aborted_commands": commands,
+        "records_of_transactions_open_at_kills": in_kills,
+    }
 
 
 def audit_leases(cfg: Config, revoke_deadline_s: float, executor_kills: list[float] = (), slack_s: float = 2.0) -> dict:
@@ -165,8 +335,11 @@ def audit_leases(cfg: Config, revoke_deadline_s: float, executor_kills: list[flo
     }
 
 
-def audit_tasks(queue, submitted: dict[str, int]) -> dict:
-    """`submitted`: task_id -> max_turns."""
+def audit_tasks(queue, submitted: dict[str, int], max_duplicates: int = 0, resubmits: int = 0) -> dict:
+    """`submitted`: task_id -> max_turns. `max_duplicates`: how many episodes the fault may let
+    two workers complete (one whose holder stalled past `min_idle_ms` while alive, so another
+    reclaimed it: a Redis outage); `resubmits`: submissions the trainer retried without knowing
+    whether the first one landed (each may have queued its task twice)."""
     results = queue.all_results()
     n = Counter(t["task_id"] for t in results)
     dups = {i: k for i, k in n.items() if k > 1}
@@ -182,23 +355,80 @@ def audit_tasks(queue, submitted: dict[str, int]) -> dict:
     streams = [queue.stream] + [queue.directed(w.decode()) for w in r.smembers(queue.workers_key)]
     pending = sum(r.xpending(s, queue.group)["pending"] for s in streams if r.exists(s))
     assert pending == 0, f"{pending} task entries still pending"
+    counters = Counter()
+    for field, value in r.hgetall(queue.stats_key).items():
+        counters[field.decode().split(":", 1)[0]] += int(value)
+    assert counters["completed"] == len(results), (
+        f"the queue counted {counters['completed']} completions, the results stream holds {len(results)}"
+    )
+    assert len(submitted) <= counters["submitted"] <= len(submitted) + resubmits, (
+        f"the queue counted {counters['submitted']} submissions of {len(submitted)} tasks ({resubmits} retried)"
+    )
+    assert counters["duplicates"] <= max_duplicates, (
+        f"{counters['duplicates']} episodes completed a second time (at most {max_duplicates} allowed)"
+    )
     moved = sum(len({x["worker"] for x in t["turns"]}) > 1 for t in results)
     return {
         "tasks": len(submitted),
         "results": len(results),
         "duplicates": 0,
+        "executed_twice": counters["duplicates"],
         "handed_over": moved,
         "workers": len({x["worker"] for t in results for x in t["turns"]}),
     }
 
 
-def audit_weights(out_dir: Path, want_flat: np.ndarray, versions: int) -> dict:
+def _shard_sums(state: dict, shard_bytes: int) -> tuple[np.ndarray, dict[int, str]]:
+    """A version's bytes as the weight stream lays them out, and the checksum of each shard."""
+    from rose.weights.checkpoint import from_state_dict
+    from rose.weights.codec import checksum
+    from rose.weights.layout import flatten, make_layout
+
+    specs, arrays = from_state_dict(state)
+    layout = make_layout(specs, shard_bytes)
+    flat = flatten(layout, arrays)
+    return flat, {i: checksum(flat[slice(*layout.shard_range(i))]) for i in range(layout.num_shards)}
+
+
+def _commits(r, stream: str) -> Iterator[tuple[int, int, str, dict[int, str], bool]]:
+    """(version, seq, epoch, shard -> checksum, keyframe) of each commit entry, in stream order."""
+    from rose.weights.entries import from_fields
+
+    for _id, fields in r.xrange(stream):
+        e = from_fields(fields)
+        if e.kind == "commit":
+            body = orjson.loads(e.payload)
+            yield e.version, e.seq, e.epoch, {int(i): c for i, c in body["shards"]}, bool(body["keyframe"])
+
+
+def audit_weights(r, stream: str, out_dir: Path, versions: list[dict], shard_bytes: int) -> dict:
+    """`versions`: the trainer's states 1..n, recomputed (not the run's arrays). The weight
+    stream must carry each of them (its commits' checksums, carried forward over delta
+    versions, equal the recomputed shards'), and the follower's state file must be the last,
+    at the stream's last commit."""
     from rose.weights.follower import FileStateStore
 
+    want = [_shard_sums(v, shard_bytes) for v in versions]
+    carried: dict[int, str] | None = None
+    checked, last = 0, None
+    for version, seq, epoch, shards, keyframe in _commits(r, stream):
+        if keyframe:
+            carried = dict(shards)
+        elif carried is None:
+            continue  # trimmed: its base is no longer in the stream
+        else:
+            carried.update(shards)
+        assert 1 <= version <= len(want), f"the stream holds version {version}; the trainer made {len(want)}"
+        assert carried == want[version - 1][1], f"version {version} in the stream is not the trainer's"
+        checked += 1
+        last = (version, seq, epoch)
+    assert last is not None and last[0] == len(want), f"the stream's last version is {last}, not {len(want)}"
     loaded = FileStateStore(out_dir).load()
     assert loaded is not None, f"the follower wrote no state in {out_dir}"
     snap, applied = loaded
-    assert snap.version == versions, f"follower at version {snap.version}, trainer published {versions}"
-    assert np.array_equal(snap.flat, want_flat), "follower state differs from the trainer's"
-    assert applied == list(range(1, versions + 1)), f"versions applied: {applied}"
-    return {"versions": versions, "applied": len(applied), "bit_identical": True}
+    assert (snap.version, snap.seq, snap.epoch) == last, (
+        f"follower at version, seq, epoch {(snap.version, snap.seq, snap.epoch)}; the stream's last commit {last}"
+    )
+    assert np.array_equal(snap.flat, want[-1][0]), "follower state differs from the trainer's last version"
+    assert applied == list(range(1, len(want) + 1)), f"versions applied: {applied}"
+    return {"versions": len(want), "checked_in_stream": checked, "applied": len(applied), "bit_identical": True}

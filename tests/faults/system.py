@@ -3,7 +3,8 @@
 follow`, optionally `rose agent --simulate`) as a `Proc` each, plus in-process threads feeding
 telemetry and publishing weight versions, on the test's topics and keys (`System`); it submits
 tasks, waits until the run is under load, drains it, stops it and hands it to
-tests/faults/audit.py."""
+tests/faults/audit.py. The trainer's versions are a function of its seed (`trainer_states`),
+which the audit recomputes rather than trusting what the run kept."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +28,7 @@ import redis as redis_lib
 
 from rose.contract.wire import encode
 from rose.kafka.admin import partitions_of
-from rose.kafka.consumer import TopicPartition, make_consumer, read_all
+from rose.kafka.consumer import Consumer, KafkaException, TopicPartition, make_consumer, read_all
 from rose.kafka.producer import make_producer, produce
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.launcher import WorkerConfig, launch
@@ -54,6 +56,17 @@ QUIET.setLevel(logging.CRITICAL)  # a refused connection per retry would bury a 
 def fault_rng(name: str) -> tuple[random.Random, int]:
     seed = int(os.environ.get("ROSE_FAULT_SEED", random.SystemRandom().randrange(1 << 30)))
     return random.Random(f"{seed}-{name}"), seed
+
+
+def trainer_states(seed: int, versions: int) -> Iterator[dict[str, np.ndarray]]:
+    """The trainer's versions 1..`versions`: a sparse update of `w` per step, a bias shifted by
+    the step, the step itself. A pure function of `seed`, so the audit can recompute them."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(40_000).astype(np.float32)
+    b = rng.standard_normal(300).astype(np.float32)
+    for v in range(1, versions + 1):
+        w = w + rng.standard_normal(w.size).astype(np.float32) * np.float32(1e-3) * (rng.random(w.size) < 0.2)
+        yield {"w": w.copy(), "b": b + np.float32(v), "step": np.array([v], dtype=np.int64)}
 
 
 def wait_for(pred, timeout: float, what: str, every: float = 0.25):
@@ -189,9 +202,10 @@ class System:
         self.r = redis_lib.Redis.from_url(cfg.redis.url)
         self.queue = TaskQueue(self.r, cfg.redis, JOB)
         self.submitted: dict[str, int] = {}
-        self.want_flat: np.ndarray | None = None
         self.published = 0
         self.trainer_retries = 0
+        self.submit_retries = 0  # a wave's submission retried after a Redis error
+        self.extra_waves = 0  # waves submitted because a fault found no episode in flight
         self.feeder_events = 0
         self.seed = seed
         self.t0 = time.time()
@@ -215,7 +229,9 @@ class System:
             nice=5,
             max_batch=4,
             model_spec=SMALL,
-            min_idle_ms=3000,
+            # min_idle_ms as the executor's workers have it (WorkerConfig's default): they touch
+            # their episodes every min_idle_ms / 3, so a shorter one here would take over the
+            # episodes of live (or briefly paused) leased workers and run them twice
             reclaim_every_ms=500,
             seed=n,
         )
@@ -231,6 +247,8 @@ class System:
     def submit(self, wave: int, n: int) -> None:
         for i in range(n):
             tid = f"w{wave}-{i}"
+            if tid in self.submitted:
+                continue  # a retried wave: submitted before the error
             self.queue.submit(
                 Task(
                     task_id=tid,
@@ -275,20 +293,13 @@ class System:
 
     def _train(self) -> None:
         """A trainer: a version every few seconds, retried while Redis is away."""
-        from rose.weights.checkpoint import from_state_dict
-        from rose.weights.layout import flatten, make_layout
         from rose.weights.stream import WeightPublisher
 
         pub = WeightPublisher(self.r, self.cfg.redis, MODEL, shard_bytes=SHARD, chunk_bytes=8192)
-        rng = np.random.default_rng(self.seed)
-        w = rng.standard_normal(40_000).astype(np.float32)
-        b = rng.standard_normal(300).astype(np.float32)
         every = (self.duration_s * 0.8) / self.versions
-        for v in range(1, self.versions + 1):
+        for v, state in enumerate(trainer_states(self.seed, self.versions), 1):
             if self._stop.wait(every if v > 1 else 2.0):
                 return
-            w = w + rng.standard_normal(w.size).astype(np.float32) * np.float32(1e-3) * (rng.random(w.size) < 0.2)
-            state = {"w": w.copy(), "b": b + np.float32(v), "step": np.array([v], dtype=np.int64)}
             deadline = time.monotonic() + 60
             while True:
                 try:
@@ -299,8 +310,6 @@ class System:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)
-            specs, arrays = from_state_dict(state)
-            self.want_flat = flatten(make_layout(specs, SHARD), arrays)
             self.published = v
             if v < self.versions:  # a wave of episodes per step: workers stay busy through the faults
                 self._retrying(lambda: self.submit(v + 1, self.tasks_per_wave // 2))
@@ -317,8 +326,7 @@ class System:
 
         threading.Thread(target=loop, daemon=True).start()
 
-    @staticmethod
-    def _retrying(fn):
+    def _retrying(self, fn):
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -326,6 +334,7 @@ class System:
             except (redis_lib.ConnectionError, redis_lib.BusyLoadingError):
                 if time.monotonic() > deadline:
                     raise
+                self.submit_retries += 1  # the submission in flight may have landed: its task twice
                 time.sleep(0.5)
 
     # ---- run -----------------------------------------------------------------------------
@@ -358,6 +367,16 @@ class System:
         """Episodes submitted and not finished yet."""
         return len(self.submitted) - self.r.hlen(self.queue.done_key)
 
+    def ensure_in_flight(self, wait_s: float = 10) -> None:
+        """Episodes in flight before a fault: wait up to `wait_s` for the trainer's next wave;
+        if the waves are over (a fast run), submit one more, so the fault still lands under load."""
+        try:
+            wait_for(lambda: self.in_flight() > 0, wait_s, "no episode in flight", every=0.1)
+        except AssertionError:
+            self.extra_waves += 1
+            self.submit(1000 + self.extra_waves, self.tasks_per_wave // 2)
+            wait_for(lambda: self.in_flight() > 0, wait_s, "no episode in flight after an extra wave", every=0.1)
+
     def leased_worker_pids(self) -> list[int]:
         pids = [ln["pid"] for ln in self.procs["executor"].lines() if ln.get("event") == "worker.started"]
         return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
@@ -373,6 +392,8 @@ class System:
                 if hi > 0 and tp.offset < hi:
                     return False
             return True
+        except KafkaException:  # e.g. NOT_COORDINATOR while the group coordinator moves after a restart
+            return False
         finally:
             c.close()
 
@@ -420,13 +441,78 @@ class System:
         for p in self.procs.values():
             if p.alive():
                 p.stop(20)
+        self.close_watermarks()
         self.r.close()
 
-    def audit(self, executor_kills: list[float] = ()) -> dict:
-        assert self.want_flat is not None and self.published == self.versions
+    # ---- the scheduler's transactions ----------------------------------------------------
+    def open_transaction(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """The scheduler's output not yet committed or aborted: per partition of `commands` and
+        `scheduler-state` whose last stable offset (what read_committed reports) is below its
+        high watermark (read_uncommitted), the offsets [LSO, HWM). Only the scheduler writes
+        there, so that range is its open transaction's records."""
+        k = self.cfg.kafka
+        if not hasattr(self, "_watermarks"):
+            self._watermarks: dict[str, Consumer] = {
+                iso: make_consumer(k, f"{k.topic_prefix}watermarks-{iso}", **{"isolation.level": iso})
+                for iso in ("read_committed", "read_uncommitted")
+            }
+            topics = (k.commands_topic, k.topic("scheduler-state"))
+            self._outputs = [TopicPartition(t, p) for t in topics for p in partitions_of(k, t)]
+        out = {}
+        for tp in self._outputs:
+            _, lso = self._watermarks["read_committed"].get_watermark_offsets(tp, timeout=5, cached=False)
+            _, hwm = self._watermarks["read_uncommitted"].get_watermark_offsets(tp, timeout=5, cached=False)
+            if lso < hwm:
+                out[(tp.topic, tp.partition)] = (lso, hwm)
+        return out
+
+    def kill_scheduler_in_transaction(self, timeout: float = 60) -> tuple[float, dict]:
+        """SIGKILL the scheduler while one of its transactions is open: watch for one, freeze the
+        scheduler (SIGSTOP), check that it is still open, and again 0.2 s later (so that not
+        even a commit already on its way to the broker closes it), then kill it; if it closed,
+        thaw the scheduler and watch on. The kill time and the open transaction's offsets ({}
+        if none was caught within `timeout`: then it is killed anyway)."""
+        p = self.procs["scheduler"]
+        ps = psutil.Process(p.proc.pid)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.open_transaction():
+                continue
+            p.proc.send_signal(signal.SIGSTOP)
+            wait_for(lambda: ps.status() == psutil.STATUS_STOPPED, 5, "the scheduler did not stop", every=0.001)
+            if self.open_transaction():
+                time.sleep(0.2)
+                if still := self.open_transaction():
+                    return p.kill(), still
+            p.proc.send_signal(signal.SIGCONT)
+        return p.kill(), {}
+
+    def close_watermarks(self) -> None:
+        for c in getattr(self, "_watermarks", {}).values():
+            c.close()
+        self._watermarks = {}
+
+    # ---- the audit -------------------------------------------------------------------------
+    def audit(
+        self,
+        executor_kills: list[float] = (),
+        max_duplicates: int = 0,
+        open_at_kills: list[dict] = (),
+        rebuilds: list[tuple[float, float]] = (),
+    ) -> dict:
+        """The common audit (tests/faults/audit.py); the records it read go to logs/records.ndjson."""
+        assert self.published == self.versions
+        audit.dump_records(self.cfg, self.logs / "records.ndjson")
         return {
-            "commands": audit.audit_commands(self.cfg),
+            "commands": audit.audit_commands(self.cfg, list(rebuilds)),
+            "transactions": audit.audit_aborted(self.cfg, list(open_at_kills)),
             "leases": audit.audit_leases(self.cfg, REVOKE_DEADLINE_S, list(executor_kills)),
-            "tasks": audit.audit_tasks(self.queue, self.submitted),
-            "weights": audit.audit_weights(self.weights_dir, self.want_flat, self.versions),
+            "tasks": audit.audit_tasks(self.queue, self.submitted, max_duplicates, self.submit_retries),
+            "weights": audit.audit_weights(
+                self.r,
+                self.cfg.redis.key("weights", MODEL),
+                self.weights_dir,
+                list(trainer_states(self.seed, self.versions)),
+                SHARD,
+            ),
         }

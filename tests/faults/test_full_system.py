@@ -6,8 +6,15 @@ or `rose agent --simulate` on the Azure code trace), `rose scheduler`, `rose exe
 trainer publishing weight versions (WeightPublisher) and a `rose weights follow` process;
 tasks are submitted to the task queue while it runs. One fault per test, at seeded random
 points (ROSE_FAULT_SEED to replay), then everything drains and tests/faults/audit.py checks
-commands, leases, tasks and weights — the same audit for every fault. Each test prints what
-it injected and what the audit counted. The processes and the load are tests/faults/system.py.
+commands, transactions, leases, tasks and weights — the same audit for every fault. Each test
+prints what it injected and what the audit counted. The processes and the load are
+tests/faults/system.py; the records the audit read are left in the test's logs/records.ndjson
+(`rose replay --diff` takes them).
+
+Where a fault's effect is its point, the test checks that it landed: the scheduler is killed
+inside an open transaction (whose records must then be aborted), and a killed executor's
+workers must be gone within the revoke deadline of the kill, with no executor left to enforce
+it.
 
 Covered elsewhere, reused rather than repeated here: the scheduler partitioned past the
 lease TTL (test_scheduler_partitioned.py), two schedulers racing (test_scheduler_zombie.py),
@@ -44,6 +51,24 @@ def report(tag: str, fault: dict, counts: dict, codes: dict, stop_s: dict) -> No
     assert not slow, f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {slow}"
 
 
+def exit_times(pids: list[int], since: float, timeout: float) -> dict[int, float]:
+    """Seconds from `since` (wall clock) until each of `pids` is gone (exited, or a zombie
+    nobody reaped yet), polled every 10 ms; those still running at `timeout` are left out."""
+    left, out = set(pids), {}
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
+                out[pid] = round(time.time() - since, 3)
+                left.discard(pid)
+        time.sleep(0.01)
+    return out
+
+
 def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: int, duration_s: float) -> None:
     rng, seed = fault_rng(target)
     sysm = System(
@@ -55,14 +80,15 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
     )
     fault = {"kind": f"SIGKILL {target}", "seed": seed, "at_s": [], "restarted": 0}
     executor_kills: list[float] = []
-    orphans_exited = []
+    orphans_exit_s: list[float] = []
+    open_at_kills: list[dict] = []
     try:
         sysm.start()
         sysm.wait_loaded()
         window = (time.time() - sysm.t0, duration_s * 0.8)
         for _ in range(kills):
             time.sleep(rng.uniform(1.0, max(1.5, (window[1] - window[0]) / kills)))
-            wait_for(lambda: sysm.in_flight() > 0, 10, "no episode in flight", every=0.1)
+            sysm.ensure_in_flight()
             if target == "worker":  # a leased worker if one runs, and the dedicated one
                 pids = sysm.leased_worker_pids()
                 if pids:
@@ -76,21 +102,23 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
                 continue
             orphans = sysm.leased_worker_pids() if target == "executor" else []
             fault.setdefault("episodes_in_flight", []).append(sysm.in_flight())
-            t = p.kill()
+            if target == "scheduler":
+                t, open_tx = sysm.kill_scheduler_in_transaction()
+                open_at_kills.append(open_tx)
+            else:
+                t = p.kill()
             fault["at_s"].append(round(t - sysm.t0, 1))
             if target == "executor":
                 executor_kills.append(t)
-                # its workers got SIGTERM (pdeathsig): they drain and exit within the revoke deadline
-                wait_for(
-                    lambda: (
-                        not any(
-                            psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE for x in orphans
-                        )
-                    ),
-                    REVOKE_DEADLINE_S + 5,
-                    "orphaned workers still running",
+                # its workers got SIGTERM (pdeathsig) and no executor is left to SIGKILL them at the
+                # revoke deadline: they must drain and exit within it by themselves
+                gone = exit_times(orphans, t, REVOKE_DEADLINE_S + 10)
+                late = {pid: gone.get(pid) for pid in orphans if gone.get(pid, float("inf")) > REVOKE_DEADLINE_S}
+                assert not late, (
+                    f"orphaned workers alive past the revoke deadline ({REVOKE_DEADLINE_S}s) of their "
+                    f"executor's kill: seconds to exit {late} (None: still running after {REVOKE_DEADLINE_S + 10}s)"
                 )
-                orphans_exited.append(len(orphans))
+                orphans_exit_s += gone.values()
             time.sleep(rng.uniform(0.0, 1.5))
             if target == "worker":
                 sysm.start_worker()
@@ -99,10 +127,19 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
             else:
                 p.start()
             fault["restarted"] += 1
-        if orphans_exited:
-            fault["orphaned_workers_exited"] = orphans_exited
+        if sysm.extra_waves:
+            fault["extra_waves"] = sysm.extra_waves
+        if target == "executor":
+            fault["orphaned_workers_exit_s"] = sorted(orphans_exit_s)
+        if target == "scheduler":
+            fault["open_transaction_at_kill"] = [  # records in it, per topic[partition]
+                {f"{topic}[{part}]": hwm - lso for (topic, part), (lso, hwm) in sorted(o.items())}
+                for o in open_at_kills
+            ]
         codes = sysm.finish()
-        counts = sysm.audit(executor_kills)
+        # a killed scheduler's successor rebuilds its views once it is assigned its partitions
+        rebuilds = [(k, k + 60) for k in sysm.procs["scheduler"].kills]
+        counts = sysm.audit(executor_kills, open_at_kills=open_at_kills, rebuilds=rebuilds)
     except BaseException:
         sysm.print_log_tails()
         raise
@@ -111,6 +148,7 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
     counts["trainer"] = {"versions": sysm.published, "redis_retries": sysm.trainer_retries}
     report(f"sigkill-{target}", fault, counts, codes, sysm.stop_s)
     assert fault["restarted"] >= 1, "no kill landed while the process ran"
+    assert all(open_at_kills), "a scheduler kill did not land inside an open transaction"
     assert codes["scheduler"] == 0 and codes["executor"] == 0, codes
 
 
@@ -146,7 +184,7 @@ def run_with_outage(which: str, cfg, stack, tmp_path: Path, outages: int, durati
         sysm.wait_loaded()
         for _ in range(outages):
             time.sleep(rng.uniform(1.0, 4.0))
-            wait_for(lambda: sysm.in_flight() > 0, 10, "no episode in flight", every=0.1)
+            sysm.ensure_in_flight()
             fault.setdefault("episodes_in_flight", []).append(sysm.in_flight())
             t0 = time.time()
             fault["at_s"].append(round(t0 - sysm.t0, 1))
@@ -159,7 +197,13 @@ def run_with_outage(which: str, cfg, stack, tmp_path: Path, outages: int, durati
                 (stack.kafka_up if which == "kafka" else stack.redis_up)()
             fault["down_s"].append(round(time.time() - t0, 1))
         codes = sysm.finish(drain_s=150)
-        counts = sysm.audit()
+        # a Redis outage may stall live workers past min_idle_ms: another may take over an episode
+        # its holder then finishes too (completed twice, appended once); a broker outage does not
+        counts = sysm.audit(
+            max_duplicates=sum(fault["episodes_in_flight"]) if which == "redis" else 0,
+            # the scheduler loses its group session, or replaces its clients, and rebuilds its views
+            rebuilds=[(sysm.t0 + fault["at_s"][0], float("inf"))] if which == "kafka" else [],
+        )
     except BaseException:
         sysm.print_log_tails()
         raise
