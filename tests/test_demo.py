@@ -1,5 +1,6 @@
-"""`rose demo`: the report's arithmetic (pure), the trainer's loss inputs, the co-served
-device's latency windows, and one short end-to-end run on the real stack."""
+"""`rose demo`: the report's arithmetic (pure: windows, their intervals, the measured device),
+the trainer's loss inputs, the co-served device's latency windows, when tasks start, and one
+short end-to-end run on the real stack."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rose.demo import report
-from rose.demo.coserve import CoserveSpec, LatencyWindow, calibrated_slo, scaled_lengths
-from rose.demo.observed import Observed
+from rose.demo import report, windows
+from rose.demo.coserve import CoserveSpec, LatencyWindow, latency_summary, scaled_lengths
+from rose.demo.observed import ClaimClock, Observed
 from rose.demo.trainer import advantages, reward, sequence_and_mask, staleness
+from rose.obs import stats
 from rose.obs.stats import percentile
 
 
@@ -67,15 +69,145 @@ def test_revoke_latency_matches_lease_states_by_command_id():
     assert rv["telemetry_to_revoke_command_ms"]["p50"] == 10
 
 
-def test_throughput_phases_and_sources():
+def _windows(*spans):
+    return [{"start": a, "end": b, "leases": on} for a, b, on in spans]
+
+
+def test_throughput_counts_each_episode_in_the_window_it_started_in():
     obs = Observed()
-    obs.episodes = [{"finished_at": 1.0 + i * 0.1, "dedicated": True, "gpu": "rollout/0"} for i in range(10)] + [
-        {"finished_at": 20.0 + i * 0.1, "dedicated": i % 2 == 0, "gpu": "sim/0"} for i in range(40)
+    # window 1 (off, 0-10 s): 10 dedicated episodes; window 2 (on, 10-20 s): 20, half leased; one of
+    # them started at 9.5 s and finished in window 2: it counts for window 1
+    obs.episodes = [
+        {"task_id": f"a{i}", "finished_at": 1.0 + i * 0.5, "dedicated": True, "gpu": "rollout/0"} for i in range(9)
     ]
-    tp = report.throughput(obs, t0=0.0, t1=10.0, t_end=30.0)
-    assert tp["dedicated_only"] == 60.0  # 10 episodes in 10 s
-    assert tp["with_leases"] == 120.0  # 40 in 20 s
-    assert tp["phase2_by_leased"] == 60.0 and tp["gain"] == 2.0
+    obs.episodes += [{"task_id": "late", "finished_at": 11.0, "dedicated": True, "gpu": "rollout/0"}]
+    obs.episodes += [
+        {"task_id": f"b{i}", "finished_at": 10.5 + i * 0.4, "dedicated": i % 2 == 0, "gpu": "sim/0"} for i in range(20)
+    ]
+    obs.started = {"late": 9.5}
+    tl = {
+        "t0": 0.0,
+        "t_end": 40.0,
+        "windows": _windows((0, 10, False), (10, 20, True), (20, 30, False), (30, 40, True)),
+    }
+    tp = report.throughput(obs, tl, {"sim/0": [(12.0, 20.0)]})
+    w = tp["windows"]
+    assert [x["episodes"] for x in w] == [10, 20, 0, 0]
+    assert w[0]["episodes_per_min"] == 60.0 and w[1]["episodes_per_min"] == 120.0
+    assert w[1]["by_leased"] == 10 and w[1]["lease_gpu_seconds"] == 8.0 and w[1]["first_lease_after_s"] == 2.0
+    assert w[0]["start_seen"] == 1
+    assert tp["dedicated_only"] == 30.0 and tp["with_leases"] == 60.0  # means over two windows each
+    lo, hi = tp["ci95_dedicated_only"]
+    assert lo <= 30.0 <= hi and hi - lo == pytest.approx(2 * 12.706 * 30.0, abs=0.05)  # t(1) × s / √2, s = 30 √2
+    assert tp["gain"] == 2.0 and tp["episodes_in_run"] == 30
+
+
+def test_windows_alternate_off_first_in_equal_even_halves():
+    p = windows.plan(180, 20)
+    assert len(p) == 8 and [on for *_, on in p] == [False, True] * 4
+    assert p[0][0] == 0 and p[-1][1] == 180 and all(b - a == pytest.approx(22.5) for a, b, _ in p)
+    assert len(windows.plan(30, 20)) == 4  # at least two of each kind
+
+
+@pytest.mark.parametrize(
+    "df,t", [(1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (9, 2.262), (10, 2.228), (30, 2.042)]
+)
+def test_student_t_quantile_matches_the_tables(df, t):
+    # two-sided 95 % critical values, NIST/SEMATECH e-Handbook of Statistical Methods, table 1.3.6.7.2
+    assert stats.t_975(df) == pytest.approx(t, abs=5e-4)
+
+
+@given(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=2, max_size=30))
+def test_mean_ci95_holds_the_mean(xs):
+    m, (lo, hi) = stats.mean_ci95(xs)
+    assert lo <= m + 1e-9 and m <= hi + 1e-9
+    assert stats.mean_ci95([5.0]) == (5.0, None) and stats.mean_ci95([]) == (None, None)
+
+
+class _TaskStream:
+    """The two reads ClaimClock makes of Redis, over an in-memory stream."""
+
+    def __init__(self):
+        self.entries: list[tuple[bytes, dict]] = []
+        self.delivered = b"0-0"
+
+    def xrange(self, name, min="-", count=None):
+        lo = (0, 0) if min == "-" else tuple(map(int, min.lstrip("(").split("-")))
+        strict = min.startswith("(")
+        out = []
+        for eid, f in self.entries:
+            k = tuple(map(int, eid.decode().split("-")))
+            if k > lo or (k == lo and not strict):
+                out.append((eid, f))
+        return out[:count]
+
+    def xinfo_groups(self, name):
+        return [{"name": b"rollout", "last-delivered-id": self.delivered}]
+
+
+def test_claim_clock_stamps_a_task_when_the_group_has_handed_it_out():
+    from rose.config import RedisConfig
+
+    r = _TaskStream()
+    clock = ClaimClock(r, RedisConfig(), "job")
+    obs = Observed()
+    r.entries = [(b"100-0", {b"task_id": b"ep-0"}), (b"100-1", {b"task_id": b"ep-1"})]
+    r.delivered = b"100-0"
+    clock.poll(obs, now=1.0)
+    assert obs.started == {"ep-0": 1.0}
+    r.entries.append((b"200-0", {b"task_id": b"ep-0"}))  # ep-0's continuation, same task
+    r.delivered = b"200-0"
+    clock.poll(obs, now=2.0)
+    assert obs.started == {"ep-0": 1.0, "ep-1": 2.0}
+    assert windows.started_at({"task_id": "ep-9", "finished_at": 3.0}, obs.started) == 3.0  # never seen waiting
+
+
+def test_measured_device_splits_requests_of_the_run_by_lease():
+    obs = Observed()
+    rows = [[5.0, 10.0, 1.0, 0]] * 50 + [[6.0, 30.0, 3.0, 1]] * 50 + [[99.0, 999.0, 99.0, 1]]  # the last: after t_end
+    obs.coserve = {"requests": json.dumps(rows), "slo_ttft_ms": "1000.0", "slo_tpot_ms": "100.0"}
+    slo = {"per_gpu": {"real/0": {"attainment": 0.75}}}
+    md = report.measured_device(obs, 0.0, 50.0, "real/0", slo)
+    assert md["gpu"] == "real/0" and md["slo_attainment"] == 0.75
+    assert md["p99_alone_ms"] == {"ttft": 10.0, "tpot": 1.0} and md["p99_leased_ms"] == {"ttft": 30.0, "tpot": 3.0}
+    assert (
+        md["requests_alone"] == 50 and md["requests_leased"] == 50 and md["slo_ms"] == {"ttft": 1000.0, "tpot": 100.0}
+    )
+    assert latency_summary([])["with_rollout"]["ttft_p99_ms"] is None
+
+
+def test_report_builds_and_prints_from_a_small_run():
+    obs = Observed()
+    row = lambda ts: (ts, 50.0, 5.0, 1000.0, 100.0, 0.5, 0, 1, 0, 0)  # noqa: E731
+    obs.telemetry = {"sim/0": [row(t) for t in range(40)], "real/0": [row(t) for t in range(40)]}
+    obs.episodes = [
+        {"task_id": f"e{i}", "finished_at": i * 0.25, "dedicated": i % 3 > 0, "gpu": "rollout/0", "v_max": 1}
+        for i in range(160)
+    ]
+    obs.versions = [{"version": 1, "keyframe": True, "bytes_sent": 100, "bytes_full": 100, "reward_mean": None}]
+    obs.trainer = {"lr": "0.003", "master_dtype": "float32", "publish_dtype": "bfloat16"}
+    obs.coserve = {"requests": json.dumps([[1.0, 10.0, 1.0, 0], [30.0, 20.0, 2.0, 1]]), "slo_ttft_ms": "1000.0"}
+    tl = {
+        "t0": 0.0,
+        "t_end": 40.0,
+        "windows": _windows((0, 10, False), (10, 20, True), (20, 30, False), (30, 40, True)),
+    }
+    meta = {
+        "run_id": "x",
+        "host": {"cpus": 2, "cuda": False},
+        "trace": "t.csv",
+        "speed": 0.5,
+        "gpus": 1,
+        "real_gpu": "real/0",
+        "real_device": "cpu",
+        "problems": [],
+        "interference": {"alpha": 3.157, "source": "bench"},
+    }
+    rep = report.build(obs, tl, meta)
+    assert rep["trainer_lr"] == 0.003 and rep["measured_device"]["p99_leased_ms"]["ttft"] == 20.0
+    assert set(rep["episodes_per_min"]) == {"dedicated_only", "with_leases", "ci95_dedicated_only", "ci95_with_leases"}
+    md = report.markdown({**rep, "plots": []})
+    assert "leases on (mean of 2 windows, 95 % CI)" in md and "trainer lr 0.003" in md and "rose bench weights" in md
 
 
 @given(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=1, max_size=200))
@@ -95,9 +227,8 @@ def test_latency_window_holds_the_last_value_when_idle():
     assert w.p99(100.5) == 3.0
 
 
-def test_calibrated_slo_and_scaled_lengths():
-    spec = CoserveSpec(trace="x", slo_factor=3.0, min_slo_ttft_ms=20.0, min_slo_tpot_ms=10.0)
-    assert calibrated_slo([10.0] * 50, [1.0] * 50, spec) == (30.0, 10.0)
+def test_scaled_lengths():
+    spec = CoserveSpec(trace="x")
     import numpy as np
 
     p, o = scaled_lengths(np.array([0, 1600, 10**6]), np.array([0, 80, 10**6]), spec)
@@ -153,6 +284,9 @@ def test_demo_hands_its_children_the_run_config_in_a_private_file(tmp_path, monk
         got = load_config(path, env={})
         assert got == d.cfg and got.security.weights_hmac_key == "wk"
         assert got.executor.worker_weights == "follow" and got.redis.key_prefix.startswith("rose:demo-")
+        from rose.sim.engine import SimConfig
+
+        assert got.telemetry.interference_alpha == SimConfig().alpha  # the simulator's, as `rose simulate`
         assert d._argv()["dedicated"].weights_hmac_key == "wk"
     finally:
         import shutil
@@ -162,8 +296,10 @@ def test_demo_hands_its_children_the_run_config_in_a_private_file(tmp_path, monk
 
 @pytest.mark.stack
 def test_demo_end_to_end(stack, base_cfg, tmp_path):
-    """A 40 s run: contract keys with sane values, a lease granted, weights published and applied,
-    non-empty plots, nothing left running."""
+    """An 80 s run (four 20 s windows, leases off / on / off / on): contract keys with sane values,
+    leases that raise throughput over the leases-off windows, intervals around both means, the
+    measured device reported, weights published and applied, non-empty plots, nothing left
+    running."""
     import psutil
 
     from rose.demo.orchestrator import DemoOptions, run_demo
@@ -174,14 +310,26 @@ def test_demo_end_to_end(stack, base_cfg, tmp_path):
         redis=dataclasses.replace(base_cfg.redis, url=stack.redis_url),
     )
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    rep = run_demo(cfg, DemoOptions(duration_s=40, report_dir=str(tmp_path), live=False), echo=lambda s: None)
+    rep = run_demo(cfg, DemoOptions(duration_s=80, report_dir=str(tmp_path), live=False), echo=lambda s: None)
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["serving_slo_attainment"] == rep["serving_slo_attainment"]
     assert 0.0 <= rep["serving_slo_attainment"] <= 1.0
-    assert rep["episodes_per_min"]["dedicated_only"] > 0
-    assert rep["episodes_per_min"]["with_leases"] > 0
+    epm = rep["episodes_per_min"]
+    assert [w["leases"] for w in rep["throughput"]["windows"]] == [False, True, False, True]
+    assert epm["dedicated_only"] > 0
+    # the loose regression guard: leases add rollout throughput over the leases-off windows
+    assert epm["with_leases"] > epm["dedicated_only"]
+    for kind in ("dedicated_only", "with_leases"):
+        lo, hi = epm[f"ci95_{kind}"]
+        assert lo <= epm[kind] <= hi, (kind, epm)
+    md = rep["measured_device"]
+    assert md["gpu"] == "real/0" and 0.0 <= md["slo_attainment"] <= 1.0
+    assert set(md) >= {"p99_alone_ms", "p99_leased_ms"} and md["p99_alone_ms"]["ttft"] > 0
+    assert md["slo_ms"] == {"ttft": cfg.telemetry.slo_ttft_ms, "tpot": cfg.telemetry.slo_tpot_ms}  # configured
     assert set(rep["revoke_latency_ms"]) >= {"p50", "p99"}
     assert 0.0 < rep["weight_bytes_ratio"] <= 1.0
+    assert rep["trainer_lr"] > 0 and rep["weights"]["master_dtype"] == "float32"
+    assert rep["weights"]["publish_dtype"] == "bfloat16"
     assert rep["leases"]["grants"] >= 1
     assert rep["weights"]["versions_published"] >= 2
     assert rep["weights"]["max_version_in_trajectories"] >= 2  # a trained version reached rollout

@@ -6,9 +6,11 @@ id (default `real/0`).
 
 It serves with `rose.rollout.engine.TorchEngine` (continuous batching), measures TTFT and TPOT of
 every request, and publishes the p99 of each over the last `lookback_s` seconds every telemetry
-period (and writes it for the executor's local guard). The SLO is measured, not assumed:
-`slo_factor` × the p99 of a calibration phase served alone. Load, latency, SLO and memory
-definitions: docs/demo.md.
+period (and writes it for the executor's local guard). Its SLO is the run's configured serving
+SLO (`telemetry.slo_ttft_ms`, `telemetry.slo_tpot_ms`), the same as every other serving GPU of
+the run reports. At exit it leaves every request's latency in its status hash, each marked with
+whether a rollout lease was running on the device. Load, latency, SLO and memory definitions:
+docs/demo.md.
 """
 
 from __future__ import annotations
@@ -44,15 +46,9 @@ class CoserveSpec(JsonSpec):
     d_model: int = 256
     n_layers: int = 4
     lookback_s: float = 2.0
-    calibrate_s: float = 5.0  # at least this long and `calibrate_requests` requests, at most 3× as long
-    calibrate_requests: int = 30
-    slo_factor: float = 3.0
-    min_slo_ttft_ms: float = 20.0
-    min_slo_tpot_ms: float = 10.0
     latency_dir: str = ""  # where the local guard reads this device's latency ("" = no guard file)
     guard_every_s: float = 0.02
-    go_key: str = "demo:go"  # Redis key (under the key prefix) the orchestrator sets at t0
-    status_key: str = "demo:coserve"  # Redis hash: SLO, counters, summary at exit
+    status_key: str = "demo:coserve"  # Redis hash: SLO, state; at exit the summary and every request
     threads: int = 1
 
 
@@ -84,12 +80,20 @@ class LatencyWindow:
         return self.last
 
 
-def calibrated_slo(ttft_ms: list[float], tpot_ms: list[float], spec: CoserveSpec) -> tuple[float, float]:
-    """The SLO (ttft, tpot) in ms: slo_factor × the p99 measured alone, with floors."""
-    return (
-        max(spec.min_slo_ttft_ms, spec.slo_factor * (percentile(ttft_ms, 0.99) or 0.0)),
-        max(spec.min_slo_tpot_ms, spec.slo_factor * (percentile(tpot_ms, 0.99) or 0.0)),
-    )
+def latency_summary(rows: list[tuple[float, float, float, bool]]) -> dict:
+    """Per-request latency, split by whether a rollout lease was running on the device: rows are
+    (finish wall time, TTFT ms, mean TPOT ms, rollout running)."""
+    out: dict[str, Any] = {"requests": len(rows)}
+    for name, flag in (("with_rollout", True), ("without_rollout", False)):
+        sel = [d for d in rows if bool(d[3]) is flag]
+        out[name] = {
+            "requests": len(sel),
+            "ttft_p50_ms": percentile([d[1] for d in sel], 0.5, 3),
+            "ttft_p99_ms": percentile([d[1] for d in sel], 0.99, 3),
+            "tpot_p50_ms": percentile([d[2] for d in sel], 0.5, 3),
+            "tpot_p99_ms": percentile([d[2] for d in sel], 0.99, 3),
+        }
+    return out
 
 
 # ---- the device ----------------------------------------------------------------------------
@@ -167,29 +171,30 @@ class CoServed:
         proc = psutil.Process()
         period = cfg.telemetry.period_s
         run_id = uuid.uuid4().hex[:12]
-        go_at: float | None = None
-        slo: tuple[float, float] | None = None
-        calib_ttft: list[float] = []
-        calib_tpot: list[float] = []
+        slo = (cfg.telemetry.slo_ttft_ms, cfg.telemetry.slo_tpot_ms)
         t0 = time.monotonic()
         nxt = 0
         seq = 0
         next_tel = t0 + period
         next_guard = t0
-        next_go_check = t0
         cpu0 = proc.cpu_times()
         cpu_t0 = time.monotonic()
         busy_s = 0.0
         arrivals_in_window = 0
         rollout_now = False
-        r.hset(key(spec.status_key), mapping={"state": "warming", "device": spec.device, "gpu": spec.gpu})
+        r.hset(
+            key(spec.status_key),
+            mapping={
+                "state": "serving",
+                "device": spec.device,
+                "gpu": spec.gpu,
+                "slo_ttft_ms": slo[0],
+                "slo_tpot_ms": slo[1],
+                "slo_source": "telemetry.slo_ttft_ms / telemetry.slo_tpot_ms of the run's config",
+            },
+        )
         while not self.stop:
             now = time.monotonic()
-            if go_at is None and now >= next_go_check:
-                next_go_check = now + 0.1
-                if r.exists(key(spec.go_key)):
-                    go_at = now
-                    r.hset(key(spec.status_key), "state", "calibrating")
             # arrivals (the replay clock is the process's own; it loops over the trace)
             t_rel = now - t0
             while nxt < len(self.arrival) and self.arrival[nxt] <= t_rel:
@@ -222,15 +227,9 @@ class CoServed:
                 for q in list(self.running.values()):
                     if q.got == 0:
                         q.first_t = t
-                        ms = (t - q.arrival) * 1000.0
-                        self.ttft.add(t, ms)
-                        if slo is None and go_at is not None:
-                            calib_ttft.append(ms)
+                        self.ttft.add(t, (t - q.arrival) * 1000.0)
                     else:
-                        ms = (t - q.last_t) * 1000.0
-                        self.tpot.add(t, ms)
-                        if slo is None and go_at is not None:
-                            calib_tpot.append(ms)
+                        self.tpot.add(t, (t - q.last_t) * 1000.0)
                     q.last_t = t
                     q.got += 1
                     if q.got >= q.n_out:
@@ -245,26 +244,7 @@ class CoServed:
                     wait = min(wait, max(0.0, t0 + float(self.arrival[nxt]) - time.monotonic()))
                 time.sleep(wait)
             now = time.monotonic()
-            if (
-                slo is None
-                and go_at is not None
-                and now - go_at >= spec.calibrate_s
-                and (len(calib_ttft) >= spec.calibrate_requests or now - go_at >= 3 * spec.calibrate_s)
-            ):
-                slo = calibrated_slo(calib_ttft, calib_tpot, spec)
-                r.hset(
-                    key(spec.status_key),
-                    mapping={
-                        "state": "serving",
-                        "slo_ttft_ms": slo[0],
-                        "slo_tpot_ms": slo[1],
-                        "calib_ttft_p99_ms": percentile(calib_ttft, 0.99) or 0.0,
-                        "calib_tpot_p99_ms": percentile(calib_tpot, 0.99) or 0.0,
-                        "calib_requests": len(calib_ttft),
-                        "slo_factor": spec.slo_factor,
-                    },
-                )
-            if slo is not None and spec.latency_dir and now >= next_guard:
+            if spec.latency_dir and now >= next_guard:
                 next_guard = now + spec.guard_every_s
                 write_latency(
                     spec.latency_dir,
@@ -282,35 +262,38 @@ class CoServed:
                 dt = max(1e-6, cpu_t1 - cpu_t0)
                 util = (busy_s / dt) if self.is_cuda else ((cpu1.user + cpu1.system - cpu0.user - cpu0.system) / dt)
                 cpu0, cpu_t0, busy_s = cpu1, cpu_t1, 0.0
-                if slo is not None:
-                    total, used = self._memory()
-                    recs = telemetry_records(
-                        ts=time.time(),
-                        node=spec.node,
-                        gpus=[spec.gpu],
-                        pool=cfg.telemetry.pool,
-                        slo=slo,
-                        run_id=run_id,
-                        seq=seq,
-                        util=[min(1.0, util)],
-                        mem_total=total,
-                        mem_used=[max(used, rmem)],
-                        rollout_mem=[rmem],
-                        ttft_ms=[self.ttft.p99(now)],
-                        tpot_ms=[self.tpot.p99(now)],
-                        rps=[arrivals_in_window / period],
-                        queue=[len(self.queue)],
-                    )
-                    pub.publish(recs, ts_ms=int(time.time() * 1000))
-                    seq += 1
+                total, used = self._memory()
+                recs = telemetry_records(
+                    ts=time.time(),
+                    node=spec.node,
+                    gpus=[spec.gpu],
+                    pool=cfg.telemetry.pool,
+                    slo=slo,
+                    run_id=run_id,
+                    seq=seq,
+                    util=[min(1.0, util)],
+                    mem_total=total,
+                    mem_used=[max(used, rmem)],
+                    rollout_mem=[rmem],
+                    ttft_ms=[self.ttft.p99(now)],
+                    tpot_ms=[self.tpot.p99(now)],
+                    rps=[arrivals_in_window / period],
+                    queue=[len(self.queue)],
+                )
+                pub.publish(recs, ts_ms=int(time.time() * 1000))
+                seq += 1
                 arrivals_in_window = 0
                 pub.tick()
             if nxt >= len(self.arrival) and not self.running and not self.queue:
                 t0, nxt = time.monotonic(), 0  # replay the trace again
         pub.flush(5.0)
         follower.close()
-        summary = self.summary()
-        r.hset(key(spec.status_key), mapping={"state": "stopped", "summary": json.dumps(summary)})
+        summary = latency_summary(self.done)
+        rows = [(round(t, 3), round(a, 3), round(b, 3), int(f)) for t, a, b, f in self.done]
+        r.hset(
+            key(spec.status_key),
+            mapping={"state": "stopped", "summary": json.dumps(summary), "requests": json.dumps(rows)},
+        )
         return summary
 
     def _memory(self) -> tuple[int, int]:
@@ -323,20 +306,6 @@ class CoServed:
 
         vm = psutil.virtual_memory()
         return int(vm.total), int(vm.total - vm.available)
-
-    def summary(self) -> dict:
-        """Per-request latency, split by whether a rollout lease was running on this device."""
-        out: dict[str, Any] = {"requests": self.served}
-        for name, flag in (("with_rollout", True), ("without_rollout", False)):
-            rows = [d for d in self.done if d[3] is flag]
-            out[name] = {
-                "requests": len(rows),
-                "ttft_p50_ms": percentile([d[1] for d in rows], 0.5, 3),
-                "ttft_p99_ms": percentile([d[1] for d in rows], 0.99, 3),
-                "tpot_p50_ms": percentile([d[2] for d in rows], 0.5, 3),
-                "tpot_p99_ms": percentile([d[2] for d in rows], 0.99, 3),
-            }
-        return out
 
 
 def main(argv: list[str] | None = None) -> int:

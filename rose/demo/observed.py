@@ -1,7 +1,9 @@
 """What the demo observes of the running system: the three Kafka topics (telemetry, commands,
 lease state) and the Redis side (trajectories, published versions, trainer, co-served device,
-worker heartbeats). One `Observed` is filled live for the view by `Collector` (a thread), and a
-fresh one is read to the end of every topic for the report, through the same `ingest`.
+worker heartbeats, when each task was first taken). One `Observed` is filled live for the view
+by `Collector` (a thread), and a fresh one is read to the end of every topic for the report,
+through the same `ingest`; when each task started is only seen live (`ClaimClock`), and the
+report takes it from the live one.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import orjson
@@ -26,6 +29,7 @@ class Observed:
     trainer: dict = field(default_factory=dict)
     coserve: dict = field(default_factory=dict)
     workers: dict[str, dict] = field(default_factory=dict)  # worker id -> heartbeat hash
+    started: dict[str, float] = field(default_factory=dict)  # task_id -> when a worker first took it
     bad_messages: int = 0
 
     # ---- Kafka ----------------------------------------------------------------------------
@@ -168,13 +172,63 @@ class RedisReader:
 
 
 def _str_hash(h: dict) -> dict:
-    return {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in h.items()
-    }
+    return {_s(k): _s(v) for k, v in h.items()}
+
+
+def _entry_id(v) -> tuple[int, int]:
+    ms, _, seq = _s(v).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class ClaimClock:
+    """When each task was first taken by a rollout worker, seen from outside the workers: a new
+    task is appended to the job's shared task stream, and the workers' consumer group hands the
+    stream out in entry order, so an entry has been taken once the group's last-delivered id has
+    reached it. Each `poll` learns the entries appended since the last one (entry id -> task_id)
+    and stamps those now delivered with the time of the poll: a task's start is known to within
+    one poll period (later, never earlier). A continuation of a preempted episode keeps the
+    task_id of its first start."""
+
+    def __init__(self, r, rcfg, job: str):
+        from rose.rollout.tasks import GROUP
+
+        self.r, self.group = r, GROUP
+        self.stream = rcfg.key("tasks", job)
+        self.after = "-"
+        self.waiting: deque[tuple[tuple[int, int], str]] = deque()  # appended, not yet delivered, in order
+
+    def poll(self, obs: Observed, now: float) -> None:
+        import redis
+
+        while True:
+            entries = self.r.xrange(self.stream, min=self.after, count=1000)
+            for eid, fields in entries:
+                self.after = f"({_s(eid)}"
+                self.waiting.append((_entry_id(eid), _s(fields.get(b"task_id", b""))))
+            if len(entries) < 1000:
+                break
+        try:
+            groups = self.r.xinfo_groups(self.stream)
+        except redis.ResponseError:  # the stream or its group is not created yet
+            return
+        last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == self.group), None)
+        if last is None:
+            return
+        delivered = _entry_id(last)
+        while self.waiting and self.waiting[0][0] <= delivered:
+            _, task_id = self.waiting.popleft()
+            obs.started.setdefault(task_id, now)
 
 
 class Collector:
-    """Follows the topics from their beginning and polls Redis, on a daemon thread."""
+    """Follows the topics from their beginning and polls Redis, on a daemon thread: the task
+    stream every `claim_period_s` (when tasks start), everything else every second."""
+
+    claim_period_s = 0.25
 
     def __init__(self, cfg, job: str):
         import redis
@@ -183,6 +237,7 @@ class Collector:
         self.obs = Observed()
         self.r = redis.Redis.from_url(cfg.redis.url)
         self.reader = RedisReader(self.r, cfg.redis, job)
+        self.claims = ClaimClock(self.r, cfg.redis, job)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
@@ -201,12 +256,18 @@ class Collector:
         consumer.assign(
             [TopicPartition(k.topic(t), p, OFFSET_BEGINNING) for t in TOPICS for p in partitions_of(k, k.topic(t))]
         )
-        next_redis = 0.0
+        next_redis = next_claims = 0.0
         try:
             while not self._stop.is_set():
-                for m in consumer.consume(500, timeout=0.2):
+                for m in consumer.consume(500, timeout=0.1):
                     if m.error() is None:
                         self.obs.ingest(_kind(k, m.topic()), m.value(), m.timestamp()[1])
+                if time.monotonic() >= next_claims:
+                    next_claims = time.monotonic() + self.claim_period_s
+                    try:
+                        self.claims.poll(self.obs, time.time())
+                    except Exception as e:  # noqa: BLE001 - the view keeps going; starts not seen fall back
+                        self.error = f"redis: {e}"
                 if time.monotonic() >= next_redis:
                     next_redis = time.monotonic() + 1.0
                     try:

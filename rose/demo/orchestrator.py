@@ -1,10 +1,10 @@
 """Starts, watches and stops every process of the demo, and writes the report.
 
-Timeline: start-up (every process up and ready: not counted in --duration) → phase 1,
-dedicated-only (the dedicated worker and the trainer run, serving runs, the co-served device
-calibrates its SLO; no scheduler, so no lease) → phase 2 at t1 (the scheduler starts; leases
-come and go) → t_end → shutdown (executors first: they revoke their leases and drain their
-workers; then the rest) → the final read of every topic and key → the report.
+Timeline: start-up (every process but the scheduler up and ready: not counted in --duration) →
+t0 → alternating windows, leases off (no scheduler running, so no lease is issued) and leases on
+(the scheduler running; leases come and go) → t_end → the drain (the episodes started before
+t_end finish) → shutdown (executors first: they revoke their leases and drain their workers;
+then the rest) → the final read of every topic and key → the report.
 
 The set-up (options, the run's config file, what each child runs) is rose.demo.run_setup, the
 child processes rose.demo.processes, and the phases from start-up to shutdown rose.demo.phases.
@@ -82,9 +82,12 @@ class Demo(DemoPhases):
             except KeyboardInterrupt:
                 interrupted = True
                 self.problems.append("interrupted")
-                self.timeline.setdefault("t0", time.time())
-                self.timeline.setdefault("t1", time.time())
-                self.timeline["t_end"] = time.time()
+                now = time.time()
+                self.timeline.setdefault("t0", now)
+                self.timeline.setdefault("windows", [])
+                self.timeline["t_end"] = now
+                for w in self.timeline["windows"]:
+                    w["end"] = now if w["end"] is None else w["end"]
             return self._report(interrupted, procs, collector)
         finally:
             self._stop(procs, collector)
@@ -101,6 +104,7 @@ class Demo(DemoPhases):
 
         self._stop(procs, collector)
         live_obs = collector.obs if collector is not None else None
+        started = dict(live_obs.started) if live_obs is not None else {}
 
         obs = None
         for _attempt in range(3):
@@ -115,6 +119,7 @@ class Demo(DemoPhases):
                 raise DemoError(f"cannot read the run's topics for the report: {err}")
             self.problems.append(f"final read failed ({err}); the report uses what the live view collected")
             obs = live_obs
+        obs.started = started  # when each task started is only seen live
         meta = {
             "run_id": self.run_id,
             "trace": Path(self.trace).name,
@@ -123,6 +128,8 @@ class Demo(DemoPhases):
             "real_gpu": self.real_gpu,
             "real_device": self.real_device,
             "duration_s": self.opts.duration_s,
+            "window_s": self.opts.window_s,
+            "interference": self.interference,
             "interrupted": interrupted,
             "problems": self.problems,
             "host": {
@@ -138,7 +145,7 @@ class Demo(DemoPhases):
         }
         if not self.timeline:
             now = time.time()
-            self.timeline = {"t0": now, "t1": now, "t_end": now}
+            self.timeline = {"t0": now, "t_end": now, "windows": []}
         rep = report.build(obs, self.timeline, meta)
         report.write(self.report_dir, rep, obs)
         return rep

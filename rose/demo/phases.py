@@ -1,8 +1,15 @@
 """The demo's run, phase by phase: start-up (every process up and ready: not counted in
---duration) → phase 1, dedicated-only (the dedicated worker and the trainer run, serving runs,
-the co-served device calibrates its SLO; no scheduler, so no lease) → phase 2 at t1 (the
-scheduler starts, on telemetry from t1 on; leases come and go) → t_end → shutdown (executors
-first: they revoke their leases and drain their workers; then the rest)."""
+--duration) → the measured run, alternating leases-off and leases-on windows
+(rose.demo.windows.plan: off first) → the drain (until the episodes started in the run have
+finished, bounded) → shutdown (executors first: they revoke their leases and drain their
+workers; then the rest).
+
+Leases off: the scheduler is not running, so no grant or renewal is issued; a lease of the
+window before lapses at its expiry (policy.ttl_s), as the protocol ends any lease its scheduler
+stops renewing, and the executors are then idle. Leases on: the scheduler is started, deciding
+on telemetry from that moment on. Executors, serving, the dedicated worker and the trainer run
+throughout, so the windows differ only in whether leases are issued.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from rose.demo.run_setup import DemoError, DemoSetup
 
 
 class DemoPhases(DemoSetup):
-    """Waits for start-up, runs the two phases with the live view, and stops every process."""
+    """Waits for start-up, runs the windows with the live view, drains, and stops every process."""
 
     def _stop(self, procs: Processes, collector) -> None:
         killed = procs.stop_all(
@@ -39,7 +46,7 @@ class DemoPhases(DemoSetup):
                 missing = []
                 if not want <= set(collector.obs.telemetry):
                     missing.append("agent telemetry")
-                if r.hget(key("demo:coserve"), "state") not in (b"warming", b"calibrating", b"serving"):
+                if r.hget(key("demo:coserve"), "state") != b"serving":
                     missing.append("co-served device")
                 if int(r.hget(key("demo:trainer"), "version") or 0) < 1:
                     missing.append("trainer")
@@ -66,33 +73,26 @@ class DemoPhases(DemoSetup):
             r.close()
 
     def _phases(self, procs: Processes, collector, argv) -> None:
-        import redis
-
         from rose.demo import live_view
+        from rose.demo.windows import plan
 
         o = self.opts
-        r = redis.Redis.from_url(self.cfg.redis.url)
-        r.set(self.cfg.redis.key("demo:go"), 1)
-        r.close()
         t0 = time.time()
-        t1 = t0 + o.phase1_s
         t_end = t0 + o.duration_s
-        self.timeline = {"t0": t0, "t1": t1, "t_end": t_end}
+        schedule = [(t0 + a, on) for a, _b, on in plan(o.duration_s, o.window_s)]
+        windows: list[dict] = []
+        self.timeline = {"t0": t0, "t_end": t_end, "windows": windows}
         live = sys.stdout.isatty() if o.live is None else o.live
-        scheduler_started = False
 
         def snap():
             now = time.time()
-            phase = "phase 2: leases on" if scheduler_started else "phase 1: dedicated only (leases off)"
+            w = windows[-1] if windows else {"leases": False}
+            phase = f"window {len(windows)}/{len(schedule)}: leases {'on' if w['leases'] else 'off'}"
             return live_view.snapshot(collector.obs, phase, now - t0, o.duration_s, now, self.real_gpu)
 
         def tick() -> None:
-            nonlocal scheduler_started
-            if not scheduler_started and time.time() >= t1:
-                self._skip_to_now()
-                procs.start("scheduler", argv["scheduler"], self.host_cpus)
-                self.timeline["t1"] = time.time()
-                scheduler_started = True
+            while len(windows) < len(schedule) and time.time() >= schedule[len(windows)][0]:
+                self._enter_window(procs, argv, windows, schedule[len(windows)][1])
             for name, code in procs.exited():
                 self.problems.append(f"{name} exited with code {code}")
 
@@ -113,7 +113,39 @@ class DemoPhases(DemoSetup):
                     self.echo(live_view.line(snap()))
                 time.sleep(0.25)
         self.timeline["t_end"] = time.time()
+        if windows:
+            windows[-1]["end"] = self.timeline["t_end"]
         self.cpu_seconds = procs.cpu_seconds()
+        self._drain(collector)
+
+    def _enter_window(self, procs: Processes, argv, windows: list[dict], leases: bool) -> None:
+        """Close the current window and open the next: start or stop the scheduler."""
+        now = time.time()
+        if windows:
+            windows[-1]["end"] = now
+        windows.append({"start": now, "end": None, "leases": leases})
+        running = "scheduler" in procs.procs and procs.procs["scheduler"].poll() is None
+        if leases and not running:
+            self._skip_to_now()
+            procs.start("scheduler", argv["scheduler"], self.host_cpus)
+        elif not leases and running:
+            killed = procs.stop(["scheduler"], timeout_s=12.0)
+            if killed:
+                self.problems.append("scheduler killed after the SIGTERM deadline at a window's end")
+
+    def _drain(self, collector) -> None:
+        """Keep everything running until every episode started before t_end has finished (its
+        trajectory is in), at most `drain_s`: an episode started near the end of the last window
+        counts for it like any other. What is still unfinished then is in the report."""
+        t_end = self.timeline["t_end"]
+        deadline = time.monotonic() + self.opts.drain_s
+        while time.monotonic() < deadline:
+            started = dict(collector.obs.started)
+            done = {e["task_id"] for e in list(collector.obs.episodes)}
+            if all(tid in done for tid, t in started.items() if t < t_end):
+                break
+            time.sleep(0.25)
+        self.timeline["t_drained"] = time.time()
 
     def _skip_to_now(self) -> None:
         """Commit the scheduler group's offsets at the end of the telemetry topic: a scheduler that

@@ -7,6 +7,19 @@ from pathlib import Path
 from rose.demo.observed import Observed, lease_intervals
 
 LEASE_COLOR = "#f4c542"
+ON_COLOR = "#55a868"  # leases-on windows
+
+
+def _windows(ax, rep: dict, label: bool = False, strip: bool = False) -> None:
+    """Shade the leases-on windows (x: seconds since the start of the run); with `strip`, also a
+    band along the top of the axes, seen above bars that hide the shading."""
+    for i, w in enumerate(x for x in rep["timeline"]["windows"] if x["leases"]):
+        lab = "leases-on window" if label and not i else None
+        ax.axvspan(w["start_s"], w["end_s"], color=ON_COLOR, alpha=0.10, lw=0, label=None if strip else lab)
+        if strip:
+            ax.axvspan(
+                w["start_s"], w["end_s"], ymin=0.96, ymax=1.0, color=ON_COLOR, alpha=0.8, lw=0, label=lab, zorder=3
+            )
 
 
 def _plt():
@@ -29,7 +42,7 @@ def serving(path: Path, rep: dict, obs: Observed) -> Path:
     """Per GPU: TTFT and TPOT p99 as a fraction of the SLO over time, lease periods shaded."""
     plt = _plt()
     tl = rep["timeline"]
-    t0, t1, t_end = tl["t0"], tl["t1"], tl["t_end"]
+    t0, t_end = tl["t0"], tl["t_end"]
     intervals = lease_intervals(obs.lease_states, t_end)
     gpus = sorted(obs.telemetry, key=lambda g: (g == rep["real_gpu"], g))
     fig, axes = plt.subplots(len(gpus), 1, figsize=(11, 2.3 * len(gpus) + 0.8), sharex=True, squeeze=False)
@@ -45,7 +58,7 @@ def serving(path: Path, rep: dict, obs: Observed) -> Path:
         ax.axhline(1.0, color="black", lw=1.0, label="SLO")
         ax.axhline(0.9, color="gray", lw=0.8, ls="--", label="revoke below 10% headroom")
         ax.axhline(0.7, color="gray", lw=0.8, ls=":", label="grant needs 30% headroom")
-        ax.axvline(t1 - t0, color="green", lw=1.0, ls="-.")
+        _windows(ax, rep, label=True)
         top = max([1.3] + [min(3.0, v) for v in ttft + tpot])
         ax.set_ylim(0, top * 1.05)
         src = "measured on this machine" if gpu == rep["real_gpu"] else "trace-driven model"
@@ -58,20 +71,23 @@ def serving(path: Path, rep: dict, obs: Observed) -> Path:
     handles, labels = axes[0, 0].get_legend_handles_labels()
     handles.append(Patch(color=LEASE_COLOR, alpha=0.35))
     labels.append("rollout lease active")
-    fig.legend(handles, labels, loc="upper center", ncol=6, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.995))
-    axes[-1, 0].set_xlabel("time since start of the run (s); green line: leases enabled (phase 2)")
+    fig.legend(handles, labels, loc="upper center", ncol=7, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.995))
+    axes[-1, 0].set_xlabel("time since start of the run (s); green bands: leases-on windows, the rest leases off")
     fig.suptitle("Serving p99 latency vs SLO per GPU (values above 3× SLO are clipped)", y=0.965, fontsize=11)
     return _save(fig, path, rect=(0, 0, 1, 0.94))
 
 
 def throughput(path: Path, rep: dict, obs: Observed) -> Path:
+    """Left: episodes finished per 5 s bin by worker kind, the windows marked, and each window's
+    episodes/min (by start) as a line over it. Right: the mean of each kind of window with its
+    95 % interval, and every window's figure."""
     plt = _plt()
     tl = rep["timeline"]
-    t0, t1, t_end = tl["t0"], tl["t1"], tl["t_end"]
+    t0, t_end = tl["t0"], tl["t_end"]
     tp = rep["throughput"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [2.3, 1]})
     width = 5.0
-    n = max(1, int(-(-(t_end - t0) // width)))  # bins up to t_end (the shutdown tail is not shown)
+    n = max(1, int(-(-(t_end - t0) // width)))  # bins up to t_end (the drain is not shown)
     edges = [i * width for i in range(n + 1)]
     ded = [0] * n
     lea = [0] * n
@@ -81,6 +97,7 @@ def throughput(path: Path, rep: dict, obs: Observed) -> Path:
             (ded if e["dedicated"] else lea)[int(x // width)] += 1
     scale = 60.0 / width
     mids = [edges[i] + width / 2 for i in range(n)]
+    _windows(a1, rep, label=True, strip=True)
     a1.bar(mids, [d * scale for d in ded], width=width * 0.95, color="#4c72b0", label="dedicated worker")
     a1.bar(
         mids,
@@ -90,19 +107,36 @@ def throughput(path: Path, rep: dict, obs: Observed) -> Path:
         color="#dd8452",
         label="leased workers (on serving GPUs)",
     )
-    a1.axvline(t1 - t0, color="green", lw=1.2, ls="-.", label="leases enabled (phase 2)")
+    for i, w in enumerate(tp["windows"]):
+        if w["episodes_per_min"] is not None:
+            a1.hlines(
+                w["episodes_per_min"],
+                w["start_s"],
+                w["end_s"],
+                color="black",
+                lw=1.5,
+                label="window's episodes/min (by start)" if not i else None,
+            )
     a1.set_xlabel("time since start of the run (s)")
-    a1.set_ylabel("episodes / min (5 s bins)")
-    a1.set_title("Rollout throughput over time", fontsize=10)
-    a1.legend(fontsize=8)
+    a1.set_ylabel("episodes / min (5 s bins, by finish)")
+    a1.set_title("Rollout throughput over time, leases off / on windows", fontsize=10)
+    a1.legend(fontsize=7, loc="lower right")
     a1.grid(alpha=0.3, axis="y")
-    vals = [tp["dedicated_only"] or 0.0, tp["with_leases"] or 0.0]
-    bars = a2.bar(["dedicated only\n(phase 1)", "with leases\n(phase 2)"], vals, color=["#4c72b0", "#dd8452"])
-    for b, v in zip(bars, vals):
-        a2.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
+    kinds = [("dedicated_only", False, "#4c72b0"), ("with_leases", True, "#dd8452")]
+    for x, (kind, on, color) in enumerate(kinds):
+        mean, ci = tp[kind], tp[f"ci95_{kind}"]
+        if mean is None:
+            continue
+        err = [[mean - ci[0]], [ci[1] - mean]] if ci else None
+        a2.bar(x, mean, color=color, yerr=err, capsize=6, alpha=0.85)
+        pts = [w["episodes_per_min"] for w in tp["windows"] if w["leases"] is on and w["episodes_per_min"] is not None]
+        a2.plot([x + 0.25] * len(pts), pts, "o", color="black", ms=3)
+        label = f"{mean:.0f}" + (f"\n[{ci[0]:.0f}, {ci[1]:.0f}]" if ci else "")
+        a2.text(x, mean / 2, label, ha="center", va="center", fontsize=8, color="white")
+    a2.set_xticks([0, 1], ["leases off", "leases on"])
     a2.set_ylabel("episodes / min")
-    gain = f" (×{tp['gain']:.2f})" if tp.get("gain") else ""
-    a2.set_title(f"Measured in the same run{gain}", fontsize=10)
+    gain = f", ×{tp['gain']:.2f}" if tp.get("gain") else ""
+    a2.set_title(f"Mean of the windows ± 95 % CI{gain}\n(dots: each window)", fontsize=10)
     a2.grid(alpha=0.3, axis="y")
     return _save(fig, path)
 

@@ -3,7 +3,8 @@ own session from the repository root and stopped in a given order.
 
 Shutdown is SIGTERM, then SIGKILL after a deadline, for every process started here, also on
 Ctrl-C or an error; children also get PR_SET_PDEATHSIG (`rose.rollout.launcher.spawn`) so
-that none outlives a killed orchestrator.
+that none outlives a killed orchestrator. A name may be stopped and started again (the
+scheduler, between the run's windows); its CPU time adds up over its runs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Processes:
         self.log_dir, self.env = log_dir, env
         self.procs: dict[str, subprocess.Popen] = {}
         self.reported: set[str] = set()
+        self.cpu_done: dict[str, float] = {}  # CPU seconds of the stopped runs of each name
 
     def start(self, name: str, what: list[str] | WorkerConfig, cpus: set[int] | None = None) -> subprocess.Popen:
         """Start `what` (an argv, or a rollout worker's config) in its own session (Ctrl-C reaches
@@ -50,6 +52,7 @@ class Processes:
         finally:
             log.close()
         self.procs[name] = p
+        self.reported.discard(name)
         return p
 
     def exited(self) -> list[tuple[str, int]]:
@@ -62,27 +65,20 @@ class Processes:
         return out
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) of each process and its descendants so far."""
-        import psutil
-
-        out = {}
+        """CPU time (user + system) of each process and its descendants so far, over every run of
+        the name."""
+        out = dict(self.cpu_done)
         for name, p in self.procs.items():
-            try:
-                root = psutil.Process(p.pid)
-                total = 0.0
-                for q in [root, *root.children(recursive=True)]:
-                    t = q.cpu_times()
-                    total += t.user + t.system + t.children_user + t.children_system
-                out[name] = round(total, 1)
-            except psutil.Error:
-                continue
-        return out
+            if p.poll() is None:
+                out[name] = out.get(name, 0.0) + _tree_cpu(p.pid)
+        return {k: round(v, 1) for k, v in out.items()}
 
     def stop(self, names: list[str], timeout_s: float) -> list[str]:
         """SIGTERM these, wait up to timeout_s, SIGKILL what is left; names that needed a kill."""
         live = [n for n in names if n in self.procs and self.procs[n].poll() is None]
         for n in live:
             self.reported.add(n)
+            self.cpu_done[n] = self.cpu_done.get(n, 0.0) + _tree_cpu(self.procs[n].pid)
             try:
                 self.procs[n].send_signal(signal.SIGTERM)
             except ProcessLookupError:
@@ -102,3 +98,18 @@ class Processes:
         first = [n for n in order if n in self.procs]
         killed = self.stop(first, timeout_s)
         return killed + self.stop([n for n in self.procs if n not in first], timeout_s)
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its descendants; 0 once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for q in [root, *root.children(recursive=True)]:
+            t = q.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        return total
+    except psutil.Error:
+        return 0.0

@@ -4,27 +4,37 @@ plots (rose.demo.plots).
 
 Definitions (also printed in report.md):
 - serving_slo_attainment: fraction of telemetry windows, over every serving GPU and the
-  measured part of the run, whose TTFT p99 and TPOT p99 are both within that GPU's SLO.
-- episodes_per_min.dedicated_only: episodes finished per minute during phase 1, when only the
-  dedicated worker runs (the scheduler is not started yet, so no lease can exist);
-  .with_leases: episodes per minute during phase 2 (scheduler on; dedicated + leased workers),
-  lease start-up included. Both phases are in the same run, on the same task shape.
+  measured run, whose TTFT p99 and TPOT p99 are both within that GPU's SLO.
+- episodes_per_min: the run alternates leases-off windows (no scheduler running: no grant or
+  renewal is issued; the leases of the window before lapse at their expiry, policy.ttl_s) and
+  leases-on windows (the scheduler running; lease start-up included), leases off first. Each
+  episode counts in the window it started in (first taken by a worker), whenever it finished.
+  .dedicated_only / .with_leases: the mean episodes per minute over the windows of each kind;
+  .ci95_*: its two-sided 95 % Student t interval over those windows, [low, high].
+- measured_device: the co-served device whose latency is measured, not modelled: its SLO
+  attainment (as above, its windows only; its SLO is the run's configured serving SLO), and the
+  p99 TTFT and TPOT (each request's mean time per output token) over the requests it finished
+  in the run, served alone and while a rollout lease ran on it.
 - revoke_latency_ms: revoke command (its Kafka record timestamp, stamped when the scheduler
   produced it inside its transaction) → lease state `revoked` (its record timestamp: the worker
   has exited and its memory is back). `to_revoking_ms`: → `revoking`, published as the executor
   raises the worker's pause flag.
 - weight_bytes_ratio: payload bytes sent on the weight stream / bytes of a full broadcast of
-  every published version (the first version is a full keyframe).
+  every published version (the first version is a full keyframe), for the toy task at the
+  trainer's learning rate (trainer_lr).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from rose.demo import plots
+from rose.demo.coserve import latency_summary
 from rose.demo.observed import Observed, lease_intervals
-from rose.obs.stats import percentile
+from rose.demo.windows import started_at, window_rates
+from rose.obs.stats import mean_ci95, percentile
 
 
 def leased_at(intervals: list[tuple[float, float]], t: float) -> bool:
@@ -98,29 +108,93 @@ def revoke_latency(obs: Observed) -> dict:
     }
 
 
-def throughput(obs: Observed, t0: float, t1: float, t_end: float) -> dict:
-    def rate(a: float, b: float, pred=lambda e: True) -> float | None:
-        if b <= a:
-            return None
-        n = sum(1 for e in obs.episodes if a <= e["finished_at"] < b and pred(e))
-        return round(n / ((b - a) / 60.0), 2)
-
-    ded = lambda e: e["dedicated"]  # noqa: E731
-    leased = lambda e: not e["dedicated"]  # noqa: E731
-    p1, p2 = rate(t0, t1), rate(t1, t_end)
-    mid = t1 + (t_end - t1) / 2
+def throughput(obs: Observed, timeline: dict, intervals: dict[str, list[tuple[float, float]]]) -> dict:
+    """Episodes per minute in each window (by the window the episode started in) and, per kind of
+    window, the mean over windows with its 95 % Student t interval."""
+    t0 = timeline["t0"]
+    windows = [w for w in timeline.get("windows", []) if w.get("end") is not None]
+    rows = window_rates(obs.episodes, obs.started, windows)
+    for w in rows:
+        lease_s = [
+            max(0.0, min(b, w["end"]) - max(a, w["start"])) for iv in intervals.values() for a, b in iv if a < w["end"]
+        ]
+        firsts = [a for iv in intervals.values() for a, _b in iv if w["start"] <= a < w["end"]]
+        w["lease_gpu_seconds"] = round(float(sum(lease_s)), 1)
+        w["first_lease_after_s"] = round(min(firsts) - w["start"], 2) if firsts else None
+    by_kind: dict[str, dict] = {}
+    for kind, leases_on in (("dedicated_only", False), ("with_leases", True)):
+        sel = [w for w in rows if w["leases"] is leases_on and w["episodes_per_min"] is not None]
+        mean, ci = mean_ci95([w["episodes_per_min"] for w in sel])
+        minutes = [(w["end"] - w["start"]) / 60.0 for w in sel]
+        by_kind[kind] = {
+            "mean": _r(mean),
+            "ci95": [_r(x) for x in ci] if ci else None,
+            "windows": len(sel),
+            "by_dedicated": _mean_rate([w["by_dedicated"] for w in sel], minutes),
+            "by_leased": _mean_rate([w["by_leased"] for w in sel], minutes),
+        }
+    off, on = by_kind["dedicated_only"], by_kind["with_leases"]
+    in_run = [e for e in obs.episodes if t0 <= started_at(e, obs.started) < timeline["t_end"]]
+    done = {e.get("task_id") for e in obs.episodes}
     return {
-        "dedicated_only": p1,
-        "with_leases": p2,
-        "gain": round(p2 / p1, 3) if p1 and p2 is not None else None,
-        "with_leases_second_half": rate(mid, t_end),
-        "phase2_by_dedicated": rate(t1, t_end, ded),
-        "phase2_by_leased": rate(t1, t_end, leased),
+        "dedicated_only": off["mean"],
+        "with_leases": on["mean"],
+        "ci95_dedicated_only": off["ci95"],
+        "ci95_with_leases": on["ci95"],
+        "gain": round(on["mean"] / off["mean"], 3) if off["mean"] and on["mean"] is not None else None,
+        "by_kind": by_kind,
+        "windows": [
+            {
+                **{k: v for k, v in w.items() if k not in ("start", "end")},
+                "start_s": round(w["start"] - t0, 2),
+                "end_s": round(w["end"] - t0, 2),
+                "episodes_per_min": _r(w["episodes_per_min"]),
+            }
+            for w in rows
+        ],
         "episodes_total": len(obs.episodes),
-        "episodes_phase1": sum(1 for e in obs.episodes if t0 <= e["finished_at"] < t1),
-        "episodes_phase2": sum(1 for e in obs.episodes if t1 <= e["finished_at"] < t_end),
+        "episodes_in_run": len(in_run),
+        "starts_seen": round(sum(1 for e in in_run if e.get("task_id") in obs.started) / len(in_run), 4)
+        if in_run
+        else None,
+        "unfinished_at_end": sum(
+            1 for tid, t in obs.started.items() if t0 <= t < timeline["t_end"] and tid not in done
+        ),
         "episodes_by_gpu": _count(e["gpu"] for e in obs.episodes),
-        "method": "phase 1 (dedicated worker only, no scheduler) vs phase 2 (scheduler on, leases), same run",
+        "method": "alternating leases-off / leases-on windows of one run; each episode counted in the window it "
+        "started in; mean over the windows of each kind, 95 % Student t interval over them",
+    }
+
+
+def _mean_rate(counts: list[int], minutes: list[float]) -> float | None:
+    return _r(statistics.fmean([c / m for c, m in zip(counts, minutes)])) if counts else None
+
+
+def _r(x, nd: int = 2):
+    return None if x is None else round(x, nd)
+
+
+def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict) -> dict:
+    """The device whose latency is measured, not modelled: its SLO attainment over the run's
+    telemetry windows, and the p99 over its requests (finished within the run) served alone and
+    while a rollout lease ran on it. The SLO is the one it reported: the run's configuration."""
+    try:
+        rows = [r for r in json.loads(obs.coserve.get("requests") or "[]") if t0 <= r[0] <= t_end]
+    except (TypeError, ValueError):
+        rows = []
+    s = latency_summary([(r[0], r[1], r[2], bool(r[3])) for r in rows])
+    alone, leased = s["without_rollout"], s["with_rollout"]
+    return {
+        "gpu": gpu,
+        "slo_attainment": (slo["per_gpu"].get(gpu) or {}).get("attainment"),
+        "p99_alone_ms": {"ttft": alone["ttft_p99_ms"], "tpot": alone["tpot_p99_ms"]},
+        "p99_leased_ms": {"ttft": leased["ttft_p99_ms"], "tpot": leased["tpot_p99_ms"]},
+        "requests_alone": alone["requests"],
+        "requests_leased": leased["requests"],
+        "slo_ms": {"ttft": _num(obs.coserve.get("slo_ttft_ms")), "tpot": _num(obs.coserve.get("slo_tpot_ms"))},
+        "slo_source": obs.coserve.get("slo_source"),
+        "device": obs.coserve.get("device"),
+        "summary": s,
     }
 
 
@@ -140,6 +214,8 @@ def weights(obs: Observed) -> dict:
     d_full = sum(v["bytes_full"] for v in deltas)
     applied = [e["v_max"] for e in obs.episodes if e["v_max"] is not None]
     rewards = [(v["version"], v["reward_mean"]) for v in vs if v.get("reward_mean") is not None]
+    # bf16 elements a delta changed, of all (bytes_full / 2 bytes per bf16 element)
+    changed = [v["changed_elements"] / (v["bytes_full"] / 2) for v in deltas if v.get("changed_elements") is not None]
     return {
         "versions_published": len(vs),
         "bytes_sent": sent,
@@ -151,6 +227,10 @@ def weights(obs: Observed) -> dict:
         "reward_first": rewards[0][1] if rewards else None,
         "reward_last": rewards[-1][1] if rewards else None,
         "staleness_max": max((v.get("staleness", 0) for v in vs), default=0),
+        "changed_fraction_per_step": round(statistics.fmean(changed), 4) if changed else None,
+        "trainer_lr": _num(obs.trainer.get("lr")),
+        "master_dtype": obs.trainer.get("master_dtype"),
+        "publish_dtype": obs.trainer.get("publish_dtype"),
     }
 
 
@@ -167,27 +247,39 @@ def leases(obs: Observed, intervals) -> dict:
 
 def build(obs: Observed, timeline: dict, meta: dict) -> dict:
     """report.json: the contract's keys first, then the details."""
-    t0, t1, t_end = timeline["t0"], timeline["t1"], timeline["t_end"]
+    t0, t_end = timeline["t0"], timeline["t_end"]
     intervals = lease_intervals(obs.lease_states, t_end)
     slo = slo_attainment(obs, t0, t_end, intervals)
-    tp = throughput(obs, t0, t1, t_end)
+    tp = throughput(obs, timeline, intervals)
     rv = revoke_latency(obs)
     w = weights(obs)
     return {
         "serving_slo_attainment": slo["overall"],
-        "episodes_per_min": {"dedicated_only": tp["dedicated_only"], "with_leases": tp["with_leases"]},
+        "episodes_per_min": {
+            "dedicated_only": tp["dedicated_only"],
+            "with_leases": tp["with_leases"],
+            "ci95_dedicated_only": tp["ci95_dedicated_only"],
+            "ci95_with_leases": tp["ci95_with_leases"],
+        },
         "revoke_latency_ms": {"p50": rv["p50"], "p99": rv["p99"]},
         "weight_bytes_ratio": w["weight_bytes_ratio"],
+        "trainer_lr": w["trainer_lr"],
+        "measured_device": measured_device(obs, t0, t_end, meta.get("real_gpu", "real/0"), slo),
         "slo": slo,
         "throughput": tp,
         "revoke": rv,
         "weights": w,
         "leases": leases(obs, intervals),
-        "coserve": {
-            **{k: v for k, v in obs.coserve.items() if k != "summary"},
-            "summary": json.loads(obs.coserve["summary"]) if "summary" in obs.coserve else None,
+        "coserve": {k: v for k, v in obs.coserve.items() if k not in ("summary", "requests")},
+        "timeline": {
+            **timeline,
+            "measured_s": round(t_end - t0, 2),
+            "windows": [
+                {**x, "start_s": round(x["start"] - t0, 2), "end_s": round(x["end"] - t0, 2)}
+                for x in timeline.get("windows", [])
+                if x.get("end") is not None
+            ],
         },
-        "timeline": {**timeline, "phase1_s": round(t1 - t0, 2), "phase2_s": round(t_end - t1, 2)},
         **meta,
     }
 
@@ -198,14 +290,23 @@ def _f(x, unit: str = "", nd: int = 2) -> str:
     return f"{x:.{nd}f}{unit}" if isinstance(x, float) else f"{x}{unit}"
 
 
+def _ci(ci, nd: int = 1) -> str:
+    return f"[{ci[0]:.{nd}f}, {ci[1]:.{nd}f}]" if ci else "n/a"
+
+
 def markdown(rep: dict) -> str:
-    tp, slo, rv, w, ls, cs = rep["throughput"], rep["slo"], rep["revoke"], rep["weights"], rep["leases"], rep["coserve"]
-    tl = rep["timeline"]
+    tp, slo, rv, w, ls = rep["throughput"], rep["slo"], rep["revoke"], rep["weights"], rep["leases"]
+    md, tl = rep["measured_device"], rep["timeline"]
+    off, on = tp["by_kind"]["dedicated_only"], tp["by_kind"]["with_leases"]
+    wins = tp["windows"]
+    length = (wins[0]["end_s"] - wins[0]["start_s"]) if wins else 0.0
+    lr = f"{rep['trainer_lr']:g}" if rep.get("trainer_lr") is not None else "n/a"
     lines = [
         "# ROSE demo report",
         "",
         f"Run `{rep['run_id']}` on {rep['host']['cpus']} CPU(s){' + CUDA' if rep['host']['cuda'] else ''}: "
-        f"{tl['phase1_s']:.0f} s dedicated-only, then {tl['phase2_s']:.0f} s with leases. "
+        f"{tl['measured_s']:.0f} s in {len(wins)} alternating windows of {length:.1f} s, leases off first "
+        f"({off['windows']} off, {on['windows']} on). "
         f"Trace `{rep['trace']}` at {rep['speed']}× speed, {rep['gpus']} trace-driven GPUs + `{rep['real_gpu']}` "
         f"(measured, device `{rep['real_device']}`, serving the trace at its recorded rate).",
         "",
@@ -213,10 +314,19 @@ def markdown(rep: dict) -> str:
         "|---|---|",
         f"| serving SLO attainment (all GPUs, all windows) | {_f(slo['overall'], '', 4)} ({slo['windows']} windows) |",
         f"| … while a lease was active / not | {_f(slo['while_leased'], '', 4)} / {_f(slo['while_not_leased'], '', 4)} |",
-        f"| episodes/min dedicated-only (phase 1) | {_f(tp['dedicated_only'])} |",
-        f"| episodes/min with leases (phase 2) | {_f(tp['with_leases'])} (gain {_f(tp['gain'], '×', 2)}; "
-        f"second half {_f(tp['with_leases_second_half'])}) |",
-        f"| … phase 2 by dedicated / leased workers | {_f(tp['phase2_by_dedicated'])} / {_f(tp['phase2_by_leased'])} |",
+        f"| episodes/min, leases off (mean of {off['windows']} windows, 95 % CI) | {_f(tp['dedicated_only'], '', 1)} "
+        f"{_ci(tp['ci95_dedicated_only'])} |",
+        f"| episodes/min, leases on (mean of {on['windows']} windows, 95 % CI) | {_f(tp['with_leases'], '', 1)} "
+        f"{_ci(tp['ci95_with_leases'])} (gain {_f(tp['gain'], '×', 2)}) |",
+        f"| … leases on: by the dedicated / leased workers | {_f(on['by_dedicated'], '', 1)} / "
+        f"{_f(on['by_leased'], '', 1)} |",
+        f"| … leases off: by the dedicated / leased workers (leases of the window before, lapsing) | "
+        f"{_f(off['by_dedicated'], '', 1)} / {_f(off['by_leased'], '', 1)} |",
+        f"| `{md['gpu']}` (measured) SLO attainment | {_f(md['slo_attainment'], '', 4)} |",
+        f"| `{md['gpu']}` TTFT p99 alone / leased | {_f(md['p99_alone_ms']['ttft'], ' ms', 1)} / "
+        f"{_f(md['p99_leased_ms']['ttft'], ' ms', 1)} |",
+        f"| `{md['gpu']}` TPOT p99 alone / leased | {_f(md['p99_alone_ms']['tpot'], ' ms', 1)} / "
+        f"{_f(md['p99_leased_ms']['tpot'], ' ms', 1)} |",
         f"| grants / revokes | {ls['grants']} / {ls['revokes']} |",
         f"| revoke command → `revoked` p50 / p99 | {_f(rv['p50'], ' ms', 0)} / {_f(rv['p99'], ' ms', 0)} "
         f"(n={rv['measured']}) |",
@@ -226,9 +336,32 @@ def markdown(rep: dict) -> str:
         f"{_f(rv['telemetry_to_revoke_command_ms']['p99'], ' ms', 0)} |",
         f"| policy versions published / newest seen in trajectories | {w['versions_published']} / "
         f"{w['max_version_in_trajectories']} |",
-        f"| weight bytes sent / full broadcast | {_f(w['weight_bytes_ratio'], '', 3)} (deltas only: "
-        f"{_f(w['delta_bytes_ratio'], '', 3)}) |",
+        f"| weight bytes sent / full broadcast, toy task (trainer lr {lr}) | {_f(w['weight_bytes_ratio'], '', 3)} "
+        f"(deltas only: {_f(w['delta_bytes_ratio'], '', 3)}) |",
         f"| mean reward first → last version | {_f(w['reward_first'], '', 3)} → {_f(w['reward_last'], '', 3)} |",
+        "",
+        f"The weight-bytes ratio is the toy task's, at its learning rate ({lr}, Adam, {w.get('master_dtype')} master "
+        f"weights published as {w.get('publish_dtype')}); each step changed {_f(w['changed_fraction_per_step'], '', 3)} "
+        "of the published elements on average. `rose bench weights` measures the ratio at learning rates of "
+        "large-model RL fine-tuning.",
+        "",
+        "## Windows",
+        "",
+        "| window | leases | start – end (s) | episodes started | by dedicated / leased | episodes/min "
+        "| lease GPU-seconds | first lease after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, x in enumerate(wins, 1):
+        lines.append(
+            f"| {i} | {'on' if x['leases'] else 'off'} | {x['start_s']:.1f} – {x['end_s']:.1f} | {x['episodes']} | "
+            f"{x['by_dedicated']} / {x['by_leased']} | {_f(x['episodes_per_min'], '', 1)} | "
+            f"{x['lease_gpu_seconds']} | {_f(x['first_lease_after_s'], ' s', 1)} |"
+        )
+    lines += [
+        "",
+        f"Starts seen for {_f(tp['starts_seen'], '', 3)} of the run's episodes (the rest started and finished "
+        f"between two looks at the task stream: their finish time stands for their start); "
+        f"{tp['unfinished_at_end']} episode(s) started in the run were still unfinished after the drain.",
         "",
         "## Per GPU",
         "",
@@ -241,23 +374,25 @@ def markdown(rep: dict) -> str:
             f"| {gpu} | {src} | {g['windows']} | {_f(g['attainment'], '', 4)} | "
             f"{ls['lease_seconds_by_gpu'].get(gpu, 0.0)} | {tp['episodes_by_gpu'].get(gpu, 0)} |"
         )
-    s = cs.get("summary") or {}
-    if s:
+    s = md.get("summary") or {}
+    if s.get("requests"):
         wr, wo = s.get("with_rollout", {}), s.get("without_rollout", {})
         lines += [
             "",
-            f"## The co-served device `{rep['real_gpu']}` (measured)",
+            f"## The measured device `{rep['real_gpu']}`",
             "",
-            f"SLO (calibrated: {cs.get('slo_factor', '')}× the p99 measured alone): TTFT "
-            f"{_f(_num(cs.get('slo_ttft_ms')), ' ms', 1)}, TPOT {_f(_num(cs.get('slo_tpot_ms')), ' ms', 1)}.",
+            f"SLO (from the run's configuration, {md.get('slo_source')}): TTFT "
+            f"{_f(md['slo_ms']['ttft'], ' ms', 1)}, TPOT {_f(md['slo_ms']['tpot'], ' ms', 1)}. Requests finished "
+            "within the run; TPOT is each request's mean time per output token.",
             "",
             "| requests | n | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
             "|---|---|---|---|---|---|",
             f"| with a rollout worker leased on it | {wr.get('requests')} | {_f(wr.get('ttft_p50_ms'), ' ms')} | "
             f"{_f(wr.get('ttft_p99_ms'), ' ms')} | {_f(wr.get('tpot_p50_ms'), ' ms')} | {_f(wr.get('tpot_p99_ms'), ' ms')} |",
-            f"| without | {wo.get('requests')} | {_f(wo.get('ttft_p50_ms'), ' ms')} | {_f(wo.get('ttft_p99_ms'), ' ms')} | "
+            f"| alone | {wo.get('requests')} | {_f(wo.get('ttft_p50_ms'), ' ms')} | {_f(wo.get('ttft_p99_ms'), ' ms')} | "
             f"{_f(wo.get('tpot_p50_ms'), ' ms')} | {_f(wo.get('tpot_p99_ms'), ' ms')} |",
         ]
+    inter = rep.get("interference") or {}
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in rep["plots"]]
     lines += [
         "",
@@ -265,13 +400,16 @@ def markdown(rep: dict) -> str:
         "",
         __doc__.split("Definitions (also printed in report.md):")[1].strip(),
         "",
-        "- The trace-driven GPUs' latencies come from rose.serving_model (a queueing model of an LLM engine) "
-        "driven by the trace; their lease decisions, commands, workers and trajectories are real. "
-        f"`{rep['real_gpu']}`'s latencies are wall-clock measurements of a torch model on this machine.",
+        "- The trace-driven GPUs' latencies come from rose.sim.serving_model (a queueing model of an LLM engine) "
+        "driven by the trace, slowed under a running lease by the simulator's interference model 1 + alpha × share "
+        f"(alpha {_f(inter.get('alpha'), '', 3)}: {inter.get('source', 'n/a')}); their lease decisions, commands, "
+        f"workers and trajectories are real. `{rep['real_gpu']}`'s latencies are wall-clock measurements of a torch "
+        "model on this machine.",
         "- The toy RL task: reward = fraction of action tokens that are lowercase ASCII letters; REINFORCE "
         "with a batch-mean baseline (rose.demo.trainer).",
         "- All processes share this machine's CPUs, so the trace-driven GPUs' rollout workers also compete "
-        f"with `{rep['real_gpu']}` for CPU: its interference figures are an upper bound of a real node's.",
+        f"with `{rep['real_gpu']}` and the dedicated worker for CPU: interference figures are an upper bound of a "
+        "real node's, and the leased workers' gain is net of what they take from the dedicated one.",
         "",
         f"Process logs: `logs/` beside this file. Problems seen: {', '.join(rep['problems']) or 'none'}.",
     ]

@@ -40,16 +40,16 @@ class DemoOptions:
     gpus: int = 3
     trace: str | None = None
     speed: float = 0.5  # trace arrival rate × this (0.5: the trace's load over 3 GPUs at half rate)
-    phase1_frac: float = 0.2  # dedicated-only share of the run (clamped to [10, 30] s)
+    # leases off / on windows of about this length (rose.demo.windows.plan): 4 lease TTLs
+    # (policy.ttl_s, 5 s), so that the leases of an on window lapse within the first quarter of the
+    # off window after it
+    window_s: float = 20.0
+    drain_s: float = 15.0  # after the run, wait at most this long for the episodes it started to finish
     max_batch: int = 4  # KV slots (concurrent episodes) per rollout worker
     keep: bool = False  # keep the run's topics and Redis keys
     live: bool | None = None  # None: rich view on a terminal, progress lines otherwise
     startup_timeout_s: float = 240.0
     line_every_s: float = 5.0
-
-    @property
-    def phase1_s(self) -> float:
-        return min(30.0, max(10.0, self.phase1_frac * self.duration_s))
 
 
 def default_trace() -> Path:
@@ -71,14 +71,20 @@ class DemoSetup:
 
     def __init__(self, cfg: Config, opts: DemoOptions, echo: Callable[[str], None] = print):
         from rose.executor.guard import default_latency_dir
+        from rose.sim.engine import SimConfig
 
         self.opts, self.echo = opts, echo
         self.run_id = uuid.uuid4().hex[:8]
         self.trace = str(Path(opts.trace) if opts.trace else default_trace())
         self.job, self.model = "demo", "policy"
         self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
+        # the trace-driven GPUs slow down under a lease as `rose simulate`'s do: the simulator's
+        # interference model (rose.sim.serving_model) with its measured alpha (rose.sim.engine)
+        sim = SimConfig()
+        self.interference = {"alpha": sim.alpha, "source": sim.alpha_source}
         self.cfg = dataclasses.replace(
             cfg,
+            telemetry=dataclasses.replace(cfg.telemetry, interference_alpha=sim.alpha),
             kafka=dataclasses.replace(
                 cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}demo-{self.run_id}.", partitions=4
             ),

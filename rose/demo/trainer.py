@@ -5,9 +5,10 @@
 It publishes the initial policy as version 1 (a keyframe), keeps `inflight` episodes queued on
 the task queue, and whenever at least `batch_min` trajectories have arrived takes one REINFORCE
 step on up to `batch_max` of them and publishes the new weights as a delta against the
-receivers' view. The toy task rewards lowercase ASCII action tokens. The forward pass is the
-reference policy's own, so training and rollout run the same code. The loop, the loss and what
-it reports to Redis: docs/demo.md.
+receivers' view. As RL trainers do, it keeps fp32 master weights, which the optimizer updates,
+and publishes them cast to bf16, what the weight stream carries. The toy task rewards lowercase
+ASCII action tokens. The forward pass is the reference policy's own, so training and rollout
+run the same code. The loop, the loss and what it reports to Redis: docs/demo.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from rose.demo.spec_process import JsonSpec, spec_main
 
 TARGET = frozenset(range(ord("a"), ord("z") + 1))
+MASTER_DTYPE = "float32"  # what the optimizer updates
+PUBLISH_DTYPE = "bfloat16"  # what the weight stream carries
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class TrainerSpec(JsonSpec):
     job: str = "demo"
     model: str = "policy"  # the weight stream name (rose:weights:{model}), = executor.model
     seed: int = 1
-    lr: float = 3e-3
+    lr: float = 3e-3  # Adam on the toy task; far above large-model RL rates (rose bench weights)
     batch_min: int = 8
     batch_max: int = 32
     min_step_s: float = 1.0  # at most one optimizer step per this many seconds (bounds the trainer's CPU)
@@ -93,7 +96,7 @@ class Trainer:
         torch.set_num_threads(spec.threads)
         self.spec, self.cfg, self.r = spec, cfg, r
         self.mspec = ModelSpec()
-        self.model = PolicyModel(self.mspec)
+        self.model = PolicyModel(self.mspec).to(getattr(torch, MASTER_DTYPE))  # the master weights
         self.model.load_state_dict(init_state_dict(self.mspec, spec.seed))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=spec.lr)
         self.q = TaskQueue(r, cfg.redis, spec.job)
@@ -112,7 +115,7 @@ class Trainer:
     def publish(self, extra: dict) -> None:
         import torch
 
-        sd = {k: v.detach().to(torch.bfloat16) for k, v in self.model.state_dict().items()}
+        sd = {k: v.detach().to(getattr(torch, PUBLISH_DTYPE)) for k, v in self.model.state_dict().items()}
         st = self.pub.publish(sd)
         self.version = st.version
         rec = {
@@ -135,6 +138,9 @@ class Trainer:
                 "submitted": self.submitted,
                 "received": self.received,
                 "last": json.dumps(rec),
+                "lr": self.spec.lr,
+                "master_dtype": MASTER_DTYPE,
+                "publish_dtype": PUBLISH_DTYPE,
             },
         )
         p.execute()
