@@ -1,6 +1,7 @@
-"""The executor benches run end to end on the local stack (quick mode) and report their
+"""The executor benches and a short soak run end to end on the local stack and report their
 figures; timings are reported with loose regression guards only (pause latencies far above
-their goals, protected serving p99 below unprotected): the benches themselves hold the goals."""
+their goals, protected serving p99 below unprotected, a soak that keeps up with a small fleet):
+the benches themselves hold the goals."""
 
 import pytest
 
@@ -82,6 +83,12 @@ def test_coelastic_bench_reports_every_figure(cfg):
     assert ft["warm"]["p50_ms"] < ft["cold"]["p50_ms"], ft
     for k in ("throttle_to_paused_ms", "throttle_flag_to_paused_ms", "resume_to_first_token_ms"):
         assert out[k]["n"] > 0 and out[k]["p99_ms"] is not None
+    # pause within a decode step (goal p99 20 ms via Kafka), loosely: the worker sees its raised flag
+    # in p99 < 50 ms (~2 ms measured, also with the 2 cores loaded 7×); the whole path through Kafka
+    # and the executor in p50 < 50 ms, p99 < 2 s (a starved executor took 0.47 s under that load)
+    flag, paused = out["throttle_flag_to_paused_ms"], out["throttle_to_paused_ms"]
+    assert flag["p99_ms"] < 50, flag
+    assert paused["p50_ms"] < 50 and paused["p99_ms"] < 2000, paused
     assert out["decode_steps_while_paused"] == 0
     w = out["wasted_tokens_per_revoke"]
     assert w["n"] > 0 and w["decoded_tokens"] > 0 and w["not_carried_tokens"] == 0
@@ -95,3 +102,41 @@ def test_coelastic_bench_reports_every_figure(cfg):
         "warm_over_cold_first_token_p50_ratio",
     ):
         assert out[k] is not None, k
+
+
+def test_soak_reports_measured_rates_and_pooled_decision_latency(cfg):
+    """A short soak (200 simulated GPUs at 2 Hz, one executor at the production tick): the rates
+    are measured and match the fleet's, every decision is pooled into one p99, and loosely: the
+    scheduler keeps up with 400 events/s and decides within seconds, also on a busy machine."""
+    from rose.bench import soak
+    from rose.config import ExecutorConfig
+
+    out = soak.run(cfg, fleets=[(200, 16, 1)], sample_s=2.0, plot=None)
+    assert out["notes"] and out["cpu_count"] and out["plot"] is None
+    (f,) = out["fleets"]
+    assert all(f["processes_alive_at_end"].values()), f["processes_alive_at_end"]
+    assert f["executor_tick_s"] == ExecutorConfig().tick_s  # the production main-loop period
+    assert f["measured_s"] >= 8, f["measured_s"]
+    offered = f["telemetry_offered_events_per_s_modelled"]
+    assert offered == 400
+    produced, consumed = f["telemetry_produced_events_per_s"], f["telemetry_consumed_events_per_s"]
+    assert 0.5 * offered <= produced <= 1.5 * offered, f  # measured on the topic, near the fleet's rate
+    assert 0.5 * produced <= consumed <= 1.5 * produced, f
+    assert f["commands_per_s"] > 0 and f["commands"] > 0, f
+    lo, hi = f["telemetry_consumed_events_per_s_interval_min_max"]
+    assert 0 <= lo <= hi
+    lat = f["decision_latency_ms"]
+    assert lat["n"] == f["commands"] and 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["max_ms"], lat
+    # pooled: one percentile of every decision lies between the lowest and highest interval p99
+    p99_lo, p99_hi = f["decision_p99_ms_interval_min_max"]
+    assert p99_lo <= lat["p99_ms"] <= p99_hi, f
+    until = f["decision_latency_until_command_produced_ms"]
+    assert until["n"] == lat["n"] and until["p99_ms"] <= lat["p99_ms"], (until, lat)
+    assert f["decision_p99_ms_scheduler_histogram"] is not None
+    assert f["decision_p99_vs_goal_ratio"] == round(lat["p99_ms"] / out["goal_decision_p99_ms"], 2)
+    assert lat["p99_ms"] < 3000, lat  # loose: ~150 ms measured on 2 cores, 0.87 s with them loaded 7×
+    assert f["lag_bounded"] and f["lag_seconds_second_half_mean"] < 5, f
+    assert f["cpu_cores_mean"]["scheduler"] > 0 and f["cpu_cores_mean"]["executor-0"] > 0, f["cpu_cores_mean"]
+    assert f["executor_cpu_ms_per_s_per_gpu"] == round(1000 * f["cpu_cores_mean"]["executor-0"] / 200, 3)
+    rows = [r for r in f["series"] if "commands_per_s" in r]
+    assert len(rows) == len(f["series"]) - 1 >= 4  # every interval after the first sample has its rates
