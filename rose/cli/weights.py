@@ -8,6 +8,8 @@ from pathlib import Path
 import orjson
 import typer
 
+_WORKERS = 2  # threads encoding or applying shards
+
 weights_app = typer.Typer(
     help="Sparse, bit-exact weight deltas: files and the Redis weight stream.", no_args_is_help=True
 )
@@ -56,7 +58,7 @@ def diff(
     except LayoutError as e:
         fail(f"layout mismatch between {base} and {target}: {e}")
     base_sum = codec.checksum(bflat)
-    patches, _ = codec.encode_state(layout, bflat, tflat, workers=2)
+    patches, _ = codec.encode_state(layout, bflat, tflat, workers=_WORKERS)
     size = delta_file.write(
         out, delta_file.DeltaFile(layout, patches, base_sum, codec.checksum(tflat), t.format, t.metadata)
     )
@@ -91,6 +93,44 @@ def _itemsize(dtype: str) -> int:
     return ITEMSIZE[dtype]
 
 
+class PatchError(ValueError):
+    """A delta that cannot be applied to this base (the message says why, for the user)."""
+
+
+def patch_files(base: Path, delta: Path, out: Path, workers: int = _WORKERS) -> dict[str, float]:
+    """Apply the delta file DELTA to the checkpoint BASE and write OUT; seconds per stage."""
+    from rose.weights import codec, delta_file
+    from rose.weights.checkpoint import CheckpointError, load, save
+    from rose.weights.layout import LayoutError
+
+    t0 = time.perf_counter()
+    if not delta.is_file():
+        raise PatchError(f"{delta}: no such file")
+    try:
+        d = delta_file.read(delta)
+        b = load(base)
+    except (delta_file.DeltaFileError, CheckpointError) as e:
+        raise PatchError(str(e)) from None
+    layout, flat = _flat(b, d.layout.shard_bytes)
+    try:
+        d.layout.check_same(layout)
+    except LayoutError as e:
+        raise PatchError(f"layout mismatch between {base} and the delta's base: {e}") from None
+    if codec.checksum(flat) != d.base_checksum:
+        raise PatchError(f"{base} is not the checkpoint {delta} was made from (checksum differs)")
+    t1 = time.perf_counter()
+    try:
+        codec.apply_patches(layout, flat, d.patches, workers=workers)
+    except (codec.ChecksumMismatch, codec.CorruptPayload) as e:
+        raise PatchError(f"{delta}: {e}") from None
+    if codec.checksum(flat) != d.target_checksum:
+        raise PatchError(f"{delta}: result differs from the target (corrupt delta)")
+    t2 = time.perf_counter()
+    fmt = _out_format(out)
+    save(out, layout, flat, fmt, d.metadata if fmt == d.format else None)
+    return {"load_s": t1 - t0, "apply_s": t2 - t1, "save_s": time.perf_counter() - t2}
+
+
 @weights_app.command("patch")
 def patch(
     base: Path = typer.Argument(..., help="The checkpoint the delta was made from."),
@@ -99,33 +139,11 @@ def patch(
 ) -> None:
     """Apply DELTA to BASE; OUT equals the diff's TARGET bit for bit."""
     from rose.cli import fail
-    from rose.weights import codec, delta_file
-    from rose.weights.checkpoint import save
-    from rose.weights.layout import LayoutError
 
-    if not delta.is_file():
-        fail(f"{delta}: no such file")
     try:
-        d = delta_file.read(delta)
-    except delta_file.DeltaFileError as e:
+        patch_files(base, delta, out)
+    except PatchError as e:
         fail(str(e))
-    b = _load(base)
-    layout, flat = _flat(b, d.layout.shard_bytes)
-    try:
-        d.layout.check_same(layout)
-    except LayoutError as e:
-        fail(f"layout mismatch between {base} and the delta's base: {e}")
-    if codec.checksum(flat) != d.base_checksum:
-        fail(f"{base} is not the checkpoint {delta} was made from (checksum differs)")
-    try:
-        for p in d.patches:
-            codec.apply_patch(layout, flat, p)
-    except (codec.ChecksumMismatch, codec.CorruptPayload) as e:
-        fail(f"{delta}: {e}")
-    if codec.checksum(flat) != d.target_checksum:
-        fail(f"{delta}: result differs from the target (corrupt delta)")
-    fmt = _out_format(out)
-    save(out, layout, flat, fmt, d.metadata if fmt == d.format else None)
 
 
 @weights_app.command("publish")
@@ -133,7 +151,9 @@ def publish(
     checkpoints: list[Path] = typer.Argument(..., help="Checkpoints, published as consecutive versions."),
     model: str = typer.Option(..., "--model", help="Model name: the stream is rose:weights:{model}."),
     keyframe_every: int = typer.Option(50, "--keyframe-every", help="A full snapshot every K versions."),
-    codec_name: str = typer.Option("xor", "--codec", help="xor (lossless), topk or int8 (lossy, error feedback)."),
+    codec_name: str = typer.Option(
+        "zdelta", "--codec", help="zdelta or xor (lossless), topk or int8 (lossy, error feedback)."
+    ),
     interval_s: float = typer.Option(0.0, "--interval", help="Seconds between versions."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per version."),
 ) -> None:
@@ -143,8 +163,8 @@ def publish(
     from rose.cli import cli_config, fail
     from rose.weights.stream import WeightPublisher
 
-    if codec_name not in ("xor", "topk", "int8"):
-        fail(f"--codec: unknown codec {codec_name!r} (xor, topk, int8)")
+    if codec_name not in ("zdelta", "xor", "topk", "int8"):
+        fail(f"--codec: unknown codec {codec_name!r} (zdelta, xor, topk, int8)")
     cfg = cli_config()
     r = redis.Redis.from_url(cfg.redis.url)
     pub = WeightPublisher(

@@ -1,8 +1,9 @@
 """State dicts and checkpoint files <-> raw tensor bytes (safetensors and torch .pt/.bin).
 
 Safetensors files are read by parsing their header and mapping the data (no torch, no
-copy); they are written with the safetensors library, as are the files we compare with.
-torch is imported only where a torch tensor or a torch file is involved.
+copy); they are written with the safetensors library's serializer, as are the files we compare
+with, straight from the flat buffer. torch is imported only where a torch tensor or a torch
+file is involved.
 """
 
 from __future__ import annotations
@@ -168,21 +169,37 @@ def _torch_container(path: Path, keys: list[str]) -> dict[str, str]:
     return {"torch.archive": first.split("/", 1)[0], "torch.keys": json.dumps(keys)}
 
 
+def _save_safetensors(path: Path, layout: Layout, flat: np.ndarray, metadata: Mapping[str, str] | None) -> None:
+    """The safetensors library's own serializer (the bytes `safetensors.torch.save_file` writes),
+    fed straight from the flat buffer: no torch, no copy."""
+    import safetensors
+
+    spec = getattr(safetensors, "TensorSpec", None)  # safetensors >= 0.8 takes pointers, older ones bytes
+    tensors: dict[str, Any] = {}
+    for t in layout.tensors:
+        raw = flat[t.offset : t.offset + t.nbytes]
+        shape = list(t.shape)
+        if spec is not None:
+            tensors[t.name] = spec(dtype=t.dtype, shape=shape, data_ptr=raw.ctypes.data, data_len=t.nbytes)
+        else:
+            tensors[t.name] = {"dtype": t.dtype, "shape": shape, "data": raw.tobytes()}
+    safetensors.serialize_file(tensors, str(path), metadata=dict(metadata) if metadata else None)
+
+
 def save(
     path: str | os.PathLike, layout: Layout, flat: np.ndarray, fmt: str, metadata: Mapping[str, str] | None = None
 ) -> None:
     """Write the state in `flat` as a checkpoint, atomically (temp file + rename)."""
     path = Path(path)
-    tensors = to_tensors(layout, flat)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(tmp), metadata=dict(metadata) if metadata else None)
+        _save_safetensors(tmp, layout, flat, metadata)
     else:
         import tempfile
 
         import torch
+
+        tensors = to_tensors(layout, flat)
 
         meta = metadata or {}
         if "torch.keys" in meta:

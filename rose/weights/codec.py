@@ -1,33 +1,36 @@
 """Shard patches over the flat layout: what `encode_state` sends for each changed shard, and
 `apply_patch`, which applies one and checks the bytes the receiver ends with.
 
-A delta shard is a lossless XOR delta (rose.weights.xor_delta) by default, or a lossy codec's
-body (rose.weights.lossy); a keyframe shard is the raw bytes. A zstd stage is kept only when it
-pays. Every patch carries an xxh3-128 checksum of the shard bytes the receiver must end with; a
-mismatch means its view diverged. `FORMAT` names the checksum on the wire (entries, delta files);
-readers refuse formats they do not know. Why XOR, why xxh3 and what bounds the speed:
-docs/weights.md.
+A delta shard is lossless by default: `zdelta` (rose.weights.zdelta: entropy-coded gaps and
+integer differences), or the older `xor` (rose.weights.xor_delta), still decoded and sent on
+request; or a lossy codec's body (rose.weights.lossy). A keyframe shard is the raw bytes. Every
+patch carries an xxh3-128 checksum of the shard bytes the receiver must end with; a mismatch
+means its view diverged. `FORMAT` is the wire format written (entries, delta files): it names
+the checksum and the codecs a reader must know; readers take the formats in `READABLE` and
+refuse the others. Buffers are numpy arrays, or torch tensors on a device (the trainer's GPU)
+for the lossless codecs. Why these codings, and what bounds the speed: docs/weights.md.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import xxhash
 
-from rose.weights import lossy
+from rose.weights import lossy, scan, zdelta
 from rose.weights.layout import Layout
-from rose.weights.xor_delta import CorruptPayload, apply_delta_body, changed_units, delta_body
+from rose.weights.xor_delta import CorruptPayload, apply_delta_body, changed_units, decode_delta_body, delta_body
 
-LOSSLESS = "xor"
-FORMAT = 2  # 1: blake2b-16 checksums; 2: xxh3-128 checksums (same payloads)
+LOSSLESS = zdelta.NAME  # the default codec
+XOR = "xor"  # the lossless codec of format 2
+FORMAT = 3  # 1: blake2b-16 checksums; 2: xxh3-128 checksums; 3: format 2 plus the zdelta codec
+READABLE = (2, 3)
 CHECKSUM = "xxh3-128"
 _FLAG_ZSTD = 1
-_ZSTD_MIN_GAIN = 0.97  # keep zstd output only if it is at most this fraction of the input
-_local = threading.local()
 
 
 class ChecksumMismatch(ValueError):
@@ -50,21 +53,13 @@ def checksum(buf: np.ndarray | bytes) -> str:
     return xxhash.xxh3_128_hexdigest(buf)  # type: ignore[arg-type]
 
 
-# -- zstd stage -------------------------------------------------------------------------
-
-
-def _zstd():
-    if not hasattr(_local, "c"):
-        import zstandard
-
-        _local.c, _local.d = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
-    return _local.c, _local.d
+# -- zstd stage of xor, lossy and full shards ----------------------------------------------
 
 
 def _pack(body: bytes, compress: bool) -> bytes:
     if compress and len(body) > 64:
-        c = _zstd()[0].compress(body)
-        if len(c) < len(body) * _ZSTD_MIN_GAIN:
+        c = zdelta.zstd()[0].compress(body)
+        if len(c) < len(body) * zdelta.ZSTD_MIN_GAIN:
             return bytes([_FLAG_ZSTD]) + c
     return b"\x00" + body
 
@@ -74,7 +69,7 @@ def _unpack(payload: bytes) -> bytes:
         raise CorruptPayload("empty payload")
     if payload[0] & _FLAG_ZSTD:
         try:
-            return _zstd()[1].decompress(payload[1:])
+            return zdelta.zstd()[1].decompress(payload[1:])
         except Exception as e:  # zstandard.ZstdError
             raise CorruptPayload(f"zstd: {e}") from None
     return payload[1:]
@@ -84,7 +79,7 @@ def _unpack(payload: bytes) -> bytes:
 
 
 def encode_delta(old: np.ndarray, new: np.ndarray, unit: int, compress: bool = True) -> bytes | None:
-    """The delta turning shard bytes `old` into `new`, or None when they are equal."""
+    """The `xor` delta turning shard bytes `old` into `new`, or None when they are equal."""
     pos, xor = changed_units(old, new, unit)
     if not len(pos):
         return None
@@ -92,7 +87,7 @@ def encode_delta(old: np.ndarray, new: np.ndarray, unit: int, compress: bool = T
 
 
 def apply_delta(buf: np.ndarray, payload: bytes, digest=None) -> None:
-    """XOR a delta into shard bytes `buf` in place (feeding the result to `digest`, if given)."""
+    """XOR an `xor` delta into shard bytes `buf` in place (feeding the result to `digest`, if given)."""
     apply_delta_body(buf, _unpack(payload), digest)
 
 
@@ -100,45 +95,74 @@ def encode_full(new: np.ndarray, compress: bool = True) -> bytes:
     return _pack(new.tobytes(), compress)
 
 
-def apply_full(buf: np.ndarray, payload: bytes) -> None:
+def apply_full(buf, payload: bytes) -> None:
+    """Write a full shard's bytes into `buf` (a numpy array or a device tensor)."""
     body = _unpack(payload)
     if len(body) != len(buf):
         raise CorruptPayload(f"full shard of {len(body)} bytes, expected {len(buf)}")
-    buf[:] = np.frombuffer(body, dtype=np.uint8)
+    raw = np.frombuffer(body, dtype=np.uint8)
+    if scan.is_tensor(buf):
+        import torch
+
+        buf.copy_(torch.from_numpy(raw.copy()))
+    else:
+        buf[:] = raw
+
+
+def _lossless_body(pos: np.ndarray, old: np.ndarray, new: np.ndarray, unit: int, n: int, codec: str, compress: bool):
+    if codec == XOR:
+        return _pack(delta_body(pos, old ^ new, unit, n // unit), compress)
+    return b"\x00" + zdelta.encode(pos, old, new, unit, compress)  # its streams carry their own zstd
 
 
 # -- a whole state ------------------------------------------------------------------------
 
 
+def _map(fn, items: Iterable, workers: int) -> list:
+    items = list(items)
+    if workers > 1 and len(items) > 1:
+        with ThreadPoolExecutor(min(workers, len(items))) as ex:
+            return list(ex.map(fn, items))
+    return [fn(i) for i in items]
+
+
 def encode_state(
     layout: Layout,
-    view: np.ndarray | None,
-    target: np.ndarray,
+    view,
+    target,
     *,
     keyframe: bool = False,
     codec: str = LOSSLESS,
     compress: bool = True,
     workers: int = 1,
     lossy_options: dict | None = None,
-) -> tuple[list[ShardPatch], np.ndarray]:
+):
     """Patches that bring the receiver's `view` to `target`, and the receiver's new view.
 
     Lossless: the new view is `target` itself. Lossy codecs: the view the receiver will
     actually hold (error feedback: what was not sent stays in target - view and goes next
-    time). `view` is updated in place when given; unchanged shards yield no patch.
+    time). `view` is updated in place when given; unchanged shards yield no patch. `view` and
+    `target` are flat uint8 numpy arrays, or (lossless codecs) torch tensors on one device:
+    then the shards are compared there and only the changed elements and the checksummed
+    bytes come to the host. `workers` threads encode shards in parallel.
     """
+    device = scan.is_tensor(target)
+    if device and codec not in (LOSSLESS, XOR):
+        raise ValueError(f"codec {codec!r} needs numpy buffers; device tensors take {LOSSLESS} or {XOR}")
     if keyframe or view is None:
-        view = target.copy() if view is None else view
-        if view is not target:
-            np.copyto(view, target)
+        if view is None:
+            view = target.clone() if device else target.copy()
+        elif view is not target:
+            view.copy_(target) if device else np.copyto(view, target)
     units = layout.shard_units()
-    encoder = lossy.encoder(codec, **(lossy_options or {})) if codec != LOSSLESS else None
+    encoder = lossy.encoder(codec, **(lossy_options or {})) if codec not in (LOSSLESS, XOR) else None
 
     def one(i: int) -> ShardPatch | None:
         s, e = layout.shard_range(i)
         new = target[s:e]
         if keyframe:
-            return ShardPatch(i, "full", "raw", encode_full(new, compress), checksum(new))
+            host = scan.host_bytes(new)
+            return ShardPatch(i, "full", "raw", encode_full(host, compress), checksum(host))
         old = view[s:e]
         dtype = layout.shard_dtype(i) if encoder else None
         if encoder and dtype in encoder.dtypes:
@@ -147,37 +171,61 @@ def encode_state(
                 return None
             return ShardPatch(i, "delta", codec, _pack(payload, compress), checksum(old))
         unit = int(units[i])
-        digest = xxhash.xxh3_128()
-        pos, xor = changed_units(old, new, unit, update=True, digest=digest)
+        if device:
+            pos, o, n = scan.changed_t(old, new, unit, update=True)
+            sums = None
+        else:
+            sums = xxhash.xxh3_128()
+            pos, o, n = scan.changed(old, new, unit, update=True, digest=sums)
         if not len(pos):
             return None
-        payload = _pack(delta_body(pos, xor, unit, len(new) // unit), compress)
-        return ShardPatch(i, "delta", LOSSLESS, payload, digest.hexdigest(), len(pos))
+        name = XOR if codec == XOR else LOSSLESS
+        payload = _lossless_body(pos, o, n, unit, e - s, name, compress)
+        digest = sums.hexdigest() if sums is not None else checksum(scan.host_bytes(new))
+        return ShardPatch(i, "delta", name, payload, digest, len(pos))
 
-    ids = range(layout.num_shards)
-    if workers > 1 and layout.num_shards > 1:
-        with ThreadPoolExecutor(workers) as ex:
-            patches = list(ex.map(one, ids))
-    else:
-        patches = [one(i) for i in ids]
+    patches = _map(one, range(layout.num_shards), workers)
     return [p for p in patches if p is not None], view
 
 
-def apply_patch(layout: Layout, flat: np.ndarray, patch: ShardPatch, verify: bool = True) -> None:
-    """Apply one shard patch to the flat buffer in place; check the resulting bytes."""
+def apply_patch(layout: Layout, flat, patch: ShardPatch, verify: bool = True) -> None:
+    """Apply one shard patch to the flat buffer (numpy, or a torch tensor on a device for the
+    lossless codecs) in place; check the resulting bytes."""
     if not 0 <= patch.shard < layout.num_shards:
         raise CorruptPayload(f"shard {patch.shard} outside the layout ({layout.num_shards} shards)")
     s, e = layout.shard_range(patch.shard)
     buf = flat[s:e]
-    if patch.kind != "full" and patch.codec == LOSSLESS:
-        digest = xxhash.xxh3_128() if verify else None
-        apply_delta(buf, patch.payload, digest)  # fed block by block while in cache
-        got = digest.hexdigest() if digest is not None else ""
-    else:
-        if patch.kind == "full":
-            apply_full(buf, patch.payload)
+    device = scan.is_tensor(buf)
+    got = ""
+    if patch.kind != "full" and patch.codec in (LOSSLESS, XOR):
+        body = _unpack(patch.payload)
+        combine: Callable[[np.ndarray, np.ndarray], np.ndarray]
+        if patch.codec == LOSSLESS:
+            unit, pos, values = zdelta.decode(body, e - s)
+            combine = partial(zdelta.updated, unit=unit)
         else:
-            lossy.apply(patch.codec, buf, _unpack(patch.payload), layout.shard_dtype(patch.shard))
-        got = checksum(buf) if verify else ""
+            unit, pos, values = decode_delta_body(body, e - s)
+            combine = np.bitwise_xor
+        if device:
+            scan.write_t(buf, unit, pos, values, combine)
+        else:
+            digest = xxhash.xxh3_128() if verify else None
+            scan.write(buf, unit, pos, values, combine, digest)  # fed block by block while in cache
+            got = digest.hexdigest() if digest is not None else ""
+    elif patch.kind == "full":
+        apply_full(buf, patch.payload)
+    elif device:
+        raise CorruptPayload(f"codec {patch.codec!r} is applied to numpy buffers only")
+    else:
+        lossy.apply(patch.codec, buf, _unpack(patch.payload), layout.shard_dtype(patch.shard))
+    if verify and not got:
+        got = checksum(scan.host_bytes(buf))
     if verify and got != patch.checksum:
         raise ChecksumMismatch(f"shard {patch.shard}: checksum mismatch after applying")
+
+
+def apply_patches(
+    layout: Layout, flat, patches: Iterable[ShardPatch], *, verify: bool = True, workers: int = 1
+) -> None:
+    """`apply_patch` of patches of distinct shards, `workers` threads in parallel."""
+    _map(lambda p: apply_patch(layout, flat, p, verify), patches, workers)

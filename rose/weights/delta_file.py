@@ -1,10 +1,11 @@
 """The file `rose weights diff` writes and `rose weights patch` reads.
 
-`ROSEDLT2`, a little-endian u64 header length, a JSON header (layout, checksums of the
+`ROSEDLT3`, a little-endian u64 header length, a JSON header (layout, checksums of the
 whole base and target, the checksum algorithm, the target's file format and metadata, and
 per shard: id, kind, codec, payload offset and size, checksum), then the shard payloads
-back to back. The digit in the magic is the wire format (`codec.FORMAT`); files of another
-format (`ROSEDLT1`: blake2b checksums) are refused with that reason.
+back to back. The digit in the magic is the wire format (`codec.FORMAT`); files of format 2
+(`ROSEDLT2`, codec `xor`) still read, others (`ROSEDLT1`: blake2b checksums) are refused with
+that reason.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import orjson
 
-from rose.weights.codec import CHECKSUM, FORMAT, ShardPatch
+from rose.weights.codec import CHECKSUM, FORMAT, READABLE, ShardPatch
 from rose.weights.layout import Layout, layout_from_json
 
 _PREFIX = b"ROSEDLT"
@@ -64,11 +65,11 @@ def read(path: str | Path) -> DeltaFile:
     data = Path(path).read_bytes()
     if data[:7] != _PREFIX or len(data) < 16:
         raise DeltaFileError(f"{path}: not a ROSE weights delta file")
-    if data[:8] != MAGIC:
+    if data[:8] not in {_PREFIX + b"%d" % f for f in READABLE}:
         fmt = data[7:8].decode(errors="replace")
         raise DeltaFileError(
-            f"{path}: delta file format {fmt} is not supported (this release reads format {FORMAT}, "
-            f"{CHECKSUM} checksums); recreate it with `rose weights diff`"
+            f"{path}: delta file format {fmt} is not supported (this release reads formats "
+            f"{', '.join(map(str, READABLE))}, {CHECKSUM} checksums); recreate it with `rose weights diff`"
         )
     (hlen,) = struct.unpack_from("<Q", data, 8)
     try:

@@ -4,11 +4,12 @@ Fields (all bytes): seq, version, kind (full | delta | commit), shard, part, par
 raw (bytes of the whole shard), size (bytes of this part's payload), sum (hex checksum of
 the shard after applying), layout (layout digest), vstart (seq of the version's first
 entry), epoch (the publisher lineage), format (the wire format, `codec.FORMAT`: it fixes the
-checksum algorithm; absent means 1), payload, optionally layout_json (the first entry of a
+checksum algorithm and the codecs a reader must know; absent means 1), payload, optionally layout_json (the first entry of a
 keyframe version) and sig (hex HMAC-SHA256 over every other field, length-prefixed, sorted).
 The stream entry id is `0-{seq}`, so Redis itself refuses a second entry with the same seq.
 An entry of a format this reader does not know is refused (`UnsupportedFormat`), never
-applied: its checksums would not verify and would look like divergence.
+applied: its checksums or codec would not decode and would look like divergence. Entries of
+format 2 (codec `xor`) still decode.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import hmac
 import struct
 from dataclasses import dataclass
 
-from rose.weights.codec import CHECKSUM, FORMAT
+from rose.weights.codec import CHECKSUM, FORMAT, READABLE
 
 KINDS = ("full", "delta", "commit")
 _INT_FIELDS = ("seq", "version", "shard", "part", "parts", "raw", "size", "vstart")
+_READABLE = {b"%d" % f for f in READABLE}
 
 
 class InvalidEntry(ValueError):
@@ -37,8 +39,9 @@ class UnsupportedFormat(InvalidEntry):
 
     def __init__(self, fmt: str):
         super().__init__(
-            f"entry wire format {fmt!r} is not supported: this reader knows format {FORMAT} ({CHECKSUM} "
-            "checksums); run the publisher and followers at the same release"
+            f"entry wire format {fmt!r} is not supported: this reader knows formats "
+            f"{', '.join(map(str, READABLE))} ({CHECKSUM} checksums; it writes format {FORMAT}); run the "
+            "publisher and followers at the same release"
         )
         self.format = fmt
 
@@ -114,7 +117,7 @@ def from_fields(fields: dict, key: bytes = b"") -> Entry:
         if not hmac.compare_digest(sig, signature(f, key).encode()):
             raise InvalidEntry("wrong signature", refused=True)
     fmt = f.get(b"format", b"1")
-    if fmt != b"%d" % FORMAT:
+    if fmt not in _READABLE:
         raise UnsupportedFormat(fmt.decode(errors="replace"))
     try:
         ints = {n: int(f[n.encode()]) for n in _INT_FIELDS}
@@ -127,6 +130,7 @@ def from_fields(fields: dict, key: bytes = b"") -> Entry:
             epoch=f[b"epoch"].decode(),
             payload=f[b"payload"],
             layout_json=f.get(b"layout_json", b""),
+            format=int(fmt),
             **{n: ints[n] for n in _INT_FIELDS if n != "size"},
         )
     except (KeyError, ValueError, UnicodeDecodeError) as err:

@@ -3,9 +3,10 @@
 A body holds only the elements (units of the shard's narrowest dtype) whose bits changed: their
 positions, as LEB128 varints of the gaps or as a bitmap, whichever is smaller, and their values
 XORed with the receiver's old bits, stored as byte planes (all low bytes, then all high bytes).
-The lossless codec (rose.weights.codec) sends one body per changed shard; the lossy ones
-(rose.weights.lossy) send the elements they choose in the same form. Pure numpy, no Python loops
-over elements; why XOR and how a shard is scanned: docs/weights.md.
+It is the lossless codec `xor` of wire format 2 (rose.weights.codec still decodes it and sends
+it on request; `zdelta` replaced it as the default), and the lossy codecs (rose.weights.lossy)
+send the elements they choose in this form. Pure numpy, no Python loops over elements; the
+varints here serve zdelta too. Why XOR then, and how a shard is scanned: docs/weights.md.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import struct
 
 import numpy as np
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+from rose.weights import scan
+
 _MODE_VARINT, _MODE_BITMAP = 0, 1
 _HEAD = struct.Struct("<BBxxII")  # mode, unit, count, index bytes
-_BLOCK = 256 << 10  # shard bytes handled at a time: both sides and the temporaries stay in L2
-_SHIFT = {1: 3, 2: 2, 4: 1, 8: 0}  # log2(units per 8-byte word)
+_VARINT_MAX = 10  # bytes of the largest LEB128 value (2**64 - 1)
 
 
 class CorruptPayload(ValueError):
@@ -29,36 +30,37 @@ class CorruptPayload(ValueError):
 
 
 def varint_encode(values: np.ndarray) -> np.ndarray:
-    """LEB128 of non-negative integers (< 2**35), vectorised.
+    """LEB128 of non-negative integers (< 2**64), vectorised.
 
     Gaps between changed elements are mostly below 128 (one byte each), so the full-length
     work is a few passes; the bytes beyond the first of larger values are inserted and
     filled as a (small) subset.
     """
-    v = values.astype(np.int64, copy=False)
+    v = values.astype(np.uint64, copy=False)
     idx = np.flatnonzero(v >= 0x80)
     low = v.astype(np.uint8) & 0x7F
     if not len(idx):
         return low
     vb = v[idx]
     nb = np.ones(len(idx), dtype=np.int64)  # bytes of each large value
-    for k in range(1, 5):
-        nb += vb >= (1 << (7 * k))
+    for k in range(1, _VARINT_MAX):
+        nb += vb >= np.uint64(1 << (7 * k))
     low[idx] |= 0x80
     extra = nb - 1
     out = np.insert(low, np.repeat(idx + 1, extra), 0)
     first = idx + np.cumsum(extra) - extra  # where each large value starts in `out`
-    for k in range(1, 5):
+    for k in range(1, _VARINT_MAX):
         sel = np.flatnonzero(nb > k)
         if not len(sel):
             break
-        byte = (vb[sel] >> (7 * k)).astype(np.uint8) & 0x7F
+        byte = (vb[sel] >> np.uint64(7 * k)).astype(np.uint8) & 0x7F
         out[first[sel] + k] = byte | ((nb[sel] > k + 1).astype(np.uint8) << 7)
     return out
 
 
 def varint_decode(buf: np.ndarray, count: int) -> np.ndarray:
-    """Inverse of varint_encode; full-length work only on the (few) continuation bytes."""
+    """Inverse of varint_encode (as int64: values of 2**63 and above wrap, and the callers'
+    range checks refuse them); full-length work only on the (few) continuation bytes."""
     cont = np.flatnonzero(buf >= 0x80)
     m = len(cont)
     if len(buf) - m != count or (m and cont[-1] == len(buf) - 1):
@@ -70,13 +72,13 @@ def varint_decode(buf: np.ndarray, count: int) -> np.ndarray:
     run[1:] = cont[1:] != cont[:-1] + 1
     starts = np.flatnonzero(run)
     j = i - np.repeat(starts, np.diff(np.append(starts, m)))  # byte position within the value
-    if j.max() >= 4:
-        raise CorruptPayload("varint longer than 5 bytes")
-    low = np.add.reduceat((buf[cont] & 0x7F).astype(np.int64) << (7 * j), starts)
-    vals = np.delete(buf, cont).astype(np.int64)  # the last byte of every value
+    if j.max() >= _VARINT_MAX - 1:
+        raise CorruptPayload(f"varint longer than {_VARINT_MAX} bytes")
+    low = np.add.reduceat((buf[cont] & 0x7F).astype(np.uint64) << (7 * j).astype(np.uint64), starts)
+    vals = np.delete(buf, cont).astype(np.uint64)  # the last byte of every value
     which = cont[starts] - starts  # value index of each multi-byte value
-    vals[which] = (vals[which] << (7 * np.diff(np.append(starts, m)))) | low
-    return vals
+    vals[which] = (vals[which] << (7 * np.diff(np.append(starts, m))).astype(np.uint64)) | low
+    return vals.view(np.int64)
 
 
 # -- one shard --------------------------------------------------------------------------
@@ -86,41 +88,10 @@ def changed_units(
     old: np.ndarray, new: np.ndarray, unit: int, *, update: bool = False, digest=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Positions (in units) of the elements that differ, and their XORed bits, in one pass over
-    the shard, in cache-sized blocks.
-
-    Per block: compare 8-byte words, refine only the changed words into units and, while
-    the block is still in cache, feed `new` to `digest` (an xxh3 state) and, with `update`,
-    copy the changed words into `old`. Doing each step over the whole shard instead reads
-    it from memory several times and allocates MB-sized temporaries (fresh pages) per step.
-    """
-    wo, wn = old.view(np.uint64), new.view(np.uint64)
-    step, shift = _BLOCK // 8, _SHIFT[unit]
-    ne = np.empty(min(step, len(wo)), dtype=bool)
-    positions, xors = [], []
-    for s in range(0, len(wo), step):
-        a, b = wo[s : s + step], wn[s : s + step]
-        if digest is not None:
-            digest.update(b)
-        changed = ne[: len(a)]
-        np.not_equal(a, b, out=changed)
-        w = np.flatnonzero(changed)
-        if not len(w):
-            continue
-        nw = b[w]
-        x = (a[w] ^ nw).view(_UINT[unit])
-        if update:
-            a[w] = nw
-        if shift:
-            k = np.flatnonzero(x != 0)
-            w = ((w[k >> shift] + s) << shift) | (k & ((1 << shift) - 1))
-            x = x[k]
-        else:
-            w += s
-        positions.append(w)
-        xors.append(x)
-    if not positions:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=_UINT[unit])
-    return np.concatenate(positions), np.concatenate(xors)
+    the shard (rose.weights.scan.changed)."""
+    pos, o, n = scan.changed(old, new, unit, update=update, digest=digest)
+    o ^= n
+    return pos, o
 
 
 def delta_body(pos: np.ndarray, xor: np.ndarray, unit: int, n_units: int) -> bytes:
@@ -141,11 +112,12 @@ def delta_body(pos: np.ndarray, xor: np.ndarray, unit: int, n_units: int) -> byt
     return b"".join((_HEAD.pack(mode, unit, len(pos), len(index)), index, planes))  # type: ignore[arg-type]
 
 
-def apply_delta_body(buf: np.ndarray, body: bytes, digest=None) -> None:
+def decode_delta_body(body: bytes, n_bytes: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(unit, positions, XORed bits) of a body for a shard of `n_bytes` bytes."""
     if len(body) < _HEAD.size:
         raise CorruptPayload("delta shorter than its header")
     mode, unit, count, ilen = _HEAD.unpack_from(body)
-    if unit not in _UINT or len(buf) % unit or len(body) != _HEAD.size + ilen + count * unit:
+    if unit not in scan.UINT or n_bytes % unit or len(body) != _HEAD.size + ilen + count * unit:
         raise CorruptPayload(f"delta header does not match its size (unit {unit}, count {count})")
     raw = np.frombuffer(body, dtype=np.uint8)
     index = raw[_HEAD.size : _HEAD.size + ilen]
@@ -155,19 +127,16 @@ def apply_delta_body(buf: np.ndarray, body: bytes, digest=None) -> None:
         np.cumsum(pos, out=pos)
         pos -= 1
     elif mode == _MODE_BITMAP:
-        pos = np.flatnonzero(np.unpackbits(index, count=len(buf) // unit))
+        pos = np.flatnonzero(np.unpackbits(index, count=n_bytes // unit))
     else:
         raise CorruptPayload(f"unknown index mode {mode}")
-    units = buf.view(_UINT[unit])
-    if len(pos) != count or (count and (pos[0] < 0 or pos[-1] >= len(units))):
+    if len(pos) != count or (count and (pos[0] < 0 or pos[-1] >= n_bytes // unit)):
         raise CorruptPayload("delta positions outside the shard")
-    xor = np.ascontiguousarray(raw[_HEAD.size + ilen :].reshape(unit, count).T).view(_UINT[unit]).ravel()
-    # block by block, so that the digest reads each block while the scatter left it in cache
-    step = _BLOCK // unit
-    cuts = np.searchsorted(pos, np.arange(0, len(units) + step, step)).tolist()
-    for i, s in enumerate(range(0, len(units), step)):
-        a, b = cuts[i], cuts[i + 1]
-        if b > a:
-            units[pos[a:b]] ^= xor[a:b]
-        if digest is not None:
-            digest.update(units[s : s + step])
+    xor = np.ascontiguousarray(raw[_HEAD.size + ilen :].reshape(unit, count).T).view(scan.UINT[unit]).ravel()
+    return unit, pos, xor
+
+
+def apply_delta_body(buf: np.ndarray, body: bytes, digest=None) -> None:
+    """XOR a body into shard bytes `buf` in place (feeding the result to `digest`, if given)."""
+    unit, pos, xor = decode_delta_body(body, len(buf))
+    scan.write(buf, unit, pos, xor, np.bitwise_xor, digest)
