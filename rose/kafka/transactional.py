@@ -55,6 +55,25 @@ def bounded(what: str, fn: Callable[[], T], timeout_s: float, fatal: type[Except
     return out["v"]  # the thread ended without raising: fn returned
 
 
+class GroupMembershipLost(RuntimeError):
+    """The consumer's group membership was stale when its offsets went into the transaction
+    (UNKNOWN_MEMBER_ID after a coordinator moved or restarted, ILLEGAL_GENERATION, a rebalance in
+    progress). The transaction was aborted and the caller's state restored; the consumer must
+    poll to rejoin, and the batch is not redone as it was: after the rejoin the partitions are
+    consumed again from their committed offsets, by whichever instance owns them then."""
+
+
+# errors of send_offsets_to_transaction that only a rejoin of the consumer group clears
+_GROUP_ERRORS = frozenset(
+    (
+        KafkaError.UNKNOWN_MEMBER_ID,
+        KafkaError.ILLEGAL_GENERATION,
+        KafkaError.REBALANCE_IN_PROGRESS,
+        KafkaError.FENCED_INSTANCE_ID,
+    )
+)
+
+
 def positions(msgs: Sequence[Message]) -> list[TopicPartition]:
     """The offsets to commit once `msgs` are done: one past the last of each partition."""
     last: dict[tuple[str, int], int] = {}
@@ -130,7 +149,27 @@ class Transactor:
                         raise self.fatal(str(e2.args[0])) from None
                 # level-triggered recovery: the caller restores its state, the batch is redone
                 restore()
+                if err.code() in _GROUP_ERRORS:
+                    self._rewind(msgs)
+                    raise GroupMembershipLost(str(err)) from None
                 time.sleep(self.retry_pause_s)
+
+    def _rewind(self, msgs: Sequence[Message]) -> None:
+        """Seek the consumer back to the batch's first offsets, so that nothing of it is skipped
+        if the rejoin hands back the same partitions without resetting their positions."""
+        first: dict[tuple[str, int], int] = {}
+        for m in msgs:
+            topic, part, off = m.topic(), m.partition(), m.offset()
+            if topic is None or part is None or off is None:
+                continue  # not a message of a partition (an error event)
+            key = (topic, part)
+            if key not in first or off < first[key]:
+                first[key] = off
+        for (topic, part), off in first.items():
+            try:
+                self.consumer.seek(TopicPartition(topic, part, off))
+            except KafkaException:
+                pass  # no longer assigned: its next owner starts from the committed offset
 
     def commit(self) -> None:
         """Commit; a retriable error (e.g. a timeout while the broker restarts) is retried a

@@ -37,7 +37,7 @@ from rose.kafka.consumer import (
     read_partitions,
 )
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
-from rose.kafka.transactional import FatalTransactionError, Transactor, bounded
+from rose.kafka.transactional import FatalTransactionError, GroupMembershipLost, Transactor, bounded
 from rose.obs import metrics
 from rose.obs.logs import get_logger
 from rose.obs.tracing import ensure_provider, inject_headers, process_span, send_span, tracer
@@ -241,7 +241,12 @@ class Scheduler:
                     raise FatalSchedulerError(str(err))
                 self.log.warning("consume.error", error=str(err))
         if good:
-            self._transact(good)
+            try:
+                self._transact(good)
+            except GroupMembershipLost as e:
+                # the next poll rejoins the group; the batch comes again from the committed offsets
+                self.log.warning("group.rejoin", error=str(e), events=len(good))
+                return 0
         return len(good)
 
     def _transact(self, msgs: list[Message]) -> None:
