@@ -69,7 +69,6 @@ _GROUP_ERRORS = frozenset(
         KafkaError.UNKNOWN_MEMBER_ID,
         KafkaError.ILLEGAL_GENERATION,
         KafkaError.REBALANCE_IN_PROGRESS,
-        KafkaError.FENCED_INSTANCE_ID,
     )
 )
 
@@ -138,7 +137,9 @@ class Transactor:
                 return out
             except KafkaException as e:
                 err = e.args[0]
-                if err.fatal() or err.code() == KafkaError._FENCED:
+                # a fenced producer, or a static consumer fenced by its own rejoin (librdkafka
+                # makes that consumer's error fatal): the clients must be replaced
+                if err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.FENCED_INSTANCE_ID):
                     raise self.fatal(f"producer fenced or fatal: {err}") from None
                 self.aborted += 1
                 self.log.warning("transaction.abort", error=str(err), retriable=err.retriable())

@@ -237,7 +237,7 @@ class Scheduler:
             if err is None:
                 good.append(m)
             elif err.code() != KafkaError._PARTITION_EOF:
-                if err.fatal():
+                if err.fatal() or err.code() == KafkaError._FATAL:  # a consumer that can do nothing more
                     raise FatalSchedulerError(str(err))
                 self.log.warning("consume.error", error=str(err))
         if good:
