@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rose.config import GiB
-from rose.sim.models import GPUS, MODELS, EngineConfig, gpu_spec, model_size
+from rose.sim.models import GPUS, MODELS, EngineConfig, check_tp, deployed, gpu_spec, model_size, serving_tp
 from rose.sim.serving_model import ServingSim, spread, windows
 from rose.sim.traces import Trace
 
@@ -27,8 +29,10 @@ def requests(n_gpus: int, max_n: int = 60, horizon: float = 5.0):
 
 
 def run(rows, n_gpus, model="7B", gpu="H100", n_windows=14, rollout=None, dup=1):
-    """Drive a sim through windows; `rollout(sim, w)` may change leases before window w."""
-    sim = ServingSim(GPUS[gpu], MODELS[model], n_gpus)
+    """Drive a sim of `n_gpus` replicas (tp GPUs each) through windows; `rollout(sim, w)` may
+    change leases before window w."""
+    tp = deployed(MODELS[model], GPUS[gpu]).tp
+    sim = ServingSim(GPUS[gpu], MODELS[model], n_gpus * tp)
     a = np.array([r[0] for r in rows] * dup, dtype=float)
     order = np.argsort(a, kind="stable")
     g = np.array([r[1] for r in rows] * dup, dtype=np.int64)[order]
@@ -47,31 +51,98 @@ def stack(stats, name):
     return np.array([getattr(s, name) for s in stats])
 
 
+# Parameter counts as the model cards / the hub's safetensors metadata state them
+CARD_PARAMS = {"7B": 7.61e9, "8B": 8.03e9, "14B": 14.7e9, "32B": 32.5e9, "70B": 70.6e9}
+
+
 def test_presets_document_their_shapes():
-    assert MODELS["7B"].kv_bytes_per_token == 2 * 32 * 32 * 128 * 2 == 512 * 1024
-    assert MODELS["70B"].kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
-    assert MODELS["70B"].weight_bytes == int(2 * 68.98e9) and MODELS["70B"].tp == 2
+    """The presets are the GQA models' config.json shapes; parameters counted from the shape
+    match the model cards; KV bytes per token are 2 (K, V) x layers x KV heads x head_dim x 2 B."""
+    shapes = {  # config.json: num_hidden_layers, hidden_size, num_attention_heads, num_key_value_heads
+        "7B": ("Qwen/Qwen2.5-7B", 28, 3584, 28, 4),
+        "8B": ("meta-llama/Llama-3.1-8B", 32, 4096, 32, 8),
+        "14B": ("Qwen/Qwen2.5-14B", 48, 5120, 40, 8),
+        "32B": ("Qwen/Qwen2.5-32B", 64, 5120, 40, 8),
+        "70B": ("meta-llama/Llama-3.1-70B", 80, 8192, 64, 8),
+    }
+    assert set(MODELS) == set(shapes)
+    for name, (repo, layers, hidden, heads, kv_heads) in shapes.items():
+        m = MODELS[name]
+        assert (m.repo, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim) == (
+            repo,
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            128,
+        )
+        assert m.kv_bytes_per_token == 2 * layers * kv_heads * 128 * 2
+        assert m.params == pytest.approx(CARD_PARAMS[name], rel=0.01), name
+        assert m.flop_params < m.params
+    assert MODELS["7B"].kv_bytes_per_token == 56 * 1024  # 4 KV heads: a ninth of Llama-2-7B's 512 KiB
+    assert MODELS["70B"].weight_bytes == int(2 * MODELS["70B"].params)
     assert model_size("14b") is MODELS["14B"] and gpu_spec("h200") is GPUS["H200"]
     with pytest.raises(ValueError, match="unknown model size '3B'"):
         model_size("3B")
-    for m in MODELS.values():  # every preset fits both GPUs with room for a KV cache
+    for m in MODELS.values():  # every preset fits both GPUs, at its default TP, with room for a KV cache
         for gpu in GPUS.values():
-            sim = ServingSim(gpu, m)
-            assert sim.kv_capacity_tokens()[0] > 10_000
+            sim = ServingSim(gpu, m, deployed(m, gpu).tp)
+            assert sim.kv_capacity_tokens()[0] >= m.max_context
+
+
+def test_default_tp_is_the_fewest_gpus_that_host_the_model():
+    h100 = {name: serving_tp(m, GPUS["H100"]) for name, m in MODELS.items()}
+    h200 = {name: serving_tp(m, GPUS["H200"]) for name, m in MODELS.items()}
+    assert h100 == {"7B": 1, "8B": 1, "14B": 1, "32B": 2, "70B": 4}
+    assert h200 == {"7B": 1, "8B": 1, "14B": 1, "32B": 1, "70B": 2}
+    # 70B at TP 2 on H100 cannot hold one 128k-token sequence beside its 70 GB weight shard
+    m, gpu = MODELS["70B"], GPUS["H100"]
+    assert gpu.mem_bytes - m.weight_bytes // 2 - 2 * GiB < m.max_context * m.kv_bytes_per_token_per_gpu(2)
+    assert deployed(m, gpu, 8).tp == 8 and deployed(m, gpu).tp == 4
+    with pytest.raises(ValueError, match="does not split"):
+        check_tp(MODELS["7B"], 8)  # 28 attention heads
+    with pytest.raises(ValueError, match="not in"):
+        check_tp(m, 3)
+    with pytest.raises(ValueError, match="replicas of tp=4"):
+        ServingSim(gpu, m, 6)
+    # KV heads split over the ranks, replicated beyond their count (Qwen2.5-7B has 4)
+    assert MODELS["7B"].kv_bytes_per_token_per_gpu(2) == MODELS["7B"].kv_bytes_per_token // 2
+    wide = replace(MODELS["7B"], heads=32, hidden=4096)  # 4 KV heads over 8 ranks: one head each
+    check_tp(wide, 8)
+    assert wide.kv_bytes_per_token_per_gpu(8) == wide.kv_bytes_per_token // 4
+
+
+def test_a_tp_replica_is_one_engine_over_its_gpus():
+    """Every rank of a replica reports the replica's latency; its KV cache and FLOPs are split
+    over the ranks; a lease on one rank slows (and squeezes the KV cache of) the whole replica."""
+    gpu, m = GPUS["H100"], MODELS["70B"]
+    sim = ServingSim(gpu, m, 8)
+    assert (sim.tp, sim.replicas) == (4, 2)
+    assert sim.static_bytes == m.weight_bytes // 4 + EngineConfig().runtime_reserve_bytes
+    one = ServingSim(gpu, deployed(m, gpu, 8), 8)  # TP 8: half the prefill time per token
+    assert one.p_tok == pytest.approx(sim.p_tok / 2)
+    sim.set_rollout(5, 0.4, True, 4 * GiB)
+    assert sim.interference().tolist() == [1.0, pytest.approx(1 + sim.alpha * 0.4)]
+    full = (gpu.mem_bytes - sim.static_bytes) / sim.kv
+    assert sim.kv_capacity_tokens()[0] == pytest.approx(full)
+    assert sim.kv_capacity_tokens()[1] == pytest.approx(full - 4 * GiB / sim.kv)
+    s = sim.advance(0.5, np.array([1, 1]), np.array([0.0, 0.1]), np.array([3000.0, 500.0]), np.array([100.0, 50.0]))
+    assert np.all(s.ttft_p99_ms[4:] == s.ttft_p99_ms[4]) and s.ttft_p99_ms[4] > s.ttft_p99_ms[0]
+    assert np.all(s.rps[4:] == 4.0) and np.all(s.rps[:4] == 0.0)
+    assert s.mem_used_bytes[5] - s.mem_used_bytes[4] == 4 * GiB
+    assert s.gpu_util[5] > s.gpu_util[4]  # its own rollout share on top of the replica's work
 
 
 def test_step_time_grows_with_batch_and_context_and_model():
     sim7 = ServingSim(GPUS["H100"], MODELS["7B"])
-    sim32 = ServingSim(GPUS["H100"], MODELS["32B"])
+    sim32 = ServingSim(GPUS["H100"], MODELS["32B"], 1 * 2)  # TP 2
     b = np.array([1.0, 8, 64, 256, 1024])
     c = b * 1000
     t7 = sim7.step_time(b, c)
     assert np.all(np.diff(t7) > 0)
-    assert np.all(sim32.step_time(b[:3], c[:3]) > t7[:3])  # weights dominate small batches
-    # ... while at long contexts the GQA model (8 KV heads) reads less KV than MHA 7B
-    assert sim32.step_time(b[-1:], c[-1:])[0] < t7[-1]
-    # 7B on H100, small batch: weights streamed once (13.5 GB / 2.5 TB/s ≈ 5.4 ms) + 2 ms overhead
-    assert 0.006 < float(sim7.step_time(np.array([1.0]), np.array([100.0]))[0]) < 0.009
+    assert np.all(sim32.step_time(b, c) > t7)  # a larger weight shard and 2.3x the KV per token per GPU
+    # 7B on H100, small batch: weights streamed once (15.2 GB / 2.5 TB/s ≈ 6.1 ms) + 2 ms overhead
+    assert 0.007 < float(sim7.step_time(np.array([1.0]), np.array([100.0]))[0]) < 0.009
 
 
 @FAST
@@ -168,10 +239,11 @@ def test_interference_raises_latency_and_revoke_restores_it(share):
 
 
 def test_interference_is_one_plus_alpha_share():
+    """Per GPU (tp 1), 1 + alpha × share up to the time-slicing bound 1 / (1 - share)."""
     for alpha in (0.5, 1.0, 2.0):
         sim = ServingSim(GPUS["H100"], MODELS["7B"], 2, alpha=alpha)
         sim.set_rollout(1, 0.4, True, 0)
-        assert sim.interference().tolist() == [1.0, pytest.approx(1 + alpha * 0.4)]
+        assert sim.interference().tolist() == [1.0, pytest.approx(min(1 + alpha * 0.4, 1 / 0.6))]
 
 
 def test_overload_builds_a_queue_and_ttft():
@@ -183,7 +255,7 @@ def test_overload_builds_a_queue_and_ttft():
 
 
 def test_rollout_memory_squeezes_kv_and_preempts():
-    sim = ServingSim(GPUS["H100"], MODELS["70B"], 1)
+    sim = ServingSim(GPUS["H100"], MODELS["70B"], 4)  # one TP-4 replica
     room = sim.gpu.mem_bytes - sim.static_bytes
     a = np.arange(0, 5, 0.05)
     for t_end, sl in windows(a, PERIOD):
@@ -195,9 +267,9 @@ def test_rollout_memory_squeezes_kv_and_preempts():
             np.full(sl.stop - sl.start, 500),
         )
     assert sim.C[0] > 0
-    sim.set_rollout(0, 0.2, True, room)  # rollout takes every byte the KV cache could use
+    sim.set_rollout(2, 0.2, True, room)  # rollout takes every byte one rank's KV shard could use
     s = sim.advance(sim.t + PERIOD)
-    assert s.mem_used_bytes[0] <= s.mem_total_bytes and sim.C[0] == 0 and s.queue_depth[0] > 0
+    assert np.all(s.mem_used_bytes <= s.mem_total_bytes) and sim.C[0] == 0 and np.all(s.queue_depth > 0)
 
 
 def test_engine_slots_limit_admission():

@@ -4,18 +4,25 @@ calls is tested beside the policy, tests/test_lease_policy.py.)"""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import orjson
 import pytest
 
-from rose.sim.engine import POLICIES, SimConfig, calibration, simulate
+from rose.config import GiB
+from rose.obs.stats import t_975
+from rose.sim.engine import POLICIES, SimConfig, calibration, simulate, simulate_seeds
 from rose.sim.ledger import Ledger
-from rose.sim.models import EpisodeModel
-from rose.sim.report import SLO_TOLERANCE
-from rose.sim.traces import load_trace
+from rose.sim.models import GPUS, MODELS, EpisodeModel, RolloutModel, deployed
+from rose.sim.report import SLO_TOLERANCE, markdown, validity
+from rose.sim.requests import capacity_bound, kv_costs_s, request_costs_s, roofline_costs_s
+from rose.sim.serving_model import ServingSim
+from rose.sim.traces import Trace, load_trace
+from tests.conftest import REPO
 
 TRACES = [
     "azure_llm2023_code.csv",
@@ -39,24 +46,105 @@ def test_every_trace_format_feeds_every_policy(traces_dir, name):
     assert r["policies"]["static"]["gain_vs_static"] == 1.0
 
 
-@pytest.mark.parametrize("model", ["7B", "70B"])
-def test_invariants_hold_every_window(traces_dir, model):
+@pytest.mark.parametrize("model,gpus,rollout_tp", [("7B", 12, 0), ("70B", 12, 0), ("70B", 16, 8)])
+def test_invariants_hold_every_window(traces_dir, model, gpus, rollout_tp):
     """check_invariants asserts, after every window: memory used ≤ total, no negative serving
     state or work, leases within max_compute_share and within the free memory (after margin) of
     the telemetry that granted them, and produced = completed + in flight + parked + recomputed."""
     tr = load_trace(traces_dir / "azure_llm2023_code.csv")
-    r = simulate(tr, SimConfig(n_gpus=12, model=model, duration_s=400, check_invariants=True, record_series=False))
+    cfg = SimConfig(
+        n_gpus=gpus, model=model, rollout_tp=rollout_tp, duration_s=400, check_invariants=True, record_series=False
+    )
+    r = simulate(tr, cfg)
     for p, res in r["policies"].items():
         w = res["work"]
         assert w["completed"] == w["consumed"] + w["buffered"], p
         assert w["produced"] == pytest.approx(w["completed"] + w["in_flight"] + w["parked"] + w["recomputed"]), p
         assert res["min_free_mem_bytes"] >= 0, p
-    rose = r["policies"]["rose"]
+    rose, fleet = r["policies"]["rose"], r["fleet"]
     if model == "7B":
+        assert fleet["tensor_parallel"] == fleet["lease_group_size"] == 1
         assert rose["grants"] > 0 and rose["revokes"] > 0  # the run exercised revokes mid-episode
-    else:  # TP 2: gang leases of two GPUs (check_invariants: all or none, every window)
-        assert r["fleet"]["tensor_parallel"] == r["fleet"]["lease_group_size"] == 2
-        assert rose["grants"] > 0 and rose["grants"] % 2 == 0
+    else:  # served over TP 4 replicas; rollout on gang leases of its own TP (check_invariants: all or none)
+        assert fleet["tensor_parallel"] == 4
+        assert fleet["rollout_tensor_parallel"] == fleet["lease_group_size"] == (rollout_tp or 4)
+        assert rose["grants"] % fleet["lease_group_size"] == 0
+        assert rollout_tp == 0 or rose["grants"] > 0  # a quarter of the 70B beside serving's quarter rarely fits
+    assert rose["leases_unusable"] == 0  # no grant is smaller than what the rollout worker needs
+
+
+def test_rollout_batch_holds_current_context_not_maximum():
+    """Paged KV: an episode holds its current context, so a replica fits B episodes when B - 1
+    sit at the mean context and one at its end; more than reserving the maximum for each."""
+    gpu = GPUS["H100"]
+    sim = ServingSim(gpu, MODELS["7B"])
+    ep = EpisodeModel(batch=10_000)  # no cap on the batch
+    ro = RolloutModel(sim, ep, 2 * GiB)
+    assert ro.kv_episode == ep.ctx_mean * sim.kv and ep.ctx_mean < ep.ctx_max
+    for b in (1, 5, 40):
+        mem = ro.weights + ro.reserve + (b - 1) * ep.ctx_mean * sim.kv + ep.ctx_max * sim.kv
+        assert ro.replica_batch(mem) == b and ro.replica_batch(mem - 1) == b - 1
+    mem = 30 * GiB
+    assert ro.replica_batch(mem) > (mem - ro.weights - ro.reserve) // (ep.ctx_max * sim.kv)
+    assert ro.replica_batch(ro.weights + ro.reserve + ep.ctx_max * sim.kv - 1) == 0  # too small for one
+    assert ro.replica_batch(ro.min_lease_bytes) == 1 and ro.replica_batch(ro.min_lease_bytes - 1) == 0
+
+
+def test_rollout_tp_differs_from_serving_tp():
+    """The RL policy sharded over 8 GPUs beside a 70B served over TP 4: an eighth of the weights
+    per GPU, and per-GPU batch and rate are the replica's over 8."""
+    gpu = GPUS["H100"]
+    m = deployed(MODELS["70B"], gpu)
+    sim = ServingSim(gpu, m, m.tp)
+    four, eight = RolloutModel(sim, EpisodeModel(), 2 * GiB), RolloutModel(sim, EpisodeModel(), 2 * GiB, tp=8)
+    assert (four.tp, eight.tp) == (4, 8) and eight.weights == m.weight_bytes // 8
+    mem = 35 * GiB  # a lease: too small beside a quarter of the weights, enough beside an eighth
+    assert four.batch_for(mem) == 0 < eight.batch_for(mem) == eight.replica_batch(mem) / 8
+    assert eight.rate(mem) == pytest.approx(eight.rate_by_batch[eight.replica_batch(mem)])
+    assert eight.rate_by_batch[8] == pytest.approx(eight._rate(8) / 8)
+
+
+def _synthetic(prompt: int, output: int, n: int = 400, span: float = 600.0) -> Trace:
+    return Trace(
+        "synthetic", "azure", np.linspace(0.0, span, n), np.full(n, prompt, np.int32), np.full(n, output, np.int32)
+    )
+
+
+def test_long_context_trace_is_provisioned_by_kv_memory():
+    """A GPU's request rate is set by the roofline or by KV memory, whichever binds first: a
+    long-context trace is not provisioned beyond what the KV cache holds (Little's law)."""
+    gpu = GPUS["H100"]
+    m = deployed(MODELS["70B"], gpu)
+    sim = ServingSim(gpu, m, m.tp)
+    long, short = _synthetic(100_000, 4000), _synthetic(2000, 200)
+    assert capacity_bound(sim, long.prompt_tokens, long.output_tokens) == "kv"
+    assert capacity_bound(sim, short.prompt_tokens, short.output_tokens) == "roofline"
+    prompt, out = long.prompt_tokens.astype(float), long.output_tokens.astype(float)
+    cost = request_costs_s(sim, prompt, out).mean()  # GPU-seconds: a replica's seconds for its 4 GPUs
+    assert cost == pytest.approx(m.tp * kv_costs_s(sim, prompt, out).mean())
+    assert cost > m.tp * roofline_costs_s(sim, prompt, out).mean()
+    # at the full rate (load 1) a replica's decoding requests hold exactly its KV capacity
+    rate = m.tp / cost  # requests/s of a replica
+    tokens_steps = (out * (prompt + out / 2)).mean()  # context held per request, summed over its steps
+    cap = sim.kv_capacity_tokens()
+    step = sim.step_time(cap * out.mean() / tokens_steps, cap)[0]
+    assert rate * tokens_steps * step == pytest.approx(cap[0])  # Little's law
+    r = simulate(long, SimConfig(n_gpus=8, model="70B", duration_s=120, check_invariants=True, record_series=False))
+    assert r["config"]["capacity_bound"] == "kv" and r["fleet"]["tensor_parallel"] == 4
+
+
+def test_run_with_an_overloaded_static_baseline_is_flagged_invalid(traces_dir):
+    assert validity({"static": {"slo_attainment": 0.97}}) == {"valid": True}
+    bad = validity({"static": {"slo_attainment": 0.9}, "rose": {"slo_attainment": 0.92}})
+    assert bad["valid"] is False and "0.90000 < 0.95" in bad["invalid_reason"]
+    assert validity({"rose": {"slo_attainment": 1.0}})["valid"] is None
+    # the code trace's busiest minutes at the full roofline (load 1) overload serving alone
+    tr = load_trace(traces_dir / "azure_llm2023_code.csv")
+    r = simulate(tr, SimConfig(n_gpus=4, duration_s=300, load=1.0, policies=("static", "rose"), record_series=False))
+    assert r["policies"]["static"]["slo_attainment"] < 0.95
+    assert r["valid"] is False and "serving is overloaded" in r["invalid_reason"]
+    r["wall_s"] = 0.0
+    assert "Not a valid comparison: static baseline SLO attainment" in markdown(r)
 
 
 def test_revoke_mid_episode_parks_work_and_resumes_it_once():
@@ -103,6 +191,8 @@ def _rose(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_done_when_cli_all_policies_rose_keeps_slo_share_all_does_not(traces_dir, tmp_path):
+    """Under the pessimistic CPU-measured interference (alpha 3.157): at the default alpha 0.3
+    share-all keeps this trace's SLO too (docs/paper-check.md)."""
     p = _rose(
         "simulate",
         "--trace",
@@ -113,6 +203,8 @@ def test_done_when_cli_all_policies_rose_keeps_slo_share_all_does_not(traces_dir
         "all",
         "--duration",
         "600",
+        "--interference-bench",
+        str(REPO / "docs" / "paper-check" / "interference.json"),
         "--json",
         "--report",
         str(tmp_path / "rep"),
@@ -147,6 +239,9 @@ def test_done_when_cli_all_policies_rose_keeps_slo_share_all_does_not(traces_dir
         (["--gpus", "0"], "--gpus"),
         (["--model-size", "3B"], "unknown model size"),
         (["--load", "2"], "--load"),
+        (["--tp", "3"], "tensor parallel 3"),
+        (["--model-size", "70B", "--gpus", "6"], "replicas of tp=4"),
+        (["--model-size", "7B", "--rollout-tp", "8"], "does not split"),
     ],
 )
 def test_cli_bad_input_is_one_line(traces_dir, args, msg):
@@ -160,3 +255,116 @@ def test_cli_bad_trace(tmp_path):
     bad.write_text("a,b\n1,2\n")
     p = _rose("simulate", "--trace", str(bad))
     assert p.returncode == 2 and "--trace" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_interference_is_capped_at_the_time_slicing_bound():
+    """1 + alpha × share, never above 1 / (1 - share): rollout holding a share of the GPU's
+    time leaves serving the rest of it."""
+    from rose.sim.models import gpu_spec, model_size
+    from rose.sim.serving_model import ServingSim
+
+    for alpha, share, want in ((0.3, 0.5, 1.15), (3.157, 0.5, 2.0), (3.157, 0.2, 1.25), (1.0, 0.3, 1.3)):
+        sim = ServingSim(gpu_spec("H100"), model_size("7B"), 1, alpha=alpha)
+        sim.set_rollout(0, share, True, 0)
+        assert float(sim.interference()[0]) == pytest.approx(want), (alpha, share)
+    sim.set_rollout(0, 1.0, True, 0)
+    assert np.isfinite(sim.interference()).all()
+
+
+def test_calibration_from_a_gpu_interference_result():
+    c = calibration(
+        {"alpha_per_share": 0.21, "unprotected_p99_over_alone": 3.0, "device": "cuda", "gpu_name": "H200"}, None
+    )
+    assert c["alpha"] == pytest.approx(0.21) and "H200" in c["alpha_source"]  # the fit, not the unprotected phase
+    with pytest.raises(ValueError, match="alpha_per_share"):
+        calibration({"alpha_per_share": -1}, None)
+
+
+def test_gain_is_made_of_harvest_per_serving_gpu(traces_dir):
+    """harvest_per_serving_gpu is the rollout work done on serving GPUs in dedicated-GPU
+    equivalents per serving GPU, so gain ≈ 1 + (G / M) × harvest (the pipeline fill and work
+    in flight at the end make the difference); policies without leases harvest nothing."""
+    tr = load_trace(traces_dir / "azure_llm2023_conv.csv")
+    r = simulate(tr, SimConfig(n_gpus=16, dedicated=2, duration_s=900, record_series=False))
+    pol, fleet = r["policies"], r["fleet"]
+    assert fleet["serving_gpus"] == 16 and fleet["dedicated_gpus"] == 2
+    assert pol["static"]["harvest_per_serving_gpu"] == pol["elastic"]["harvest_per_serving_gpu"] == 0.0
+    for p in ("share-all", "rose"):
+        h = pol[p]["harvest_per_serving_gpu"]
+        assert h > 0 and pol[p]["gain_from_harvest"] == pytest.approx(1 + 8 * h, abs=1e-3)
+        assert pol[p]["gain_vs_static"] == pytest.approx(pol[p]["gain_from_harvest"], rel=0.1), p
+
+
+def test_elastic_cap_is_a_parameter(traces_dir):
+    tr = load_trace(traces_dir / "azure_llm2023_code.csv")
+    cfg = SimConfig(n_gpus=32, duration_s=900, policies=("elastic",), record_series=False)
+    low = simulate(tr, cfg)["policies"]["elastic"]
+    high = simulate(tr, replace(cfg, elastic_cap_frac=1.0))["policies"]["elastic"]
+    assert (low["external_gpu_cap"], high["external_gpu_cap"]) == (1, 4)
+    assert high["external_gpu_hours"] > low["external_gpu_hours"] and high["episodes"] > low["episodes"]
+
+
+def test_seeds_give_means_with_student_t_intervals(traces_dir):
+    tr = load_trace(traces_dir / "burstgpt1_first400.csv")
+    cfg = SimConfig(n_gpus=6, duration_s=120, seed=3, record_series=False)
+    r = simulate_seeds(tr, cfg, 3)
+    assert r["config"]["seeds"] == [3, 4, 5] and len(r["per_seed"]) == 3
+    rose = r["policies"]["rose"]
+    per = [s["policies"]["rose"]["slo_attainment"] for s in r["per_seed"]]
+    assert rose["slo_attainment"] == pytest.approx(sum(per) / 3, abs=1e-6)
+    lo, hi = rose["ci95"]["slo_attainment"]
+    assert lo <= rose["slo_attainment"] <= hi
+    half = t_975(2) * statistics.stdev(per) / 3**0.5
+    assert hi - lo == pytest.approx(2 * half, abs=2e-6)
+    assert r["policies"]["static"]["ci95"]["gain_vs_static"] == [1.0, 1.0]  # static is its own baseline
+    one = simulate_seeds(tr, cfg, 1)
+    assert "per_seed" not in one and one["config"]["seed"] == 3
+
+
+def test_cli_seeds_and_harvest(traces_dir):
+    p = _rose(
+        "simulate", "--trace", str(traces_dir / "burstgpt1_first400.csv"), "--gpus", "4", "--duration", "60",
+        "--seeds", "2",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "±" in p.stdout and "1 + (G/M) × harvest" in p.stdout
+    bad = _rose("simulate", "--trace", str(traces_dir / "burstgpt1_first400.csv"), "--seeds", "0")
+    assert bad.returncode == 2 and "--seeds" in bad.stderr
+
+
+def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_path):
+    """A small paper check through the CLI: every table, a pass/miss per target with what holds a
+    miss back, and --doc rewrites only the generated block of a document."""
+    from rose.sim.paper_check import BEGIN, END
+
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# Title\n\nBefore.\n\n{BEGIN}\nOLD-BLOCK\n{END}\n\nAfter.\n")
+    p = _rose(
+        "paper-check", "--traces", str(traces_dir), "--trace-names", "burstgpt1_first400.csv,azure_llm2023_conv.csv",
+        "--gpus", "4", "--gm", "2", "--duration", "60", "--seeds", "2", "--models", "7B",
+        "--alphas", "0.1,1.0", "--gm-sweep", "1,2", "--elastic-caps", "0.25,1.0",
+        "--doc", str(doc), "--json", str(tmp_path / "pc.json"),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    text = doc.read_text()
+    assert text.startswith("# Title\n\nBefore.\n\n" + BEGIN) and text.endswith(END + "\n\nAfter.\n")
+    assert "OLD-BLOCK" not in text
+    for heading in (
+        "### Targets",
+        "### Every policy",
+        "### Interference",
+        "### What the gain is made of",
+        "### The elastic",
+    ):
+        assert heading in text, heading
+    assert "alpha 3.157 (CPU-measured, pessimistic)" in text and "alpha 0.3 (default)" in text
+    rec = orjson.loads((tmp_path / "pc.json").read_bytes())
+    kinds = {r["kind"] for r in rec["runs"]}
+    assert kinds == {"main", "alpha", "gm", "cap"}
+    assert sum(r["kind"] == "main" for r in rec["runs"]) == 2 * 2  # traces × seeds
+    t = rec["targets"]
+    assert {r["target"] for r in t} >= {"ROSE ≥ 1.5× static", "SLO ROSE ≥ static − 0.002", "SLO static ≥ 0.95"}
+    assert all(r["met"] or r["held_back_by"] for r in t)
+    again = _rose("paper-check", "--from-json", str(tmp_path / "pc.json"), "--out", str(tmp_path / "again.md"))
+    assert again.returncode == 0, again.stderr  # the tables again from the record, nothing run
+    assert (tmp_path / "again.md").read_text().strip() == text[text.index(BEGIN) : text.index(END) + len(END)]

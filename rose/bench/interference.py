@@ -20,13 +20,23 @@ WARM_DECODE_STEPS = 20  # decode steps a worker runs before its phase starts (mo
 
 
 def run(cfg, quick: bool, steps: int | None = None) -> dict:
-    """`steps` serving steps per phase (default 200 quick, 2000 full)."""
-    import redis
+    """`steps` serving steps per phase (default 200 quick, 2000 full). On a CUDA GPU: serving
+    and rollout on CUDA stream priorities in one process, no Redis (rose.bench._cuda)."""
     import torch
+
+    if torch.cuda.is_available():
+        from rose.bench._cuda import interference
+
+        out = interference("cuda", quick, steps=steps)
+        out["goal_protected_p99_over_alone"] = GOAL_PROTECTED_OVER_ALONE
+        p = out["protected_p99_over_alone"]
+        out["protected_p99_over_goal"] = None if p is None else round(p / GOAL_PROTECTED_OVER_ALONE, 3)
+        return out
+    import redis
 
     from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cpu"
     steps = steps or (200 if quick else 2000)
     job = "bench-interference"
     serve = _serving_model(device)

@@ -15,13 +15,22 @@ def register(app: typer.Typer) -> None:
         ),
         gpus: int = typer.Option(64, "--gpus", help="Serving GPUs."),
         dedicated: int = typer.Option(0, "--dedicated", help="Dedicated rollout GPUs (0: gpus/8, at least 1)."),
-        model_size: str = typer.Option("7B", "--model-size", help="7B | 14B | 32B | 70B (served and RL policy)."),
+        model_size: str = typer.Option(
+            "7B", "--model-size", help="7B | 8B | 14B | 32B | 70B (served and RL policy; docs/simulator.md)."
+        ),
         gpu: str = typer.Option("H100", "--gpu", help="H100 | H200."),
+        tp: int = typer.Option(0, "--tp", help="Serving tensor parallel GPUs (0: the fewest that host the model)."),
+        rollout_tp: int = typer.Option(
+            0, "--rollout-tp", help="Rollout tensor parallel GPUs, gang leases when > 1 (0: as serving)."
+        ),
         policy: str = typer.Option(
             "all", "--policy", help="static | elastic | share-all | rose | all (comma list ok)."
         ),
         duration: float = typer.Option(0.0, "--duration", help="Seconds of trace time (0: the trace, at most 1 h)."),
         seed: int = typer.Option(0, "--seed", help="Seed of trace replication and load balancing."),
+        seeds: int = typer.Option(
+            1, "--seeds", help="Run seeds SEED..SEED+K-1: every figure as a mean with its 95 % interval."
+        ),
         load: float = typer.Option(0.7, "--load", help="Roofline utilisation of the busiest minute (0..1]."),
         decide_every: int = typer.Option(
             0, "--decide-every", help="Windows per policy event (0: auto, 1 up to 2M decide calls)."
@@ -40,8 +49,8 @@ def register(app: typer.Typer) -> None:
         import orjson
 
         from rose.cli import cli_config, fail
-        from rose.sim.engine import POLICIES, SimConfig, calibration
-        from rose.sim.engine import simulate as run_sim
+        from rose.sim.engine import POLICIES, SimConfig, calibration, simulate_seeds
+        from rose.sim.report import with_ci
         from rose.sim.traces import TraceError, load_trace
 
         names = POLICIES if policy.strip() == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
@@ -52,12 +61,16 @@ def register(app: typer.Typer) -> None:
             fail(f"--gpus must be >= 1, got {gpus}")
         if dedicated < 0:
             fail(f"--dedicated must be >= 0, got {dedicated}")
+        if seeds < 1:
+            fail(f"--seeds must be >= 1, got {seeds}")
         if duration < 0:
             fail(f"--duration must be >= 0, got {duration}")
         if not 0 < load <= 1:
             fail(f"--load must be in (0, 1], got {load}")
         if decide_every < 0:
             fail(f"--decide-every must be >= 0, got {decide_every}")
+        if tp < 0 or rollout_tp < 0:
+            fail(f"--tp and --rollout-tp must be >= 0, got {tp} and {rollout_tp}")
         try:
             tr = load_trace(trace)
         except TraceError as e:
@@ -88,6 +101,8 @@ def register(app: typer.Typer) -> None:
                 dedicated=dedicated,
                 model=model_size,
                 gpu=gpu,
+                tp=tp,
+                rollout_tp=rollout_tp,
                 duration_s=duration,
                 seed=seed,
                 load=load,
@@ -97,7 +112,7 @@ def register(app: typer.Typer) -> None:
                 record_series=bool(report) or series,
                 **cal,
             )
-            result = run_sim(tr, sc)
+            result = simulate_seeds(tr, sc, seeds)
         except ValueError as e:
             fail(str(e))
         if report is not None:
@@ -116,57 +131,117 @@ def register(app: typer.Typer) -> None:
             f"tpot {c['slo_ms']['tpot_p99']:g} ms · wall {result['wall_s']:.1f} s"
         )
         typer.echo(
-            f"{'policy':10s} {'episodes/h':>11s} {'RL steps/h':>10s} {'gain':>6s} {'SLO att.':>8s} "
-            f"{'revokes':>7s} {'weights GB':>10s}"
+            f"{'policy':10s} {'episodes/h':>11s} {'RL steps/h':>10s} {'gain':>15s} {'SLO att.':>19s} "
+            f"{'harvest':>7s} {'revokes':>7s} {'weights GB':>10s}"
         )
         for p, r in result["policies"].items():
             typer.echo(
                 f"{p:10s} {r['episodes_per_hour']:11.1f} {r['rl_steps_per_hour']:10.2f} "
-                f"{r['gain_vs_static']:6.3f} {r['slo_attainment']:8.5f} {r['revokes']:7d} "
-                f"{r['weight_sync_bytes'] / 1e9:10.1f}"
+                f"{with_ci(r, 'gain_vs_static', 3):>15s} {with_ci(r, 'slo_attainment', 5):>19s} "
+                f"{r['harvest_per_serving_gpu']:7.4f} {r['revokes']:7g} {r['weight_sync_bytes'] / 1e9:10.1f}"
             )
+        fl = result["fleet"]
+        typer.echo(
+            f"gain ≈ 1 + (G/M) × harvest, G/M = {fl['serving_gpus']}/{fl['dedicated_gpus']}; harvest: rollout work on "
+            "serving GPUs in dedicated-GPU equivalents per serving GPU"
+        )
         if report is not None:
             typer.echo(f"report: {report / 'report.md'}")
 
     @app.command("paper-check")
     def paper_check(
         traces: Path = typer.Option(None, "--traces", envvar="ROSE_TRACES", help="Folder of the shared traces."),
-        gpus: int = typer.Option(32, "--gpus", help="Serving GPUs per run."),
-        duration: float = typer.Option(1800.0, "--duration", help="Seconds of trace time per run."),
+        gpus: int = typer.Option(64, "--gpus", help="Serving GPUs per run."),
+        gm: int = typer.Option(8, "--gm", help="Serving GPUs per dedicated rollout GPU (G/M)."),
+        duration: float = typer.Option(3600.0, "--duration", help="Seconds of trace time per run."),
+        seeds: int = typer.Option(3, "--seeds", help="Seeds of every main run (mean and 95 % interval)."),
         gpu: str = typer.Option("H100", "--gpu", help="H100 | H200."),
-        out: Path = typer.Option(None, "--out", help="Write the markdown table here (default: stdout)."),
+        models: str = typer.Option("8B,70B", "--models", help="Model sizes, comma list."),
+        trace_names: str = typer.Option(
+            "", "--trace-names", help="Trace files in --traces, comma list (default: Azure code, Azure conv, BurstGPT)."
+        ),
+        alphas: str = typer.Option("0.1,0.3,1.0", "--alphas", help="Interference constants swept (comma list)."),
+        gm_sweep: str = typer.Option("1,2,4,8", "--gm-sweep", help="G/M values swept (comma list)."),
+        caps: str = typer.Option("0.25,0.5,1.0", "--elastic-caps", help="Elastic cost caps swept, × M (comma list)."),
+        sweep_seeds: int = typer.Option(1, "--sweep-seeds", help="Seeds of every sweep run."),
+        jobs: int = typer.Option(1, "--jobs", help="Worker processes."),
+        out: Path = typer.Option(None, "--out", help="Write the generated markdown here (default: stdout)."),
+        doc: Path = typer.Option(
+            None, "--doc", help="Replace the generated block of this markdown file (docs/paper-check.md)."
+        ),
+        json_path: Path = typer.Option(None, "--json", help="Write every run and the targets as JSON here."),
+        from_json: Path = typer.Option(
+            None, "--from-json", help="Run nothing: write the tables again from a record --json wrote."
+        ),
     ) -> None:
-        """`rose simulate` on the Azure code/conv and BurstGPT traces for 7B–70B, beside the paper's claim."""
+        """`rose simulate` on the Azure code/conv and BurstGPT traces beside the paper's claim: targets, sweeps, intervals."""
+        import shlex
+        import sys
+
+        import orjson
+
         from rose.cli import cli_config, fail
-        from rose.sim.engine import SimConfig
-        from rose.sim.engine import simulate as run_sim
-        from rose.sim.report import paper_check_markdown
-        from rose.sim.traces import TraceError, load_trace
+        from rose.sim.paper_check import TRACES, CheckConfig, check, from_record, replace_block
+
+        def floats(flag: str, text: str) -> tuple[float, ...]:
+            try:
+                return tuple(float(x) for x in text.split(",") if x.strip())
+            except ValueError:
+                fail(f"{flag}: expected a comma list of numbers, got {text!r}")
 
         folder = traces or Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-        names = ("azure_llm2023_code.csv", "azure_llm2023_conv.csv", "burstgpt1_first400.csv")
-        results = []
-        pc = cli_config().policy
-        for name in names:
+        names = tuple(n.strip() for n in trace_names.split(",") if n.strip()) or TRACES
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing or not names:
+            fail(f"--traces: {', '.join(missing) or 'no trace'} not found in {folder}")
+        if jobs < 1:
+            fail(f"--jobs must be >= 1, got {jobs}")
+        try:
+            cc = CheckConfig(
+                traces=names,
+                models=tuple(m.strip() for m in models.split(",") if m.strip()),
+                gpus=gpus,
+                gm=gm,
+                duration_s=duration,
+                seeds=seeds,
+                gpu=gpu,
+                alphas=floats("--alphas", alphas),
+                gm_sweep=tuple(int(x) for x in floats("--gm-sweep", gm_sweep)),
+                elastic_caps=floats("--elastic-caps", caps),
+                sweep_seeds=sweep_seeds,
+                policy=cli_config().policy,
+            )
+        except ValueError as e:
+            fail(str(e))
+        command = "rose " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a)
+
+        def progress(job, r) -> None:
+            ro = r["policies"].get("rose")
+            what = f"ROSE ×{ro['gain_vs_static']:.3f}, SLO {ro['slo_attainment']:.5f}" if ro else "elastic"
+            typer.echo(
+                f"{job.kind} {job.trace} {job.model} {job.value:g} seed {job.seed}: {what}, {r['wall_s']:.0f} s",
+                err=True,
+            )
+
+        try:
+            if from_json is not None:
+                md, record = from_record(orjson.loads(from_json.read_bytes())), None
+            else:
+                md, record = check(folder, cc, command, jobs, progress)
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as e:
+            fail(f"--from-json: cannot read {from_json}: {e}")
+        except ValueError as e:
+            fail(str(e))
+        if json_path is not None and record is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_bytes(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY))
+        if doc is not None:
             try:
-                tr = load_trace(folder / name)
-            except TraceError as e:
-                fail(f"--traces: {e}")
-            for size in ("7B", "14B", "32B", "70B"):
-                r = run_sim(
-                    tr, SimConfig(n_gpus=gpus, model=size, gpu=gpu, duration_s=duration, policy=pc, record_series=False)
-                )
-                results.append(r)
-                typer.echo(
-                    f"{name} {size}: ROSE ×{r['policies']['rose']['gain_vs_static']:.3f}, SLO "
-                    f"{r['policies']['rose']['slo_attainment']:.5f} (static "
-                    f"{r['policies']['static']['slo_attainment']:.5f}), {r['wall_s']:.1f} s",
-                    err=True,
-                )
-        cmd = f"rose paper-check --gpus {gpus} --duration {duration:g} --gpu {gpu}"
-        table = paper_check_markdown(results, cmd)
+                doc.write_text(replace_block(doc.read_text(), md))
+            except (OSError, ValueError) as e:
+                fail(f"--doc: {doc}: {e}")
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(table)
-        else:
-            typer.echo(table)
+            out.write_text(md)
+        elif doc is None:
+            typer.echo(md)

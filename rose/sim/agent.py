@@ -52,7 +52,7 @@ def run_simulated(
         opt.gpus,
         alpha=tc.interference_alpha,
     )
-    gpu_of = spread(trace, opt.gpus, seed=opt.seed)
+    gpu_of = spread(trace, sim.replicas, seed=opt.seed)  # a replica per GPU unless tensor parallel
     gpus = [f"{opt.node}/{i}" for i in range(opt.gpus)]
     duration = opt.duration_s if opt.duration_s is not None else trace.duration_s
     pub = publisher or TelemetryPublisher(

@@ -18,28 +18,43 @@ import numpy as np
 
 from rose.config import PolicyConfig
 from rose.sim.ledger import Ledger
-from rose.sim.models import EngineConfig, EpisodeModel, RolloutModel, gpu_spec, model_size
-from rose.sim.report import result_of
+from rose.sim.models import EngineConfig, EpisodeModel, RolloutModel, deployed, gpu_spec, model_size
+from rose.sim.report import across_seeds, result_of
 from rose.sim.requests import (
     LONG_TRACE_S,
     RequestStream,
     balance,
+    capacity_bound,
     peak_to_mean,
     request_costs_s,
     slo_for,
     trace_compression,
 )
-from rose.sim.runs import POLICIES, RUNS, RoseRun, Run, RunContext, ShareAllRun
+from rose.sim.runs import ELASTIC_CAP_FRAC, POLICIES, RUNS, RoseRun, Run, RunContext, ShareAllRun
 from rose.sim.serving_model import ServingSim
 from rose.sim.traces import Trace
 
 PERIOD_S = 0.5  # telemetry period (TelemetryConfig.period_s), one serving window
 DEFAULT_LOAD = 0.7  # fraction of a GPU's roofline capacity the trace's busiest minute uses
-# Measured defaults (the JSON behind each is in docs/paper-check/; pass a fresh result file to
-# `rose simulate --interference-bench / --weights-bench` to use your own):
-# `rose bench interference --quick --json` on this project's 2-core CPU box: a serving step's p99
-# beside an unprotected rollout worker is 4.157× its p99 alone -> alpha = 3.157 (see `calibration`).
+# Interference: serving's slowdown is 1 + alpha × share (capped at the time-slicing bound, see
+# rose.sim.serving_model). The default is an assumption inside the range published GPU
+# co-location measurements span (docs/simulator.md "Interference: where alpha comes from"):
+# preemptive schedulers keep a high-priority job's p99 within 2-7 % of running alone beside a
+# best-effort job (REEF, OSDI '22; Tally, ASPLOS '25: alpha 0.02-0.07), plain time-slicing
+# costs 1/(1 - share), about 1 + share (alpha 1). CUDA stream priorities without kernel
+# preemption (what ROSE's workers use) lie in between; 0.3 is about the geometric middle of
+# 0.07 and 1. Replace it with a measurement: `rose bench interference --json` on a GPU, passed
+# as `rose simulate --interference-bench FILE`.
+ALPHA_DEFAULT = 0.3
+ALPHA_DEFAULT_SOURCE = (
+    "assumption inside the published range 0.07 (preemptive GPU co-location, Tally ASPLOS '25) "
+    "to 1.0 (time-slicing); docs/simulator.md"
+)
+# The pessimistic row of the paper check: `rose bench interference --quick --json` on this
+# project's 2-core CPU box, a serving step's p99 beside an unprotected rollout worker is 4.157×
+# its p99 alone -> alpha = 3.157 (see `calibration`; docs/paper-check/interference.json).
 ALPHA_MEASURED = 3.157
+ALPHA_MEASURED_SOURCE = "rose bench interference --quick on 2 CPU cores (docs/paper-check/interference.json)"
 # `rose bench weights --quick --json`: lossless delta bytes per RL step / full bf16 = 0.02128.
 WEIGHT_DELTA_RATIO = 0.02128
 DECIDE_CALLS_BUDGET = 2_000_000  # decide() costs ~12 µs a call in CPython: ~25 s of a run
@@ -51,13 +66,15 @@ class SimConfig:
     dedicated: int = 0  # 0: n_gpus // 8 (at least 1)
     model: str = "7B"
     gpu: str = "H100"
+    tp: int = 0  # serving tensor parallel (0: the fewest GPUs that host the model, models.serving_tp)
+    rollout_tp: int = 0  # the RL policy's tensor parallel in rollout (0: serving's); > 1: gang leases
     duration_s: float = 0.0  # 0: the trace's span, at most an hour
     seed: int = 0
     load: float = DEFAULT_LOAD
     period_s: float = PERIOD_S
     decide_every: int = 0  # 0: auto (every window up to DECIDE_CALLS_BUDGET calls, then coarser)
-    alpha: float = ALPHA_MEASURED
-    alpha_source: str = "rose bench interference --quick on 2 CPU cores (docs/paper-check/interference.json)"
+    alpha: float = ALPHA_DEFAULT
+    alpha_source: str = ALPHA_DEFAULT_SOURCE
     weight_delta_ratio: float = WEIGHT_DELTA_RATIO
     weight_ratio_source: str = "rose bench weights --quick (docs/paper-check/weights.json)"
     check_invariants: bool = False  # assert the simulator's invariants every window (tests)
@@ -66,6 +83,7 @@ class SimConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     record_series: bool = True  # per-window series for plots
+    elastic_cap_frac: float = ELASTIC_CAP_FRAC  # the elastic baseline's GPUs at once, × the static pool
 
     @property
     def pool(self) -> int:
@@ -82,11 +100,14 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         raise ValueError(f"n_gpus must be >= 1, got {cfg.n_gpus}")
     if cfg.decide_every < 0:
         raise ValueError(f"decide_every must be >= 0, got {cfg.decide_every}")
-    gpu, model = gpu_spec(cfg.gpu), model_size(cfg.model)
+    if not cfg.elastic_cap_frac >= 0:
+        raise ValueError(f"elastic_cap_frac must be >= 0, got {cfg.elastic_cap_frac}")
+    gpu = gpu_spec(cfg.gpu)
+    model = deployed(model_size(cfg.model), gpu, cfg.tp, cfg.engine.runtime_reserve_bytes)
     G, M, ep = cfg.n_gpus, cfg.pool, cfg.episode
-    probe = ServingSim(gpu, model, 1, engine=cfg.engine)
-    rollout = RolloutModel(probe, ep, cfg.engine.runtime_reserve_bytes)
-    if rollout.dedicated_batch < 1:
+    probe = ServingSim(gpu, model, model.tp, engine=cfg.engine)  # one replica
+    rollout = RolloutModel(probe, ep, cfg.engine.runtime_reserve_bytes, tp=cfg.rollout_tp)
+    if rollout.dedicated_batch <= 0:
         raise ValueError(f"model {model.name} leaves no room for one episode on {gpu.name}")
     slo = slo_for(probe, trace)
     costs = request_costs_s(probe, trace.prompt_tokens, trace.output_tokens)
@@ -100,7 +121,10 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     ded_rate = M * rollout.dedicated_rate
     every = cfg.decide_every or auto_decide_every(G, n_win, cfg.period_s, cfg.policy)
     # a policy model split over tp GPUs runs rollout on gang leases of tp GPUs of one node
-    policy = replace(cfg.policy, group_size=model.tp) if model.tp > 1 and cfg.policy.group_size == 1 else cfg.policy
+    policy = replace(cfg.policy, group_size=rollout.tp) if rollout.tp > 1 and cfg.policy.group_size == 1 else cfg.policy
+    # the smallest grant is what the rollout worker needs (its weight shard, the runtime reserve and one
+    # episode at its end): a smaller lease could not run rollout and would only shrink serving's KV cache
+    policy = replace(policy, min_lease_bytes=max(policy.min_lease_bytes, rollout.min_lease_bytes))
     ctx = RunContext(
         G,
         M,
@@ -117,6 +141,7 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         M * rollout.dedicated_batch / 2.0,
         ep.episodes_per_step / ded_rate,
         cfg.weight_delta_ratio,
+        cfg.elastic_cap_frac,
     )
 
     want = [p for p in POLICIES if p in cfg.policies]
@@ -153,6 +178,7 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
 
     load = {
         "request_cost_s": round(cost, 6),
+        "capacity_bound": capacity_bound(probe, trace.prompt_tokens, trace.output_tokens),
         "peak_to_mean": round(peak, 4),
         "rps_per_gpu": round(rps_gpu, 4),
         "trace_compress": round(stream.compress, 4),
@@ -230,7 +256,10 @@ def check_invariants(run: Run, st) -> None:
 def calibration(interference: dict | None, weights: dict | None) -> dict:
     """SimConfig fields from benchmark results (`rose bench interference|weights --json` objects).
 
-    Interference: the bench measures a serving step's p99 alone and beside a rollout worker
+    Interference, from a GPU (`alpha_per_share`, rose.bench._cuda): the least-squares slope of
+    serving's p99 slowdown over rollout's share with rollout on the lowest-priority CUDA stream,
+    the same ``1 + alpha × share`` the serving model applies. From the CPU bench (no
+    `alpha_per_share`): it measures a serving step's p99 alone and beside a rollout worker
     running flat out with no protection (every core, no priority, no guard); that phase is a
     share of 1, so ``alpha = unprotected_p99_over_alone - 1``. The unprotected phase is used
     because the simulator models the protection (the guard's pause) itself; the bench's nice-19
@@ -238,17 +267,25 @@ def calibration(interference: dict | None, weights: dict | None) -> dict:
     """
     out: dict = {}
     if interference is not None:
+        a = interference.get("alpha_per_share")
         r = interference.get("unprotected_p99_over_alone")
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
-            raise ValueError(
-                "--interference-bench: expected a positive unprotected_p99_over_alone "
-                "(the output of `rose bench interference --json`)"
+        where = f"rose bench interference ({interference.get('_source', 'result')}, device {interference.get('device', '?')}"
+        if a is not None:
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0:
+                raise ValueError("--interference-bench: alpha_per_share must be a number >= 0")
+            out["alpha"] = round(float(a), 4)
+            gpu = interference.get("gpu_name")
+            out["alpha_source"] = (
+                f"{where}{f', {gpu}' if gpu else ''}): p99 slowdown per unit of share, priority streams"
             )
-        out["alpha"] = round(max(0.0, float(r) - 1.0), 4)
-        out["alpha_source"] = (
-            f"rose bench interference ({interference.get('_source', 'result')}, device "
-            f"{interference.get('device', '?')}): unprotected p99 / alone = {r}"
-        )
+        else:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+                raise ValueError(
+                    "--interference-bench: expected alpha_per_share or a positive unprotected_p99_over_alone "
+                    "(the output of `rose bench interference --json`)"
+                )
+            out["alpha"] = round(max(0.0, float(r) - 1.0), 4)
+            out["alpha_source"] = f"{where}): unprotected p99 / alone = {r}"
     if weights is not None:
         r = weights.get("bytes_ratio_per_step")
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
@@ -275,3 +312,17 @@ def _static_episodes(ctx: RunContext) -> int:
     for _ in range(ctx.n_win):
         led.progress(w, np.array([ctx.ded_fill]), np.array([ctx.ded_rate * ctx.dt]))
     return led.completed
+
+
+def simulate_seeds(trace: Trace, cfg: SimConfig, seeds: int = 1) -> dict:
+    """`simulate` under seeds cfg.seed, cfg.seed + 1, ...: one result with each policy's mean and
+    95 % interval over the seeds (rose.sim.report.across_seeds); one seed: simulate's result."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if seeds == 1:
+        return simulate(trace, cfg)
+    runs = [
+        simulate(trace, replace(cfg, seed=cfg.seed + k, record_series=cfg.record_series and k == 0))
+        for k in range(seeds)
+    ]
+    return across_seeds(runs)

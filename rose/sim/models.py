@@ -7,7 +7,8 @@ episode and rollout-rate model: docs/simulator.md "The agentic RL job".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,15 +23,44 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class ModelSize:
-    """Shape of a served model: what sets weight memory, KV memory and FLOPs."""
+    """Shape of a served model, from its `config.json` on the Hugging Face hub (`repo`; field
+    names in the comments): what sets weight memory, KV memory and FLOPs. `tp` is the tensor
+    parallel degree it is served with (0: `serving_tp` picks it for the GPU)."""
 
     name: str
-    params: float
-    layers: int
-    kv_heads: int
-    head_dim: int
-    tp: int = 1  # GPUs per replica (tensor parallel)
-    bytes_per_param: int = 2  # bf16
+    repo: str  # hub repo id whose config.json gives the fields below
+    layers: int  # num_hidden_layers
+    hidden: int  # hidden_size
+    heads: int  # num_attention_heads
+    kv_heads: int  # num_key_value_heads (GQA)
+    intermediate: int  # intermediate_size (SwiGLU MLP: gate, up and down projections)
+    vocab: int  # vocab_size
+    max_context: int  # max_position_embeddings
+    tied_embeddings: bool = False  # tie_word_embeddings
+    qkv_bias: bool = False  # q/k/v projections with a bias (Qwen2: "Attention QKV bias", model card)
+    tp: int = 0
+    bytes_per_param: int = 2  # bf16 (torch_dtype)
+
+    @property
+    def head_dim(self) -> int:
+        """hidden_size / num_attention_heads (none of the presets sets head_dim apart)."""
+        return self.hidden // self.heads
+
+    @property
+    def params(self) -> float:
+        """Parameters counted from the shape: per layer q/o (hidden²), k/v (hidden × KV width),
+        the three MLP projections and two RMSNorms; the embedding and, untied, the LM head."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attn = 2 * h * h + 2 * h * kv + (h + 2 * kv if self.qkv_bias else 0)
+        layer = attn + 3 * h * self.intermediate + 2 * h
+        emb = self.vocab * h * (1 if self.tied_embeddings else 2)
+        return float(self.layers * layer + emb + h)
+
+    @property
+    def flop_params(self) -> float:
+        """Parameters a token multiplies through (2 FLOPs each): all but the input embedding,
+        a table lookup (Kaplan et al. 2020, "Scaling Laws", C_forward ≈ 2N)."""
+        return self.params - (0 if self.tied_embeddings else self.vocab * self.hidden)
 
     @property
     def weight_bytes(self) -> int:
@@ -38,19 +68,34 @@ class ModelSize:
 
     @property
     def weight_bytes_per_gpu(self) -> int:
-        return self.weight_bytes // self.tp
+        return self.weight_bytes // max(1, self.tp)
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """K and V of one token over every layer, the whole model."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
 
+    def kv_bytes_per_token_per_gpu(self, tp: int) -> int:
+        """What one GPU of a TP group holds per token: its share of the KV heads, or one
+        replicated head when tp > kv_heads (vLLM replicates KV heads then)."""
+        return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * self.bytes_per_param
 
+
+# Shapes from each repo's config.json (fields named in ModelSize); parameter counts computed from
+# them agree with the model cards' within 1% (tests/test_serving_model.py). Llama-3.1 for 8B and
+# 70B, Qwen2.5 (base) for 7B, 14B and 32B: the grouped-query-attention models RL post-training
+# starts from. docs/simulator.md "Model sizes" lists them.
 MODELS: dict[str, ModelSize] = {
-    "7B": ModelSize("7B", 6.74e9, layers=32, kv_heads=32, head_dim=128),  # Llama-2-7B
-    "14B": ModelSize("14B", 14.17e9, layers=40, kv_heads=40, head_dim=128),  # Qwen-14B
-    "32B": ModelSize("32B", 32.76e9, layers=64, kv_heads=8, head_dim=128),  # Qwen2.5-32B
-    "70B": ModelSize("70B", 68.98e9, layers=80, kv_heads=8, head_dim=128, tp=2),  # Llama-2-70B
+    m.name: m
+    for m in (
+        ModelSize("7B", "Qwen/Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064, 131072, qkv_bias=True),
+        ModelSize("8B", "meta-llama/Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256, 131072),
+        ModelSize("14B", "Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064, 131072, qkv_bias=True),
+        ModelSize("32B", "Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064, 131072, qkv_bias=True),
+        ModelSize("70B", "meta-llama/Llama-3.1-70B", 80, 8192, 64, 8, 28672, 128256, 131072),
+    )
 }
+TP_CHOICES = (1, 2, 4, 8)  # within one 8-GPU NVLink node
 
 
 @dataclass(frozen=True)
@@ -67,6 +112,9 @@ class GpuSpec:
     allreduce_s: float = 10e-6  # one small NVLink all-reduce (per layer, twice per iteration, tp > 1)
 
 
+# NVIDIA datasheets: H100 SXM5 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16 (1,979 with
+# sparsity); H200 SXM 141 GB HBM3e, 4.8 TB/s, the same 989 TFLOP/s. Memory as NVML reports it
+# (the total telemetry carries): 81,559 MiB and 143,771 MiB.
 GPUS: dict[str, GpuSpec] = {
     "H100": GpuSpec("H100", 81_559 * MiB, 3.35e12, 989e12),
     "H200": GpuSpec("H200", 143_771 * MiB, 4.8e12, 989e12),
@@ -98,6 +146,41 @@ def gpu_spec(name: str) -> GpuSpec:
     return g
 
 
+def check_tp(model: ModelSize, tp: int) -> None:
+    """ValueError unless `model` can run tensor parallel over `tp` GPUs: one node (at most 8),
+    the attention heads split evenly, and the KV heads split or replicated evenly (vLLM's checks)."""
+    if tp not in TP_CHOICES:
+        raise ValueError(f"tensor parallel {tp} not in {TP_CHOICES} (one 8-GPU node)")
+    if model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+        raise ValueError(
+            f"model {model.name} ({model.heads} heads, {model.kv_heads} KV heads) does not split over tp={tp}"
+        )
+
+
+def serving_tp(model: ModelSize, gpu: GpuSpec, reserve_bytes: int = EngineConfig.runtime_reserve_bytes) -> int:
+    """The default serving TP: the fewest GPUs that host the model, i.e. whose KV room after the
+    weight shard and the runtime reserve holds one sequence of its full context (vLLM refuses to
+    start otherwise; NVIDIA NIM's throughput profiles use the fewest GPUs that host a model)."""
+    for tp in TP_CHOICES:
+        try:
+            check_tp(model, tp)
+        except ValueError:
+            continue
+        room = gpu.mem_bytes - model.weight_bytes // tp - reserve_bytes
+        if room >= model.max_context * model.kv_bytes_per_token_per_gpu(tp):
+            return tp
+    raise ValueError(f"model {model.name} does not fit one node of {gpu.name}")
+
+
+def deployed(
+    model: ModelSize, gpu: GpuSpec, tp: int = 0, reserve_bytes: int = EngineConfig.runtime_reserve_bytes
+) -> ModelSize:
+    """`model` with its serving TP: `tp`, or (0) the default for `gpu` (`serving_tp`)."""
+    tp = tp or model.tp or serving_tp(model, gpu, reserve_bytes)
+    check_tp(model, tp)
+    return replace(model, tp=tp)
+
+
 @dataclass(frozen=True)
 class EpisodeModel:
     """One agentic episode (ReAct-style tool use) and the RL step that consumes them."""
@@ -112,44 +195,75 @@ class EpisodeModel:
 
     @property
     def ctx_max(self) -> int:
+        """The context at the episode's end."""
         return self.prompt_tokens + self.turns * (self.gen_tokens + self.obs_tokens)
+
+    @property
+    def ctx_mean(self) -> float:
+        """The context an episode holds on average over its life: the prompt plus half of what
+        its turns add (turns of equal length). With paged KV an episode holds its current
+        context, so this is its time-averaged KV."""
+        return self.prompt_tokens + self.turns * (self.gen_tokens + self.obs_tokens) / 2
 
 
 class RolloutModel:
-    """Episode rate of one GPU running B concurrent episodes, from the serving roofline."""
+    """Episode rate of a GPU running rollout, from the serving roofline at the rollout's TP.
 
-    def __init__(self, sim: ServingSim, ep: EpisodeModel, reserve_bytes: int):
+    A rollout replica spans `tp` GPUs (gang leases when tp > 1) and runs B concurrent episodes
+    with paged KV (docs/simulator.md "The agentic RL job"). Batches are the replica's; rates and
+    `batch_for` are per GPU (the replica's over tp), so pools and leases compare GPU for GPU."""
+
+    def __init__(self, sim: ServingSim, ep: EpisodeModel, reserve_bytes: int, tp: int = 0):
+        self.tp = tp or sim.tp
+        if self.tp != sim.tp:  # the RL policy sharded otherwise than the served model
+            from rose.sim.serving_model import ServingSim
+
+            sim = ServingSim(sim.gpu, replace(sim.model, tp=self.tp), self.tp, engine=sim.engine)
         self.ep, self.sim = ep, sim
         self.weights = sim.model.weight_bytes_per_gpu
         self.reserve = reserve_bytes
-        self.kv_episode = ep.ctx_max * sim.kv
-        self.rate_by_batch = np.array([self._rate(b) for b in range(ep.batch + 1)])
+        self.kv_episode = ep.ctx_mean * sim.kv  # per GPU of the replica, time-averaged (paged)
+        self.kv_growth = (ep.ctx_max - ep.ctx_mean) * sim.kv  # one episode at its end, over the mean
+        self.max_batch = ep.batch * self.tp
+        self.rate_by_batch = np.array([self._rate(b) for b in range(self.max_batch + 1)]) / self.tp
 
     def _rate(self, b: int) -> float:
+        """Episodes/s of a replica running b episodes."""
         if b <= 0:
             return 0.0
         ep, sim = self.ep, self.sim
         prefill = (ep.prompt_tokens / ep.turns + ep.obs_tokens) * sim.p_tok
-        ctx_avg = ep.prompt_tokens + ep.turns * (ep.gen_tokens + ep.obs_tokens) / 2
         f = 0.5
         for _ in range(30):  # fixed point of the share of episodes decoding
             bd = max(1.0, b * f)
-            step = float(sim.step_time(np.array([bd]), np.array([bd * ctx_avg]))[0])
+            step = float(sim.step_time(np.array([bd]), np.array([bd * ep.ctx_mean]))[0])
             dec = ep.gen_tokens * step
             f = (dec + prefill) / (dec + prefill + ep.tool_s)
         return b / (ep.turns * (prefill + dec + ep.tool_s))
 
+    def replica_batch(self, mem_bytes):
+        """Concurrent episodes of a replica whose GPUs each have `mem_bytes` (0: cannot run
+        rollout): B - 1 episodes at their mean context and one at its end fit beside the weights."""
+        room = np.asarray(mem_bytes, dtype=np.float64) - self.weights - self.reserve - self.kv_growth
+        return np.clip(np.floor(room / self.kv_episode), 0, self.max_batch).astype(np.int64)
+
     def batch_for(self, mem_bytes):
-        """Concurrent episodes that fit `mem_bytes` (0: cannot run rollout)."""
-        room = np.asarray(mem_bytes, dtype=np.float64) - self.weights - self.reserve
-        return np.clip(np.floor(room / self.kv_episode), 0, self.ep.batch).astype(np.int64)
+        """Episodes per GPU (the replica's over tp) that fit `mem_bytes` on each of its GPUs."""
+        return self.replica_batch(mem_bytes) / self.tp
 
     def rate(self, mem_bytes, share=1.0):
-        return self.rate_by_batch[self.batch_for(mem_bytes)] * share
+        """Episodes/s per GPU with `mem_bytes` and compute `share` on each GPU of the replica."""
+        return self.rate_by_batch[self.replica_batch(mem_bytes)] * share
 
     @property
-    def dedicated_batch(self) -> int:
-        return int(self.batch_for(self.sim.gpu.mem_bytes))
+    def min_lease_bytes(self) -> int:
+        """The smallest memory per GPU that runs rollout: the weight shard, the reserve and one
+        episode at its end."""
+        return int(math.ceil(self.weights + self.reserve + self.kv_growth + self.kv_episode))
+
+    @property
+    def dedicated_batch(self) -> float:
+        return float(self.batch_for(self.sim.gpu.mem_bytes))
 
     @property
     def dedicated_rate(self) -> float:

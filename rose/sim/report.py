@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import orjson
+
+from rose.obs.stats import mean_ci95
 
 if TYPE_CHECKING:
     from rose.sim.engine import SimConfig
@@ -16,6 +19,7 @@ if TYPE_CHECKING:
     from rose.sim.traces import Trace
 
 SLO_TOLERANCE = 0.005  # ROSE's attainment counts as equal to static's within this
+VALID_STATIC_SLO = 0.95  # a run whose static baseline meets its SLO less often is not a valid comparison
 PLOTS = ("serving_p99_vs_slo.png", "throughput.png", "leased_gpus.png")
 COLORS = {"static": "tab:gray", "elastic": "tab:blue", "share-all": "tab:red", "rose": "tab:green"}
 
@@ -58,8 +62,10 @@ def result_of(
                 "buffered": led.completed - led.steps() * ep.episodes_per_step,
             },
             "min_free_mem_bytes": run.min_free_bytes,
+            "harvest_per_serving_gpu": (harvest := harvest_per_serving_gpu(run, ctx)),
         }
         if p in ("share-all", "rose"):
+            res["gain_from_harvest"] = round(1.0 + ctx.G / ctx.M * harvest, 4)
             res.update(
                 mean_leased_gpus=round(run.lease_gpu_s / (hours * 3600.0), 3),
                 mean_leased_compute=round(run.lease_share_s / (hours * 3600.0), 3),
@@ -85,6 +91,7 @@ def result_of(
             "tensor_parallel": model.tp,
             "gpu": ctx.gpu.name,
             "lease_group_size": ctx.policy.group_size,  # GPUs per ROSE lease: gang leases when > 1
+            "rollout_tensor_parallel": ctx.rollout.tp,
         },
         "config": {
             "trace": trace.name,
@@ -116,9 +123,39 @@ def result_of(
             "slo_tolerance": SLO_TOLERANCE,
         },
     }
+    out.update(validity(pol))
     if cfg.record_series:
         out["series"] = {p: run.series for p, run in runs.items()}
     return out
+
+
+def harvest_per_serving_gpu(run: Run, ctx: RunContext) -> float:
+    """Rollout work the policy did on serving GPUs (leases, shares) in dedicated-GPU
+    equivalents (the work one dedicated rollout GPU does over the run), per serving GPU: what
+    the ledger produced beyond the dedicated pool and the external GPUs, whose rates are fixed.
+    So ``gain ≈ 1 + (G / M) × harvest`` (docs/simulator.md "What the gain is made of")."""
+    seconds = ctx.n_win * ctx.dt
+    per_gpu = ctx.rollout.dedicated_rate  # episodes/s of one dedicated GPU
+    own = ctx.ded_rate * seconds + run.ext_gpu_s * per_gpu
+    if per_gpu <= 0 or seconds <= 0:
+        return 0.0
+    return round(max(0.0, run.ledger.produced - own) / (per_gpu * seconds * ctx.G), 6)
+
+
+def validity(policies: dict[str, dict]) -> dict:
+    """`valid` and, when not, `invalid_reason`: a run is a valid comparison only when serving
+    alone (the static baseline's serving) meets its SLO in at least VALID_STATIC_SLO of the
+    (GPU, window) pairs; below that the fleet is overloaded and every gain is measured on it."""
+    base = policies.get("static") or policies.get("elastic")  # the same serving, alone
+    if base is None:
+        return {"valid": None, "invalid_reason": "no static baseline in the run"}
+    att = base["slo_attainment"]
+    if att < VALID_STATIC_SLO:
+        return {
+            "valid": False,
+            "invalid_reason": f"static baseline SLO attainment {att:.5f} < {VALID_STATIC_SLO:g}: serving is overloaded",
+        }
+    return {"valid": True}
 
 
 def markdown(result: dict) -> str:
@@ -127,12 +164,16 @@ def markdown(result: dict) -> str:
     lines = [
         f"# rose simulate: {c['trace']}",
         "",
-        f"{c['gpus']} serving GPUs ({c['gpu']}, {c['model_size']}) and {c['dedicated']} dedicated rollout GPUs, "
+        f"{c['gpus']} serving GPUs ({c['gpu']}, {c['model_size']}, tensor parallel "
+        f"{result['fleet']['tensor_parallel']}; rollout TP {result['fleet']['rollout_tensor_parallel']}) "
+        f"and {c['dedicated']} dedicated rollout GPUs, "
         f"{c['duration_s']:g} s of trace time in {c['windows']} windows of {c['period_s']:g} s; "
-        f"seed {c['seed']}; wall time {result['wall_s']:.1f} s.",
+        f"{_seeds_text(c)}; wall time {result['wall_s']:.1f} s.",
         "",
+        *([f"**Not a valid comparison: {result['invalid_reason']}.**", ""] if result.get("valid") is False else []),
         f"- Serving SLO (p99): TTFT {c['slo_ms']['ttft_p99']:g} ms, TPOT {c['slo_ms']['tpot_p99']:g} ms.",
-        f"- Load: {c['rps_per_gpu']:g} requests/s per GPU (busiest minute at {c['load']:g} of roofline capacity, "
+        f"- Load: {c['rps_per_gpu']:g} requests/s per GPU (busiest minute at {c['load']:g} of its capacity, "
+        f"{c['capacity_bound']}-bound; "
         f"peak/mean {c['peak_to_mean']:g}); trace compressed ×{c['trace_compress']:g}, "
         f"{c['trace_copies']} shifted copies, each request kept with p={c['trace_keep']:g}.",
         f"- Policy telemetry every {c['telemetry_period_s']:g} s (decide_every {c['decide_every']}).",
@@ -142,23 +183,87 @@ def markdown(result: dict) -> str:
         f"{c['rollout']['dedicated_episodes_per_s']:g} episodes/s each; "
         f"{c['episode']['episodes_per_step']} episodes per RL step.",
         "",
-        "| policy | episodes/h | RL steps/h | gain vs static | SLO attainment | revokes | throttles | weight sync GB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | episodes/h | RL steps/h | gain vs static | SLO attainment | harvest per serving GPU | "
+        "1 + (G/M) × harvest | revokes | throttles | weight sync GB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    gm = result["fleet"]["serving_gpus"] / result["fleet"]["dedicated_gpus"]
     for p, r in result["policies"].items():
+        ident = f"{r['gain_from_harvest']:.3f}" if "gain_from_harvest" in r else "–"
         lines.append(
             f"| {p} | {r['episodes_per_hour']:.1f} | {r['rl_steps_per_hour']:.2f} | "
-            f"{r['gain_vs_static']:.3f} | {r['slo_attainment']:.5f} | {r['revokes']} | {r['throttles']} | "
+            f"{with_ci(r, 'gain_vs_static', 3)} | {with_ci(r, 'slo_attainment', 5)} | "
+            f"{with_ci(r, 'harvest_per_serving_gpu', 4)} | {ident} | {r['revokes']:g} | {r['throttles']:g} | "
             f"{r['weight_sync_bytes'] / 1e9:.1f} |"
         )
     lines += [
         "",
         "SLO attainment is the fraction of (GPU, window) pairs whose TTFT and TPOT p99 are both within "
-        "the SLO. The model behind every figure is described in `docs/simulator.md`.",
+        "the SLO. Harvest is the rollout work done on serving GPUs, in dedicated rollout GPUs' worth, per "
+        f"serving GPU; the gain is about 1 + (G/M) × harvest with G/M = {gm:g} (the pipeline fill and the "
+        "work still in flight at the end make up the difference). ± is the half-width of a 95 % Student t "
+        "interval over the seeds. The model behind every figure is described in `docs/simulator.md`.",
         "",
     ]
     lines += [f"![{name}]({name})" for name in PLOTS if "series" in result]
     return "\n".join(lines) + "\n"
+
+
+HEADLINE = ("episodes_per_hour", "gain_vs_static", "slo_attainment", "harvest_per_serving_gpu")
+
+
+def across_seeds(results: list[dict]) -> dict:
+    """Runs of one configuration under several seeds, as one result: each policy's numeric
+    figures are their mean over the seeds, and ``ci95`` holds the two-sided 95 % Student t
+    interval [low, high] of each HEADLINE figure (None with one seed); ``per_seed`` keeps every
+    seed's headline figures. The first seed's run gives the rest (fleet, config, series)."""
+    first = results[0]
+    out = {k: v for k, v in first.items() if k not in ("policies", "wall_s")}
+    out["config"] = {**first["config"], "seeds": [r["config"]["seed"] for r in results]}
+    pol: dict[str, dict] = {}
+    for p, r0 in first["policies"].items():
+        rs = [r["policies"][p] for r in results]
+        agg: dict = {}
+        for k, v in r0.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and all(x.get(k) is not None for x in rs):
+                agg[k] = round(statistics.fmean(x[k] for x in rs), 6)
+            elif not isinstance(v, dict):
+                agg[k] = v
+        agg["ci95"] = {}
+        for k in HEADLINE:
+            if k in r0 and all(x.get(k) is not None for x in rs):
+                _m, ci = mean_ci95([x[k] for x in rs])
+                agg["ci95"][k] = None if ci is None else [round(ci[0], 6), round(ci[1], 6)]
+        pol[p] = agg
+    out["policies"] = pol
+    out["per_seed"] = [
+        {
+            "seed": r["config"]["seed"],
+            "policies": {p: {k: x.get(k) for k in HEADLINE} for p, x in r["policies"].items()},
+        }
+        for r in results
+    ]
+    if any("valid" in r for r in results):
+        bad = [r for r in results if r.get("valid") is False]
+        out["valid"] = not bad and all(r.get("valid") for r in results)
+        if bad:
+            out["invalid_reason"] = f"seed {bad[0]['config']['seed']}: {bad[0].get('invalid_reason')}"
+        else:
+            out.pop("invalid_reason", None)
+    out["wall_s"] = round(sum(r["wall_s"] for r in results), 3)
+    return out
+
+
+def with_ci(r: dict, key: str, nd: int) -> str:
+    """`key` of a policy's result, with ± the half-width of its 95 % interval when it has one."""
+    v = r[key]
+    ci = (r.get("ci95") or {}).get(key)
+    return f"{v:.{nd}f}" if not ci else f"{v:.{nd}f} ± {(ci[1] - ci[0]) / 2:.{nd}f}"
+
+
+def _seeds_text(c: dict) -> str:
+    seeds = c.get("seeds")
+    return f"seed {c['seed']}" if not seeds or len(seeds) < 2 else f"seeds {', '.join(map(str, seeds))}"
 
 
 def write_report(result: dict, out_dir: str | Path) -> list[Path]:
@@ -249,31 +354,3 @@ def _plots(result: dict, d: Path) -> list[Path]:
     fig.savefig(out[-1], dpi=110)
     plt.close(fig)
     return out
-
-
-PAPER_CLAIM = "1.20–3.31× RL throughput over the baselines, no serving SLO violation, gain growing with model size"
-
-
-def paper_check_markdown(results: list[dict], command: str) -> str:
-    """The paper-check table: per (trace, model size), ROSE's gain and every policy's SLO attainment."""
-    lines = [
-        f"Command: `{command}`",
-        "",
-        f"Paper's claim: {PAPER_CLAIM}.",
-        "",
-        "| trace | model | ROSE gain vs static | vs elastic | elastic gain | share-all gain | "
-        "SLO static | SLO ROSE | SLO share-all | ROSE keeps SLO | mean leased GPUs | leases unusable | wall s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|",
-    ]
-    for r in results:
-        c, p = r["config"], r["policies"]
-        st, el, sa, ro = p["static"], p["elastic"], p["share-all"], p["rose"]
-        keeps = ro["slo_attainment"] >= st["slo_attainment"] - c["slo_tolerance"]
-        vs_el = ro["episodes"] / el["episodes"] if el["episodes"] else float("nan")
-        lines.append(
-            f"| {c['trace']} | {c['model_size']} | {ro['gain_vs_static']:.3f} | {vs_el:.3f} | "
-            f"{el['gain_vs_static']:.3f} | {sa['gain_vs_static']:.3f} | {st['slo_attainment']:.5f} | "
-            f"{ro['slo_attainment']:.5f} | {sa['slo_attainment']:.5f} | {'yes' if keeps else 'NO'} | "
-            f"{ro['mean_leased_gpus']:.1f} | {ro['leases_unusable']} | {r['wall_s']:.1f} |"
-        )
-    return "\n".join(lines) + "\n"

@@ -24,13 +24,41 @@ TTFT_SLO_SCALE = 5.0  # × unloaded TTFT of the trace's p99 prompt
 TPOT_SLO_SCALE = 2.0  # × unloaded decode step beside a full prefill chunk
 
 
-def request_costs_s(sim: ServingSim, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
-    """GPU-seconds each request costs at the roofline (docs/simulator.md "Load mapping")."""
+def roofline_costs_s(sim: ServingSim, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
+    """Replica-seconds of compute each request costs at the roofline (docs/simulator.md "Load mapping")."""
     P = prompt.astype(np.float64)
     O = output.astype(np.float64)
     ctx = B_REF * float(np.mean(P + O / 2)) if P.size else 0.0
     step = float(sim.step_time(np.array([B_REF]), np.array([ctx]))[0])
     return P * sim.p_tok + np.ceil(P / sim.engine.chunk_tokens) * sim.engine.step_overhead_s + O * step / B_REF
+
+
+def kv_costs_s(sim: ServingSim, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
+    """Replica-seconds of the whole KV cache each request holds (docs/simulator.md "Load mapping"):
+    its context, ``P + O/2`` on average while it decodes, for its ``O`` decode steps, over the
+    replica's KV capacity. The step is the one of a full KV cache holding the output-weighted
+    mean request (Little's law: ``B = cap × E[O] / E[O (P + O/2)]`` requests decoding)."""
+    P = prompt.astype(np.float64)
+    O = output.astype(np.float64)
+    cap = float(sim.kv_capacity_tokens()[0])
+    held = O * (P + O / 2)  # context token-steps
+    if not P.size or cap <= 0 or held.sum() <= 0:
+        return np.zeros(P.size)
+    batch = cap * float(O.sum()) / float(held.sum())
+    step = float(sim.step_time(np.array([batch]), np.array([cap]))[0])
+    return held * step / cap
+
+
+def request_costs_s(sim: ServingSim, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
+    """GPU-seconds each request costs on the resource that binds first (the larger mean): the
+    roofline's compute or the KV cache's memory; a replica's seconds count for its tp GPUs."""
+    roof, kv = roofline_costs_s(sim, prompt, output), kv_costs_s(sim, prompt, output)
+    return sim.tp * (kv if kv.sum() > roof.sum() else roof)
+
+
+def capacity_bound(sim: ServingSim, prompt: np.ndarray, output: np.ndarray) -> str:
+    """Which resource sizes a serving GPU's request rate for this trace: 'roofline' or 'kv'."""
+    return "kv" if kv_costs_s(sim, prompt, output).sum() > roofline_costs_s(sim, prompt, output).sum() else "roofline"
 
 
 def peak_to_mean(trace: Trace, costs: np.ndarray, duration_s: float, compress: float) -> float:

@@ -27,7 +27,7 @@ SHARE_ALL_SHARE = 0.5  # = PolicyConfig.max_compute_share: the most ROSE would e
 SHARE_ALL_MEM_FRAC = 0.5  # of the memory serving does not hold at start
 ELASTIC_PROVISION_S = 180.0  # request -> usable external GPU (VM/pod start, image, weights)
 ELASTIC_CAP_FRAC = 0.25  # cost cap: external GPUs at once, as a fraction of the static pool
-ELASTIC_TARGET_STEP_FRAC = 0.8  # add GPUs while a step would take longer than this × static's
+# elastic adds GPUs while a step would take longer than static's / (1 + cap frac): the step its cap allows
 
 
 @dataclass
@@ -49,6 +49,7 @@ class RunContext:
     ded_fill: float  # its pipeline fill, episode units
     step_static_s: float  # one RL step's rollout on the dedicated pool alone, s
     delta_ratio: float  # weight delta bytes / full, per RL step
+    elastic_cap_frac: float = ELASTIC_CAP_FRAC  # elastic: external GPUs at once, × M
 
 
 class Run:
@@ -120,7 +121,7 @@ class ElasticRun(Run):
         super().__init__(name, ctx, sim)
         self.ext_w = np.zeros(0)
         self.requested: list[float] = []  # ready times of requested GPUs not yet arrived
-        self.cap = max(1, math.floor(ELASTIC_CAP_FRAC * ctx.M))
+        self.cap = max(1, math.floor(ctx.elastic_cap_frac * ctx.M))
 
     def in_flight(self) -> float:
         return float(self.ded_w.sum() + self.ext_w.sum())
@@ -147,7 +148,7 @@ class ElasticRun(Run):
             )
             self.ext_gpu_s += n * c.dt
         backlog = c.ep.episodes_per_step - led.completed % c.ep.episodes_per_step
-        per_gpu = c.rollout.dedicated_rate * ELASTIC_TARGET_STEP_FRAC * c.step_static_s
+        per_gpu = c.rollout.dedicated_rate * c.step_static_s / (1.0 + c.elastic_cap_frac)
         want = min(self.cap, max(0, math.ceil(backlog / per_gpu) - c.M))
         more = want - n - len(self.requested)
         if more > 0:
@@ -207,7 +208,7 @@ class RoseRun(Run):
         self.mem = np.zeros(G, dtype=np.int64)
         self.share = np.zeros(G)
         self.exp = np.zeros(G)
-        self.batch = np.zeros(G, dtype=np.int64)  # episodes the lease holds (0: too small to run rollout)
+        self.batch = np.zeros(G)  # episodes per GPU the lease holds (0: too small to run rollout)
         self.worker = np.zeros(G, dtype=bool)  # the lease's rollout worker, started by the machine
         self.worker_paused = np.zeros(G, dtype=bool)
         self.tripped = np.zeros(G, dtype=bool)  # the executors' local guard, per serving GPU

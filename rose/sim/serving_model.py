@@ -4,9 +4,10 @@ Pure: no I/O, no wall clock, no randomness (only `spread` draws, from its seed).
 `rose agent --simulate`, `rose simulate` and the demo. One call to `ServingSim.advance`
 moves every GPU of a fleet through one sampling window with a handful of numpy operations
 (a roofline of each engine iteration with chunked prefill, a fluid FIFO prefill queue, a
-decode running set, memory with an elastic KV cache, rollout interference `1 + alpha × share`),
-so 1,000 GPUs × an hour of 0.5 s windows runs in seconds. The model, its sources and its
-approximations: docs/simulator.md "The serving model". GPU and model presets: `rose.sim.models`.
+decode running set, memory with an elastic KV cache, rollout interference `1 + alpha × share`;
+a tensor-parallel replica of several GPUs is one engine), so 1,000 GPUs × an hour of 0.5 s
+windows runs in seconds. The model, its sources and its approximations: docs/simulator.md
+"The serving model". GPU and model presets: `rose.sim.models`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rose.config import GiB
-from rose.sim.models import EngineConfig, GpuSpec, ModelSize
+from rose.sim.models import EngineConfig, GpuSpec, ModelSize, deployed
 
 ALPHA = 1.0  # serving slowdown per unit of rollout compute share (docs/simulator.md "Interference")
 P99 = 0.99
@@ -46,9 +47,12 @@ class WindowStats:
 class ServingSim:
     """Every GPU of a fleet serving one model with continuous batching (docs/simulator.md "The serving model").
 
-    `advance(t_until, gpu_idx, arrival_s, prompt_tokens, output_tokens)` takes the requests
-    that arrive in [t, t_until) (any order; `gpu_idx` says which GPU each goes to) and returns
-    the window's WindowStats. `set_rollout` states the current lease of some GPUs.
+    The fleet's `n_gpus` GPUs form `replicas` engines of `tp` GPUs each (tensor parallel; the
+    model's `tp`, or the default for the GPU, `rose.sim.models.serving_tp`); GPUs
+    ``r*tp .. r*tp+tp-1`` are replica r. `advance(t_until, replica_idx, arrival_s,
+    prompt_tokens, output_tokens)` takes the requests that arrive in [t, t_until) (any order;
+    `replica_idx` says which replica each goes to: the GPU when tp = 1) and returns the window's
+    WindowStats, one entry per GPU. `set_rollout` states the current lease of some GPUs.
     """
 
     def __init__(
@@ -63,28 +67,35 @@ class ServingSim:
     ):
         if n_gpus < 1:
             raise ValueError(f"n_gpus must be >= 1, got {n_gpus}")
+        model = deployed(model, gpu, 0, engine.runtime_reserve_bytes)
+        tp = model.tp
+        if n_gpus % tp:
+            raise ValueError(f"{n_gpus} GPUs do not split into replicas of tp={tp} GPUs ({model.name} on {gpu.name})")
         self.gpu, self.model, self.engine, self.alpha = gpu, model, engine, float(alpha)
-        self.n = n_gpus
+        self.n, self.tp, self.replicas = n_gpus, tp, n_gpus // tp
         self.t = float(t0)
-        self.static_bytes = model.weight_bytes_per_gpu + engine.runtime_reserve_bytes
+        self.static_bytes = model.weight_bytes_per_gpu + engine.runtime_reserve_bytes  # per GPU
         if self.static_bytes >= gpu.mem_bytes:
             raise ValueError(
-                f"model {model.name} (tp={model.tp}) does not fit {gpu.name}: "
+                f"model {model.name} (tp={tp}) does not fit {gpu.name}: "
                 f"{self.static_bytes / GiB:.1f} GiB > {gpu.mem_bytes / GiB:.1f} GiB"
             )
-        self.kv = model.kv_bytes_per_token
-        self.p_tok = 2 * model.params / (gpu.bf16_flops * gpu.prefill_mfu)  # s per prompt token
-        self.w_time = model.weight_bytes_per_gpu / (gpu.hbm_bytes_per_s * gpu.bw_efficiency)
-        self.kv_time = self.kv / (gpu.hbm_bytes_per_s * gpu.bw_efficiency)  # s per cached token
-        self.flop_time = 2 * model.params / (gpu.bf16_flops * gpu.decode_mfu)  # s per batched token
-        self.comm = 2 * model.layers * gpu.allreduce_s if model.tp > 1 else 0.0
-        z = lambda: np.zeros(n_gpus)  # noqa: E731
-        # queue (waiting for prefill): requests, prompt tokens (incl. recompute), output tokens
+        # a replica's rates: tp GPUs stream their weight and KV shards and share the FLOPs
+        self.kv = model.kv_bytes_per_token_per_gpu(tp)  # bytes per context token on each GPU
+        bw = gpu.hbm_bytes_per_s * gpu.bw_efficiency
+        self.p_tok = 2 * model.flop_params / (tp * gpu.bf16_flops * gpu.prefill_mfu)  # s per prompt token
+        self.w_time = model.weight_bytes_per_gpu / bw
+        self.kv_time = self.kv / bw  # s per cached token
+        self.flop_time = 2 * model.flop_params / (tp * gpu.bf16_flops * gpu.decode_mfu)  # s per batched token
+        self.comm = 2 * model.layers * gpu.allreduce_s if tp > 1 else 0.0
+        z = lambda: np.zeros(self.replicas)  # noqa: E731
+        # per replica. queue (waiting for prefill): requests, prompt tokens (incl. recompute), output tokens
         self.qn, self.qtok, self.qout = z(), z(), z()
         self.qpmax = z()  # largest prompt waiting (sets the prefill stall of the next window)
         # running set: requests, remaining output tokens, context tokens in KV cache
         self.N, self.R, self.C = z(), z(), z()
-        self.share, self.rollout_mem = z(), np.zeros(n_gpus, dtype=np.int64)
+        # per GPU: the rollout lease on it
+        self.share, self.rollout_mem = np.zeros(n_gpus), np.zeros(n_gpus, dtype=np.int64)
         self.rollout_running = np.zeros(n_gpus, dtype=bool)
 
     # ---- inputs ---------------------------------------------------------------------
@@ -99,31 +110,45 @@ class ServingSim:
         self.set_rollout(gpus, 0.0, False, 0)
 
     # ---- the model ------------------------------------------------------------------
+    def _worst(self, per_gpu: np.ndarray) -> np.ndarray:
+        """Per replica, the largest value of its GPUs."""
+        return per_gpu if self.tp == 1 else per_gpu.reshape(self.replicas, self.tp).max(axis=1)
+
+    def _per_gpu(self, per_replica: np.ndarray) -> np.ndarray:
+        return per_replica if self.tp == 1 else np.repeat(per_replica, self.tp)
+
     def step_time(self, batch: np.ndarray, ctx_tokens: np.ndarray) -> np.ndarray:
-        """One decode iteration (s) without interference: roofline + overhead."""
+        """One decode iteration (s) of a replica without interference: roofline + overhead."""
         mem = self.w_time + ctx_tokens * self.kv_time
         cmp = batch * self.flop_time
         return self.engine.step_overhead_s + np.maximum(mem, cmp) + self.comm
 
     def interference(self) -> np.ndarray:
-        return 1.0 + self.alpha * self.share * self.rollout_running
+        """Per replica: the slowdown of its most loaded GPU (TP ranks meet at every all-reduce),
+        ``1 + alpha × share`` capped at the time-slicing bound ``1 / (1 - share)``: rollout
+        holding a share of the GPU's time leaves serving at least the rest of it
+        (docs/simulator.md "Interference")."""
+        x = self._worst(self.share * self.rollout_running)
+        return np.minimum(1.0 + self.alpha * x, 1.0 / np.maximum(1.0 - x, 1e-9))
 
     def kv_capacity_tokens(self) -> np.ndarray:
-        return np.maximum(0, self.gpu.mem_bytes - self.static_bytes - self.rollout_mem) / self.kv
+        """Per replica: context tokens its KV cache can hold (every rank holds its share of each
+        token, so the GPU with the least room sets it)."""
+        return np.maximum(0, self.gpu.mem_bytes - self.static_bytes - self._worst(self.rollout_mem)) / self.kv
 
     def advance(
-        self, t_until: float, gpu_idx=None, arrival_s=None, prompt_tokens=None, output_tokens=None
+        self, t_until: float, replica_idx=None, arrival_s=None, prompt_tokens=None, output_tokens=None
     ) -> WindowStats:
-        eng, G = self.engine, self.n
+        eng, G = self.engine, self.replicas
         t0, t1 = self.t, float(t_until)
         dt = t1 - t0
         if dt <= 0:
             raise ValueError(f"t_until {t1} must be after the window start {t0}")
-        if gpu_idx is None:
+        if replica_idx is None:
             gi = np.zeros(0, dtype=np.int64)
             a = P = O = np.zeros(0)
         else:
-            gi = np.asarray(gpu_idx, dtype=np.int64)
+            gi = np.asarray(replica_idx, dtype=np.int64)
             a = np.asarray(arrival_s, dtype=np.float64)
             P = np.asarray(prompt_tokens, dtype=np.float64)
             O = np.asarray(output_tokens, dtype=np.float64)
@@ -232,8 +257,6 @@ class ServingSim:
         harmonic = np.where(N > 0, np.log1p(N) + 0.5772, 0.0)
         dec_busy = np.minimum(np.maximum(0.0, dt - busy_pf), s * m * harmonic)
         util = np.clip((busy_pf + np.where(N > 0, dec_busy, 0.0)) / dt, 0.0, 1.0)
-        rollout_busy = self.share * self.rollout_running
-        util = util + (1 - util) * rollout_busy
 
         # admitted requests join the running set (their first token came from prefill), as far
         # as slots and KV cache allow; the rest wait in the queue (prefilled again later)
@@ -269,20 +292,24 @@ class ServingSim:
         self.N, self.R, self.C = N_new, R_new, C_new
         self.t = t1
 
-        mem_used = (self.static_bytes + np.floor(C_new * self.kv)).astype(np.int64) + self.rollout_mem
+        # per GPU: every rank of a replica reports the replica's latency, load and KV share
+        each = self._per_gpu
+        util = each(util)
+        util = util + (1 - util) * (self.share * self.rollout_running)
+        mem_used = (self.static_bytes + np.floor(each(C_new) * self.kv)).astype(np.int64) + self.rollout_mem
         mem_used = np.minimum(mem_used, self.gpu.mem_bytes)
         return WindowStats(
             t_start=t0,
             t_end=t1,
-            ttft_p99_ms=ttft_p99 * 1000.0,
-            tpot_p99_ms=tpot * 1000.0,
-            rps=n_new / dt,
-            queue_depth=np.rint(self.qn).astype(np.int64),
+            ttft_p99_ms=each(ttft_p99 * 1000.0),
+            tpot_p99_ms=each(tpot * 1000.0),
+            rps=each(n_new / dt),
+            queue_depth=each(np.rint(self.qn).astype(np.int64)),
             gpu_util=util,
             mem_used_bytes=mem_used,
             rollout_mem_bytes=self.rollout_mem.copy(),
             mem_total_bytes=self.gpu.mem_bytes,
-            running=self.N.copy(),
+            running=each(self.N.copy()),
         )
 
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU check: ROSE's GPU parts on a real GPU (CUDA tests, the CUDA interference bench, the
+# pause latency, weight copies, the NVML agent), each on its own, JSON under OUT_DIR.
+# Needs Python 3 with torch and this repository; no Kafka, Redis, Java or package registry.
+# Missing pure-Python or binary packages: carry their wheels in a folder, pass --wheels DIR
+# (docs/paper-check.md "The GPU check" says which and how to download them).
+#
+#   deploy/gpu-check.sh OUT_DIR [--full] [--wheels DIR] [--only PART,...] [--dry-run]
+#
+# Then: rose simulate --interference-bench OUT_DIR/interference.json ...
+set -euo pipefail
+if [ $# -lt 1 ]; then
+  echo "usage: $0 OUT_DIR [--full] [--wheels DIR] [--only PART,...] [--dry-run]" >&2
+  exit 2
+fi
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m rose.bench._gpu_check "$@"

@@ -1,0 +1,158 @@
+"""The GPU check (deploy/gpu-check.sh, rose.bench._gpu_check) and its CUDA measurements
+(rose.bench._cuda): the plan and the skips on a machine without a GPU, the packages each part
+declares are all it needs beside torch, and the measurement logic on the CPU; on a GPU, the
+interference bench's result calibrates the simulator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rose.bench import _cuda, _gpu_check
+from rose.sim.engine import calibration
+
+TINY = _cuda.Shape(d_model=32, d_ff=64, layers=2, serving_batch=2, rollout_batch=4, rollout_burst=2)
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(_gpu_check.REPO / "deploy" / "gpu-check.sh"), *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_dry_run_writes_the_plan_and_runs_nothing(tmp_path):
+    p = _check(str(tmp_path / "out"), "--dry-run")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert plan["dry_run"] is True and plan["environment"]["torch"] != "imported"
+    assert set(plan["parts"]) == {"cuda-tests", "interference", "pause", "weights", "nvml-agent"}
+    for name, part in plan["parts"].items():
+        assert part["needs"][0] == "torch" and "status" not in part, name
+        assert part["would_run"] == (not part["missing"]), name
+    assert "revoke-kafka" in plan["not_run"]
+    assert _gpu_check.cuda_test_files() and all(f.startswith("tests/") for f in _gpu_check.cuda_test_files())
+
+
+def test_bad_part_is_one_line(tmp_path):
+    p = _check(str(tmp_path), "--only", "nope")
+    assert p.returncode == 2 and "--only" in p.stderr and "Traceback" not in p.stderr
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_has_cuda(), reason="checks the skips of a machine without a GPU")
+def test_without_a_gpu_every_part_is_skipped_with_its_reason(tmp_path):
+    p = _check(str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    s = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert s["environment"]["cuda_available"] is False
+    assert all(e["status"] == "skipped" and "CUDA" in e["reason"] for e in s["parts"].values())
+
+
+def test_wheels_are_unpacked_onto_the_path(tmp_path):
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "carried-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("carried_mod/__init__.py", "VALUE = 7\n")
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from rose.bench import _gpu_check
+        print(_gpu_check.add_wheels(Path({str(wheels)!r}), Path({str(tmp_path / "site")!r})))
+        import carried_mod
+        print(carried_mod.VALUE)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=_gpu_check.REPO)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["['carried-1.0-py3-none-any.whl']", "7"]
+
+
+@pytest.mark.parametrize("name", ["cuda-tests", "interference", "pause", "weights", "nvml-agent"])
+def test_each_part_needs_only_torch_and_its_declared_packages(name):
+    """In a process where every third-party module but PRESENT (torch, transformers and their
+    requirements) and the part's declared packages fails to import, the part's modules import."""
+    part = next(p for p in _gpu_check.parts() if p.name == name)
+    allowed = sorted({*_gpu_check.PRESENT, *part.packages})
+    code = textwrap.dedent(f"""
+        import importlib, importlib.abc, sys
+        allowed = set({allowed!r}) | set(sys.stdlib_module_names) | set(sys.builtin_module_names)
+
+        class Only(importlib.abc.MetaPathFinder):
+            def find_spec(self, fullname, path, target=None):
+                top = fullname.split(".")[0]
+                if top in allowed or top in ("rose", "tests") or top.startswith("_"):
+                    return None
+                raise ModuleNotFoundError(f"not on the GPU machine: {{fullname}}", name=top)
+
+        sys.meta_path.insert(0, Only())
+        for m in {list(part.modules)!r}:
+            importlib.import_module(m)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=_gpu_check.REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_alpha_fit_is_the_least_squares_slope_through_the_origin():
+    assert _cuda.fit_alpha([(0.25, 1.05), (0.5, 1.1), (1.0, 1.2)]) == pytest.approx(0.2)
+    assert _cuda.fit_alpha([(0.5, 0.9)]) == 0.0  # faster beside rollout: no negative slowdown
+    assert _cuda.fit_alpha([]) is None
+
+
+def test_measurements_run_on_the_cpu_and_calibrate_the_simulator():
+    r = _cuda.interference("cpu", shape=TINY, steps=20, shares=(0.5, 1.0), processes=False)
+    assert set(r["phases"]) == {"alone", "low_priority_share_0.5", "low_priority_share_1", "same_priority_share_1"}
+    for k, ph in r["phases"].items():
+        assert ph["n"] == 20 and ph["p99_ms"] > 0, k
+    assert r["alpha_per_share"] is not None and r["alpha_per_share"] >= 0
+    assert r["unprotected_p99_over_alone"] == r["phases"]["same_priority_share_1"]["p99_over_alone"]
+    cal = calibration({**r, "_source": "x.json"}, None)
+    assert cal["alpha"] == pytest.approx(r["alpha_per_share"]) and "priority streams" in cal["alpha_source"]
+    lat = _cuda.pause_latency("cpu", shape=TINY, n=3)
+    assert lat["n"] == 3 and lat["p99_ms"] >= 0
+
+
+@pytest.mark.cuda
+def test_cuda_interference_bench_gives_a_calibration_file(tmp_path):
+    r = _cuda.interference("cuda", quick=True, steps=50, processes=False)
+    assert r["device"] == "cuda" and r["gpu_name"]
+    assert r["phases"]["low_priority_share_1"]["rollout_steps_per_s"] > 0
+    f = tmp_path / "interference.json"
+    f.write_text(json.dumps(r))
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rose",
+            "simulate",
+            "--trace",
+            str(_gpu_check.REPO.parent / "shared" / "traces" / "burstgpt1_first400.csv"),
+            "--gpus",
+            "4",
+            "--duration",
+            "30",
+            "--interference-bench",
+            str(f),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["config"]["interference_alpha"] == pytest.approx(r["alpha_per_share"])
+
+
+@pytest.mark.cuda
+def test_cuda_pause_drains_the_rollout_stream_quickly():
+    lat = _cuda.pause_latency("cuda", quick=True, n=10)
+    assert lat["n"] == 10 and lat["p99_ms"] < 100  # a layer's kernels, not a whole step queue
