@@ -14,6 +14,7 @@ import pytest
 
 from rose.bench import _cuda, _gpu_check
 from rose.sim.engine import calibration
+from tests.conftest import TRACES
 
 TINY = _cuda.Shape(d_model=32, d_ff=64, layers=2, serving_batch=2, rollout_batch=4, rollout_burst=2)
 
@@ -121,6 +122,14 @@ def test_measurements_run_on_the_cpu_and_calibrate_the_simulator():
     assert lat["n"] == 3 and lat["p99_ms"] >= 0
 
 
+def test_codec_on_a_device_reproduces_the_target_and_reports_against_memcpy():
+    r = _cuda.codec_on_device("cpu", params=1_000_000)  # raises if apply does not give the target bytes
+    assert r["bytes"] == 2_000_000 and 0 < r["changed_fraction"] < 0.2
+    assert 0 < r["bytes_ratio_per_step"] < 0.05
+    assert r["encode_ms"] > r["encode_scan_ms"] * 0.5 > 0 and r["apply_ms"] > 0
+    assert r["encode_over_device_memcpy"] > 0 and r["goal_over_memcpy"] == 0.5
+
+
 @pytest.mark.cuda
 def test_cuda_interference_bench_gives_a_calibration_file(tmp_path):
     r = _cuda.interference("cuda", quick=True, steps=50, processes=False)
@@ -135,7 +144,7 @@ def test_cuda_interference_bench_gives_a_calibration_file(tmp_path):
             "rose",
             "simulate",
             "--trace",
-            str(_gpu_check.REPO.parent / "shared" / "traces" / "burstgpt1_first400.csv"),
+            str(TRACES / "burstgpt1_first400.csv"),
             "--gpus",
             "4",
             "--duration",

@@ -388,3 +388,92 @@ def host_to_device(device: str = "cuda", quick: bool = True) -> dict:
         best = percentile(times, 0.0) or math.inf
         out[f"{kind}_gb_per_s"] = round(nbytes / best / 1e9, 2)
     return out
+
+
+def codec_on_device(device: str = "cuda", quick: bool = True, params: int | None = None) -> dict:
+    """The lossless delta codec where the trainer's weights live: one Adam step at lr 1e-6 (past
+    its start-up) on fp32 masters on the device, its bf16 copy encoded against the last
+    version and applied to a receiver's copy, both on the device, each beside a
+    device-to-device copy of the same bytes (the memcpy of the 0.5x goal, on that device), and
+    the encode's time split into the device scan and the host's entropy coding."""
+    import torch
+
+    from rose.bench.weights import (
+        GOAL_APPLY_OVER_MEMCPY,
+        GOAL_ENCODE_OVER_MEMCPY,
+        GOAL_LR,
+        PATCH_PARAMS,
+        WARMUP_STEPS,
+        _sizes,
+    )
+    from rose.weights import codec, scan
+    from rose.weights.layout import make_layout
+    from rose.weights.rl_update import AdamLikeTrainer
+
+    dev = _Device(device)
+    params = params or PATCH_PARAMS  # a 108M-parameter model: 216 MB of bf16
+    sizes = _sizes(params)
+    trainer = AdamLikeTrainer(sizes, lr=GOAL_LR, device=device)
+    for _ in range(WARMUP_STEPS):
+        trainer.step()
+    layout = make_layout({n: ("bfloat16", (s,)) for n, s in sizes.items()})
+
+    def flat():  # a uint8 tensor of the layout on the device
+        buf = torch.zeros(layout.total, dtype=torch.uint8, device=dev.device)
+        state = trainer.bf16()
+        for t in layout.tensors:
+            buf[t.offset : t.offset + t.nbytes] = state[t.name].view(torch.uint8)
+        return buf
+
+    view = flat()
+    trainer.step()
+    target = flat()
+    work, scratch = view.clone(), torch.empty_like(view)
+    full = sum(t.nbytes for t in layout.tensors)
+
+    def timed(f) -> float:
+        dev.barrier()
+        t0 = time.perf_counter()
+        f()
+        dev.barrier()
+        return time.perf_counter() - t0
+
+    memcpy = lambda: scratch.copy_(view)  # noqa: E731
+    enc, app, cpy, scans = [], [], [], []
+    patches: list = []
+    for _ in range(3 if quick else 5):
+        work.copy_(view)
+        cpy.append(timed(memcpy))
+        enc.append(timed(lambda: patches.__setitem__(slice(None), codec.encode_state(layout, work, target)[0])))
+        work.copy_(view)
+        scans.append(
+            timed(
+                lambda: [
+                    scan.changed_t(work[s:e], target[s:e], 2)
+                    for s, e in map(layout.shard_range, range(layout.num_shards))
+                ]
+            )
+        )
+        work.copy_(view)
+        app.append(timed(lambda: codec.apply_patches(layout, work, patches)))
+        if not torch.equal(work, target):
+            raise AssertionError("the device apply did not reproduce the target bytes")
+    best = lambda xs: percentile(xs, 0.0) or math.inf  # noqa: E731
+    m, e, a, s = best(cpy), best(enc), best(app), best(scans)
+    return {
+        "device": str(dev.device),
+        "params": params,
+        "bytes": full,
+        "lr": GOAL_LR,
+        "changed_fraction": round(sum(p.changed for p in patches) / (full // 2), 5),
+        "bytes_ratio_per_step": round(sum(len(p.payload) for p in patches) / full, 5),
+        "device_memcpy_gb_per_s": round(full / m / 1e9, 1),
+        "encode_ms": round(e * 1e3, 2),
+        "encode_scan_ms": round(s * 1e3, 2),
+        "apply_ms": round(a * 1e3, 2),
+        "encode_over_device_memcpy": round(m / e, 5),
+        "apply_over_device_memcpy": round(m / a, 5),
+        "goal_over_memcpy": min(GOAL_ENCODE_OVER_MEMCPY, GOAL_APPLY_OVER_MEMCPY),
+        "what": "lossless zdelta codec on device tensors (scan and gathers on the device, entropy coding "
+        "and checksums on the host) vs a device-to-device copy of the same bytes; best of the repeats",
+    }

@@ -61,6 +61,8 @@ WHEELS = {
     "psutil": "psutil",
     "opentelemetry": "opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions",
     "xxhash": "xxhash",
+    "zstandard": "zstandard",
+    "redis": "redis",
     "hypothesis": "hypothesis",
     "sortedcontainers": "sortedcontainers",
     "pynvml": "nvidia-ml-py",
@@ -99,7 +101,7 @@ def parts() -> list[Part]:
             "weights",
             "delta codec (rose bench weights) and host-to-device copies",
             ("torch", "rose.bench.weights", "rose.weights.codec", "rose.weights.checkpoint"),
-            ("orjson", "xxhash"),
+            ("orjson", "xxhash", "zstandard", "redis"),
         ),
         Part(
             "nvml-agent",
@@ -193,9 +195,19 @@ def run_pause(out: Path, full: bool) -> dict:
 def run_weights(out: Path, full: bool) -> dict:
     from rose.bench import _cuda, weights
 
-    r = {"codec": weights.run(None, quick=not full), "host_to_device": _cuda.host_to_device("cuda", quick=not full)}
+    r = {
+        "codec_on_device": _cuda.codec_on_device("cuda", quick=not full),
+        "host_to_device": _cuda.host_to_device("cuda", quick=not full),
+        "codec": weights.run(None, quick=not full),
+    }
     _write(out / "weights.json", r)
-    return {"status": "ok", "file": "weights.json", **r["host_to_device"]}
+    dev = r["codec_on_device"]
+    return {
+        "status": "ok",
+        "file": "weights.json",
+        **r["host_to_device"],
+        **{k: dev[k] for k in ("encode_over_device_memcpy", "apply_over_device_memcpy", "encode_ms", "apply_ms")},
+    }
 
 
 def run_nvml_agent(out: Path, full: bool) -> dict:

@@ -7,14 +7,15 @@ from __future__ import annotations
 class AdamLikeTrainer:
     """fp32 master weights of `sizes` stepped by Adam on unit-variance noise gradients."""
 
-    def __init__(self, sizes: dict[str, int], lr: float = 1e-5, seed: int = 0, std: float = 0.02):
+    def __init__(self, sizes: dict[str, int], lr: float = 1e-5, seed: int = 0, std: float = 0.02, device: str = "cpu"):
         import torch
 
-        self.g = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)  # a trainer's GPU: its weights never leave it
+        self.g = torch.Generator(device=self.device).manual_seed(seed)
         self.lr, self.b1, self.b2, self.eps, self.t = lr, 0.9, 0.999, 1e-8, 0
-        self.w = {n: torch.randn(s, generator=self.g) * std for n, s in sizes.items()}
-        self.m = {n: torch.zeros(s) for n, s in sizes.items()}
-        self.v = {n: torch.zeros(s) for n, s in sizes.items()}
+        self.w = {n: torch.randn(s, generator=self.g, device=self.device) * std for n, s in sizes.items()}
+        self.m = {n: torch.zeros(s, device=self.device) for n, s in sizes.items()}
+        self.v = {n: torch.zeros(s, device=self.device) for n, s in sizes.items()}
 
     def step(self) -> None:
         import torch
@@ -22,7 +23,7 @@ class AdamLikeTrainer:
         self.t += 1
         c1, c2 = 1 - self.b1**self.t, 1 - self.b2**self.t
         for n, w in self.w.items():
-            g = torch.randn(w.shape, generator=self.g)
+            g = torch.randn(w.shape, generator=self.g, device=self.device)
             self.m[n].mul_(self.b1).add_(g, alpha=1 - self.b1)
             self.v[n].mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
             denom = (self.v[n] / c2).sqrt_().add_(self.eps)
