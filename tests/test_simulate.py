@@ -341,7 +341,7 @@ def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_pat
     doc.write_text(f"# Title\n\nBefore.\n\n{BEGIN}\nOLD-BLOCK\n{END}\n\nAfter.\n")
     p = _rose(
         "paper-check", "--traces", str(traces_dir), "--trace-names", "burstgpt1_first400.csv,azure_llm2023_conv.csv",
-        "--gpus", "4", "--gm", "2", "--duration", "60", "--seeds", "2", "--models", "7B",
+        "--gpus", "4", "--gm", "2", "--duration", "60", "--seeds", "2", "--models", "7B,7B@H200/tp2",
         "--alphas", "0.1,1.0", "--gm-sweep", "1,2", "--elastic-caps", "0.25,1.0",
         "--doc", str(doc), "--json", str(tmp_path / "pc.json"),
     )  # fmt: skip
@@ -358,10 +358,15 @@ def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_pat
     ):
         assert heading in text, heading
     assert "alpha 3.157 (CPU-measured, pessimistic)" in text and "alpha 0.3 (default)" in text
+    gpu_alpha = orjson.loads((REPO / "docs" / "measured" / "h200" / "interference.json").read_bytes())
+    assert f"alpha {round(gpu_alpha['alpha_per_share'], 4):g} (GPU-measured: NVIDIA H200" in text
+    assert "| azure_llm2023_conv | 7B@H200/tp2 |" in text  # a model cell on another GPU, at its own tp
     rec = orjson.loads((tmp_path / "pc.json").read_bytes())
     kinds = {r["kind"] for r in rec["runs"]}
     assert kinds == {"main", "alpha", "gm", "cap"}
-    assert sum(r["kind"] == "main" for r in rec["runs"]) == 2 * 2  # traces × seeds
+    assert sum(r["kind"] == "main" for r in rec["runs"]) == 2 * 2 * 2  # traces × model cells × seeds
+    cells = {(r["model"], r["result"]["fleet"]["gpu"], r["result"]["fleet"]["tensor_parallel"]) for r in rec["runs"]}
+    assert cells == {("7B", "H100", 1), ("7B@H200/tp2", "H200", 2)}
     t = rec["targets"]
     assert {r["target"] for r in t} >= {"ROSE ≥ 1.5× static", "SLO ROSE ≥ static − 0.002", "SLO static ≥ 0.95"}
     assert all(r["met"] or r["held_back_by"] for r in t)

@@ -156,11 +156,17 @@ def register(app: typer.Typer) -> None:
         duration: float = typer.Option(3600.0, "--duration", help="Seconds of trace time per run."),
         seeds: int = typer.Option(3, "--seeds", help="Seeds of every main run (mean and 95 % interval)."),
         gpu: str = typer.Option("H100", "--gpu", help="H100 | H200."),
-        models: str = typer.Option("8B,70B", "--models", help="Model sizes, comma list."),
+        models: str = typer.Option("8B,70B,70B@H200/tp4", "--models", help="Model cells SIZE[@GPU][/tpN], comma list."),
         trace_names: str = typer.Option(
             "", "--trace-names", help="Trace files in --traces, comma list (default: Azure code, Azure conv, BurstGPT)."
         ),
         alphas: str = typer.Option("0.1,0.3,1.0", "--alphas", help="Interference constants swept (comma list)."),
+        gpu_alpha_bench: Path = typer.Option(
+            None,
+            "--gpu-alpha-bench",
+            help="A GPU's interference.json (deploy/gpu-check.sh): its alpha is one labelled column of the sweep "
+            "(default: docs/measured/h200/interference.json when present).",
+        ),
         gm_sweep: str = typer.Option("1,2,4,8", "--gm-sweep", help="G/M values swept (comma list)."),
         caps: str = typer.Option("0.25,0.5,1.0", "--elastic-caps", help="Elastic cost caps swept, × M (comma list)."),
         sweep_seeds: int = typer.Option(1, "--sweep-seeds", help="Seeds of every sweep run."),
@@ -196,8 +202,27 @@ def register(app: typer.Typer) -> None:
             fail(f"--traces: {', '.join(missing) or 'no trace'} not found in {folder}")
         if jobs < 1:
             fail(f"--jobs must be >= 1, got {jobs}")
+        repo = Path(__file__).resolve().parents[2]
+        bench = gpu_alpha_bench or repo / "docs" / "measured" / "h200" / "interference.json"
+        gpu_alpha: dict = {}
+        if gpu_alpha_bench is not None or bench.is_file():
+            from rose.sim.engine import calibration
+
+            try:
+                raw = orjson.loads(bench.read_bytes())
+                if raw.get("alpha_per_share") is None:
+                    raise ValueError("no alpha_per_share: not a GPU's interference.json (deploy/gpu-check.sh)")
+                cal = calibration({**raw, "_source": bench.name}, None)
+            except (OSError, ValueError) as e:
+                fail(f"--gpu-alpha-bench: {bench}: {e}")
+            gpu_alpha = {
+                "gpu_alpha": cal["alpha"],
+                "gpu_alpha_source": f"{raw.get('gpu_name', 'a GPU')}, priority streams, "
+                f"{bench.relative_to(repo) if bench.is_relative_to(repo) else bench}",
+            }
         try:
             cc = CheckConfig(
+                **gpu_alpha,
                 traces=names,
                 models=tuple(m.strip() for m in models.split(",") if m.strip()),
                 gpus=gpus,

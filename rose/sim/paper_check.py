@@ -43,7 +43,9 @@ class CheckConfig:
     the sweeps (`sweep_seeds` seeds each, only the policies a swept constant changes)."""
 
     traces: tuple[str, ...] = TRACES
-    models: tuple[str, ...] = ("8B", "70B")
+    # model cells: SIZE[@GPU][/tpN] (the GPU defaults to `gpu`, tp to the fewest GPUs that host
+    # the model, models.serving_tp; rollout runs at serving's tp): 70B at tp 4 on both GPUs
+    models: tuple[str, ...] = ("8B", "70B", "70B@H200/tp4")
     gpus: int = 64
     gm: int = 8  # serving GPUs per dedicated rollout GPU
     duration_s: float = 3600.0
@@ -52,6 +54,8 @@ class CheckConfig:
     alpha: float = ALPHA_DEFAULT
     alphas: tuple[float, ...] = (0.1, 0.3, 1.0)
     pessimistic_alpha: float = ALPHA_MEASURED  # the CPU-measured constant, one labelled row
+    gpu_alpha: float | None = None  # measured on a GPU (--gpu-alpha-bench), one labelled row
+    gpu_alpha_source: str = ""
     gm_sweep: tuple[int, ...] = (1, 2, 4, 8)
     elastic_caps: tuple[float, ...] = (ELASTIC_CAP_FRAC, 0.5, 1.0)
     sweep_seeds: int = 1
@@ -64,6 +68,29 @@ class CheckConfig:
             raise ValueError(f"every G/M must leave at least one dedicated GPU of {self.gpus}")
         if self.sweep_seeds > self.seeds:
             raise ValueError("sweep_seeds must be <= seeds (the sweeps reuse the main runs' first seeds)")
+        for m in self.models:
+            model_cell(m, self.gpu)  # ValueError on a malformed label
+
+
+def model_cell(label: str, gpu: str) -> dict:
+    """SimConfig fields of a model cell label SIZE[@GPU][/tpN], e.g. `70B@H200/tp4`."""
+    from rose.sim.models import check_tp, gpu_spec, model_size
+
+    rest, _, tp = label.partition("/")
+    size, _, on = rest.partition("@")
+    out: dict = {"model": size, "gpu": on or gpu}
+    if tp:
+        if not tp.startswith("tp") or not tp[2:].isdigit():
+            raise ValueError(f"model cell {label!r}: expected SIZE[@GPU][/tpN], e.g. 70B@H200/tp4")
+        out["tp"] = int(tp[2:])
+    try:
+        m = model_size(size)
+        gpu_spec(out["gpu"])
+        if "tp" in out:
+            check_tp(m, out["tp"])
+    except ValueError as e:
+        raise ValueError(f"model cell {label!r}: {e}") from None
+    return out
 
 
 @dataclass(frozen=True)
@@ -85,8 +112,7 @@ def plan(cc: CheckConfig) -> list[Job]:
         base = SimConfig(
             n_gpus=cc.gpus,
             dedicated=cc.gpus // cc.gm,
-            model=model,
-            gpu=cc.gpu,
+            **model_cell(model, cc.gpu),
             duration_s=cc.duration_s,
             seed=seed,
             alpha=cc.alpha,
@@ -124,7 +150,7 @@ def plan(cc: CheckConfig) -> list[Job]:
 
 
 def sweep_alphas(cc: CheckConfig) -> list[float]:
-    return sorted({*cc.alphas, cc.alpha, cc.pessimistic_alpha})
+    return sorted({*cc.alphas, cc.alpha, cc.pessimistic_alpha, *([cc.gpu_alpha] if cc.gpu_alpha is not None else [])})
 
 
 _TRACE_CACHE: dict[str, object] = {}
@@ -209,7 +235,7 @@ class Results:
 
 
 def _is_small(model: str) -> bool:
-    return model.upper() in ("7B", "8B")
+    return model.partition("@")[0].partition("/")[0].upper() in ("7B", "8B")
 
 
 def targets(res: Results) -> list[dict]:
@@ -322,13 +348,14 @@ def _gain_why(res: Results, t: str, m: str, goal: float) -> str:
         parts.append(
             f"GPU memory: a leased GPU does {per_lease:.3f} of a dedicated GPU's work at a mean compute share of "
             f"{share:.2f}, its lease holding few episodes beside {shard:.0f} GiB of policy weights per GPU on "
-            f"{cc.gpu} (the model presets, rose.sim.models, and the rollout tensor parallelism, --rollout-tp)"
+            f"{main[0]['fleet']['gpu']} (the GPU's memory, the model presets, rose.sim.models, and the rollout tensor "
+            "parallelism, --rollout-tp)"
         )
     unusable = statistics.fmean(r["policies"]["rose"]["leases_unusable"] for r in main)
     if unusable > 0:
         parts.append(
             f"GPU memory: {unusable:.0f} leases too small to hold the policy's weights and one episode beside "
-            f"serving on {cc.gpu} (the model and GPU presets, rose.sim.models)"
+            f"serving on {main[0]['fleet']['gpu']} (the model and GPU presets, rose.sim.models)"
         )
     return "; ".join(parts)
 
@@ -393,7 +420,8 @@ def tables(res: Results, command: str, wall_s: float) -> str:
         "",
         f"Command: `{command}` ({wall_s / 60:.0f} min on this machine).",
         "",
-        f"{cc.gpus} serving GPUs ({cc.gpu}) and {M} dedicated rollout GPUs (G/M = {cc.gm}), "
+        f"{cc.gpus} serving GPUs ({cc.gpu} unless the model cell names another: SIZE@GPU/tpN) and {M} dedicated "
+        f"rollout GPUs (G/M = {cc.gm}), "
         f"{cc.duration_s:g} s of each trace, {cc.seeds} seeds (mean ± the half-width of a 95 % Student t "
         f"interval over them), interference alpha {cc.alpha:g} ({ALPHA_DEFAULT_SOURCE if cc.alpha == ALPHA_DEFAULT else 'set on the command line'}). "
         f"Paper's claim: {PAPER_CLAIM}. Sweeps: {cc.sweep_seeds} seed(s).",
@@ -436,6 +464,8 @@ def tables(res: Results, command: str, wall_s: float) -> str:
     def alpha_label(a: float) -> str:
         if a == cc.pessimistic_alpha:
             return f"alpha {a:g} (CPU-measured, pessimistic)"
+        if a == cc.gpu_alpha:
+            return f"alpha {a:g} (GPU-measured: {cc.gpu_alpha_source})"
         return f"alpha {a:g}" + (" (default)" if a == cc.alpha else "")
 
     lines += [
