@@ -60,6 +60,13 @@ class KafkaConfig:
 class RedisConfig:
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "rose:"
+    # Redis Cluster: comma-separated `host:port` startup nodes ("" = the single Redis at `url`);
+    # the url's scheme (rediss = TLS), user and password apply to every node, its host does not
+    cluster_nodes: str = ""
+    # weights only: 0 = one stream per model (docs/contract.md §6.1); N > 0 = each model's
+    # shards spread over N shard streams, hash-tagged onto different cluster slots, and a
+    # version made visible by one commit entry (docs/weights.md, "Redis Cluster")
+    shard_streams: int = 0
 
     def key(self, *parts: str) -> str:
         return self.key_prefix + ":".join(parts)

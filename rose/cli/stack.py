@@ -27,6 +27,11 @@ def register(app: typer.Typer) -> None:
         own: bool = typer.Option(
             False, "--own", help="Fail, starting nothing, when another stack or program holds this stack's ports."
         ),
+        redis_cluster: bool = typer.Option(
+            False,
+            "--redis-cluster",
+            help="Also run a 3-node Redis Cluster (the three ports after Redis's) for sharded weight streams.",
+        ),
     ) -> None:
         """Start Kafka and Redis (idempotent); wait until both answer. Says whose stack it uses
         when another checkout's stack already answers on these ports."""
@@ -35,11 +40,16 @@ def register(app: typer.Typer) -> None:
 
         s = _stack()
         try:
-            s.up(jaeger=jaeger, own=own)
+            s.up(jaeger=jaeger, own=own, redis_cluster=redis_cluster)
         except StackError as e:
             fail(str(e), code=1)
         typer.echo(f"kafka bootstrap: {s.kafka_bootstrap}")
         typer.echo(f"redis url:       {s.redis_url}")
+        if redis_cluster:
+            typer.echo(
+                f"redis cluster:   {s.redis_cluster_nodes}; ROSE_REDIS__CLUSTER_NODES={s.redis_cluster_nodes} "
+                "ROSE_REDIS__SHARD_STREAMS=3"
+            )
         if jaeger:
             typer.echo(f"jaeger ui:       {s.jaeger_query_url}")
             typer.echo(
@@ -55,16 +65,29 @@ def register(app: typer.Typer) -> None:
 
     @stack.command("status")
     def status() -> None:
-        """Exit 0 only when both Kafka and Redis answer (and Jaeger, if `up --jaeger` started it).
-        Names the other stack when one answers on this stack's ports."""
+        """Exit 0 only when both Kafka and Redis answer (and Jaeger, if `up --jaeger` started it;
+        the Redis Cluster, cluster_state ok, if `up --redis-cluster` did). Names the other
+        stack when one answers on this stack's ports."""
         s = _stack()
-        st = s.status(jaeger=True)
-        required = {"kafka", "redis"} | ({"jaeger"} if s.jaeger_started() else set())
+        st = s.status(jaeger=True, redis_cluster=True)
+        required = (
+            {"kafka", "redis"}
+            | ({"jaeger"} if s.jaeger_started() else set())
+            | ({"redis-cluster"} if s.redis_cluster_started() else set())
+        )
         theirs = {h.service: h for h in s.foreign(list(st))}
         for k, v in st.items():
             note = f" ({theirs[k].describe()})" if k in theirs else ""
             if k == "jaeger" and not v and k not in required:
                 note = " (not started; rose stack up --jaeger)"
+            if k == "redis-cluster" and not note:
+                note = (
+                    f" ({s.redis_cluster_nodes}, cluster_state ok)"
+                    if v
+                    else f" ({s.redis_cluster_nodes}: {s._said()})"
+                    if k in required
+                    else " (not started; rose stack up --redis-cluster)"
+                )
             typer.echo(f"{k}: {'up' if v else 'down'}{note}")
         raise typer.Exit(0 if all(st[k] for k in required) else 1)
 

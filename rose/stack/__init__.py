@@ -11,8 +11,11 @@ with in-memory storage, every listener on loopback) for looking at the OpenTelem
 Each stack writes root/stack.json (where its `up` ran): a stack finding another one on its
 ports says whose it is, and `up --own` (used by `make test`) refuses to run on it.
 
+`up --redis-cluster` adds a three-node Redis Cluster (the three ports after Redis's; for the
+weights' shard streams, `redis.cluster_nodes`).
+
 Modules: `local` (LocalStack: up, down, status), `kafka` (the broker; `tls` its certificate),
-`redis`, `jaeger`, `ownership` (whose stack holds these ports), `processes` (stopping what this
+`redis`, `redis_cluster`, `jaeger`, `ownership` (whose stack holds these ports), `processes` (stopping what this
 stack started), `layout` (state dir and ports), `ports`, `errors`.
 """
 

@@ -31,11 +31,22 @@ class StackLayout:
     def _ports(self, name: str) -> list[int]:
         """The TCP ports a service of this stack listens on, its client port first."""
         s = self.scfg
+        if name == "redis-cluster":  # `up --redis-cluster`: its three nodes' client ports
+            return [s.redis_port + 1 + i for i in range(3)]
+        if name.startswith("redis-cluster-"):  # node i: its client port, then its cluster bus
+            port = s.redis_port + 1 + int(name.rsplit("-", 1)[1])
+            return [port, port + 10000]
         return {
             "kafka": [s.kafka_port, s.controller_port, s.sasl_port, s.tls_port],
             "redis": [s.redis_port],
             "jaeger": [s.jaeger_query_port, s.jaeger_otlp_grpc_port, s.jaeger_otlp_http_port],
         }[name]
+
+    def _redis_dir(self, name: str) -> Path:
+        """The working directory of this stack's redis-server `name` (Redis or a cluster node)."""
+        if name.startswith("redis-cluster-"):
+            return self.root / "redis-cluster" / str(self._ports(name)[0])
+        return self.root / "redis"
 
     def _mark(self) -> None:
         """stack.json in the state dir: where `rose stack up` ran, so another checkout finding

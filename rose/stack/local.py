@@ -1,19 +1,20 @@
-"""LocalStack: the local development stack (Kafka, Redis and, on request, Jaeger on loopback)
-as one object, from `up` to `down`."""
+"""LocalStack: the local development stack (Kafka, Redis and, on request, Jaeger and a
+three-node Redis Cluster on loopback) as one object, from `up` to `down`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from rose.config import Config
+from rose.stack.errors import StackError
 from rose.stack.jaeger import JaegerServer
 from rose.stack.kafka import KafkaBroker
 from rose.stack.ownership import Holder, StackOwnership
-from rose.stack.redis import RedisServer
+from rose.stack.redis_cluster import RedisClusterNodes, cluster_node_names
 
 
 @dataclass
-class LocalStack(KafkaBroker, RedisServer, JaegerServer, StackOwnership):
+class LocalStack(KafkaBroker, RedisClusterNodes, JaegerServer, StackOwnership):
     """The stack whose state dir and ports `scfg` names; `up` starts what is not running yet,
     `down` stops only what it started."""
 
@@ -26,23 +27,31 @@ class LocalStack(KafkaBroker, RedisServer, JaegerServer, StackOwnership):
         )
 
     # ---- all ---------------------------------------------------------------------------
-    def up(self, jaeger: bool = False, own: bool = False) -> list[Holder]:
-        """Start what is not running yet and wait until it answers (Jaeger too with `jaeger`).
-        Another stack's services already answering on these ports are used, with a warning
-        naming them, or with `own` refused before anything starts (see `claim`)."""
+    def up(self, jaeger: bool = False, own: bool = False, redis_cluster: bool = False) -> list[Holder]:
+        """Start what is not running yet and wait until it answers (Jaeger too with `jaeger`,
+        a three-node Redis Cluster with `redis_cluster`). Another stack's services already
+        answering on these ports are used, with a warning naming them, or with `own` refused
+        before anything starts (see `claim`); another's cluster nodes are always refused."""
         names = ["redis", "kafka"] + (["jaeger"] if jaeger else [])
         used = self.claim(names, own=own)
+        if redis_cluster and (foreign := self.foreign(cluster_node_names())):
+            raise StackError(self._not_owned_message(foreign))
         self.redis_up()
         self.kafka_up()
         if jaeger:
             self.jaeger_up()
+        if redis_cluster:
+            self.redis_cluster_up(claim=False)
         return used
 
     def down(self) -> list[str]:
-        return [n for n in ("jaeger", "kafka", "redis") if self._stop(n, 30.0)]
+        stopped = [n for n in ("jaeger", "kafka", "redis") if self._stop(n, 30.0)]
+        return stopped + (["redis-cluster"] if self.redis_cluster_down() else [])
 
-    def status(self, jaeger: bool = False) -> dict[str, bool]:
+    def status(self, jaeger: bool = False, redis_cluster: bool = False) -> dict[str, bool]:
         st = {"kafka": self.kafka_alive(), "redis": self.redis_alive()}
         if jaeger:
             st["jaeger"] = self.jaeger_alive()
+        if redis_cluster:
+            st["redis-cluster"] = self.redis_cluster_alive()
         return st

@@ -111,7 +111,10 @@ class StackOwnership(StackLayout):
             return h
         candidates = [Path(a).parent for a in cmd if a.endswith(("server.properties", "jaeger.yaml"))]
         if cwd is not None:
-            candidates += [cwd.parent] if cwd.name == "redis" else [cwd]
+            if cwd.parent.name == "redis-cluster":  # a cluster node: root/redis-cluster/<port>
+                candidates += [cwd.parent.parent]
+            else:
+                candidates += [cwd.parent] if cwd.name == "redis" else [cwd]
         for root in candidates:
             if (root / "stack.json").exists() or any(
                 (root / f).exists() for f in ("kafka.pid", "redis.pid", "jaeger.pid", "server.properties")
@@ -120,7 +123,8 @@ class StackOwnership(StackLayout):
                 try:
                     h.checkout = json.loads((root / "stack.json").read_text())["checkout"]
                 except (OSError, ValueError, KeyError):
-                    h.checkout = str(cwd if cwd is not None and cwd.name != "redis" and cwd != root else h.root.parent)
+                    own_dir = cwd is None or cwd == root or cwd.name == "redis" or cwd.parent.name == "redis-cluster"
+                    h.checkout = str(h.root.parent if own_dir else cwd)
                 break
         return h
 

@@ -24,7 +24,8 @@ class StackProcesses(StackLayout):
         """The pid of this stack's `name` when its pid file is gone or stale (two `up`s raced
         and the loser's pid was written last; a stop removed it): the process listening on
         the stack's port, if it runs from this stack's directory (Kafka, Jaeger: their config
-        file is under the root; Redis: its working directory is root/redis)."""
+        file is under the root; Redis: its working directory is root/redis, a cluster node's
+        root/redis-cluster/<port>)."""
         import psutil
 
         port = self._ports(name)[0]
@@ -38,8 +39,8 @@ class StackProcesses(StackLayout):
             try:
                 p = psutil.Process(c.pid)
                 ours = (
-                    Path(p.cwd()) == self.root / "redis"
-                    if name == "redis"
+                    Path(p.cwd()) == self._redis_dir(name)
+                    if name.startswith("redis")
                     else any(str(self.root) in a for a in p.cmdline())
                 )
             except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -12,6 +12,17 @@ from rose.stack.errors import StackError
 from rose.stack.processes import StackProcesses, log
 
 
+def server_args(exe: str, port: int, directory) -> list[str]:
+    """redis-server's command line for the stack: loopback only, append-only file (fsync each
+    second), no snapshots, in the foreground."""
+    return [
+        exe,
+        *("--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory)),
+        *("--appendonly", "yes", "--appendfsync", "everysec", "--save", ""),
+        *("--daemonize", "no", "--protected-mode", "yes"),
+    ]
+
+
 class RedisServer(StackProcesses):
     """Finds (or installs), starts, checks and stops the stack's redis-server."""
 
@@ -41,25 +52,7 @@ class RedisServer(StackProcesses):
         self._mark()
         out = open(self.root / "redis.out", "ab")
         proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(self.scfg.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(rdir),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--save",
-                "",
-                "--daemonize",
-                "no",
-                "--protected-mode",
-                "yes",
-            ],
+            server_args(exe, self.scfg.redis_port, rdir),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

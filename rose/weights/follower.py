@@ -7,14 +7,17 @@ entry, all shards at once (one reference swap; arrays handed out by `current()` 
 written again). With an HMAC key, unsigned or wrongly signed entries are refused, as are entries
 of a wire format this release does not know. The applied seq is part of the committed snapshot,
 which a `FileStateStore` replaces atomically, so a follower resumes right after it across a
-kill -9. `WeightFollower` is the Redis adapter around a Receiver (XREAD from the last seq).
-Each rule in full: docs/weights.md.
+kill -9. `WeightFollower` is the Redis adapter around a Receiver (XREAD from the last seq; with
+shard streams, XREAD of the commit stream, then XRANGE of the seq ranges each commit lists,
+merged in seq order). Each rule in full: docs/weights.md.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ from rose.obs.logs import get_logger
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json
-from rose.weights.stream import meta_key
+from rose.weights.stream import MAX_SHARD_STREAMS, weight_keys
 
 REJECTED = metrics.counter(
     "rose_weights_entries_rejected_total",
@@ -273,9 +276,10 @@ class WeightFollower:
         batch: int = 16,
     ):
         self.redis = redis
-        self.stream = rcfg.key("weights", model)
-        self.redis_url = rcfg.safe_url
-        self.meta = meta_key(self.stream)
+        self.keys = weight_keys(rcfg, model)
+        self.stream = self.keys.stream  # with shard streams: the commit stream
+        self.redis_url = rcfg.cluster_nodes or rcfg.safe_url
+        self.meta = self.keys.meta
         self.store = state_store
         self.batch = batch
         self.log = get_logger("rose.weights.follower", model=model)
@@ -304,24 +308,64 @@ class WeightFollower:
             self._seek_keyframe()
         shown = None
         block = block_ms or None  # Redis reads BLOCK 0 as "forever"; 0 here means "do not wait"
+        reseeked = False
         while True:
             reply = self.redis.xread({self.stream: self._cursor}, count=self.batch, block=block)
             block = None  # wait only for the first batch
             if not reply:
                 break
             for entry_id, fields in reply[0][1]:
+                waiting = self.receiver.needs_resync
+                v = self._offer_commit(fields) if self.keys.shard_streams else self.receiver.offer(fields)
                 self._cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                v = self.receiver.offer(fields)
                 if v is not None:
                     shown = v
-                if self.receiver.needs_resync:
+                # back to the newest keyframe when this entry broke the chain, once a poll: a
+                # keyframe that cannot be applied (refused, corrupt) is then read past, not forever
+                if self.receiver.needs_resync and not waiting and not reseeked:
                     before = self._cursor
                     self._seek_keyframe()
                     if self._cursor != before:
+                        reseeked = True
                         break
         if shown is not None:
             self._persist()
         return shown
+
+    def _offer_commit(self, fields: dict) -> int | None:
+        """With shard streams: one commit entry, preceded by the shard entries it lists (read
+        from their shard streams in seq order) when the receiver can use them. A refused,
+        unreadable or duplicate commit goes to the receiver alone, which counts and logs it."""
+        r = self.receiver
+        try:
+            commit = from_fields(fields, r.key)
+            body = orjson.loads(commit.payload) if commit.kind == "commit" else {}
+            n = int(body.get("n", 0))
+            # within the version's own seqs, whatever the commit says
+            ranges = [
+                (int(i), max(int(lo), commit.vstart), min(int(hi), commit.seq - 1))
+                for i, lo, hi, *_ in body.get("streams", [])
+            ]
+        except (InvalidEntry, ValueError, TypeError, AttributeError):
+            return r.offer(fields)
+        wanted = body.get("keyframe") if r.needs_resync else commit.seq > r.last_seq
+        if wanted and 0 < n <= MAX_SHARD_STREAMS and all(0 <= i < n for i, _, _ in ranges):
+            merged = heapq.merge(*(self._range(i, n, lo, hi) for i, lo, hi in ranges), key=lambda t: t[0])
+            for _seq, shard_fields in merged:
+                r.offer(shard_fields)
+        return r.offer(fields)
+
+    def _range(self, i: int, n: int, lo: int, hi: int) -> Iterator[tuple[int, dict]]:
+        """Entries seq lo..hi of shard stream i of n, `batch` at a time: (seq, fields)."""
+        key = self.keys.shard_stream(i, n)
+        while lo <= hi:
+            got = self.redis.xrange(key, min=f"0-{lo}", max=f"0-{hi}", count=self.batch)
+            if not got:
+                return
+            for entry_id, fields in got:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                lo = int(eid.split("-")[1]) + 1
+                yield lo - 1, fields
 
     def _persist(self) -> None:
         snap = self.receiver.visible()

@@ -7,13 +7,20 @@ at most `chunk_bytes`), then a `commit` entry listing the version's shards and c
 keyframes; after each keyframe the stream is trimmed to the oldest keyframe kept, so
 everything since the last keyframe is always there. If the meta hash vanishes (Redis lost
 its data) or the layout changes, the next version is a keyframe.
+
+With `redis.shard_streams` = N > 0 (for a Redis Cluster, `redis.cluster_nodes`) a model's
+shard entries go to N shard streams whose hash tags put them on different slots (and so, spread
+over the cluster's nodes), and the `commit` entry, written only after every shard entry is
+acknowledged, goes alone to the commit stream `{prefix}weights:{model}`; it lists the seq range
+each shard stream holds of the version. `weight_keys` names the keys (docs/weights.md).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +58,123 @@ def meta_key(stream: str) -> str:
     return f"{stream}:meta"
 
 
+CLUSTER_SLOTS = 16384
+MAX_SHARD_STREAMS = 1024
+
+
+class ClusterUnavailable(RuntimeError):
+    """The configured Redis Cluster cannot be used; the message names the nodes and why."""
+
+
+@dataclass(frozen=True)
+class WeightKeys:
+    """A model's weight-stream keys. `stream` is what followers XREAD: every entry with one
+    stream (shard_streams 0), the commit entries alone with shard streams."""
+
+    stream: str
+    meta: str
+    shard_streams: int  # 0: the single-stream layout
+    prefix: str
+    model: str
+
+    def shard_stream(self, i: int, n: int | None = None) -> str:
+        """Shard stream `i` of `n` (default: this layout's count)."""
+        return shard_stream_key(self.prefix, self.model, i, self.shard_streams if n is None else n)
+
+
+def weight_keys(rcfg: RedisConfig, model: str) -> WeightKeys:
+    """The keys of `model`'s weights under `rcfg`: `{prefix}weights:{model}` and its `:meta`
+    hash by default (unchanged since the first release), or, with `shard_streams` N > 0, the
+    commit stream `{prefix}weights:{<model>}` and its meta hash `{prefix}weights:{<model>}:meta`
+    (one hash tag, one slot) and N shard streams `{prefix}weights:{<model>:s<i>.<j>}`, `j` the
+    first integer that puts shard stream i's slot in the i-th N-th of the 16384 slots."""
+    n = rcfg.shard_streams
+    if n == 0:
+        stream = rcfg.key("weights", model)
+        return WeightKeys(stream, meta_key(stream), 0, rcfg.key_prefix, model)
+    if not 0 < n <= MAX_SHARD_STREAMS:
+        raise ValueError(f"redis.shard_streams: {n} is not between 0 and {MAX_SHARD_STREAMS}")
+    for what, value in (("redis.key_prefix", rcfg.key_prefix), ("model name", model)):
+        if "{" in value or "}" in value:
+            raise ValueError(
+                f"{what} {value!r} holds a brace: with redis.shard_streams the weight keys' hash tags "
+                "({model}, {model:s<i>.<j>}) must be the first braces of each key"
+            )
+    stream = rcfg.key("weights", "{" + model + "}")
+    return WeightKeys(stream, meta_key(stream), n, rcfg.key_prefix, model)
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_stream_key(prefix: str, model: str, i: int, n: int) -> str:
+    """`{prefix}weights:{<model>:s<i>.<j>}`: shard stream i of n, its hash tag's slot in
+    [i*16384/n, (i+1)*16384/n). Masters splitting the slots evenly (`redis-cli --cluster create`,
+    `rose stack up --redis-cluster`) so hold the n streams in turn, one per master when n is their
+    number."""
+    from redis.crc import key_slot
+
+    if not 0 <= i < n <= MAX_SHARD_STREAMS:
+        raise ValueError(f"shard stream {i} of {n}: not a valid shard stream")
+    lo, hi = i * CLUSTER_SLOTS // n, (i + 1) * CLUSTER_SLOTS // n
+    j = 0
+    while not lo <= key_slot(f"{model}:s{i}.{j}".encode()) < hi:
+        j += 1
+    return f"{prefix}weights:{{{model}:s{i}.{j}}}"
+
+
+def cluster_nodes(rcfg: RedisConfig) -> list[tuple[str, int]]:
+    """`redis.cluster_nodes` as (host, port) pairs; ValueError naming a malformed one."""
+    nodes = []
+    for item in rcfg.cluster_nodes.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"redis.cluster_nodes: {item!r} is not host:port (in {rcfg.cluster_nodes!r})")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes
+
+
+def redis_client(rcfg: RedisConfig, *, timeout_s: float = 5.0) -> Any:
+    """A client for `rcfg`: redis.Redis at `url`, or, with `cluster_nodes`, a
+    redis.cluster.RedisCluster started from those nodes (the url's scheme, user and password
+    apply to each) whose every node says cluster_state:ok; ClusterUnavailable otherwise."""
+    import redis
+
+    if not rcfg.cluster_nodes.strip():
+        return redis.Redis.from_url(rcfg.url)
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.connection import SSLConnection, parse_url
+    from redis.exceptions import RedisClusterException  # not a RedisError
+
+    nodes = cluster_nodes(rcfg)
+    where = ",".join(f"{h}:{p}" for h, p in nodes)
+    kwargs = {k: v for k, v in parse_url(rcfg.url).items() if k not in ("host", "port", "db", "path")}
+    if kwargs.pop("connection_class", None) is SSLConnection:
+        kwargs["ssl"] = True
+    kwargs.setdefault("socket_connect_timeout", timeout_s)
+    try:
+        rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **kwargs)
+    except (redis.RedisError, RedisClusterException, OSError) as e:
+        raise ClusterUnavailable(
+            f"Redis Cluster at {where} (redis.cluster_nodes) is not usable: {e}; "
+            "start a local one with `rose stack up --redis-cluster`"
+        ) from None
+    try:
+        info = rc.cluster_info(target_nodes=RedisCluster.ALL_NODES)
+    except (redis.RedisError, RedisClusterException, OSError) as e:
+        rc.close()
+        raise ClusterUnavailable(f"Redis Cluster at {where}: CLUSTER INFO failed: {e}") from None
+    # one dict per node ({node: info}), or one info dict when a single node answered
+    per_node: dict[str, Any] = info if all(isinstance(v, dict) for v in info.values()) else {where: info}
+    bad = {n: i.get("cluster_state") for n, i in per_node.items() if i.get("cluster_state") != "ok"}
+    if bad:
+        rc.close()
+        said = ", ".join(f"{n} cluster_state:{s}" for n, s in bad.items())
+        raise ClusterUnavailable(f"Redis Cluster at {where} is not ok: {said}")
+    return rc
+
+
 class WeightPublisher:
     """`publish(state_dict)` after each optimizer step; the Python API behind `rose weights publish`."""
 
@@ -71,8 +195,9 @@ class WeightPublisher:
         keep_keyframes: int = 2,
     ):
         self.redis = redis
-        self.stream = rcfg.key("weights", model)
-        self.meta = meta_key(self.stream)
+        self.keys = weight_keys(rcfg, model)
+        self.stream = self.keys.stream
+        self.meta = self.keys.meta
         self.keyframe_every = keyframe_every
         self.shard_bytes = shard_bytes
         self.chunk_bytes = chunk_bytes
@@ -89,6 +214,7 @@ class WeightPublisher:
         self._epoch: str | None = None
         self._version = 0
         self._seq = 0
+        self._pending = 0  # shard entries of the version being written
         self._since_keyframe = 0
         self._keyframe_next = True
 
@@ -104,12 +230,15 @@ class WeightPublisher:
             self._seq = int(meta.get("last_seq", 0))
         else:
             self._epoch = uuid.uuid4().hex[:16]
-        try:
-            last = self.redis.xinfo_stream(self.stream)["last-generated-id"]
-            last = last.decode() if isinstance(last, bytes) else last
-            self._seq = max(self._seq, int(last.split("-")[1]))
-        except Exception:  # no stream yet
-            pass
+        # every stream written to: a publisher that died between shard writes and the commit
+        # left entries beyond the last commit, and Redis refuses ids at or below a stream's top
+        for key in [self.stream] + [self.keys.shard_stream(i) for i in range(self.keys.shard_streams)]:
+            try:
+                last = self.redis.xinfo_stream(key)["last-generated-id"]
+                last = last.decode() if isinstance(last, bytes) else last
+                self._seq = max(self._seq, int(last.split("-")[1]))
+            except Exception:  # no stream yet
+                pass
         self._keyframe_next = True
 
     # -- publishing ----------------------------------------------------------------------
@@ -156,8 +285,9 @@ class WeightPublisher:
         if version <= self._version:
             raise ValueError(f"version {version} is not above the last published version {self._version}")
         t1 = time.perf_counter()
+        send = self._send_sharded if self.keys.shard_streams else self._send
         try:
-            first, last, n_entries, sent = self._send(layout, version, patches, keyframe)
+            first, last, n_entries, sent = send(layout, version, patches, keyframe)
         except Exception:
             self._epoch = None  # re-read seq and lineage from Redis next time, send a keyframe
             self._view = None
@@ -182,10 +312,19 @@ class WeightPublisher:
         )
 
     def _entries(self, layout: Layout, version: int, patches: list[wcodec.ShardPatch], keyframe: bool):
+        vstart = self._seq + 1
+        yield from self._shard_entries(layout, version, patches, keyframe)
+        yield self._commit_entry(layout, version, patches, keyframe, vstart, vstart + self._pending)
+
+    def _shard_entries(
+        self, layout: Layout, version: int, patches: list[wcodec.ShardPatch], keyframe: bool
+    ) -> Iterator[Entry]:
+        """The version's shard entries, seq from `self._seq + 1`; `self._pending` counts them."""
         epoch = self._epoch
         assert epoch is not None  # publish_raw recovered it
         vstart = self._seq + 1
         seq = vstart
+        self._pending = 0
         for n, p in enumerate(patches):
             s, e = layout.shard_range(p.shard)
             chunks = [p.payload[i : i + self.chunk_bytes] for i in range(0, len(p.payload), self.chunk_bytes)] or [b""]
@@ -207,15 +346,41 @@ class WeightPublisher:
                     layout.to_json() if keyframe and n == 0 and part == 0 else b"",
                 )
                 seq += 1
-        commit = orjson.dumps({"shards": [[p.shard, p.checksum] for p in patches], "keyframe": keyframe})
-        yield Entry(seq, version, "commit", -1, 0, 1, "", 0, "", layout.digest, vstart, epoch, commit)
+                self._pending += 1
 
-    def _send(self, layout: Layout, version: int, patches, keyframe: bool) -> tuple[int, int, int, int]:
+    def _commit_entry(
+        self,
+        layout: Layout,
+        version: int,
+        patches: list[wcodec.ShardPatch],
+        keyframe: bool,
+        vstart: int,
+        seq: int,
+        streams: list[list[int]] | None = None,
+    ) -> Entry:
+        """The version's commit: its shards' checksums and, with shard streams, `streams`
+        ([[stream index, first seq, last seq, entries], ...]) and `n` (the stream count)."""
+        epoch = self._epoch
+        assert epoch is not None  # publish_raw recovered it
+        body: dict[str, Any] = {"shards": [[p.shard, p.checksum] for p in patches], "keyframe": keyframe}
+        if streams is not None:
+            body.update(streams=streams, n=self.keys.shard_streams)
+        commit = orjson.dumps(body)
+        return Entry(seq, version, "commit", -1, 0, 1, "", 0, "", layout.digest, vstart, epoch, commit)
+
+    def _commit_fields(self, commit: Entry) -> dict[bytes, bytes]:
+        """The commit entry's fields as written (a test hook: a publisher dying before its commit)."""
+        return to_fields(commit, self.key)
+
+    def _xadd_all(self, entries, stream_of, on_entry=None) -> tuple[int, int]:
+        """XADD each entry to `stream_of(entry)`, pipelined `_PIPELINE_BYTES` at a time, all
+        stored on return; (payload bytes, entries)."""
         pipe = self.redis.pipeline(transaction=False)
         pending = sent = n = 0
-        first = self._seq + 1
-        for entry in self._entries(layout, version, patches, keyframe):
-            pipe.xadd(self.stream, to_fields(entry, self.key), id=entry.stream_id)
+        for entry in entries:
+            pipe.xadd(stream_of(entry), to_fields(entry, self.key), id=entry.stream_id)
+            if on_entry is not None:
+                on_entry(entry)
             pending += len(entry.payload)
             sent += len(entry.payload)
             n += 1
@@ -223,6 +388,13 @@ class WeightPublisher:
                 pipe.execute()
                 pending = 0
             self._seq = entry.seq
+        pipe.execute()
+        return sent, n
+
+    def _send(self, layout: Layout, version: int, patches, keyframe: bool) -> tuple[int, int, int, int]:
+        first = self._seq + 1
+        sent, n = self._xadd_all(self._entries(layout, version, patches, keyframe), lambda e: self.stream)
+        pipe = self.redis.pipeline(transaction=False)
         meta: dict[str, Any] = {"epoch": self._epoch, "version": version, "last_seq": self._seq}
         if keyframe:
             kept = orjson.loads(self.redis.hget(self.meta, "keyframes") or b"[]")
@@ -234,3 +406,42 @@ class WeightPublisher:
             pipe.hset(self.meta, mapping=meta)
         pipe.execute()
         return first, self._seq, n, sent
+
+    def _send_sharded(self, layout: Layout, version: int, patches, keyframe: bool) -> tuple[int, int, int, int]:
+        """Shard entries to their shard streams (shard s to stream s % N), all acknowledged;
+        then the commit alone to the commit stream, the one write that makes the version
+        visible, and once it is stored the meta hash. A publisher dying before it leaves entries
+        no commit lists, which followers never read. Trimming after a keyframe comes last."""
+        n = self.keys.shard_streams
+        first = self._seq + 1
+        ranges: dict[int, list[int]] = {}  # stream index -> [first seq, last seq, entries]
+
+        def track(entry) -> None:
+            r = ranges.setdefault(entry.shard % n, [entry.seq, entry.seq, 0])
+            r[1], r[2] = entry.seq, r[2] + 1
+
+        # every shard entry is stored before the commit names it
+        sent, count = self._xadd_all(
+            self._shard_entries(layout, version, patches, keyframe),
+            lambda e: self.keys.shard_stream(e.shard % n),
+            track,
+        )
+        streams = [[i, *ranges[i]] for i in sorted(ranges)]
+        commit = self._commit_entry(layout, version, patches, keyframe, first, self._seq + 1, streams)
+        fields = self._commit_fields(commit)
+        sent += len(commit.payload)
+        meta: dict[str, Any] = {"epoch": self._epoch, "version": version, "last_seq": commit.seq}
+        kept: list = []
+        if keyframe:
+            kept = orjson.loads(self.redis.hget(self.meta, "keyframes") or b"[]")
+            kept = (kept + [[first, version]])[-self.keep_keyframes :]
+            meta.update(keyframes=orjson.dumps(kept), keyframe_seq=first, keyframe_version=version)
+        self.redis.xadd(self.stream, fields, id=commit.stream_id)  # the version is visible now
+        self._seq = commit.seq
+        self.redis.hset(self.meta, mapping=meta)  # only after a stored commit (same hash tag, same node)
+        if keyframe:
+            pipe = self.redis.pipeline(transaction=False)
+            for key in [self.stream] + [self.keys.shard_stream(i) for i in range(n)]:
+                pipe.xtrim(key, minid=f"0-{kept[0][0]}", approximate=False)
+            pipe.execute()
+        return first, self._seq, count + 1, sent

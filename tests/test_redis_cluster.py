@@ -1,0 +1,251 @@
+"""Weights on a real three-node Redis Cluster (`rose stack up --redis-cluster`, Debian's
+redis-server): a model's shard streams spread over the nodes, a follower on a RedisCluster
+client applies every version once and bit-exact, a publisher dying between its shard writes and
+its commit leaves followers on the previous version until the next publish, and a wrongly
+signed commit is refused. The cluster runs on ports of its own, so the normal stack is untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import uuid
+
+import numpy as np
+import orjson
+import pytest
+import redis
+
+from rose.config import RedisConfig, StackConfig
+from rose.stack import LocalStack, free_port
+from rose.stack.ports import listening
+from rose.weights.entries import to_fields
+from rose.weights.follower import FileStateStore, WeightFollower
+from rose.weights.layout import flatten, make_layout
+from rose.weights.stream import ClusterUnavailable, WeightPublisher, redis_client, weight_keys
+
+SHARD = 16 << 10
+SPECS = {"w": ("bfloat16", (40_000,)), "b": ("float32", (3_000,)), "step": ("int64", ())}
+
+
+def _versions(n: int, seed: int = 0) -> list[tuple[dict, np.ndarray]]:
+    """n successive states (raw bytes per tensor) with sparse changes, and each one's flat bytes."""
+    rng = np.random.default_rng(seed)
+    layout = make_layout(SPECS, SHARD)
+    sizes = {t.name: t.nbytes for t in layout.tensors}
+    arrays = {k: rng.integers(0, 256, size, dtype=np.uint8) for k, size in sizes.items()}
+    out = []
+    for _ in range(n):
+        arrays = {k: a.copy() for k, a in arrays.items()}
+        w = arrays["w"]
+        w[rng.integers(0, w.size, 300)] ^= 1
+        arrays["step"][0] += 1
+        out.append((arrays, flatten(layout, arrays)))
+    return out
+
+
+def _free_base() -> int:
+    """A Redis port whose three next ports and their cluster bus ports (+10000) are free."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(12000, 22000)  # all below the ephemeral range (32768-)
+        if not any(listening(p) or listening(p + 10000) for p in range(base + 1, base + 4)):
+            return base
+    raise RuntimeError("no free ports for a Redis Cluster")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A three-node Redis Cluster started by the code behind `rose stack up --redis-cluster`."""
+    root = tmp_path_factory.mktemp("redis-cluster") / ".rose-stack"
+    scfg = dataclasses.replace(StackConfig(), data_dir=str(root), redis_port=_free_base(), kafka_port=free_port())
+    st = LocalStack(scfg, f"127.0.0.1:{scfg.kafka_port}", f"redis://127.0.0.1:{scfg.redis_port}/0")
+    try:
+        st.redis_cluster_up()
+        yield st
+    finally:
+        st.down()
+
+
+@pytest.fixture
+def rcfg(cluster) -> RedisConfig:
+    return RedisConfig(
+        url="redis://",
+        key_prefix=f"t{uuid.uuid4().hex[:10]}:",
+        cluster_nodes=cluster.redis_cluster_nodes,
+        shard_streams=3,
+    )
+
+
+@pytest.fixture
+def rc(rcfg):
+    c = redis_client(rcfg)
+    yield c
+    c.close()
+
+
+def _publisher(rc, rcfg, cls=WeightPublisher, **kw):
+    kw.setdefault("shard_bytes", SHARD)
+    kw.setdefault("chunk_bytes", 4096)  # several parts per shard
+    return cls(rc, rcfg, "m", **kw)
+
+
+def _publish(pub, arrays, **kw):
+    return pub.publish_raw(SPECS, arrays, **kw)
+
+
+def _commit_streams(rc, stream: str) -> list[list[int]]:
+    (_, fields), *_ = rc.xrevrange(stream, count=1)
+    return orjson.loads(fields[b"payload"])["streams"]
+
+
+@pytest.mark.stack
+def test_shard_streams_spread_over_the_nodes(rc, rcfg, cluster):
+    [(arrays, _)] = _versions(1)
+    pub = _publisher(rc, rcfg)
+    stats = _publish(pub, arrays)
+    assert stats.keyframe and stats.shards_sent >= 3
+    keys = weight_keys(rcfg, "m")
+    assert (keys.stream, keys.meta) == (f"{rcfg.key_prefix}weights:{{m}}", f"{rcfg.key_prefix}weights:{{m}}:meta")
+    listed = _commit_streams(rc, keys.stream)
+    assert [i for i, *_ in listed] == [0, 1, 2]
+    ports = {}
+    for i in range(3):
+        key = keys.shard_stream(i)
+        slot = rc.cluster_keyslot(key)  # CLUSTER KEYSLOT, asked of the cluster
+        assert i * 16384 // 3 <= slot < (i + 1) * 16384 // 3
+        node = rc.get_node_from_key(key)
+        ports[key] = node.port
+        direct = redis.Redis(host="127.0.0.1", port=node.port)  # the entries are on that node itself
+        assert direct.xlen(key) == listed[i][3] > 0
+        direct.close()
+    assert len(set(ports.values())) == 3, ports  # one shard stream per master
+    assert rc.cluster_keyslot(keys.stream) == rc.cluster_keyslot(keys.meta)  # commit + meta: one slot
+
+
+@pytest.mark.stack
+def test_a_cluster_follower_applies_every_version_once_bit_exact(rc, rcfg, tmp_path):
+    vs = _versions(9, seed=1)
+    pub = _publisher(rc, rcfg, keyframe_every=3)
+    f = WeightFollower(rc, rcfg, "m", FileStateStore(tmp_path))
+    for i, (arrays, flat) in enumerate(vs):
+        stats = _publish(pub, arrays)
+        assert stats.keyframe == (i % 4 == 0)
+        if i % 2:
+            assert f.poll(0) == i + 1 and np.array_equal(f.receiver.visible().flat, flat)
+        if i == 5:  # the follower restarts from its state file: nothing applied twice
+            f = WeightFollower(rc, rcfg, "m", FileStateStore(tmp_path))
+    f.poll(0)
+    assert f.stats.applied_versions == list(range(1, 10))
+    assert np.array_equal(f.receiver.visible().flat, vs[-1][1]) and f.newest() == 9
+    assert f.poll(0) is None and f.stats.duplicates == 0  # read again: nothing new
+    late = WeightFollower(rc, rcfg, "m")
+    assert late.poll(0) == 9 and np.array_equal(late.receiver.visible().flat, vs[-1][1])
+    assert late.stats.applied_versions[0] == 9  # from the newest keyframe (9), nothing else
+
+
+class _DiesBeforeCommit(WeightPublisher):
+    def _commit_fields(self, commit):
+        raise RuntimeError("publisher killed between its shard writes and its commit")
+
+
+@pytest.mark.stack
+def test_a_publisher_dying_before_its_commit_leaves_the_previous_version(rc, rcfg):
+    vs = _versions(4, seed=2)
+    pub = _publisher(rc, rcfg, keyframe_every=100)
+    f = WeightFollower(rc, rcfg, "m")
+    _publish(pub, vs[0][0])
+    _publish(pub, vs[1][0])
+    assert f.poll(0) == 2
+    dying = _publisher(rc, rcfg, _DiesBeforeCommit, keyframe_every=100)
+    with pytest.raises(RuntimeError, match="killed"):
+        _publish(dying, vs[2][0])
+    keys = weight_keys(rcfg, "m")
+    last_commit = int(rc.hget(keys.meta, "last_seq"))
+    tails = [int(rc.xinfo_stream(keys.shard_stream(i))["last-generated-id"].split(b"-")[1]) for i in range(3)]
+    assert max(tails) > last_commit  # its shard entries are there, no commit lists them
+    assert f.poll(0) is None and f.receiver.visible().version == 2
+    assert np.array_equal(f.receiver.visible().flat, vs[1][1]) and f.newest() == 2
+    restarted = _publisher(rc, rcfg, keyframe_every=100)  # the trainer comes back
+    s = _publish(restarted, vs[2][0])
+    assert s.keyframe and s.version == 3 and s.seq_first > max(tails)
+    _publish(restarted, vs[3][0])
+    assert f.poll(0) == 4
+    assert f.stats.applied_versions == [1, 2, 3, 4] and np.array_equal(f.receiver.visible().flat, vs[3][1])
+    late = WeightFollower(rc, rcfg, "m")
+    assert late.poll(0) == 4 and late.stats.applied_versions == [3, 4]
+
+
+class _ForgesItsCommit(WeightPublisher):
+    def _commit_fields(self, commit):
+        return to_fields(commit, b"not the key")
+
+
+@pytest.mark.stack
+def test_a_wrongly_signed_commit_is_refused(rc, rcfg):
+    vs = _versions(4, seed=3)
+    key = "s3cret"
+    pub = _publisher(rc, rcfg, keyframe_every=100, hmac_key=key)
+    f = WeightFollower(rc, rcfg, "m", hmac_key=key)
+    _publish(pub, vs[0][0])
+    assert f.poll(0) == 1
+    forger = _publisher(rc, rcfg, _ForgesItsCommit, keyframe_every=100, hmac_key=key)
+    # a keyframe (a new publisher's first version): its shard entries signed right, its commit not
+    assert _publish(forger, vs[1][0]).keyframe
+    assert f.poll(0) is None and f.stats.refused == 1
+    assert f.receiver.visible().version == 1 and np.array_equal(f.receiver.visible().flat, vs[0][1])
+    unkeyed = WeightFollower(rc, rcfg, "m", hmac_key="another")  # starts at that keyframe's commit
+    assert unkeyed.poll(0) is None and unkeyed.receiver.visible() is None and unkeyed.stats.refused == 1
+    trainer = _publisher(rc, rcfg, keyframe_every=100, hmac_key=key)  # the real trainer, (re)started
+    assert _publish(trainer, vs[2][0]).keyframe
+    assert f.poll(0) == 3 and np.array_equal(f.receiver.visible().flat, vs[2][1])
+    assert f.stats.applied_versions == [1, 3]
+
+
+@pytest.mark.stack
+def test_stack_status_shows_the_cluster(cluster):
+    from typer.testing import CliRunner
+
+    from rose.cli import app
+
+    env = {"ROSE_STACK__DATA_DIR": str(cluster.root), "ROSE_STACK__REDIS_PORT": str(cluster.scfg.redis_port)}
+    env["ROSE_STACK__KAFKA_PORT"] = str(cluster.scfg.kafka_port)
+    r = CliRunner().invoke(app, ["stack", "status"], env=env)
+    assert f"redis-cluster: up ({cluster.redis_cluster_nodes}, cluster_state ok)" in r.output, r.output
+    assert r.exit_code == 1  # this stack's Kafka and Redis are not running
+
+
+def test_bad_cluster_settings_say_what_is_wrong():
+    port = free_port()
+    with pytest.raises(ClusterUnavailable, match=rf"127\.0\.0\.1:{port}.*rose stack up --redis-cluster"):
+        redis_client(RedisConfig(cluster_nodes=f"127.0.0.1:{port}"))
+    with pytest.raises(ValueError, match="redis.cluster_nodes: 'nonsense' is not host:port"):
+        redis_client(RedisConfig(cluster_nodes="nonsense"))
+    with pytest.raises(ValueError, match="model name 'a{b}' holds a brace"):
+        weight_keys(RedisConfig(shard_streams=3), "a{b}")
+    with pytest.raises(ValueError, match="redis.shard_streams: -1"):
+        weight_keys(RedisConfig(shard_streams=-1), "m")
+    default = weight_keys(RedisConfig(), "m")  # the single-stream layout, as ever
+    assert (default.stream, default.meta, default.shard_streams) == ("rose:weights:m", "rose:weights:m:meta", 0)
+
+
+@pytest.mark.stack
+def test_a_plain_redis_or_a_node_down_is_named(cluster, rcfg):
+    cluster.redis_up()  # this stack's plain Redis: not a cluster node
+    try:
+        with pytest.raises(ClusterUnavailable, match=rf"127\.0\.0\.1:{cluster.scfg.redis_port}.*[Cc]luster mode"):
+            redis_client(dataclasses.replace(rcfg, cluster_nodes=f"127.0.0.1:{cluster.scfg.redis_port}"))
+    finally:
+        cluster.redis_down()
+    down = cluster.redis_cluster_ports[1]
+    assert cluster._stop("redis-cluster-1", 10.0)
+    with pytest.raises(ClusterUnavailable, match=rf"127\.0\.0\.1:{down}"):
+        redis_client(rcfg)
+    assert not cluster.redis_cluster_alive()
+    assert f"127.0.0.1:{down} does not answer as a cluster node" in cluster._said()
+    cluster.redis_cluster_up()  # restarts the node, which rejoins from its nodes.conf
+    rc = redis_client(rcfg)
+    [(arrays, flat)] = _versions(1, seed=4)
+    _publish(_publisher(rc, rcfg), arrays)
+    f = WeightFollower(rc, rcfg, "m")
+    assert f.poll(0) == 1 and np.array_equal(f.receiver.visible().flat, flat)
+    rc.close()
