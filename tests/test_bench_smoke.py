@@ -141,3 +141,18 @@ def test_soak_reports_measured_rates_and_pooled_decision_latency(cfg):
     assert f["executor_cpu_ms_per_s_per_gpu"] == round(1000 * f["cpu_cores_mean"]["executor-0"] / 200, 3)
     rows = [r for r in f["series"] if "commands_per_s" in r]
     assert len(rows) == len(f["series"]) - 1 >= 4  # every interval after the first sample has its rates
+
+
+def test_scheduler_scale_out_counts_the_work_of_every_instance(cfg):
+    """Two scheduler processes in one group consume every event between them, each holding
+    partitions; the figure counts events after both joined. Loose guard: two instances are not
+    slower than half of one (the bench reports the speed-up; 2 cores cap it)."""
+    from rose.bench.scheduler import _scale_out
+
+    out = _scale_out(cfg, 100, 200, (1, 2), partitions=2)
+    one, two = out["1"], out["2"]
+    assert one["events_measured"] == 100 * 200 and one["events_per_s"] > 0
+    assert len(two["events_per_instance"]) == 2 and min(two["events_per_instance"]) > 0, two
+    assert sum(two["events_per_instance"]) >= 100 * 200, two  # every event consumed by one of them
+    assert two["events_measured"] > 0 and two["events_per_s"] > 0, two
+    assert two["speedup_vs_1"] > 0.5, out

@@ -13,8 +13,9 @@ from rose.obs.stats import percentile
 
 
 @contextlib.contextmanager
-def private_stack(cfg: Config, tag: str, kafka: bool = True):
-    """`cfg` with its own topics (created, deleted after; only with `kafka`) and Redis keys (deleted after)."""
+def private_stack(cfg: Config, tag: str, kafka: bool = True, partitions: int = 1):
+    """`cfg` with its own topics of `partitions` partitions (created, deleted after; only with
+    `kafka`) and Redis keys (deleted after)."""
     import redis
 
     from rose.kafka.admin import wait_for_broker
@@ -23,7 +24,9 @@ def private_stack(cfg: Config, tag: str, kafka: bool = True):
     u = uuid.uuid4().hex[:8]
     c = dataclasses.replace(
         cfg,
-        kafka=dataclasses.replace(cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}bench-{tag}-{u}.", partitions=1),
+        kafka=dataclasses.replace(
+            cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}bench-{tag}-{u}.", partitions=partitions
+        ),
         redis=dataclasses.replace(cfg.redis, key_prefix=f"{cfg.redis.key_prefix}bench-{tag}-{u}:"),
     )
     if kafka:

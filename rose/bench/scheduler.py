@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from rose.config import Config
@@ -10,6 +11,7 @@ from rose.obs.stats import percentile
 GOAL_EVENTS_PER_S = 100_000
 GOAL_RATIO = 0.6  # scheduler events/s over raw consume+decode of the same messages
 GOAL_P99_MS = 20.0
+INSTANCES = (1, 2, 4)  # scheduler processes of the scale-out part, one consumer group
 
 
 def _fill(cfg: Config, events) -> None:
@@ -61,6 +63,108 @@ def _scheduler_rate(cfg: Config, n: int) -> tuple[float, int]:
     finally:
         s.close()
     return (s.stats.events / dt if dt > 0 else 0.0), s.stats.commands
+
+
+def _instance(cfg: Config, name: str, group: str, total: int, consumed, out, ready) -> None:
+    """One scheduler process of the scale-out bench: step until the group has consumed `total`
+    events (`consumed`, shared); report when it first held partitions and its own
+    (time, events) after each batch."""
+    from rose.obs.logs import setup_logging
+    from rose.scheduler.service import Scheduler
+
+    setup_logging("WARNING")  # as `rose bench` runs the in-process instances
+    s = Scheduler(cfg, instance=name, group=group, batch_max=10000)
+    ready.wait(120)  # every instance imported and built: they join the group together
+    s.start()
+    joined, marks = None, []
+    deadline = time.monotonic() + 240
+    try:
+        while consumed.value < total and time.monotonic() < deadline:
+            n = s.step(0.1)
+            if joined is None and s.consumer.assignment():
+                joined = time.time()
+            if n:
+                with consumed.get_lock():
+                    consumed.value += n
+                marks.append((time.time(), n))
+    finally:
+        s.close()
+    out.put(
+        {
+            "name": name,
+            "joined": joined,
+            "marks": marks,
+            "partitions": len(s.gpu_partition and set(s.gpu_partition.values())),
+        }
+    )
+
+
+def _collect(q, procs, timeout_s: float) -> list[dict]:
+    """Each process's report; RuntimeError naming the exit code of one that died without one."""
+    import queue
+
+    reports: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while len(reports) < len(procs) and time.monotonic() < deadline:
+        try:
+            reports.append(q.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"scale-out instance exited with code {dead[0].exitcode} without a report") from None
+    for p in procs:
+        p.join(30)
+    if len(reports) < len(procs):
+        raise RuntimeError(f"scale-out: {len(procs) - len(reports)} instance(s) gave no report in {timeout_s:.0f} s")
+    return reports
+
+
+def _scale_out(cfg: Config, n_gpus: int, n_ticks: int, instances: tuple[int, ...], partitions: int) -> dict:
+    """Events/s of k scheduler processes in one consumer group over a topic of `partitions`
+    partitions, filled before they start; counted from the moment the last of them holds
+    partitions (before that the first joiner consumes alone) to the last event."""
+    import multiprocessing as mp
+
+    from rose.bench._stack import private_stack
+    from rose.sim.telemetry_workload import workload
+
+    ctx = mp.get_context("spawn")
+    out: dict = {}
+    for k in instances:
+        with private_stack(cfg, f"scale{k}", partitions=partitions) as c:
+            events = workload(n_gpus, n_ticks, seed=2, prefix=f"scale{k}")
+            _fill(c, events)
+            consumed, q, ready = ctx.Value("q", 0), ctx.Queue(), ctx.Barrier(k)
+            procs = [
+                ctx.Process(
+                    target=_instance,
+                    args=(c, f"scale-{k}-{i}", f"{c.kafka.topic_prefix}group", len(events), consumed, q, ready),
+                )
+                for i in range(k)
+            ]
+            for pr in procs:
+                pr.start()
+            reports = _collect(q, procs, timeout_s=300)
+        joined = [r["joined"] for r in reports]
+        if any(j is None for j in joined):
+            out[str(k)] = {"events_per_s": None, "reason": "an instance never held a partition"}
+            continue
+        t_all = max(joined)
+        after = [(t, n) for r in reports for t, n in r["marks"] if t >= t_all]
+        end = max((t for t, _ in after), default=t_all)
+        n_after = sum(n for _, n in after)
+        out[str(k)] = {
+            "events_per_s": round(n_after / (end - t_all)) if end > t_all else None,
+            "events_measured": n_after,
+            "events_before_all_joined": len(events) - n_after,
+            # per instance; their sum exceeds the events only where a batch was redone after a rebalance
+            "events_per_instance": sorted(sum(n for _, n in r["marks"]) for r in reports),
+        }
+    one = (out.get("1") or {}).get("events_per_s")
+    for v in out.values():
+        r = v.get("events_per_s")
+        v["speedup_vs_1"] = round(r / one, 2) if r and one else None
+    return out
 
 
 def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
@@ -139,6 +243,8 @@ def run(cfg: Config, quick: bool = False) -> dict:
         sched, commands = _scheduler_rate(c, n)
     with private_stack(cfg, "lat") as c:
         latency = _latency(c, rate_per_s=2000 if quick else 5000, seconds=3 if quick else 8)
+    cores = os.cpu_count() or 1
+    scale = _scale_out(cfg, n_gpus, n_ticks * (1 if quick else 2), INSTANCES, partitions=max(INSTANCES))
     return {
         "events": n,
         "gpus": n_gpus,
@@ -155,5 +261,13 @@ def run(cfg: Config, quick: bool = False) -> dict:
             round(latency["p99_ms"] / GOAL_P99_MS, 3) if latency.get("p99_ms") is not None else None
         ),
         "goal_decision_latency_p99_ms": GOAL_P99_MS,
-        "note": "one process, one partition, local single-node broker on a 2-core machine shared with the producer",
+        "scale_out": {
+            "instances": scale,
+            "partitions": max(INSTANCES),
+            "cpus": cores,
+            "note": "k scheduler processes in one consumer group; the broker and every instance share the "
+            f"machine's {cores} cores, so throughput can scale at most to what the cores leave the instances",
+        },
+        "note": "throughput and latency: one process, one partition, local single-node broker on the same "
+        "machine as the producer",
     }
