@@ -55,8 +55,10 @@ ALPHA_DEFAULT_SOURCE = (
 # its p99 alone -> alpha = 3.157 (see `calibration`; docs/paper-check/interference.json).
 ALPHA_MEASURED = 3.157
 ALPHA_MEASURED_SOURCE = "rose bench interference --quick on 2 CPU cores (docs/paper-check/interference.json)"
-# `rose bench weights --quick --json`: lossless delta bytes per RL step / full bf16 = 0.02128.
-WEIGHT_DELTA_RATIO = 0.02128
+# `rose bench weights --full` in the GPU check (docs/measured/h200/weights.json, codec): lossless
+# zdelta bytes per RL step (Adam, lr 1e-6, 100M params) / full bf16 = 0.00664. Bytes, not time:
+# the same on any machine.
+WEIGHT_DELTA_RATIO = 0.00664
 DECIDE_CALLS_BUDGET = 2_000_000  # decide() costs ~12 µs a call in CPython: ~25 s of a run
 
 
@@ -76,7 +78,7 @@ class SimConfig:
     alpha: float = ALPHA_DEFAULT
     alpha_source: str = ALPHA_DEFAULT_SOURCE
     weight_delta_ratio: float = WEIGHT_DELTA_RATIO
-    weight_ratio_source: str = "rose bench weights --quick (docs/paper-check/weights.json)"
+    weight_ratio_source: str = "rose bench weights --full (docs/measured/h200/weights.json)"
     check_invariants: bool = False  # assert the simulator's invariants every window (tests)
     policies: tuple[str, ...] = POLICIES
     episode: EpisodeModel = field(default_factory=EpisodeModel)
