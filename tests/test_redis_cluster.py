@@ -7,7 +7,11 @@ signed commit is refused. The cluster runs on ports of its own, so the normal st
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import subprocess
+import sys
+import time
 import uuid
 
 import numpy as np
@@ -249,3 +253,176 @@ def test_a_plain_redis_or_a_node_down_is_named(cluster, rcfg):
     f = WeightFollower(rc, rcfg, "m")
     assert f.poll(0) == 1 and np.array_equal(f.receiver.visible().flat, flat)
     rc.close()
+
+
+class _FlakyCluster:
+    """The cluster client, raising what redis-py raises while a node is away: on the first XREADs,
+    then on one XRANGE in the middle of a version (after some of its shard entries were taken)."""
+
+    def __init__(self, rc, xread_errors, xrange_error, xrange_at):
+        self.rc, self.xread_errors, self.xrange_error, self.xrange_at = rc, list(xread_errors), xrange_error, xrange_at
+        self.xranges = 0
+
+    def __getattr__(self, name):
+        return getattr(self.rc, name)
+
+    def xread(self, *a, **kw):
+        if self.xread_errors:
+            raise self.xread_errors.pop(0)
+        return self.rc.xread(*a, **kw)
+
+    def xrange(self, *a, **kw):
+        self.xranges += 1
+        if self.xranges == self.xrange_at:
+            raise self.xrange_error
+        return self.rc.xrange(*a, **kw)
+
+
+@pytest.mark.stack
+def test_follow_waits_out_cluster_errors_and_says_so(rc, rcfg):
+    """`follow` retries the cluster's own errors as it does a refused connection, one log line
+    per kind, and a read cut short mid-version resumes after what it took: nothing twice."""
+    from redis.exceptions import ClusterDownError, MasterDownError, RedisClusterException, SlotNotCoveredError
+    from structlog.testing import capture_logs
+
+    vs = _versions(2, seed=6)
+    pub = _publisher(rc, rcfg, keyframe_every=100)
+    for arrays, _ in vs:
+        _publish(pub, arrays)
+    errors = [
+        ClusterDownError("The cluster is down"),
+        ClusterDownError("The cluster is down"),  # the same kind again: not said twice
+        MasterDownError("MASTERDOWN Link with MASTER is down"),
+        RedisClusterException("Redis Cluster cannot be connected. Please provide at least one reachable node"),
+    ]
+    flaky = _FlakyCluster(rc, errors, SlotNotCoveredError('Slot "42" is not covered by the cluster.'), 5)
+    with capture_logs() as logs:
+        f = WeightFollower(flaky, rcfg, "m", batch=2)  # 2 entries an XRANGE: several per stream
+        f.follow(until_version=2, block_ms=100)
+    said = [x for x in logs if x["event"] == "redis.cluster_unavailable"]
+    assert [x["error"].split(":")[0] for x in said] == [
+        "ClusterDownError",
+        "MasterDownError",
+        "RedisClusterException",
+        "SlotNotCoveredError",
+    ]
+    assert said[0]["nodes"] == rcfg.cluster_nodes and "rose stack up --redis-cluster" in said[0]["hint"]
+    assert flaky.xranges > 5 and f.stats.applied_versions == [1, 2]
+    assert f.stats.duplicates == 0 and f.stats.gaps == 0  # resumed after the entries it had taken
+    assert np.array_equal(f.receiver.visible().flat, vs[-1][1])
+
+
+def _follow_cli(rcfg: RedisConfig, out, until: int, hmac_key: str) -> subprocess.Popen:
+    """`rose weights follow` on the cluster, configured by ROSE_* environment variables alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_")}
+    env.update(
+        ROSE_REDIS_URL=rcfg.url,
+        ROSE_REDIS__KEY_PREFIX=rcfg.key_prefix,
+        ROSE_REDIS__CLUSTER_NODES=rcfg.cluster_nodes,
+        ROSE_REDIS__SHARD_STREAMS=str(rcfg.shard_streams),
+        ROSE_SECURITY__WEIGHTS_HMAC_KEY=hmac_key,
+    )
+    argv = ["weights", "follow", "--model", "m", "--out", str(out), "--until-version", str(until)]
+    log = open(out.parent / "follow.log", "wb")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "rose.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=log)
+    finally:
+        log.close()
+
+
+def _wait(what: str, cond, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.stack
+def test_rose_weights_follow_on_the_cluster_outlives_a_node_down(rc, rcfg, cluster, tmp_path):
+    """The CLI follower, given the cluster by ROSE_REDIS__CLUSTER_NODES and
+    ROSE_REDIS__SHARD_STREAMS, applies a WeightPublisher's versions; a node holding one of the
+    shard streams stops (the other masters answer CLUSTERDOWN once they mark it failed) and comes
+    back; the follower waits, says so, and ends at the last version, bit-exact, each applied once."""
+    vs = _versions(4, seed=7)
+    key = "cluster-key"
+    pub = _publisher(rc, rcfg, keyframe_every=100, hmac_key=key)
+    for arrays, _ in vs[:2]:
+        _publish(pub, arrays)
+    keys = weight_keys(rcfg, "m")
+    down = cluster.redis_cluster_ports[1]  # holds shard stream 1 only
+    assert rc.get_node_from_key(keys.shard_stream(1)).port == down
+    # not the commit stream's node, nor redis-py's default node (COMMAND GETKEYS for every XREAD):
+    # the follower's reads reach the other masters, which answer CLUSTERDOWN
+    assert rc.get_node_from_key(keys.stream).port != down and rc.get_default_node().port != down
+    out = tmp_path / "w"
+    p = _follow_cli(rcfg, out, until=4, hmac_key=key)
+    log = tmp_path / "follow.log"
+    try:
+        _wait("version 2 on disk", lambda: (got := FileStateStore(out).load()) is not None and got[0].version == 2)
+        assert cluster._stop("redis-cluster-1", 10.0)
+        try:
+            _wait("the follower to say the cluster is down", lambda: b"ClusterDownError" in log.read_bytes(), 40)
+            assert p.poll() is None, log.read_text()  # waiting, not dead
+        finally:
+            cluster.redis_cluster_up()
+        for arrays, _ in vs[2:]:
+            _publish(pub, arrays)
+        stdout, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, log.read_text()[-3000:]
+    said = [orjson.loads(line) for line in log.read_bytes().splitlines() if b"redis.cluster_unavailable" in line]
+    assert said and said[0]["nodes"] == rcfg.cluster_nodes and said[0]["error"].startswith("ClusterDownError")
+    result = orjson.loads(stdout.splitlines()[-1])
+    assert result["version"] == 4 and result["duplicates"] == 0 and result["refused"] == 0
+    snap, applied = FileStateStore(out).load()
+    assert applied == [1, 2, 3, 4] and np.array_equal(snap.flat, vs[-1][1])
+
+
+@pytest.mark.stack
+def test_a_worker_config_carries_the_cluster_to_the_worker(rc, rcfg):
+    """cluster_nodes and shard_streams go from the config (ROSE_* environment) through the
+    executor's WorkerConfig and its JSON on a descriptor to the worker, whose weight source
+    follows the cluster; a config written before them still loads, with their defaults."""
+    pytest.importorskip("torch")  # the worker's weight source builds a model
+    from rose.config import load_config
+    from rose.executor import lease_machine as lm
+    from rose.executor.workers import worker_config
+    from rose.rollout.launcher import WorkerConfig, _config_file, read_config
+    from rose.rollout.worker_process import weight_source
+
+    env = {
+        "ROSE_REDIS_URL": rcfg.url,
+        "ROSE_REDIS__KEY_PREFIX": rcfg.key_prefix,
+        "ROSE_REDIS__CLUSTER_NODES": rcfg.cluster_nodes,
+        "ROSE_REDIS__SHARD_STREAMS": "3",
+        "ROSE_EXECUTOR__MODEL": "m",
+        "ROSE_EXECUTOR__WORKER_WEIGHTS": "follow",
+    }
+    cfg = load_config(env=env)
+    assert cfg.redis == rcfg
+    wc = worker_config(cfg, lm.Start("n/0", "l", 1, 1 << 30, 0.5, False), "flag", "cpu", 3)
+    text = wc.to_json()
+    assert WorkerConfig.from_json(text) == wc
+    back = read_config(_config_file(text.encode()))
+    assert back == wc and (back.redis.cluster_nodes, back.redis.shard_streams) == (rcfg.cluster_nodes, 3)
+    old = orjson.loads(text)
+    del old["redis"]["cluster_nodes"], old["redis"]["shard_streams"]
+    plain = WorkerConfig.from_json(orjson.dumps(old))
+    assert (plain.redis.cluster_nodes, plain.redis.shard_streams) == ("", 0) and plain.redis.url == rcfg.url
+    bad = text.replace('"shard_streams":3', '"shard_streams":"3"')
+    with pytest.raises(ValueError, match="redis.shard_streams: expected int, got '3'"):
+        WorkerConfig.from_json(bad)
+
+    [(arrays, flat)] = _versions(1, seed=8)
+    _publish(_publisher(rc, rcfg), arrays)
+    from rose.rollout.policy_model import ModelSpec
+
+    ws = weight_source(back, ModelSpec(d_model=32, n_heads=2, d_ff=64, n_layers=1, max_seq=64), None)
+    try:
+        assert ws.follower.cluster and ws.newest() == 1
+        assert np.array_equal(ws.follower.receiver.visible().flat, flat)
+    finally:
+        ws.follower.redis.close()

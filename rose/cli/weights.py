@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import orjson
 import typer
 
 _WORKERS = 2  # threads encoding or applying shards
+T = TypeVar("T")
 
 weights_app = typer.Typer(
     help="Sparse, bit-exact weight deltas: files and the Redis weight stream.", no_args_is_help=True
@@ -146,6 +149,22 @@ def patch(
         fail(str(e))
 
 
+def _weights_side(cfg, make: Callable[[Any], T]) -> T:
+    """`make(client)` on the client of `cfg`'s weight streams (`redis_client`: a RedisCluster
+    with redis.cluster_nodes, else the Redis at redis.url); one `rose: ...` line and exit 1 for a
+    cluster that is not usable, 2 for settings that cannot be (malformed nodes, shard_streams
+    out of range, a brace in the model name or key prefix)."""
+    from rose.cli import fail
+    from rose.weights.stream import ClusterUnavailable, redis_client
+
+    try:
+        return make(redis_client(cfg.redis))
+    except ClusterUnavailable as e:
+        fail(str(e), 1)
+    except ValueError as e:
+        fail(str(e))
+
+
 @weights_app.command("publish")
 def publish(
     checkpoints: list[Path] = typer.Argument(..., help="Checkpoints, published as consecutive versions."),
@@ -158,24 +177,24 @@ def publish(
     json_out: bool = typer.Option(False, "--json", help="One JSON object per version."),
 ) -> None:
     """Publish checkpoints as versions of the weight stream."""
-    import redis
-
     from rose.cli import cli_config, fail
-    from rose.weights.stream import WeightPublisher
+    from rose.weights.stream import WeightPublisher, unavailable_errors
 
     if codec_name not in ("zdelta", "xor", "topk", "int8"):
         fail(f"--codec: unknown codec {codec_name!r} (zdelta, xor, topk, int8)")
     cfg = cli_config()
-    r = redis.Redis.from_url(cfg.redis.url)
-    pub = WeightPublisher(
-        r, cfg.redis, model, keyframe_every=keyframe_every, codec=codec_name, hmac_key=cfg.security.weights_hmac_key
+    pub = _weights_side(
+        cfg,
+        lambda r: WeightPublisher(
+            r, cfg.redis, model, keyframe_every=keyframe_every, codec=codec_name, hmac_key=cfg.security.weights_hmac_key
+        ),
     )
     for i, path in enumerate(checkpoints):
         ck = _load(path)
         try:
             stats = pub.publish_raw(ck.specs, ck.arrays)
-        except redis.ConnectionError as e:
-            fail(f"redis at {cfg.redis.url}: {e}")
+        except unavailable_errors() as e:
+            fail(f"redis at {cfg.redis.cluster_nodes or cfg.redis.safe_url}: {type(e).__name__}: {e}")
         if json_out:
             typer.echo(orjson.dumps({"checkpoint": str(path), **stats.__dict__}).decode())
         else:
@@ -196,8 +215,6 @@ def follow(
     metrics_port: int = typer.Option(None, "--metrics-port", help="Serve /metrics and /healthz on this port."),
 ) -> None:
     """Apply the weight stream exactly once; keep OUT/weights.safetensors at the newest version."""
-    import redis
-
     from rose.cli import cli_config
     from rose.obs import metrics
     from rose.obs.logs import setup_logging
@@ -207,8 +224,9 @@ def follow(
     setup_logging()
     cfg = cli_config()
     shutdown = Shutdown.install(name="rose-weights-follow")
-    r = redis.Redis.from_url(cfg.redis.url)
-    f = WeightFollower(r, cfg.redis, model, FileStateStore(out), hmac_key=cfg.security.weights_hmac_key)
+    f = _weights_side(
+        cfg, lambda r: WeightFollower(r, cfg.redis, model, FileStateStore(out), hmac_key=cfg.security.weights_hmac_key)
+    )
     if metrics_port is not None:
         metrics.serve(metrics_port, health=lambda: not shutdown.requested)
     f.follow(until_version=until_version, idle_s=idle_s, stop=shutdown.stop)

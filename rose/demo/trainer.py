@@ -91,7 +91,7 @@ class Trainer:
 
         from rose.rollout.policy_model import ModelSpec, PolicyModel, init_state_dict
         from rose.rollout.tasks import TaskQueue
-        from rose.weights.stream import WeightPublisher
+        from rose.weights.stream import WeightPublisher, weights_client
 
         torch.set_num_threads(spec.threads)
         self.spec, self.cfg, self.r = spec, cfg, r
@@ -101,7 +101,10 @@ class Trainer:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=spec.lr)
         self.q = TaskQueue(r, cfg.redis, spec.job)
         self.q.ensure_group()
-        self.pub = WeightPublisher(r, cfg.redis, spec.model, hmac_key=cfg.security.weights_hmac_key)
+        # weights on the Redis Cluster of redis.cluster_nodes when set; the task queue stays on `r`
+        # (redis.url), its scripts span slots (rose.rollout.worker_process.TASKS_ON_URL)
+        wr = weights_client(cfg.redis, r)
+        self.pub = WeightPublisher(wr, cfg.redis, spec.model, hmac_key=cfg.security.weights_hmac_key)
         self.version = 0
         self.submitted = 0
         self.received = 0

@@ -168,13 +168,13 @@ class Worker:
     def run(self) -> int:
         """The worker loop; a Redis outage pauses it (episodes stay in memory, their entries
         stay pending in the stream) until Redis answers again, instead of killing the worker."""
-        import redis
+        from rose.weights.stream import unavailable_errors
 
         backoff = 0.0
         while True:
             try:
                 return self._run()
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except unavailable_errors() as e:  # or a weights' cluster node (worker_process.TASKS_ON_URL)
                 if self.stop_requested or self._state() == STOP:
                     return 0  # cannot hand episodes back without Redis; XAUTOCLAIM recovers them
                 backoff = min(2.0, backoff * 2 or 0.1)

@@ -12,7 +12,8 @@ the memory cap (rose.executor.memory_cap). A warm worker (`warm=True`, the execu
 builds its model and follows the weights with no lease (`wait_for_lease`), then sizes itself to
 the lease it is handed.
 In full: docs/rollout.md.
-Exit codes: 0 drained, 2 bad config, 3 memory budget too small.
+Exit codes: 0 drained, 2 bad config, 3 memory budget too small, 4 the weights' Redis Cluster
+(redis.cluster_nodes) not usable at start.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ from rose.shutdown import Shutdown
 
 EXIT_BAD_CONFIG = 2
 EXIT_BUDGET = 3
+EXIT_UNAVAILABLE = 4  # redis.cluster_nodes set, and that Redis Cluster not usable at start
+
+# TASKS_ON_URL: a worker holds two Redis clients. The weight streams are read through
+# `weight_source` (rose.weights.stream.weights_client: the Redis Cluster of redis.cluster_nodes
+# when set, else the client below). The task queue, heartbeats and worker views stay on the
+# single Redis at redis.url even then: TaskQueue's Lua scripts and MULTI blocks span keys of
+# different hash slots (tasks, results, done set, stats), which a cluster refuses (CROSSSLOT).
 
 # Fault injection, for tests only: a worker whose environment sets this to N allocates and
 # touches N more bytes of host memory once its lease runs, and holds them, so that the
@@ -70,7 +78,7 @@ def wait_for_lease(config: WorkerConfig, flag: PauseFlag, engine, weights, stop)
     they commit (so it starts at the newest), poll the flag's assignment counter, and return
     the lease record the executor announced; None on STOP or `stop` (a threading.Event).
     Raises ValueError for a record that is not valid."""
-    import redis
+    from rose.weights.stream import unavailable_errors
 
     next_weights = 0.0
     while not stop.is_set() and flag.get() != STOP:
@@ -91,8 +99,8 @@ def wait_for_lease(config: WorkerConfig, flag: PauseFlag, engine, weights, stop)
                     if v != engine.version:
                         engine.load_weights(v, sd)
                         flag.set_version(v)
-            except (redis.ConnectionError, redis.TimeoutError):
-                next_weights = now + 1.0  # Redis is away: try again later, the lease may still come
+            except unavailable_errors():
+                next_weights = now + 1.0  # Redis or a cluster node is away: retry later, the lease may come
         time.sleep(0.001)
     return None
 
@@ -120,14 +128,18 @@ def _fail(msg: str, code: int) -> int:
 
 def weight_source(config: WorkerConfig, mspec, r):
     """The worker's policy source: the seeded policy, or the trainer's weight stream followed
-    with the config's HMAC key (unsigned or wrongly signed entries are refused)."""
+    with the config's HMAC key (unsigned or wrongly signed entries are refused). `r` is the
+    worker's Redis at redis.url; the weight streams are read through `weights_client`, on the
+    Redis Cluster of redis.cluster_nodes when set (ClusterUnavailable when it is not usable)."""
     from rose.rollout.weight_source import FollowedWeights, StaticWeights
 
     if config.weights == "static":
         return StaticWeights(mspec, config.seed)
     from rose.weights.follower import WeightFollower
+    from rose.weights.stream import weights_client
 
-    f = WeightFollower(r, config.redis, config.model, hmac_key=config.weights_hmac_key)
+    # the weight streams on their own client: a RedisCluster with redis.cluster_nodes, else `r`
+    f = WeightFollower(weights_client(config.redis, r), config.redis, config.model, hmac_key=config.weights_hmac_key)
     f.poll()
     return FollowedWeights(f, mspec, config.seed)
 
@@ -151,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
     from rose.rollout.policy_model import ModelSpec
     from rose.rollout.tasks import TaskQueue
+    from rose.weights.stream import ClusterUnavailable
 
     stream = protect(config)
     try:
@@ -168,11 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     except BudgetError as e:
         return _fail(str(e), EXIT_BUDGET)
-    r = redis.Redis.from_url(config.redis.url)
+    r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
     try:
         weights = weight_source(config, mspec, r)
     except ValueError as e:
         return _fail(str(e), EXIT_BAD_CONFIG)
+    except ClusterUnavailable as e:
+        return _fail(str(e), EXIT_UNAVAILABLE)
     v, sd = weights.current()
     engine.load_weights(v, sd)
     flag = PauseFlag(config.pause_flag) if config.pause_flag else None
@@ -212,6 +227,7 @@ def _warm_main(config: WorkerConfig) -> int:
     from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
     from rose.rollout.policy_model import ModelSpec
     from rose.rollout.tasks import TaskQueue
+    from rose.weights.stream import ClusterUnavailable
 
     try:
         mspec = ModelSpec(**config.model_spec)
@@ -220,11 +236,13 @@ def _warm_main(config: WorkerConfig) -> int:
     engine = TorchEngine(
         mspec, MemoryBudget(0, mspec), max_batch=config.max_batch, device="cpu", temperature=config.temperature
     )
-    r = redis.Redis.from_url(config.redis.url)
+    r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
     try:
         weights = weight_source(config, mspec, r)
     except ValueError as e:
         return _fail(str(e), EXIT_BAD_CONFIG)
+    except ClusterUnavailable as e:
+        return _fail(str(e), EXIT_UNAVAILABLE)
     flag = PauseFlag(config.pause_flag)
     v, sd = weights.current()
     engine.load_weights(v, sd)

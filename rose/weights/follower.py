@@ -31,7 +31,7 @@ from rose.obs.logs import get_logger
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json
-from rose.weights.stream import MAX_SHARD_STREAMS, weight_keys
+from rose.weights.stream import MAX_SHARD_STREAMS, unavailable_errors, weight_keys
 
 REJECTED = metrics.counter(
     "rose_weights_entries_rejected_total",
@@ -278,7 +278,8 @@ class WeightFollower:
         self.redis = redis
         self.keys = weight_keys(rcfg, model)
         self.stream = self.keys.stream  # with shard streams: the commit stream
-        self.redis_url = rcfg.cluster_nodes or rcfg.safe_url
+        self.cluster = bool(rcfg.cluster_nodes.strip())  # `redis` is a RedisCluster (stream.weights_client)
+        self.redis_url = rcfg.cluster_nodes if self.cluster else rcfg.safe_url
         self.meta = self.keys.meta
         self.store = state_store
         self.batch = batch
@@ -349,8 +350,10 @@ class WeightFollower:
         except (InvalidEntry, ValueError, TypeError, AttributeError):
             return r.offer(fields)
         wanted = body.get("keyframe") if r.needs_resync else commit.seq > r.last_seq
+        # a read cut short (a node away mid-version) resumes after the entries already taken
+        floor = 0 if r.needs_resync else r.last_seq + 1
         if wanted and 0 < n <= MAX_SHARD_STREAMS and all(0 <= i < n for i, _, _ in ranges):
-            merged = heapq.merge(*(self._range(i, n, lo, hi) for i, lo, hi in ranges), key=lambda t: t[0])
+            merged = heapq.merge(*(self._range(i, n, max(lo, floor), hi) for i, lo, hi in ranges), key=lambda t: t[0])
             for _seq, shard_fields in merged:
                 r.offer(shard_fields)
         return r.offer(fields)
@@ -366,6 +369,23 @@ class WeightFollower:
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 lo = int(eid.split("-")[1]) + 1
                 yield lo - 1, fields
+
+    def _say_unavailable(self, e: BaseException) -> None:
+        if self.cluster:
+            self.log.error(
+                "redis.cluster_unavailable",
+                nodes=self.redis_url,
+                error=f"{type(e).__name__}: {e}",
+                hint="a Redis Cluster node is down, or the cluster is not ok yet (CLUSTER INFO: cluster_state); "
+                "`rose stack up --redis-cluster` restarts the local one; retrying",
+            )
+        else:
+            self.log.error(
+                "redis.unreachable",
+                url=self.redis_url,
+                error=f"{type(e).__name__}: {e}",
+                hint="start a local stack with `rose stack up`, or point ROSE_REDIS_URL at your Redis; retrying",
+            )
 
     def _persist(self) -> None:
         snap = self.receiver.visible()
@@ -396,26 +416,21 @@ class WeightFollower:
         block_ms: int = 1000,
         stop: threading.Event | None = None,
     ) -> None:
-        """Poll until `until_version` is visible, nothing arrived for `idle_s` seconds, or `stop`."""
-        import redis
-
+        """Poll until `until_version` is visible, nothing arrived for `idle_s` seconds, or `stop`.
+        Redis or a cluster node being away (`unavailable_errors`) is waited out, not raised."""
         last = time.monotonic()
-        unreachable_said = -1e9
+        said: tuple[type, float] = (type(None), -1e9)  # the error last logged, and when
         while stop is None or not stop.is_set():
             try:
                 v = self.poll(block_ms)
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except unavailable_errors() as e:
                 # Redis restarts: refused connections, then LOADING (BusyLoadingError) while it
-                # replays its append-only file. Said once, then every 30 s; retried every 0.5 s.
-                if time.monotonic() - unreachable_said >= 30:
-                    unreachable_said = time.monotonic()
-                    self.log.error(
-                        "redis.unreachable",
-                        url=self.redis_url,
-                        error=str(e),
-                        hint="start a local stack with `rose stack up`, or point ROSE_REDIS_URL "
-                        "at your Redis; retrying",
-                    )
+                # replays its append-only file; on a cluster, a node down: refused connections to
+                # it, then CLUSTERDOWN from the others once they mark it failed. Said once per
+                # kind of error, again every 30 s; retried every 0.5 s.
+                if type(e) is not said[0] or time.monotonic() - said[1] >= 30:
+                    said = (type(e), time.monotonic())
+                    self._say_unavailable(e)
                 if stop is not None:
                     stop.wait(0.5)
                 else:

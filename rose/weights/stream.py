@@ -175,6 +175,31 @@ def redis_client(rcfg: RedisConfig, *, timeout_s: float = 5.0) -> Any:
     return rc
 
 
+def weights_client(rcfg: RedisConfig, plain: Any = None) -> Any:
+    """The client for `rcfg`'s weight streams. Without `cluster_nodes`: `plain` when given (the
+    process's redis.Redis at `url`, shared with its task streams), else a new one; with
+    `cluster_nodes`: a new RedisCluster (`redis_client`: ClusterUnavailable, or ValueError for
+    malformed nodes), whatever `plain` is. Only the weight streams live on the cluster; task
+    streams, heartbeats and the rest stay on the single Redis at `url`."""
+    if plain is not None and not rcfg.cluster_nodes.strip():
+        return plain
+    return redis_client(rcfg)
+
+
+@functools.cache
+def unavailable_errors() -> tuple[type[BaseException], ...]:
+    """What Redis commands raise while Redis or a cluster node is away, to be retried rather than
+    fatal: refused and timed-out connections (LOADING after a restart is a ConnectionError) and,
+    on a Redis Cluster, CLUSTERDOWN and MASTERDOWN (ClusterError), TRYAGAIN while slots move, a
+    slot no node serves (SlotNotCoveredError) and no startup node answering a re-discovery
+    (RedisClusterException, which is not a RedisError). A weight follower's commands (XREAD,
+    XRANGE, HGET of one key each) raise no other RedisClusterException."""
+    import redis
+    from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
+
+    return (redis.ConnectionError, redis.TimeoutError, ClusterError, TryAgainError, RedisClusterException)
+
+
 class WeightPublisher:
     """`publish(state_dict)` after each optimizer step; the Python API behind `rose weights publish`."""
 
