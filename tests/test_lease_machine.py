@@ -80,7 +80,7 @@ class World:
             assert pubs[-1].record == self.s.truth, "the newest record per key must be the truth"
         if isinstance(inp, lm.Received):
             c = inp.command
-            if c.command_id in before.seen:
+            if lm.has_seen(before, c.command_id):
                 assert acts == () and self.s == before, "a duplicate changed something"
             elif c.epoch < before.highest_epoch:
                 assert pubs and pubs[0].record.state == "rejected" and pubs[0].record.epoch == c.epoch
@@ -269,3 +269,16 @@ def test_rejected_records_carry_the_stale_command():
     s, _ = lm.step(lm.initial(GPU), lm.Received(cmd("grant", 2, "g")), 0.0, P)
     _, acts = lm.step(s, lm.Received(c), 0.0, P)
     assert acts[0].record == lm.Record(c.lease_id, 0, "rejected", "old")
+
+
+def test_a_duplicate_is_recognised_among_the_last_half_of_seen_max_commands():
+    s, _ = lm.step(lm.initial(GPU), lm.Received(cmd("grant", 1, "g", ttl=1e6)), 0.0, P)
+    ids = ["g"] + [f"n{i}" for i in range(lm.SEEN_MAX)]
+    for i, cid in enumerate(ids[1:], 1):
+        s, _ = lm.step(s, lm.Received(cmd("renew", 1, cid, ttl=1e6)), float(i) * 1e-3, P)
+        window = ids[max(0, i + 1 - lm.SEEN_MAX // 2) : i + 1]  # always remembered
+        assert all(lm.has_seen(s, x) for x in window)
+        assert len(s.seen) + len(s.seen_before) <= lm.SEEN_MAX
+    again, acts = lm.step(s, lm.Received(cmd("renew", 1, ids[-1], ttl=1e6)), 1.0, P)
+    assert again == s and acts == ()  # applied once
+    assert not lm.has_seen(s, "g")  # the oldest are forgotten: epochs fence them

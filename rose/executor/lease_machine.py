@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from rose.contract.events import Command
 
-SEEN_MAX = 256  # command ids remembered per GPU for duplicate detection (epochs fence older ones)
+SEEN_MAX = 256  # command ids remembered per GPU for duplicate detection, at least half of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,10 @@ class GpuLease:
     worker: WorkerState | None = None
     ended: tuple[Record, ...] = ()  # terminal states waiting for the worker to be gone
     truth: Record | None = None  # the newest word on the GPU's highest epoch
-    seen: tuple[str, ...] = ()
+    # command ids applied, for duplicate detection (epochs fence older ones): two generations of
+    # up to SEEN_MAX // 2 each, so a lookup is a hash probe and an insert copies at most half
+    seen: frozenset[str] = frozenset()
+    seen_before: frozenset[str] = frozenset()
     guard_paused: bool = False
     restart_at: float = 0.0
 
@@ -229,13 +232,21 @@ def step(s: GpuLease, inp: Input, now: float, p: Params = Params()) -> tuple[Gpu
     return s, _with_truth(s, out)
 
 
+def has_seen(s: GpuLease, command_id: str) -> bool:
+    """Whether the command was applied already (among the last SEEN_MAX // 2 to SEEN_MAX ids)."""
+    return command_id in s.seen or command_id in s.seen_before
+
+
 def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLease:
     c = inp.command
     if c.gpu != s.gpu:
         raise ValueError(f"command for {c.gpu} routed to {s.gpu}")
-    if c.command_id in s.seen:
+    if has_seen(s, c.command_id):
         return s  # duplicate delivery: already applied
-    s = replace(s, seen=(s.seen + (c.command_id,))[-SEEN_MAX:])
+    if len(s.seen) >= SEEN_MAX // 2:
+        s = replace(s, seen=frozenset((c.command_id,)), seen_before=s.seen)
+    else:
+        s = replace(s, seen=s.seen | {c.command_id})
     if c.epoch < s.highest_epoch:
         out.append(Publish(s.gpu, Record(c.lease_id, c.epoch, "rejected", c.command_id)))
         return s
