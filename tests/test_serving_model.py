@@ -170,24 +170,55 @@ def test_latency_monotone_in_load(case, model):
     assert np.all(stack(double, "queue_depth").sum(axis=0) >= stack(base, "queue_depth").sum(axis=0))
 
 
+# Arrival patterns locked to the windows, slowest first: (requests per window, evenly spaced;
+# in every how many-th window). 0.25 to 8 requests/s; each is at least 1.25x the one before.
+LOCKED = ((1, 8), (1, 5), (1, 4), (1, 2), (1, 1), (2, 1), (3, 1), (4, 1))
+
+
+def locked_rows(per_window: int, every: int, phase: float, prompt: int, out: int, n_windows: int):
+    """`per_window` requests spaced PERIOD / per_window apart, the first `phase` of a spacing
+    into the window, in windows 0, every, 2 every, ...: the same place in every window."""
+    gap = PERIOD / per_window
+    return [
+        (w * PERIOD + (phase + j) * gap, 0, prompt, out) for w in range(0, n_windows, every) for j in range(per_window)
+    ]
+
+
 @FAST
 @given(
-    st.floats(0.2, 8.0),
-    st.floats(1.2, 3.0),
+    st.lists(st.integers(0, len(LOCKED) - 1), min_size=2, max_size=2, unique=True).map(sorted),
+    st.floats(0.0, 0.999),
     st.integers(100, 6000),
     st.integers(10, 800),
     st.sampled_from(["7B", "32B", "70B"]),
 )
-def test_steady_state_latency_grows_with_rate(rate, factor, prompt, out, model):
-    """Below saturation a higher arrival rate gives higher mean TTFT and TPOT p99 (TPOT
-    within 2%). Overload has no steady state (the queue grows without bound) and is covered
-    by test_overload_builds_a_queue_and_ttft."""
-    lo = run(steady_rows(rate=rate, prompt=prompt, out=out, horizon=30), 1, model, n_windows=60)
-    hi = run(steady_rows(rate=rate * factor, prompt=prompt, out=out, horizon=30), 1, model, n_windows=60)
+def test_steady_state_latency_grows_with_rate(pair, phase, prompt, out, model):
+    """Below saturation a higher arrival rate gives a strictly higher mean TTFT p99 and mean
+    TPOT p99 in steady state: means over windows 20-59, whole periods of every pattern (40 is
+    a multiple of each `every`), arrivals at the same place in the window for both rates.
+
+    Why locked to the windows: a prefill that a window edge cuts is carried into the next
+    window as one job at its start and served again in full (docs/simulator.md, "Per-window
+    fluid approximation" 1), so a window's p99 also depends on where its arrivals fall against
+    the edges. Periodic arrivals at an arbitrary rate drift against the edges, and two rates
+    sample that edge term at different phases: at 3.34 vs 4.01 req/s (70B, 1638-token
+    prompts, 10 output tokens) it added 3 and 6 ms (2-4 %) to 2 of 40 windows of the lower
+    rate only, and its 40-window mean came out 0.14 % above the higher rate's (145.88 vs
+    145.68 ms), while the steady-state growth itself can be as small as 0.02 % (100-token
+    prompts, 10 output tokens: the running set, whose KV reads lengthen every step, stays
+    tiny). At the same phase the edge term is nested: the higher rate's last arrival in a
+    window comes no earlier and its first no later, so the edge costs it at least as much.
+    Strict: the fluid running set never drains to exactly 0, so every extra request leaves
+    context that lengthens later steps; the smallest growth hypothesis found (0.02 %) is far
+    above float rounding. Overload has no steady state (the queue grows without bound) and is
+    covered by test_overload_builds_a_queue_and_ttft."""
+    (m_lo, k_lo), (m_hi, k_hi) = LOCKED[pair[0]], LOCKED[pair[1]]
+    assert m_hi / k_hi >= 1.25 * m_lo / k_lo
+    lo = run(locked_rows(m_lo, k_lo, phase, prompt, out, 60), 1, model, n_windows=60)
+    hi = run(locked_rows(m_hi, k_hi, phase, prompt, out, 60), 1, model, n_windows=60)
     assume(stack(hi, "queue_depth")[20:].max() <= 2)
     for name in ("ttft_p99_ms", "tpot_p99_ms"):
-        tol = 0.999 if name == "ttft_p99_ms" else 0.98
-        assert stack(hi, name)[20:].mean() >= stack(lo, name)[20:].mean() * tol, name
+        assert stack(hi, name)[20:].mean() > stack(lo, name)[20:].mean(), name
 
 
 @FAST
@@ -280,6 +311,43 @@ def test_engine_slots_limit_admission():
         k = sl.stop - sl.start
         s = few.advance(t_end, np.zeros(k, dtype=int), a[sl], np.full(k, 100), np.full(k, 2000))
     assert few.N[0] <= 8 * 1.5 and s.queue_depth[0] > 100
+
+
+@pytest.mark.parametrize("n", [99, 100, 150])
+def test_ttft_p99_is_the_nearest_rank(n):
+    """A burst of n equal requests at a window's start on an idle replica: the i-th waits for
+    the i - 1 before it, so TTFTs are S, 2S, ..., nS and the nearest-rank p99 is the
+    ceil(0.99 n)-th of them: the largest below 100 requests, not at or above."""
+    sim = ServingSim(GPUS["H100"], MODELS["7B"])
+    P = 100.0
+    S = P * sim.p_tok + sim.engine.step_overhead_s  # one chunk, beside no decode batch
+    s = sim.advance(PERIOD, np.zeros(n, dtype=int), np.zeros(n), np.full(n, P), np.full(n, 10.0))
+    assert s.ttft_p99_ms[0] == pytest.approx(1000 * S * np.ceil(0.99 * n), rel=1e-9)
+
+
+@FAST
+@given(st.integers(1, 3).flatmap(lambda n: st.tuples(st.just(n), requests(n))), st.randoms(use_true_random=False))
+def test_arrival_order_does_not_matter(case, rnd):
+    """`advance` takes a window's requests in any order (callers pass them sorted by time, which
+    takes a faster path): shuffled, every output agrees to float rounding (sums run in another
+    order), the integer ones within a rounding step. Requests arriving at the same instant are
+    served in the order given, so arrival times here are distinct."""
+    n, rows = case
+    rows = sorted({r[0]: r for r in rows}.values())
+    a = np.array([r[0] for r in rows], dtype=float)
+    g = np.array([r[1] for r in rows], dtype=np.int64)
+    p = np.array([r[2] for r in rows], dtype=float)
+    o = np.array([r[3] for r in rows], dtype=float)
+    sims = [ServingSim(GPUS["H100"], MODELS["7B"], n) for _ in range(2)]
+    for t_end, sl in windows(a, PERIOD, t_end=14 * PERIOD):
+        mix = np.arange(sl.start, sl.stop)
+        rnd.shuffle(mix)
+        x = sims[0].advance(t_end, g[sl], a[sl], p[sl], o[sl])
+        y = sims[1].advance(t_end, g[mix], a[mix], p[mix], o[mix])
+        for name in ("ttft_p99_ms", "tpot_p99_ms", "gpu_util", "rps", "running"):
+            assert np.allclose(getattr(x, name), getattr(y, name), rtol=1e-9, atol=1e-12), name
+        for name in ("queue_depth", "mem_used_bytes"):
+            assert np.abs(getattr(x, name) - getattr(y, name)).max() <= 1, name  # a rounding step at most
 
 
 def test_spread_is_deterministic_and_balanced():

@@ -4,9 +4,11 @@ calls is tested beside the policy, tests/test_lease_policy.py.)"""
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 
 from rose.config import GiB
 from rose.obs.stats import t_975
-from rose.sim.engine import POLICIES, SimConfig, calibration, simulate, simulate_seeds
+from rose.sim.engine import POLICIES, SimConfig, _Forked, auto_workers, calibration, simulate, simulate_seeds
 from rose.sim.ledger import Ledger
 from rose.sim.models import GPUS, MODELS, EpisodeModel, RolloutModel, deployed
 from rose.sim.report import SLO_TOLERANCE, markdown, validity
@@ -174,6 +176,30 @@ def test_deterministic_for_a_seed(traces_dir):
     c = simulate(tr, SimConfig(n_gpus=6, duration_s=120, seed=8))
     c.pop("wall_s")
     assert orjson.dumps(a) != orjson.dumps(c)
+
+
+def test_rose_in_a_second_process_gives_the_same_result(traces_dir):
+    """`workers=2` runs ROSE in a forked child beside the other policies: the result is the one
+    process's, byte for byte (series included), and large runs choose it by themselves."""
+    tr = load_trace(traces_dir / "azure_llm2023_code.csv")
+    cfg = SimConfig(n_gpus=8, duration_s=120, seed=2, rollout_tp=2, workers=1)
+    one, two = simulate(tr, cfg), simulate(tr, replace(cfg, workers=2))
+    one.pop("wall_s"), two.pop("wall_s")
+    assert orjson.dumps(one) == orjson.dumps(two)
+    assert two["policies"]["rose"]["decide_calls"] > 0 and list(two["series"]) == list(POLICIES)
+    assert auto_workers(1000, 7200, POLICIES) == min(2, len(os.sched_getaffinity(0)))
+    assert auto_workers(1000, 7200, ("rose",)) == auto_workers(64, 1200, POLICIES) == 1
+    with pytest.raises(ValueError, match="workers"):
+        simulate(tr, replace(cfg, workers=-1))
+
+
+def test_the_second_process_hands_back_its_error():
+    def boom():
+        raise AssertionError("work ledger: produced 1 != 2")
+
+    with pytest.raises(AssertionError, match="work ledger"):
+        _Forked(boom).result()
+    _Forked(lambda: time.sleep(30)).stop()  # returns at once
 
 
 def test_calibration_from_bench_results():

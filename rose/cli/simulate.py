@@ -35,6 +35,12 @@ def register(app: typer.Typer) -> None:
         decide_every: int = typer.Option(
             0, "--decide-every", help="Windows per policy event (0: auto, 1 up to 2M decide calls)."
         ),
+        workers: int = typer.Option(
+            0,
+            "--workers",
+            help="Processes: 1 runs every policy in one; 2 runs ROSE in a second one, same results "
+            "(0: 2 for runs of 1M GPU-windows or more).",
+        ),
         interference_bench: Path = typer.Option(
             None, "--interference-bench", help="`rose bench interference --json` output: calibrates alpha."
         ),
@@ -69,6 +75,8 @@ def register(app: typer.Typer) -> None:
             fail(f"--load must be in (0, 1], got {load}")
         if decide_every < 0:
             fail(f"--decide-every must be >= 0, got {decide_every}")
+        if workers not in (0, 1, 2):
+            fail(f"--workers must be 0, 1 or 2, got {workers}")
         if tp < 0 or rollout_tp < 0:
             fail(f"--tp and --rollout-tp must be >= 0, got {tp} and {rollout_tp}")
         try:
@@ -107,6 +115,7 @@ def register(app: typer.Typer) -> None:
                 seed=seed,
                 load=load,
                 decide_every=decide_every,
+                workers=workers,
                 policies=names,
                 policy=cfg.policy,
                 record_series=bool(report) or series,

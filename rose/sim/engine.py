@@ -1,7 +1,10 @@
 """`rose simulate`: a serving cluster driven by a real request trace, plus an agentic RL job,
 under four rollout policies (the paper's baselines and ROSE). `simulate(trace, SimConfig)`
 runs every policy over the same windows and the same requests and returns the JSON-ready
-result (`rose.sim.report.result_of`). Pure apart from reading the trace.
+result (`rose.sim.report.result_of`). Pure apart from reading the trace. A large run takes
+ROSE's side (its policy calls and lease machines, most of the work) to a forked second process
+(`SimConfig.workers`); the policies share nothing but the request stream, so the result is the
+same byte for byte.
 
 The model behind every figure: docs/simulator.md. This module holds the time loop, the
 invariants checked every window (tests), and calibration from benchmark results.
@@ -10,8 +13,13 @@ invariants checked every window (tests), and calibration from benchmark results.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import pickle
+import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -29,6 +37,7 @@ from rose.sim.requests import (
     request_costs_s,
     slo_for,
     trace_compression,
+    two_choices,
 )
 from rose.sim.runs import ELASTIC_CAP_FRAC, POLICIES, RUNS, RoseRun, Run, RunContext, ShareAllRun
 from rose.sim.serving_model import ServingSim
@@ -60,6 +69,9 @@ ALPHA_MEASURED_SOURCE = "rose bench interference --quick on 2 CPU cores (docs/pa
 # the same on any machine.
 WEIGHT_DELTA_RATIO = 0.00664
 DECIDE_CALLS_BUDGET = 2_000_000  # decide() costs ~12 µs a call in CPython: ~25 s of a run
+# A run of at least this many GPU-windows with ROSE and another policy runs ROSE in a second
+# process (`SimConfig.workers` 0): below it the fork costs more than it saves.
+PARALLEL_MIN_GPU_WINDOWS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,10 @@ class SimConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     record_series: bool = True  # per-window series for plots
     elastic_cap_frac: float = ELASTIC_CAP_FRAC  # the elastic baseline's GPUs at once, × the static pool
+    # processes: 1 runs every policy in this one; 2 runs ROSE in a forked child beside the others
+    # (the same results: the policies share nothing but the request stream, which each process
+    # draws from the same seed); 0: 2 for large runs where that is possible (`auto_workers`)
+    workers: int = 0
 
     @property
     def pool(self) -> int:
@@ -104,6 +120,8 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         raise ValueError(f"decide_every must be >= 0, got {cfg.decide_every}")
     if not cfg.elastic_cap_frac >= 0:
         raise ValueError(f"elastic_cap_frac must be >= 0, got {cfg.elastic_cap_frac}")
+    if cfg.workers < 0:
+        raise ValueError(f"workers must be >= 0, got {cfg.workers}")
     gpu = gpu_spec(cfg.gpu)
     model = deployed(model_size(cfg.model), gpu, cfg.tp, cfg.engine.runtime_reserve_bytes)
     G, M, ep = cfg.n_gpus, cfg.pool, cfg.episode
@@ -147,36 +165,57 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     )
 
     want = [p for p in POLICIES if p in cfg.policies]
-    sims: dict[str, ServingSim] = {}
-    if {"static", "elastic"} & set(want):
-        sims["base"] = ServingSim(gpu, model, G, engine=cfg.engine, alpha=cfg.alpha)
-    for p in ("share-all", "rose"):
-        if p in want:
-            sims[p] = ServingSim(gpu, model, G, engine=cfg.engine, alpha=cfg.alpha)
-    runs = {p: RUNS[p](p, ctx, sims.get(p)) for p in want}
+    model_replicas = G // model.tp
     series_every = max(1, n_win // 720)
 
-    for w in range(n_win):
-        t1 = (w + 1) * cfg.period_s
-        arr, P, O = stream.window(w, w * cfg.period_s, t1)
-        stats = {
-            k: sim.advance(t1, balance(w, arr.size, sim.N + sim.qn, cfg.seed), arr, P, O) for k, sim in sims.items()
-        }
-        for p, run in runs.items():
-            st = stats.get(p, stats.get("base"))
-            n_ok = _tally_slo(run, st, slo)
-            run.step(w, t1, st)
-            if cfg.check_invariants:
-                check_invariants(run, st)
-            steps = run.ledger.steps()
-            if steps > run.last_steps:  # weight sync to every GPU running rollout
-                full = (steps - run.last_steps) * run.rollout_gpus() * ctx.wfull
-                run.last_steps = steps
-                run.weight_bytes_full += full
-                run.weight_bytes += full * (cfg.weight_delta_ratio if p == "rose" else 1.0)
-                run.synced(steps)
-            if cfg.record_series and (w % series_every == 0 or w == n_win - 1):
-                _record_series(run, t1, st, slo, n_ok / G)
+    def run_policies(names: list[str]) -> dict[str, Run]:
+        """The window loop for the policies `names` (each with the serving model it needs)."""
+        sims: dict[str, ServingSim] = {}
+        if {"static", "elastic"} & set(names):
+            sims["base"] = ServingSim(gpu, model, G, engine=cfg.engine, alpha=cfg.alpha)
+        for p in ("share-all", "rose"):
+            if p in names:
+                sims[p] = ServingSim(gpu, model, G, engine=cfg.engine, alpha=cfg.alpha)
+        runs = {p: RUNS[p](p, ctx, sims.get(p)) for p in names}
+        for w in range(n_win):
+            t1 = (w + 1) * cfg.period_s
+            arr, P, O = stream.window(w, w * cfg.period_s, t1)
+            choices = two_choices(w, arr.size, model_replicas, cfg.seed)  # the same draws for every fleet
+            stats = {
+                k: sim.advance(t1, balance(w, arr.size, sim.N + sim.qn, cfg.seed, choices), arr, P, O)
+                for k, sim in sims.items()
+            }
+            for p, run in runs.items():
+                st = stats.get(p, stats.get("base"))
+                n_ok = _tally_slo(run, st, slo)
+                run.step(w, t1, st)
+                if cfg.check_invariants:
+                    check_invariants(run, st)
+                steps = run.ledger.steps()
+                if steps > run.last_steps:  # weight sync to every GPU running rollout
+                    full = (steps - run.last_steps) * run.rollout_gpus() * ctx.wfull
+                    run.last_steps = steps
+                    run.weight_bytes_full += full
+                    run.weight_bytes += full * (cfg.weight_delta_ratio if p == "rose" else 1.0)
+                    run.synced(steps)
+                if cfg.record_series and (w % series_every == 0 or w == n_win - 1):
+                    _record_series(run, t1, st, slo, n_ok / G)
+        return runs
+
+    parallel = (cfg.workers or auto_workers(G, n_win, want)) > 1 and hasattr(os, "fork")
+    if parallel and "rose" in want and len(want) > 1:
+        # ROSE (the policy calls and the lease machines: most of a large run) in a child process
+        child = _Forked(lambda: _tallies(run_policies(["rose"])["rose"]))
+        try:
+            runs = run_policies([p for p in want if p != "rose"])
+        except BaseException:
+            child.stop()
+            raise
+        runs["rose"] = child.result()
+        runs["rose"].ctx = ctx
+        runs = {p: runs[p] for p in want}
+    else:
+        runs = run_policies(want)
 
     load = {
         "request_cost_s": round(cost, 6),
@@ -297,6 +336,68 @@ def calibration(interference: dict | None, weights: dict | None) -> dict:
         out["weight_delta_ratio"] = float(r)
         out["weight_ratio_source"] = f"rose bench weights ({weights.get('_source', 'result')})"
     return out
+
+
+def auto_workers(n_gpus: int, n_win: int, policies) -> int:
+    """Processes for `SimConfig.workers` 0: 2 when ROSE runs beside another policy on at least
+    PARALLEL_MIN_GPU_WINDOWS GPU-windows, this process may fork (not a daemonic worker, such as
+    a `rose paper-check` pool's) and at least 2 CPUs are ours; else 1."""
+    if "rose" not in policies or len(policies) < 2 or n_gpus * n_win < PARALLEL_MIN_GPU_WINDOWS:
+        return 1
+    if not hasattr(os, "fork") or multiprocessing.current_process().daemon:
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 2 if cpus >= 2 else 1
+
+
+def _tallies(run: Run) -> Run:
+    """`run` without what only its window loop needs (serving model, scheduling core, lease
+    machines, context): what the result is made of, small enough to send between processes."""
+    run.sim = None
+    run.ctx = None  # type: ignore[assignment]
+    if isinstance(run, RoseRun):
+        run.core = None  # type: ignore[assignment]
+        run.machines = []
+    return run
+
+
+class _Forked:
+    """`fn()` in a forked child process: `result()` waits for it and gives what it returned (or
+    raises its error); `stop()` ends it."""
+
+    def __init__(self, fn: Callable[[], Run]):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: send the result (or the error) and leave without any cleanup
+            os.close(r)
+            try:
+                data = pickle.dumps((True, fn()), protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException as e:  # every error goes to the parent
+                try:
+                    data = pickle.dumps((False, e))
+                except Exception:
+                    data = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+            os._exit(0)
+        os.close(w)
+        self.pid, self.fd = pid, r
+
+    def result(self) -> Run:
+        with os.fdopen(self.fd, "rb") as f:
+            data = f.read()
+        os.waitpid(self.pid, 0)
+        if not data:
+            raise RuntimeError("the simulation's second process ended without a result")
+        ok, value = pickle.loads(data)
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        os.close(self.fd)
+        os.waitpid(self.pid, 0)
 
 
 def auto_decide_every(n_gpus: int, n_win: int, period_s: float, pc: PolicyConfig) -> int:

@@ -135,10 +135,21 @@ class RequestStream:
         return t, self.P[src].astype(np.float64), self.O[src].astype(np.float64)
 
 
-def balance(w: int, n_req: int, in_system: np.ndarray, seed: int) -> np.ndarray:
-    """Power of two choices on the load reported at the window start (same draws per policy)."""
+def two_choices(w: int, n_req: int, n_replicas: int, seed: int) -> np.ndarray | None:
+    """The two replicas drawn for each request of window `w` (None for one replica): the same
+    draws for every policy, so a caller balancing several fleets draws them once."""
+    if n_replicas == 1:
+        return None
+    return np.random.default_rng([seed, 3, w]).integers(0, n_replicas, size=(n_req, 2))
+
+
+def balance(w: int, n_req: int, in_system: np.ndarray, seed: int, choices: np.ndarray | None = None) -> np.ndarray:
+    """Power of two choices on the load reported at the window start (same draws per policy);
+    `choices`: `two_choices(w, n_req, in_system.size, seed)` when the caller drew them already."""
     G = in_system.size
     if G == 1:
         return np.zeros(n_req, dtype=np.int64)
-    c = np.random.default_rng([seed, 3, w]).integers(0, G, size=(n_req, 2))
-    return np.where(in_system[c[:, 0]] <= in_system[c[:, 1]], c[:, 0], c[:, 1])
+    c = two_choices(w, n_req, G, seed) if choices is None else choices
+    assert c is not None  # drawn for G > 1 replicas
+    c0, c1 = c[:, 0], c[:, 1]
+    return np.where(in_system[c0] <= in_system[c1], c0, c1)

@@ -201,7 +201,9 @@ class RoseRun(Run):
         super().__init__(name, ctx, sim)
         G = ctx.G
         self.core = SchedulingCore(ctx.policy)
-        self.machines = [lm.initial(f"sim/{g}") for g in range(G)]
+        self.names = [f"sim/{g}" for g in range(G)]  # GPU ids as the policy and the executors know them
+        self.nodes = [f"node-{g // 8}" for g in range(G)]
+        self.machines = [lm.initial(name) for name in self.names]
         self.view_lease = np.zeros(G, dtype=bool)  # the policy's view holds a lease
         # the executors' leases, as their lease machines hold them
         self.leased = np.zeros(G, dtype=bool)
@@ -281,11 +283,12 @@ class RoseRun(Run):
             "qd": st.queue_depth,
         }
         pend = self.pend
-        for k, v in vals.items():
-            for i in range(DEFERRED_KEPT - 1, 0, -1):
-                pend[i][k][defer] = pend[i - 1][k][defer]
-            pend[0][k][defer] = v[defer] if isinstance(v, np.ndarray) else v
-        self.held[defer] = np.minimum(self.held[defer] + 1, DEFERRED_KEPT)
+        if defer.any():  # (nothing to hold back on a fleet whose GPUs all hold leases)
+            for k, v in vals.items():
+                for i in range(DEFERRED_KEPT - 1, 0, -1):
+                    pend[i][k][defer] = pend[i - 1][k][defer]
+                pend[0][k][defer] = v[defer] if isinstance(v, np.ndarray) else v
+            self.held[defer] = np.minimum(self.held[defer] + 1, DEFERRED_KEPT)
         call = np.flatnonzero(~defer)
         held = self.held[call].tolist()
         self.held[call] = 0
@@ -293,7 +296,8 @@ class RoseRun(Run):
         util, used, rmem = st.gpu_util.tolist(), st.mem_used_bytes.tolist(), st.rollout_mem_bytes.tolist()
         rps, qd, lt, lp = st.rps.tolist(), st.queue_depth.tolist(), ttft.tolist(), tpot.tolist()
         out = []
-        core = self.core
+        core, names, nodes, view_lease = self.core, self.names, self.nodes, self.view_lease
+        calls = 0
         for g, n in zip(call.tolist(), held):
             for p in pend[n - 1 :: -1] if n else ():  # the held-back events first, oldest first
                 core.decide(
@@ -312,10 +316,29 @@ class RoseRun(Run):
                         int(p["qd"][g]),
                     )
                 )
-                self.decide_calls += 1
-            d = core.decide(_telemetry(g, w, ts, util[g], total, used[g], rmem[g], lt[g], lp[g], slo, rps[g], qd[g]))
-            self.decide_calls += 1
-            self.view_lease[g] = d.view.lease_id is not None
+                calls += 1
+            # this window's event: _telemetry(g, w, ...) with the GPU's names built once
+            u = util[g]
+            name = names[g]
+            d = core.decide(
+                Telemetry(
+                    f"{name}@{w}",
+                    ts,
+                    nodes[g],
+                    name,
+                    "serving",
+                    0.0 if u < 0.0 else 1.0 if u > 1.0 else u,
+                    total,
+                    used[g],
+                    rmem[g],
+                    Latency(lt[g], lp[g]),
+                    slo,
+                    rps[g],
+                    qd[g],
+                )
+            )
+            calls += 1
+            view_lease[g] = d.view.lease_id is not None
             for other in d.others:  # a gang's other members
                 self.view_lease[_index(other.gpu)] = other.lease_id is not None
             for cmd in d.commands:
@@ -323,6 +346,7 @@ class RoseRun(Run):
                 out.append((m, cmd))
                 if cmd.kind == "grant":
                     self.grant_room[m] = free_memory(total, used[m] - rmem[m], 0, rmem[m]) - memory_margin(total, pc)
+        self.decide_calls += calls
         return out
 
     def apply(self, commands: list, t1: float) -> None:
@@ -370,12 +394,15 @@ class RoseRun(Run):
         state published is folded into the scheduling core."""
         before = self.machines[g]
         s, actions = lm.step(before, inp, now)
-        while any(type(a) is lm.Stop for a in actions):
+        if actions:  # (a renewal has none)
+            while any(type(a) is lm.Stop for a in actions):
+                self._act(g, actions, now)
+                s, actions = lm.step(s, lm.WorkerExited(), now)
             self._act(g, actions, now)
-            s, actions = lm.step(s, lm.WorkerExited(), now)
-        self._act(g, actions, now)
         self.machines[g] = s
         old, new = before.lease, s.lease
+        if new is old:  # the arrays below hold this lease already
+            return
         if old is not None and (new is None or new.lease_id != old.lease_id):
             self._ended[g] = True
             if type(inp) is lm.Tick:
