@@ -152,6 +152,7 @@ def test_scheduler_scale_out_counts_the_work_of_every_instance(cfg):
     out = _scale_out(cfg, 100, 200, (1, 2), partitions=2)
     one, two = out["1"], out["2"]
     assert one["events_measured"] == 100 * 200 and one["events_per_s"] > 0
+    assert two["events_measured"] >= 100 * 200, two  # nobody consumed before the group was whole
     assert len(two["events_per_instance"]) == 2 and min(two["events_per_instance"]) > 0, two
     assert sum(two["events_per_instance"]) >= 100 * 200, two  # every event consumed by one of them
     assert two["events_measured"] > 0 and two["events_per_s"] > 0, two

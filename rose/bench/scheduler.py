@@ -65,10 +65,13 @@ def _scheduler_rate(cfg: Config, n: int) -> tuple[float, int]:
     return (s.stats.events / dt if dt > 0 else 0.0), s.stats.commands
 
 
-def _instance(cfg: Config, name: str, group: str, total: int, consumed, out, ready) -> None:
-    """One scheduler process of the scale-out bench: step until the group has consumed `total`
-    events (`consumed`, shared); report when it first held partitions and its own
-    (time, events) after each batch."""
+def _instance(cfg: Config, name: str, group: str, total: int, consumed, out, ready, joined_all) -> None:
+    """One scheduler process of the scale-out bench: join the group with every partition it is
+    given paused until all instances hold partitions (`joined_all`, shared; else the first to
+    join would drain the topic alone), then step until the group has consumed `total` events
+    (`consumed`, shared); report when it joined and its own (time, events) after each batch."""
+    from confluent_kafka import KafkaException, TopicPartition
+
     from rose.obs.logs import setup_logging
     from rose.scheduler.service import Scheduler
 
@@ -79,24 +82,35 @@ def _instance(cfg: Config, name: str, group: str, total: int, consumed, out, rea
     joined, marks = None, []
     deadline = time.monotonic() + 240
     try:
+        while joined_all.value < ready.parties and time.monotonic() < deadline:
+            early = s.consumer.consume(100, timeout=0.1)  # serves the group protocol
+            parts = s.consumer.assignment()
+            if parts:
+                s.consumer.pause(parts)
+                if joined is None:
+                    joined = time.time()
+                    with joined_all.get_lock():
+                        joined_all.value += 1
+            first: dict = {}  # (topic, partition) -> the first offset fetched before the pause
+            for m in early:
+                if m.error() is None:
+                    key, off = (m.topic(), m.partition()), m.offset() or 0
+                    first[key] = min(first.get(key, off), off)
+            for (topic, p), off in first.items():  # hand them back
+                try:
+                    s.consumer.seek(TopicPartition(topic, p, off))
+                except KafkaException:
+                    pass  # no longer ours: its next owner starts from the committed offset
+        s.consumer.resume(s.consumer.assignment())
         while consumed.value < total and time.monotonic() < deadline:
             n = s.step(0.1)
-            if joined is None and s.consumer.assignment():
-                joined = time.time()
             if n:
                 with consumed.get_lock():
                     consumed.value += n
                 marks.append((time.time(), n))
     finally:
         s.close()
-    out.put(
-        {
-            "name": name,
-            "joined": joined,
-            "marks": marks,
-            "partitions": len(s.gpu_partition and set(s.gpu_partition.values())),
-        }
-    )
+    out.put({"name": name, "joined": joined, "marks": marks})
 
 
 def _collect(q, procs, timeout_s: float) -> list[dict]:
@@ -134,11 +148,20 @@ def _scale_out(cfg: Config, n_gpus: int, n_ticks: int, instances: tuple[int, ...
         with private_stack(cfg, f"scale{k}", partitions=partitions) as c:
             events = workload(n_gpus, n_ticks, seed=2, prefix=f"scale{k}")
             _fill(c, events)
-            consumed, q, ready = ctx.Value("q", 0), ctx.Queue(), ctx.Barrier(k)
+            consumed, q, ready, joined_all = ctx.Value("q", 0), ctx.Queue(), ctx.Barrier(k), ctx.Value("i", 0)
             procs = [
                 ctx.Process(
                     target=_instance,
-                    args=(c, f"scale-{k}-{i}", f"{c.kafka.topic_prefix}group", len(events), consumed, q, ready),
+                    args=(
+                        c,
+                        f"scale-{k}-{i}",
+                        f"{c.kafka.topic_prefix}group",
+                        len(events),
+                        consumed,
+                        q,
+                        ready,
+                        joined_all,
+                    ),
                 )
                 for i in range(k)
             ]
