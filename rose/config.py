@@ -129,6 +129,10 @@ class TracingConfig:
     exporter: str = "none"  # none | console | otlp | memory
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     service_name: str = "rose"
+    # the scheduler traces and logs one renew in N (chosen by command id, so a replay of the
+    # same log picks the same ones); grants, throttles and revokes always. Renews are most of
+    # the commands, and a span costs more than the decision behind it. 1: every renew
+    renew_sample_every: int = 10
 
 
 @dataclass(frozen=True)

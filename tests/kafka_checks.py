@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import orjson
 
@@ -19,6 +20,11 @@ def by_gpu(cmds: list[dict]) -> dict[str, list[dict]]:
     for c in cmds:
         out.setdefault(c["gpu"], []).append(c)
     return out
+
+
+def duplicate_ids(cmds: list[dict]) -> list[str]:
+    """The command ids that `cmds` holds more than once, each once, in first-seen order."""
+    return [i for i, n in Counter(c["command_id"] for c in cmds).items() if n > 1]
 
 
 def wait_for_commands(cfg, n_want: int, timeout_s: float = 120.0, settle_s: float = 2.0) -> list[dict]:
@@ -48,3 +54,18 @@ def consume_one(kcfg, topic: str, group: str, timeout_s: float = 20.0):
         return None
     finally:
         c.close()
+
+
+def run_scheduler_until(cfg, instance: str, n_events: int, timeout_s: float = 60):
+    """An in-process scheduler instance until it has consumed `n_events`; its stats."""
+    from rose.scheduler.service import Scheduler
+
+    s = Scheduler(cfg, instance=instance)
+    try:
+        s.start()
+        deadline = time.monotonic() + timeout_s
+        while s.stats.events < n_events and time.monotonic() < deadline:
+            s.step(0.2)
+    finally:
+        s.close()
+    return s.stats

@@ -1,15 +1,28 @@
-"""Stopping the processes a test started, and the bound every ROSE process keeps on SIGTERM."""
+"""Starting and stopping the processes a test runs, and the bound every ROSE process keeps on SIGTERM."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 from rose.shutdown import GRACE_S
 
 SHUTDOWN_BOUND_S = 10.0  # docs: every ROSE process is gone within this of SIGTERM, in any state
 assert GRACE_S < SHUTDOWN_BOUND_S
+
+
+def start_scheduler(env: dict, instance: str, log: Path) -> subprocess.Popen:
+    """`rose scheduler --instance <instance>` with `env`, its stderr (the JSON log) to `log`."""
+    with open(log, "wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rose", "scheduler", "--instance", instance],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
 
 
 def terminate_all(procs: dict[str, subprocess.Popen], wait_s: float = SHUTDOWN_BOUND_S + 5) -> dict[str, float]:

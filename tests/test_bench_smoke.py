@@ -112,7 +112,7 @@ def test_soak_reports_measured_rates_and_pooled_decision_latency(cfg):
     from rose.bench import soak
     from rose.config import ExecutorConfig
 
-    out = soak.run(cfg, fleets=[(200, 16, 1)], sample_s=2.0, plot=None)
+    out = soak.run(cfg, fleets=[(200, 16, 1, 1)], sample_s=2.0, plot=None)
     assert out["notes"] and out["cpu_count"] and out["plot"] is None
     (f,) = out["fleets"]
     assert all(f["processes_alive_at_end"].values()), f["processes_alive_at_end"]
@@ -137,7 +137,7 @@ def test_soak_reports_measured_rates_and_pooled_decision_latency(cfg):
     assert f["decision_p99_vs_goal_ratio"] == round(lat["p99_ms"] / out["goal_decision_p99_ms"], 2)
     assert lat["p99_ms"] < 3000, lat  # loose: ~150 ms measured on 2 cores, 0.87 s with them loaded 7×
     assert f["lag_bounded"] and f["lag_seconds_second_half_mean"] < 5, f
-    assert f["cpu_cores_mean"]["scheduler"] > 0 and f["cpu_cores_mean"]["executor-0"] > 0, f["cpu_cores_mean"]
+    assert f["cpu_cores_mean"]["scheduler-0"] > 0 and f["cpu_cores_mean"]["executor-0"] > 0, f["cpu_cores_mean"]
     assert f["executor_cpu_ms_per_s_per_gpu"] == round(1000 * f["cpu_cores_mean"]["executor-0"] / 200, 3)
     rows = [r for r in f["series"] if "commands_per_s" in r]
     assert len(rows) == len(f["series"]) - 1 >= 4  # every interval after the first sample has its rates
@@ -157,3 +157,35 @@ def test_scheduler_scale_out_counts_the_work_of_every_instance(cfg):
     assert sum(two["events_per_instance"]) >= 100 * 200, two  # every event consumed by one of them
     assert two["events_measured"] > 0 and two["events_per_s"] > 0, two
     assert two["speedup_vs_1"] > 0.5, out
+
+
+def test_scheduler_bench_names_each_missed_goal_with_what_holds_it_back():
+    """`goals_not_met` lists exactly the goals a run missed, each with this run's own figures."""
+    from rose.bench.scheduler import GOAL_EVENTS_PER_S, GOAL_P99_MS, GOAL_RATIO, _not_met, _pure_rate
+    from rose.config import Config
+    from rose.sim.telemetry_workload import workload
+
+    cfg = Config()
+    pure = _pure_rate(cfg, workload(20, 30, seed=1, prefix="nm"))
+    assert pure["events_per_s"] > 0 and sum(pure["commands_by_kind"].values()) > 0
+
+    def run(sched: int, raw: int, p99: float) -> dict:
+        parts = {"until_consumed": {"p99": 1.0}, "processing": {"p99": p99 - 2.0}, "commit": {"p99": 1.0}}
+        return {
+            "events": 1000,
+            "commands": 90,
+            "scheduler_events_per_s": sched,
+            "raw_consume_decode_events_per_s": raw,
+            "policy_alone_events_per_s": pure["events_per_s"],
+            "commands_by_kind": {"renew": 80, "grant": 10},
+            "renew_sample_every": 10,
+            "decision_latency": {"p99_ms": p99, "parts_ms": parts},
+            "scale_out": {"cpus": 2},
+        }
+
+    assert _not_met(run(GOAL_EVENTS_PER_S, GOAL_EVENTS_PER_S, GOAL_P99_MS)) == {}
+    missed = _not_met(run(GOAL_EVENTS_PER_S // 2, int(GOAL_EVENTS_PER_S / GOAL_RATIO), 3 * GOAL_P99_MS))
+    assert set(missed) == {"scheduler_events_per_s", "scheduler_vs_raw_ratio", "decision_latency_p99_ms"}
+    assert f"ran {pure['events_per_s']} ev/s" in missed["scheduler_events_per_s"]
+    assert "about 18 traced commands" in missed["scheduler_events_per_s"]  # 10 grants + 80 renews / 10
+    assert missed["decision_latency_p99_ms"].endswith("processing holds it back most")

@@ -6,8 +6,6 @@ epoch, same process); memory pressure revokes it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +18,7 @@ from rose.contract.events import Latency
 from rose.kafka.producer import make_producer, produce_event
 from tests.examples import telemetry_example
 from tests.kafka_checks import commands
-from tests.processes import terminate_all
+from tests.processes import start_scheduler, terminate_all
 from tests.test_executor import GPU, ExecutorProc, LeaseStates, env_for, submit, wait_until
 
 pytestmark = pytest.mark.stack
@@ -77,12 +75,7 @@ def test_spike_pauses_calm_resumes_memory_revokes_with_one_worker_process(cfg, t
     env = env_for(cfg, tmp_path)
     submit(cfg, 60, turns=4)
     states = LeaseStates(cfg)
-    sched = subprocess.Popen(
-        [sys.executable, "-m", "rose", "scheduler", "--instance", "co"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "scheduler.log", "wb"),
-    )
+    sched = start_scheduler(env, "co", tmp_path / "scheduler.log")
     ex = ExecutorProc(env)
     feed = Feeder(cfg)
     r = redis.Redis.from_url(cfg.redis.url)

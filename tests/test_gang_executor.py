@@ -5,8 +5,6 @@ through `rose scheduler`, a node's two GPUs are granted, paused and revoked toge
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import psutil
@@ -18,7 +16,7 @@ from rose.kafka.producer import make_producer, produce
 from rose.obs.tracing import inject_headers
 from tests.examples import command_example
 from tests.kafka_checks import commands
-from tests.processes import terminate_all
+from tests.processes import start_scheduler, terminate_all
 from tests.test_coelastic import Feeder
 from tests.test_executor import ExecutorProc, LeaseStates, env_for, submit, wait_until
 
@@ -88,12 +86,7 @@ def test_scheduler_grants_pauses_and_revokes_a_gang_end_to_end(cfg, tmp_path, re
     env = env_for(cfg, tmp_path, ROSE_POLICY__GROUP_SIZE="2")
     submit(cfg, 40, turns=4)
     states = LeaseStates(cfg)
-    sched = subprocess.Popen(
-        [sys.executable, "-m", "rose", "scheduler", "--instance", "gang"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "scheduler.log", "wb"),
-    )
+    sched = start_scheduler(env, "gang", tmp_path / "scheduler.log")
     ex = ExecutorProc(env, gpus=2)
     feed = Feeder(cfg, gpus=("sim/0", "sim/1"))
     try:

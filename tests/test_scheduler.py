@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import orjson
 import pytest
@@ -17,10 +16,9 @@ import pytest
 from rose.contract.wire import encode
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce, produce_event
-from rose.scheduler.service import Scheduler
 from rose.sim.telemetry_workload import expected_commands, workload
 from tests.examples import telemetry_example
-from tests.kafka_checks import by_gpu, commands, wait_for_commands
+from tests.kafka_checks import by_gpu, commands, duplicate_ids, run_scheduler_until, wait_for_commands
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
@@ -35,24 +33,11 @@ def _produce(cfg, events, extra=()):
     assert p.flush(30) == 0
 
 
-def _run_scheduler(cfg, instance: str, n_events: int, timeout_s: float = 60):
-    """An in-process scheduler instance until it has consumed `n_events`; its stats."""
-    s = Scheduler(cfg, instance=instance)
-    try:
-        s.start()
-        deadline = time.monotonic() + timeout_s
-        while s.stats.events < n_events and time.monotonic() < deadline:
-            s.step(0.2)
-    finally:
-        s.close()
-    return s.stats
-
-
 def test_commands_equal_the_pure_policy_and_bad_input_goes_to_dlq(cfg):
     events = workload(6, 120, prefix="eq")
     bad = [(b"{not json", b"eq/0"), (orjson.dumps({**telemetry_example(gpu="eq/1").to_dict(), "gpu_util": 7}), b"eq/1")]
     _produce(cfg, events, bad)
-    _run_scheduler(cfg, "eq", len(events) + len(bad))
+    run_scheduler_until(cfg, "eq", len(events) + len(bad))
     got = by_gpu(commands(cfg))
     want = expected_commands(events, cfg.policy)
     assert sum(map(len, want.values())) > 10, "workload must make the policy act"
@@ -70,9 +55,9 @@ def test_restart_rebuilds_the_view_and_continues_identically(cfg):
     events = workload(4, 160, prefix="rs")
     half = len(events) // 2
     _produce(cfg, events[:half])
-    _run_scheduler(cfg, "rs-a", half)
+    run_scheduler_until(cfg, "rs-a", half)
     _produce(cfg, events[half:])
-    stats = _run_scheduler(cfg, "rs-b", len(events) - half)  # another instance takes over
+    stats = run_scheduler_until(cfg, "rs-b", len(events) - half)  # another instance takes over
     assert stats.events == len(events) - half, "the new instance resumed from committed offsets"
     assert by_gpu(commands(cfg)) == expected_commands(events, cfg.policy)
 
@@ -111,8 +96,7 @@ def test_sigkill_under_load_loses_and_duplicates_nothing(cfg, tmp_path):
     n_want = sum(map(len, want.values()))
     got = wait_for_commands(cfg, n_want)
     exit_s = terminate_all({"scheduler": proc})
-    ids = Counter(c["command_id"] for c in got)
-    dups = [i for i, n in ids.items() if n > 1]
+    dups = duplicate_ids(got)
     print(
         f"\n[sigkill] kills={len(at_kill)} committed-at-each-kill={at_kill} events={len(events)} "
         f"commands expected={n_want} got={len(got)} duplicates={len(dups)}"
@@ -141,7 +125,7 @@ def test_trace_context_flows_from_telemetry_to_command(cfg):
         for ev in events:
             produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu, inject_headers())
     p.flush(10)
-    _run_scheduler(cfg, "tr", len(events))
+    run_scheduler_until(cfg, "tr", len(events))
     msgs = read_all(cfg.kafka, [cfg.kafka.commands_topic])
     assert msgs, "the calm workload must grant"
     ctx = extract_context(msgs[0].headers())
@@ -171,7 +155,7 @@ def test_commands_carry_trace_context_without_an_exporter(cfg):
     for ev in events:
         produce(p, cfg.kafka.telemetry_topic, encode(ev), ev.gpu)  # no traceparent from the agent
     p.flush(10)
-    _run_scheduler(cfg, "tc", len(events))
+    run_scheduler_until(cfg, "tc", len(events))
     msgs = read_all(cfg.kafka, [cfg.kafka.commands_topic])
     assert msgs
     for m in msgs:

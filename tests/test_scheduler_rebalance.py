@@ -10,13 +10,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 
 import orjson
 import pytest
 
 from rose.sim.telemetry_workload import expected_commands, workload
-from tests.kafka_checks import by_gpu, wait_for_commands
+from tests.kafka_checks import by_gpu, duplicate_ids, wait_for_commands
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 from tests.test_scheduler import _produce
 
@@ -78,8 +77,7 @@ def test_an_instance_joins_and_one_leaves_under_load_nothing_lost_or_duplicated(
     got = wait_for_commands(cfg, n_want)
     b_at_end = _owned(logs["b"].read_text())
     exit_b = terminate_all({"b": b})
-    ids = Counter(c["command_id"] for c in got)
-    dups = [i for i, n in ids.items() if n > 1]
+    dups = duplicate_ids(got)
     print(
         f"\n[rebalance] split a={sorted(split[0])} b={sorted(split[1])} events={len(events)} "
         f"commands expected={n_want} got={len(got)} duplicates={len(dups)}"

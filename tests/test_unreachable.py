@@ -145,10 +145,30 @@ def test_wait_for_broker_waits_until_stopped_or_its_timeout(base_cfg):
     from rose.kafka.admin import wait_for_broker
 
     dead = dataclasses.replace(base_cfg.kafka, bootstrap=f"127.0.0.1:{free_port()}")
+    # one round: a metadata request (2 s timeout) and the 0.2 s wait; slack for a loaded machine
+    one_round_s, slack_s = 2.0 + 0.2, 2.0
     stop = threading.Event()
-    threading.Timer(1.0, stop.set).start()
-    t0 = time.monotonic()
-    assert wait_for_broker(dead, timeout_s=None, stop=stop) is False
-    assert 1.0 <= time.monotonic() - t0 < 4.0
+    stopped_at: list[float] = []
+    returned: list = []  # the result, whether the stop was set then, and when
+
+    def set_stop() -> None:
+        stopped_at.append(time.monotonic())
+        stop.set()
+
+    def call() -> None:
+        result = wait_for_broker(dead, timeout_s=None, stop=stop)
+        returned.extend([result, stop.is_set(), time.monotonic()])
+
+    waiter = threading.Thread(target=call, daemon=True)
+    waiter.start()
+    threading.Timer(1.0, set_stop).start()
+    assert stop.wait(30)
+    waiter.join(one_round_s + slack_s)
+    assert not waiter.is_alive(), f"still waiting {one_round_s + slack_s}s after its stop was set"
+    result, was_stopped, returned_at = returned
+    assert result is False and was_stopped, "returned before its stop was set"
+    assert stopped_at[0] <= returned_at < stopped_at[0] + one_round_s + slack_s, (
+        f"returned {returned_at - stopped_at[0]:.2f}s after its stop was set"
+    )
     with pytest.raises(TimeoutError, match=dead.bootstrap):
         wait_for_broker(dead, timeout_s=1.0)

@@ -145,12 +145,27 @@ def test_a_warm_engine_has_no_kv_cache_until_assigned_a_lease():
     with pytest.raises(BudgetError):
         e.assign(MemoryBudget(spec.param_count() * 4, spec))  # the model alone: no sequence fits
     assert e.n_slots == 0
+    fixed, per_seq = _slot_bytes(spec)
+    e.assign(MemoryBudget(fixed + 2 * per_seq + per_seq // 2, spec))  # room for two and a half sequences
+    assert e.n_slots == 2 and e.free_slots() == 2 and e.cache[0].shape[0] == 2
     e.assign(MemoryBudget(GiB, spec))
-    assert 1 <= e.n_slots <= 4 and e.free_slots() == e.n_slots
+    assert e.n_slots == min(4, (GiB - fixed) // per_seq) and e.free_slots() == e.n_slots
     out = e.generate([GenRequest("a", [1, 2, 3], seed=1)], 2)
     assert len(out[0]) == 2
     with pytest.raises(RuntimeError, match="already runs"):
         e.assign(MemoryBudget(GiB, spec))
+
+
+def _slot_bytes(spec) -> tuple[int, int]:
+    """(bytes held whatever the batch, bytes of one sequence) in float32: the model's parameters
+    and one token's forward at full context; one sequence's keys and values in every layer."""
+    f32 = 4
+    model = spec.param_count() * f32
+    acts = 6 * spec.d_model + 2 * spec.d_ff + spec.vocab  # residual/MLP activations and logits
+    scores = spec.n_heads * spec.max_seq * 2
+    gathered_kv = 2 * spec.max_seq * spec.d_model
+    kv = 2 * spec.n_layers * spec.max_seq * spec.d_model
+    return model + (acts + scores + gathered_kv) * f32, kv * f32
 
 
 @pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""Soak: simulated fleets through agent → scheduler → executors: measured event rates, decision latency over all decisions, lag, CPU and memory over time."""
+"""Soak: simulated fleets through agent → scheduler instances → executors: measured event rates, decision latency over all decisions, lag, CPU and memory over time."""
 
 from __future__ import annotations
 
@@ -19,31 +19,36 @@ GOAL_P99_MS = 20.0
 PERIOD_S = 0.5  # telemetry period of every simulated GPU: 2 Hz
 TICK_S = ExecutorConfig().tick_s  # the executors run at the production main-loop period
 PLOT = Path("reports") / "bench-soak.png"
-# (GPUs, seconds, executors) of each fleet
-FLEETS = [(1000, 240, 2), (5000, 180, 4)]
-QUICK_FLEETS = [(1000, 40, 2)]
+# (GPUs, seconds, executors, scheduler instances) of each fleet
+FLEETS = [(1000, 240, 2, 1), (5000, 180, 4, 2)]
+QUICK_FLEETS = [(1000, 40, 2, 1)]
 
 NOTES = [
+    "schedulers: that many `rose scheduler` instances in one consumer group split the telemetry topic's "
+    "partitions (at least one partition per instance), as a scaled-out deployment does",
     "measured: every figure except those named *_modelled; rates are counted on the topics over measured_s "
     "(the span from the first to the last sample, the agent's start-up excluded): telemetry produced = growth of "
-    "the telemetry topic's end offsets, consumed = growth of the scheduler group's committed offsets, commands = "
-    "commands read from the commands topic (read_committed)",
+    "the telemetry topic's end offsets, consumed = growth of the scheduler group's committed offsets (every "
+    "instance's), commands = commands read from the commands topic (read_committed)",
     "decision_latency_ms: every command of the measured window, pooled into one set of percentiles: the event "
     "time of the telemetry that caused it (the command's ts, the record timestamp) to the moment a "
     "read_committed consumer in the bench process reads it (transaction committed, as an executor sees it). "
-    "decision_p99_ms_scheduler_histogram: the scheduler's own histogram (telemetry record timestamp to "
-    "commit returned) over the same window, one quantile interpolated within its buckets (above its top "
-    "bucket, the top bound: *_above_top_bucket). "
+    "decision_p99_ms_scheduler_histogram: the schedulers' own histogram (telemetry record timestamp to "
+    "commit returned), each instance's buckets summed, over the same window, one quantile interpolated within "
+    "its buckets (above its top bucket, the top bound: *_above_top_bucket). "
     "decision_latency_until_command_produced_ms: the part of it until the scheduler produced the command in its "
-    "transaction (the command's record timestamp); the rest is the commit and the read",
+    "transaction (the command's record timestamp); the rest is the commit and the read. The event time is the "
+    "agent's schedule (simulation time on the wall clock), so an agent that cannot keep pace adds its growing "
+    "delay to both (machine_allows says how far it fell behind)",
     "*_interval_min_max: the lowest and highest value over the sample intervals (sample_s each); where a "
     "figure varies from interval to interval, its range",
     f"executors run at the production main-loop period (executor.tick_s = {TICK_S} s, the default), with "
     "placeholder workers (a `sleep` process per lease) and the local guard off: it polls per-GPU latency "
     "files that simulated serving does not write, so the Kafka path is what is soaked",
-    "the agent, the scheduler, the executors, the broker and this process share one machine (cpu_count); "
+    "the agent, the schedulers, the executors, the broker and this process share one machine (cpu_count); "
     "cpu_cores_mean says how much of it each process took, load_average_1m_* how busy the machine was "
-    "(above cpu_count, processes waited for a core)",
+    "(above cpu_count, processes waited for a core); machine_allows puts this run's figures together: whether "
+    "this machine sustained the fleet (the agent kept pace, the schedulers kept up), at what cost",
 ]
 
 
@@ -123,15 +128,28 @@ class _CommandTap:
         self.c.close()
 
 
-def _decision_hist(port: int):
-    """The scheduler's decision-latency histogram (bounds, cumulative counts) from /metrics."""
-    from rose.node.prometheus import parse
+def _decision_hist(ports: list[int]):
+    """The schedulers' decision-latency histograms from each instance's /metrics, merged into one
+    (cumulative counts summed bucket by bucket); None unless every instance answered with the same
+    bounds, since a partial sum would not subtract from the next one."""
+    from rose.node.prometheus import Histogram, parse
 
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return None
-    return parse(text).histograms.get("rose_scheduler_decision_latency_seconds")
+    hists: list[Histogram] = []
+    for port in ports:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return None
+        h = parse(text).histograms.get("rose_scheduler_decision_latency_seconds")
+        if h is None or (hists and h.bounds != hists[0].bounds):
+            return None
+        hists.append(h)
+    return Histogram(
+        hists[0].bounds,
+        [sum(c) for c in zip(*(h.cumulative for h in hists))],
+        sum(h.count for h in hists),
+        sum(h.sum for h in hists),
+    )
 
 
 def _hist_p99_ms(now, prev) -> tuple[float | None, bool]:
@@ -156,7 +174,7 @@ def _min_max(rows: list[dict], k: str) -> list[float] | None:
     return [min(vals), max(vals)] if vals else None
 
 
-def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: int) -> dict:
+def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: int, schedulers: int) -> dict:
     import psutil
 
     from rose.bench._stack import percentiles_ms
@@ -174,7 +192,7 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
         "ROSE_TELEMETRY__PERIOD_S": str(PERIOD_S),
     }
     load_1m = round(os.getloadavg()[0], 2)  # what else ran on the machine as this fleet started
-    port = free_port()
+    ports = [free_port() for _ in range(schedulers)]
     rose = [sys.executable, "-m", "rose"]
     ids = [f"soak/{i}" for i in range(gpus)]
     procs: dict[str, subprocess.Popen] = {}
@@ -190,9 +208,11 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
             start_new_session=True,
         )
 
-    spawn(
-        "scheduler", rose + ["scheduler", "--instance", "soak", "--metrics-port", str(port), "--log-level", "WARNING"]
-    )
+    for i, port in enumerate(ports):
+        spawn(
+            f"scheduler-{i}",
+            rose + ["scheduler", "--instance", f"soak-{i}", "--metrics-port", str(port), "--log-level", "WARNING"],
+        )
     for e in range(executors):
         spawn(
             f"executor-{e}",
@@ -239,7 +259,7 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
                 "wall": time.time(),
                 "end": end,
                 "committed": committed,
-                "hist": _decision_hist(port),
+                "hist": _decision_hist(ports),
                 "cpu_s": {n: cpu_s(n) for n in ps},
             }
             row: dict[str, Any] = {
@@ -285,11 +305,41 @@ def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: in
         tap.close()
         offsets.close()
     return {"load_average_1m_at_start": load_1m} | _summary(
-        gpus, seconds, executors, sample_s, series, marks, tap, alive
+        gpus, seconds, executors, schedulers, sample_s, series, marks, tap, alive
     )
 
 
-def _summary(gpus, seconds, executors, sample_s, series, marks, tap, alive) -> dict:
+def _machine_allows(gpus, schedulers, dt, produced, consumed, ratio, bounded, lag_s, cpu, load) -> str:
+    """This run's figures in one line: what a machine of cpu_count cores, as busy as it was,
+    sustained with this many scheduler instances. The fleet is sustained when the agent kept
+    pace (its shortfall over the span is under one period of telemetry: event time stayed with
+    the wall clock) and the schedulers kept up (the lag stayed bounded)."""
+
+    def num(v):
+        return "?" if v is None else f"{v:,.0f}"
+
+    offered = gpus / PERIOD_S
+    behind_s = (offered - produced) * dt / offered if produced is not None else None
+    paced = behind_s is not None and behind_s * offered <= gpus
+    plural = "s" if schedulers != 1 else ""
+    cores = ", ".join("?" if v is None else f"{v:.2f}" for n, v in cpu.items() if n.startswith("scheduler"))
+    fleet = f"{gpus:,} GPUs at {1 / PERIOD_S:g} Hz ({num(offered)} events/s offered)"
+    verdict = f"sustains {fleet}" if paced and bounded else f"does not sustain {fleet}"
+    agent = (
+        "the agent kept pace"
+        if paced
+        else f"the agent produced {num(produced)}/s, its event time falling {num(behind_s)} s further behind the "
+        f"wall clock over the {dt:.0f} s measured"
+    )
+    return (
+        f"a {os.cpu_count()}-core machine (1-minute load average {f'{load[0]:g}–{load[1]:g}' if load else '?'}) "
+        f"{verdict} with {schedulers} scheduler instance{plural}: {agent}; the scheduler{plural} "
+        f"consumed {num(consumed)}/s of it (ratio {ratio}), lag {'bounded' if bounded else 'growing'} ({lag_s} s "
+        f"of telemetry in the second half), taking {cores} cores each"
+    )
+
+
+def _summary(gpus, seconds, executors, schedulers, sample_s, series, marks, tap, alive) -> dict:
     from rose.bench._stack import percentiles_ms
 
     half = len(series) // 2 or 1
@@ -319,9 +369,15 @@ def _summary(gpus, seconds, executors, sample_s, series, marks, tap, alive) -> d
         cpu[n] = None if a is None or b is None else round((b - a) / dt, 3)
     executors_cpu = sum(v or 0.0 for n, v in cpu.items() if n.startswith("executor"))
     lag_second = mean(second, "lag_messages")
+    ratio = round(consumed / produced, 3) if produced and consumed is not None else None
+    # bounded: the second half's lag is no more than half a second of telemetry above the first's
+    bounded = lag_second <= mean(first, "lag_messages") + gpus
+    lag_s = round(lag_second / produced, 2) if produced else None
+    load = _min_max(series, "load_average_1m")
     return {
         "gpus": gpus,
         "executors": executors,
+        "schedulers": schedulers,
         "executor_tick_s": TICK_S,
         "telemetry_period_s": PERIOD_S,
         "seconds": seconds,
@@ -332,7 +388,7 @@ def _summary(gpus, seconds, executors, sample_s, series, marks, tap, alive) -> d
         "telemetry_consumed_events_per_s": consumed,
         "commands_per_s": round(lat["n"] / dt, 1) if dt > 0 else None,
         "commands": lat["n"],
-        "consumed_over_produced_ratio": round(consumed / produced, 3) if produced and consumed is not None else None,
+        "consumed_over_produced_ratio": ratio,
         "telemetry_consumed_events_per_s_interval_min_max": _min_max(series, "telemetry_consumed_events_per_s"),
         "commands_per_s_interval_min_max": _min_max(series, "commands_per_s"),
         "decision_latency_ms": lat,
@@ -344,13 +400,13 @@ def _summary(gpus, seconds, executors, sample_s, series, marks, tap, alive) -> d
         "lag_messages_first_half_mean": round(mean(first, "lag_messages"), 1),
         "lag_messages_second_half_mean": round(lag_second, 1),
         "lag_messages_max": max((r["lag_messages"] for r in series), default=None),
-        # bounded: the second half's lag is no more than half a second of telemetry above the first's
-        "lag_bounded": lag_second <= mean(first, "lag_messages") + gpus,
-        "lag_seconds_second_half_mean": round(lag_second / produced, 2) if produced else None,
+        "lag_bounded": bounded,
+        "lag_seconds_second_half_mean": lag_s,
         "cpu_cores_mean": cpu,
         # what the executors' work costs per GPU they manage (a node's executor has a few GPUs)
         "executor_cpu_ms_per_s_per_gpu": round(1000 * executors_cpu / gpus, 3) if cpu else None,
-        "load_average_1m_interval_min_max": _min_max(series, "load_average_1m"),
+        "load_average_1m_interval_min_max": load,
+        "machine_allows": _machine_allows(gpus, schedulers, dt, produced, consumed, ratio, bounded, lag_s, cpu, load),
         "rss_growth_second_vs_first_half": growth,
         "rss_mb_end": {n: series[-1].get(f"rss_mb.{n}") for n in names} if series else {},
         "processes_alive_at_end": alive,
@@ -370,7 +426,11 @@ def _plot(results: list[dict], out: Path) -> str | None:
     for r in results:
         rows = r["series"]
         t = [row["t_s"] for row in rows]
-        axes[0].plot(t, [row["lag_messages"] for row in rows], label=f"{r['gpus']} GPUs @ {1 / PERIOD_S:g} Hz")
+        axes[0].plot(
+            t,
+            [row["lag_messages"] for row in rows],
+            label=f"{r['gpus']} GPUs @ {1 / PERIOD_S:g} Hz, {r['schedulers']} scheduler(s)",
+        )
         rated = [row for row in rows if row.get("telemetry_consumed_events_per_s") is not None]
         axes[1].plot(
             [row["t_s"] for row in rated],
@@ -383,7 +443,7 @@ def _plot(results: list[dict], out: Path) -> str | None:
             label=f"commands ({r['gpus']} GPUs)",
         )
         for k in rows[0] if rows else {}:
-            if k.startswith("rss_mb.") and (k.endswith("scheduler") or k.endswith("agent") or k.endswith("executor-0")):
+            if k.startswith("rss_mb.") and (k[7:].startswith("scheduler") or k[7:] in ("agent", "executor-0")):
                 axes[2].plot(t, [row[k] for row in rows], label=f"{k[7:]} ({r['gpus']} GPUs)")
     axes[0].set(title="Scheduler consumer lag", xlabel="time (s)", ylabel="messages behind")
     axes[1].set(title="Measured rates", xlabel="time (s)", ylabel="per second")
@@ -401,21 +461,24 @@ def _plot(results: list[dict], out: Path) -> str | None:
 def run(
     cfg: Config,
     quick: bool = False,
-    fleets: list[tuple[int, float, int]] | None = None,
+    fleets: list[tuple[int, float, int, int]] | None = None,
     sample_s: float = 5.0,
     plot: Path | None = PLOT,
 ) -> dict:
-    """`fleets`: (GPUs, seconds, executors) of each run (default 1,000 GPUs × 240 s on 2 executors,
-    then 5,000 × 180 s on 4; quick: 1,000 × 40 s); `plot`: where the PNG goes (None: no plot)."""
+    """`fleets`: (GPUs, seconds, executors, scheduler instances) of each run (default 1,000 GPUs ×
+    240 s on 2 executors and 1 scheduler, then 5,000 × 180 s on 4 executors and 2 schedulers in one
+    group, which split the telemetry partitions; quick: 1,000 × 40 s); `plot`: where the PNG goes
+    (None: no plot)."""
     import dataclasses
 
     from rose.bench._stack import private_stack
 
     results = []
-    for gpus, seconds, executors in fleets or (QUICK_FLEETS if quick else FLEETS):
-        with private_stack(cfg, f"soak{gpus}") as c:
+    for gpus, seconds, executors, schedulers in fleets or (QUICK_FLEETS if quick else FLEETS):
+        # every instance needs a partition of its own, and no fewer than a deployment has
+        with private_stack(cfg, f"soak{gpus}", partitions=max(schedulers, cfg.kafka.partitions)) as c:
             c = dataclasses.replace(c, stack=cfg.stack)
-            results.append(_soak(c, gpus, seconds, sample_s=sample_s, executors=executors))
+            results.append(_soak(c, gpus, seconds, sample_s=sample_s, executors=executors, schedulers=schedulers))
     return {
         "fleets": results,
         "plot": _plot(results, plot) if plot is not None else None,

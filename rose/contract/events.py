@@ -10,8 +10,9 @@ a schema cannot express (used ≤ total, rollout ≤ used).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from rose.contract.immutable import immutable
 
 TELEMETRY_SCHEMA = "rose.telemetry.v1"
 COMMAND_SCHEMA = "rose.command.v1"
@@ -97,7 +98,7 @@ def _plain(event: Any, schema: str) -> dict:
     return d
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class Latency:
     """p99 serving latencies of one window, in milliseconds."""
 
@@ -116,7 +117,7 @@ class Latency:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class Telemetry:
     """rose.telemetry.v1: one window of one serving GPU."""
 
@@ -249,7 +250,7 @@ def _telemetry_fast(d: Any) -> Telemetry | None:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class Command:
     """rose.command.v1: what the scheduler tells one GPU's executor."""
 
@@ -315,7 +316,7 @@ def _group(d: dict) -> dict:
     return {"group_id": _str(d, "group_id"), "group_size": _int(d, "group_size", 1, MAX_GROUP_SIZE)}
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class LeaseState:
     """rose.lease_state.v1: the executor's word on one GPU's lease (compacted by gpu)."""
 

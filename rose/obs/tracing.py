@@ -10,6 +10,7 @@ that context (`send_span`, `process_span`).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from opentelemetry import context as otel_context
@@ -26,6 +27,7 @@ from rose.config import TracingConfig
 
 _propagator = TraceContextTextMapPropagator()
 _memory_exporter: InMemorySpanExporter | None = None
+_random = random.Random()  # span ids need unique, not secret, values (as the SDK draws them)
 
 
 def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProvider:
@@ -100,6 +102,26 @@ def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, b
     carrier: dict[str, str] = {}
     _propagator.inject(carrier, context=ctx)
     return [(k, v.encode()) for k, v in carrier.items()]
+
+
+def unsampled_headers(carried) -> list[tuple[str, bytes]]:
+    """A `traceparent` (W3C, flags 00: not sampled) for a message whose spans were sampled
+    out: the trace id of the context in `carried` (a consumed message's headers), else a new
+    one, and a fresh span id. Costs no span; a consumer downstream still joins the trace."""
+    trace_id = 0
+    for k, v in carried or ():
+        if k == "traceparent" and v:
+            parts = (v.decode("latin-1") if isinstance(v, bytes) else str(v)).split("-")
+            if len(parts) == 4 and len(parts[1]) == 32:
+                try:
+                    trace_id = int(parts[1], 16)
+                except ValueError:
+                    trace_id = 0
+            break
+    if not trace_id:
+        trace_id = _random.getrandbits(128) or 1
+    span_id = _random.getrandbits(64) or 1
+    return [("traceparent", f"00-{trace_id:032x}-{span_id:016x}-00".encode())]
 
 
 def _messaging(operation: str, topic: str, key, partition: int | None) -> dict:

@@ -11,10 +11,11 @@ per-GPU views, the executors' lease states folded into them, admission.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 from rose.config import GiB, PolicyConfig
 from rose.contract.events import Command, Telemetry
+from rose.contract.immutable import immutable
 
 POLICY_VERSION = "1.1"
 
@@ -22,7 +23,7 @@ _NEVER = -1.0  # "no previous sample" for ts, p99 and memory fields (real values
 NEVER = _NEVER
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class GpuView:
     """Everything the policy knows about one GPU. A cache of the log, never a source of
     truth: it can be rebuilt by replaying telemetry and folding in lease states."""
@@ -76,7 +77,7 @@ class GpuView:
 _VIEW_FIELDS = tuple(f.name for f in fields(GpuView))
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class Explanation:
     """Why a decision was (not) taken: for spans, logs and `rose replay --explain`."""
 
@@ -96,7 +97,7 @@ class Explanation:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class Decision:
     view: GpuView
     commands: tuple[Command, ...]

@@ -40,7 +40,7 @@ from rose.kafka.producer import Producer, dead_letter, make_producer, partition_
 from rose.kafka.transactional import FatalTransactionError, GroupMembershipLost, Transactor, bounded
 from rose.obs import metrics
 from rose.obs.logs import get_logger
-from rose.obs.tracing import ensure_provider, inject_headers, process_span, send_span, tracer
+from rose.obs.tracing import ensure_provider, inject_headers, process_span, send_span, tracer, unsampled_headers
 from rose.policy.core import SchedulingCore
 from rose.policy.lease_policy import POLICY_VERSION, GpuView
 from rose.shutdown import Shutdown
@@ -74,6 +74,9 @@ class SchedulerStats:
     transactions: int = 0
     aborts: int = 0
     latencies_s: list[float] = field(default_factory=list)
+    # with record_latencies, per command: its decision latency split at the batch's consume and
+    # the end of its processing: (until consumed, processing, transaction commit), seconds
+    latency_parts_s: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -106,6 +109,7 @@ class Scheduler:
         self.log = get_logger("rose.scheduler", instance=instance)
         ensure_provider()  # commands always carry trace context, exported or not
         self._tracer = tracer("rose.scheduler")
+        self._renew_every = max(1, cfg.tracing.renew_sample_every)
         self._running = True
         self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
         self.producer: Producer = make_producer(
@@ -242,17 +246,24 @@ class Scheduler:
                 self.log.warning("consume.error", error=str(err))
         if good:
             try:
-                self._transact(good)
+                self._transact(good, consumed_at=time.time())
             except GroupMembershipLost as e:
                 # the next poll rejoins the group; the batch comes again from the committed offsets
                 self.log.warning("group.rejoin", error=str(e), events=len(good))
                 return 0
         return len(good)
 
-    def _transact(self, msgs: list[Message]) -> None:
+    def _transact(self, msgs: list[Message], consumed_at: float) -> None:
         """The batch's commands, views and offsets in one transaction (rose.kafka.transactional);
         an aborted attempt restores the views this batch changed before it is redone."""
         snapshot: dict[str, GpuView | None] = {}
+        processed_at = consumed_at
+
+        def process() -> list[int]:
+            nonlocal processed_at
+            out = self._process(msgs, snapshot)
+            processed_at = time.time()
+            return out
 
         def restore() -> None:
             self.stats.aborts += 1
@@ -264,13 +275,16 @@ class Scheduler:
                     self.views[gpu] = v
             snapshot.clear()
 
-        pending_latency = self.tx.run(msgs, lambda: self._process(msgs, snapshot), restore)
+        pending_latency = self.tx.run(msgs, process, restore)
         now = time.time()
         for ts_ms in pending_latency:
             lat = max(0.0, now - ts_ms / 1000.0)
             LATENCY.observe(lat)
             if self.record_latencies:
                 self.stats.latencies_s.append(lat)
+                self.stats.latency_parts_s.append(
+                    (max(0.0, consumed_at - ts_ms / 1000.0), processed_at - consumed_at, now - processed_at)
+                )
         self.stats.transactions += 1
 
     def _process(self, msgs: list[Message], snapshot: dict) -> list[int]:
@@ -307,20 +321,40 @@ class Scheduler:
                 self.stats.dlq += 1
                 DLQ.inc()
             if d.commands:
-                # a span only where the event caused commands: most events change nothing
-                with process_span(self._tracer, m, self.group, start_time=t0):
+                # a span only where the event caused a traced command: most events change nothing
+                if any(map(self._traced, d.commands)):
+                    with process_span(self._tracer, m, self.group, start_time=t0):
+                        for cmd in d.commands:
+                            self._emit(cmd, d, m)
+                else:
                     for cmd in d.commands:
-                        self._emit(cmd, d)
-                        latency_ts.append(m.timestamp()[1])
+                        self._emit(cmd, d, m)
+                ts_ms = m.timestamp()[1]
+                latency_ts.extend(ts_ms for _ in d.commands)
         for gpu, p in dirty.items():
             produce(self.producer, self.state_topic, orjson.dumps(self.views[gpu].to_dict()), gpu, partition=p)
         LEASES.set(sum(1 for v in self.views.values() if v.lease_id is not None))
         VIEWS.set(len(self.views))
         return latency_ts
 
-    def _emit(self, cmd, d) -> None:
+    def _traced(self, cmd) -> bool:
+        """Whether a command gets its spans and log line: every grant, throttle and revoke,
+        one renew in `tracing.renew_sample_every`, the same ones on every run (by command id)."""
+        return cmd.kind != "renew" or int(cmd.command_id[:8], 16) % self._renew_every == 0
+
+    def _emit(self, cmd, d, cause: Message) -> None:
         """Produce one command in a `lease.decide` span (child of the event's `process` span)
-        that holds the decision's why, and a `send` span whose context the command carries."""
+        that holds the decision's why, and a `send` span whose context the command carries.
+        A sampled-out renew carries a not-sampled `traceparent` in the event's trace instead."""
+        if not self._traced(cmd):
+            value = encode(cmd)
+            headers = unsampled_headers(cause.headers())
+            if self._hmac_key:
+                headers += sign_headers(self._hmac_key, value)
+            produce(self.producer, self.k.commands_topic, value, cmd.gpu, headers)
+            self.stats.commands += 1
+            COMMANDS_OUT.inc(kind=cmd.kind)
+            return
         ex = d.explain
         attrs = {
             "rose.gpu": cmd.gpu,

@@ -50,6 +50,7 @@ from rose.contract.events import InvalidEvent, LeaseState, Telemetry
 from rose.contract.wire import decode
 from rose.kafka.consumer import message_record, read_all
 from rose.policy.core import SchedulingCore, check_admission
+from tests.kafka_checks import duplicate_ids
 
 LEASE_ENDS = ("revoked", "expired")
 EXECUTOR_ENDS = ("expired", "rejected")  # a lease ended by the executor, not by a command
@@ -186,8 +187,7 @@ def audit_commands(cfg: Config, rebuilds: list[tuple[float, float]] = (), min_ex
     events = admitted_telemetry(cfg)
     cmds = _records(cfg, cfg.kafka.commands_topic)
     states = _records(cfg, cfg.kafka.lease_state_topic)
-    ids = Counter(c["command_id"] for c, _ in cmds)
-    dups = {i: n for i, n in ids.items() if n > 1}
+    dups = duplicate_ids([c for c, _ in cmds])
     assert not dups, f"duplicated commands: {dups}"
     causes = {e.event_id for e, _ in events}
     unknown = [c["command_id"] for c, _ in cmds if c["cause_event_id"] not in causes]
@@ -419,6 +419,8 @@ def audit_weights(r, stream: str, out_dir: Path, versions: list[dict], shard_byt
         else:
             carried.update(shards)
         assert 1 <= version <= len(want), f"the stream holds version {version}; the trainer made {len(want)}"
+        if last is not None:  # only the first version read may follow a trimmed gap
+            assert version == last[0] + 1, f"version {version} follows version {last[0]} in the stream"
         assert carried == want[version - 1][1], f"version {version} in the stream is not the trainer's"
         checked += 1
         last = (version, seq, epoch)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 
 import orjson
 import pytest
@@ -23,6 +22,7 @@ from rose.contract.events import Latency, Telemetry
 from rose.contract.wire import encode
 from rose.kafka.consumer import read_all
 from rose.kafka.producer import make_producer, produce
+from tests.kafka_checks import duplicate_ids
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
@@ -117,7 +117,7 @@ def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
             proc.send_signal(signal.SIGCONT)
         exit_s = terminate_all({"scheduler": sch, "executor": ex})
     cmds = [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]  # offset order
-    ids = Counter(c["command_id"] for c in cmds)
+    dups = duplicate_ids(cmds)
     epoch = int(lease.rsplit("#", 1)[1])
     new_grant = next((i for i, c in enumerate(cmds) if c["kind"] == "grant" and c["epoch"] > epoch), None)
     final_states = lease_states(cfg)
@@ -126,11 +126,11 @@ def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
     print(
         f"\n[partition] SIGSTOP->expired {took:.2f}s; backlog renews of the expired lease rejected by the "
         f"executor: {len(rejected)}; new grant: {cmds[new_grant]['lease_id'] if new_grant is not None else None}; "
-        f"duplicates: {sum(n > 1 for n in ids.values())}"
+        f"duplicates: {len(dups)}"
     )
     assert took <= cfg.policy.ttl_s + 3, "lease held well past its expiry"
     assert not any(s["state"] == "active" for s in after), "expired lease came back to life"
     assert new_grant is not None, "the resumed scheduler never learned that the lease expired"
     assert not any(c["lease_id"] == lease for c in cmds[new_grant:]), "expired lease renewed after the new grant"
-    assert all(n == 1 for n in ids.values())
+    assert not dups
     assert max(exit_s.values()) <= SHUTDOWN_BOUND_S, f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {exit_s}"

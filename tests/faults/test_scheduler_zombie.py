@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from datetime import UTC, datetime
 
 import orjson
@@ -22,7 +21,7 @@ import pytest
 from rose.contract.wire import encode
 from rose.kafka.producer import make_producer, produce
 from rose.sim.telemetry_workload import expected_commands, workload
-from tests.kafka_checks import by_gpu, wait_for_commands
+from tests.kafka_checks import by_gpu, duplicate_ids, wait_for_commands
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
@@ -72,17 +71,16 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
         exit_s = terminate_all({"a": a, "b": b})
     logs = {n: (tmp_path / f"{n}.log").read_text(errors="replace") for n in ("a", "b")}
     aborts = {n: log.count("transaction.abort") for n, log in logs.items()}
-    ids = Counter(c["command_id"] for c in got)
-    dups = sum(n > 1 for n in ids.values())
+    dups = duplicate_ids(got)
     held_by_a = owned_partitions(logs["a"], until=frozen_at)
     held_by_b = owned_partitions(logs["b"], until=thawed_at)
     print(
-        f"\n[zombie] commands expected={n_want} got={len(got)} duplicates={dups} aborted transactions={aborts} "
+        f"\n[zombie] commands expected={n_want} got={len(got)} duplicates={len(dups)} aborted transactions={aborts} "
         f"A held {sorted(held_by_a)} when frozen, B held {sorted(held_by_b)} when A thawed; exit after SIGTERM {exit_s}"
     )
     assert held_by_a, "A owned no partition when it was frozen: the test would not exercise a zombie"
     assert held_by_a <= held_by_b, "B did not take over the partitions of the frozen A"
-    assert dups == 0
+    assert not dups
     assert by_gpu(got) == want
     assert all(t <= SHUTDOWN_BOUND_S for t in exit_s.values()), (
         f"not gone within {SHUTDOWN_BOUND_S}s of SIGTERM: {exit_s}"
