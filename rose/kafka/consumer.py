@@ -72,6 +72,25 @@ def consume_batch(consumer: Consumer, max_messages: int, timeout: float, linger:
     return msgs
 
 
+def rewind(consumer: Consumer, msgs: Sequence[Message]) -> None:
+    """Seek the consumer back to the first offset of `msgs` in each of their partitions, so that
+    none of them is skipped: a batch whose transaction aborted before a rejoin (which may hand back
+    the same partitions without resetting their positions), or messages fetched before a pause."""
+    first: dict[tuple[str, int], int] = {}
+    for m in msgs:
+        topic, part, off = m.topic(), m.partition(), m.offset()
+        if topic is None or part is None or off is None or m.error() is not None:
+            continue  # not a message of a partition (an error event)
+        key = (topic, part)
+        if key not in first or off < first[key]:
+            first[key] = off
+    for (topic, part), off in first.items():
+        try:
+            consumer.seek(TopicPartition(topic, part, off))
+        except KafkaException:
+            pass  # no longer assigned: its next owner starts from the committed offset
+
+
 def read_partitions(
     kcfg: KafkaConfig,
     partitions: Sequence[tuple[str, int]],

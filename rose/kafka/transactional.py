@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from rose.kafka.base import KafkaError, KafkaException
+from rose.kafka.consumer import rewind
 
 __all__ = ["FatalTransactionError", "Transactor", "bounded", "positions"]
 
@@ -151,26 +152,9 @@ class Transactor:
                 # level-triggered recovery: the caller restores its state, the batch is redone
                 restore()
                 if err.code() in _GROUP_ERRORS:
-                    self._rewind(msgs)
+                    rewind(self.consumer, msgs)
                     raise GroupMembershipLost(str(err)) from None
                 time.sleep(self.retry_pause_s)
-
-    def _rewind(self, msgs: Sequence[Message]) -> None:
-        """Seek the consumer back to the batch's first offsets, so that nothing of it is skipped
-        if the rejoin hands back the same partitions without resetting their positions."""
-        first: dict[tuple[str, int], int] = {}
-        for m in msgs:
-            topic, part, off = m.topic(), m.partition(), m.offset()
-            if topic is None or part is None or off is None:
-                continue  # not a message of a partition (an error event)
-            key = (topic, part)
-            if key not in first or off < first[key]:
-                first[key] = off
-        for (topic, part), off in first.items():
-            try:
-                self.consumer.seek(TopicPartition(topic, part, off))
-            except KafkaException:
-                pass  # no longer assigned: its next owner starts from the committed offset
 
     def commit(self) -> None:
         """Commit; a retriable error (e.g. a timeout while the broker restarts) is retried a

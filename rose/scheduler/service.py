@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -35,6 +36,7 @@ from rose.kafka.consumer import (
     consume_batch,
     make_consumer,
     read_partitions,
+    rewind,
 )
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
 from rose.kafka.transactional import FatalTransactionError, GroupMembershipLost, Transactor, bounded
@@ -77,6 +79,8 @@ class SchedulerStats:
     # with record_latencies, per command: its decision latency split at the batch's consume and
     # the end of its processing: (until consumed, processing, transaction commit), seconds
     latency_parts_s: list[tuple[float, float, float]] = field(default_factory=list)
+    traced_commands: int = 0  # commands emitted with their spans and log line, and the time that took
+    traced_s: float = 0.0
 
 
 class Scheduler:
@@ -111,6 +115,7 @@ class Scheduler:
         self._tracer = tracer("rose.scheduler")
         self._renew_every = max(1, cfg.tracing.renew_sample_every)
         self._running = True
+        self._hold = False  # join_paused: partitions assigned meanwhile start paused
         self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
         self.producer: Producer = make_producer(
             self.k,
@@ -127,7 +132,7 @@ class Scheduler:
                 "partition.assignment.strategy": "cooperative-sticky",
                 "fetch.wait.max.ms": 5,
                 "session.timeout.ms": 10000,
-                "heartbeat.interval.ms": 1000,
+                "heartbeat.interval.ms": 250,
                 # static membership: a restarted instance gets its partitions back at once,
                 # without waiting out the session timeout of its killed predecessor
                 "group.instance.id": f"{self.k.topic_prefix}scheduler-{instance}",
@@ -150,8 +155,11 @@ class Scheduler:
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         ps = [tp.partition for tp in parts]
         self.log.info("partitions.assigned", partitions=ps)
-        retrying(lambda: self._rebuild(ps))
+        if ps:  # a cooperative rebalance hands members that only keep their partitions an empty list
+            retrying(lambda: self._rebuild(ps))
         consumer.incremental_assign(parts)
+        if self._hold and parts:
+            consumer.pause(parts)  # before a fetch starts: nothing is consumed until join_paused ends
 
     def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         ps = {tp.partition for tp in parts}
@@ -212,6 +220,29 @@ class Scheduler:
         self.consumer.subscribe(
             [self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
         )
+
+    def join_paused(self, until: Callable[[bool], bool], timeout_s: float = 240.0) -> float | None:
+        """Join the group holding every partition it is given paused (from its assignment on,
+        before any fetch), until `until(held)` is true (`held`: it holds partitions now). Then
+        resume. For N instances that start together on a
+        backlog: the first to join would otherwise decide it alone. Returns the wall time it
+        first held partitions (None: never)."""
+        joined = None
+        deadline = time.monotonic() + timeout_s
+        self._hold = True
+        try:
+            while time.monotonic() < deadline:
+                early = self.consumer.consume(100, timeout=0.1)  # serves the group protocol
+                rewind(self.consumer, early)  # none, unless fetched before a pause took hold
+                held = bool(self.consumer.assignment())
+                if held and joined is None:
+                    joined = time.time()
+                if until(held):
+                    break
+        finally:
+            self._hold = False
+            self.consumer.resume(self.consumer.assignment())
+        return joined
 
     def stop(self, *_args) -> None:
         self._running = False
@@ -323,9 +354,12 @@ class Scheduler:
             if d.commands:
                 # a span only where the event caused a traced command: most events change nothing
                 if any(map(self._traced, d.commands)):
+                    t_traced = time.perf_counter()
                     with process_span(self._tracer, m, self.group, start_time=t0):
                         for cmd in d.commands:
                             self._emit(cmd, d, m)
+                    self.stats.traced_s += time.perf_counter() - t_traced
+                    self.stats.traced_commands += sum(map(self._traced, d.commands))
                 else:
                     for cmd in d.commands:
                         self._emit(cmd, d, m)
