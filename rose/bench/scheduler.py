@@ -189,6 +189,9 @@ def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
 
     events = workload(n_gpus, ticks, seed=5, prefix="lat")
     p = make_producer(cfg.kafka)
+    # connected, with the topic's metadata, before the first tick: an agent is a long-running
+    # producer, and a record stamped before its producer could send is not decision latency
+    p.list_topics(cfg.kafka.telemetry_topic, timeout=10)
     for i in range(ticks):
         t_next = time.perf_counter() + n_gpus / rate_per_s
         for ev in events[i * n_gpus : (i + 1) * n_gpus]:

@@ -11,7 +11,9 @@ that context (`send_span`, `process_span`).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -20,12 +22,37 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from rose.config import TracingConfig
 
 _propagator = TraceContextTextMapPropagator()
+
+
+class _PresetIds(RandomIdGenerator):
+    """Random ids, except the next span's (and trace's) when preset on this thread: lets a span
+    be recorded after the message carrying its context was sent (`record_spans_after`)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def preset(self, span_id: int, trace_id: int | None) -> None:
+        self._local.span_id, self._local.trace_id = span_id, trace_id
+
+    def generate_span_id(self) -> int:
+        v = getattr(self._local, "span_id", None)
+        self._local.span_id = None
+        return v if v is not None else super().generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        v = getattr(self._local, "trace_id", None)
+        self._local.trace_id = None
+        return v if v is not None else super().generate_trace_id()
+
+
+_ids = _PresetIds()
 _memory_exporter: InMemorySpanExporter | None = None
 _random = random.Random()  # span ids need unique, not secret, values (as the SDK draws them)
 
@@ -37,7 +64,9 @@ def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProv
     global _memory_exporter
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
-        provider = TracerProvider(resource=Resource.create({"service.name": service or tcfg.service_name}))
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": service or tcfg.service_name}), id_generator=_ids
+        )
         trace.set_tracer_provider(provider)
     if tcfg.exporter == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
@@ -63,7 +92,7 @@ def ensure_provider() -> None:
     real ids and every message still carries W3C trace context (docs/contract.md §3.3) when no
     exporter is configured or setup_tracing was never called."""
     if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        trace.set_tracer_provider(TracerProvider(resource=Resource.create({"service.name": "rose"})))
+        trace.set_tracer_provider(TracerProvider(resource=Resource.create({"service.name": "rose"}), id_generator=_ids))
 
 
 def memory_exporter() -> InMemorySpanExporter | None:
@@ -154,23 +183,99 @@ def send_span(
     return tr.start_as_current_span(f"send {topic}", kind=SpanKind.PRODUCER, attributes=attrs)
 
 
+def _process_attrs(msg, group: str) -> dict:
+    attrs = _messaging("process", msg.topic(), msg.key(), msg.partition())
+    attrs["messaging.kafka.offset"] = msg.offset()
+    attrs["messaging.consumer.group.name"] = group
+    return attrs
+
+
 def process_span(tr: trace.Tracer, msg, group: str, *, start_time: int | None = None):
     """`process {topic}` (kind CONSUMER) around using one consumed message: a child of the
     producer's context carried in its headers, and linked to it (a root span when it carries
     none). `start_time` (ns since the epoch) when the processing began before the span."""
     parent = extract_context(msg.headers())
     sc = trace.get_current_span(parent).get_span_context()
-    attrs = _messaging("process", msg.topic(), msg.key(), msg.partition())
-    attrs["messaging.kafka.offset"] = msg.offset()
-    attrs["messaging.consumer.group.name"] = group
     return tr.start_as_current_span(
         f"process {msg.topic()}",
         context=parent,
         kind=SpanKind.CONSUMER,
         links=[Link(sc)] if sc.is_valid else None,
-        attributes=attrs,
+        attributes=_process_attrs(msg, group),
         start_time=start_time,
     )
+
+
+def can_plan_spans(tr: trace.Tracer) -> bool:
+    """Whether `tr` takes preset ids (a provider installed by `setup_tracing`/`ensure_provider`),
+    which `SpanPlan` needs to record spans under ids already sent."""
+    return getattr(tr, "id_generator", None) is _ids
+
+
+class SpanPlan:
+    """The spans of using one consumed message that caused messages of its own: `process` over
+    it, and per caused message a child span (its why) and that one's `send` span. Every id is
+    chosen when the message is planned, so the caused messages carry their `send` context when
+    produced; the spans are recorded later (`record`). For a transaction, whose messages become
+    visible only at its commit, the spans then cost nothing on the way to it, and an aborted
+    attempt records none."""
+
+    __slots__ = ("msg", "start_ns", "end_ns", "trace_id", "parent_valid", "flags", "state", "process_id", "children")
+
+    def __init__(self, msg, start_ns: int):
+        sc = trace.get_current_span(extract_context(msg.headers())).get_span_context()
+        self.msg, self.start_ns, self.end_ns = msg, start_ns, start_ns
+        self.parent_valid = sc.is_valid
+        self.trace_id = sc.trace_id if sc.is_valid else (_random.getrandbits(128) or 1)
+        # the default sampler follows a parent's decision and samples a new trace
+        self.flags = "01" if not sc.is_valid or sc.trace_flags.sampled else "00"
+        self.state = sc.trace_state.to_header() if sc.is_valid and sc.trace_state else ""
+        self.process_id = _random.getrandbits(64) or 1
+        self.children: list[tuple[int, int, str, dict, str, str, int | None, int]] = []
+
+    def child(
+        self, name: str, attributes: dict, topic: str, key: str, partition: int | None
+    ) -> list[tuple[str, bytes]]:
+        """Plan a child span and its `send {topic}`; the headers for the message it sends."""
+        child_id, send_id = _random.getrandbits(64) or 1, _random.getrandbits(64) or 1
+        self.children.append((child_id, send_id, name, attributes, topic, key, partition, time.time_ns()))
+        headers = [("traceparent", f"00-{self.trace_id:032x}-{send_id:016x}-{self.flags}".encode())]
+        if self.state:
+            headers.append(("tracestate", self.state.encode()))
+        return headers
+
+    def record(self, tr: trace.Tracer, group: str, each: Callable[[int], None] | None = None) -> None:
+        """Record the planned spans under their planned ids; `each(i)` runs with the i-th child
+        span current (a log line then carries its ids)."""
+        parent = extract_context(self.msg.headers())
+        sc = trace.get_current_span(parent).get_span_context()
+        _ids.preset(self.process_id, None if self.parent_valid else self.trace_id)
+        process = tr.start_span(
+            f"process {self.msg.topic()}",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            links=[Link(sc)] if sc.is_valid else None,
+            attributes=_process_attrs(self.msg, group),
+            start_time=self.start_ns,
+        )
+        in_process = trace.set_span_in_context(process)
+        for i, (child_id, send_id, name, attrs, topic, key, partition, at) in enumerate(self.children):
+            _ids.preset(child_id, None)
+            child = tr.start_span(name, context=in_process, attributes=attrs, start_time=at)
+            _ids.preset(send_id, None)
+            send = tr.start_span(
+                f"send {topic}",
+                context=trace.set_span_in_context(child),
+                kind=SpanKind.PRODUCER,
+                attributes=_messaging("send", topic, key, partition),
+                start_time=at,
+            )
+            send.end(end_time=at)
+            if each is not None:
+                with trace.use_span(child, end_on_exit=False):
+                    each(i)
+            child.end(end_time=max(at, self.end_ns))
+        process.end(end_time=self.end_ns)
 
 
 def trace_ids() -> dict[str, str]:

@@ -14,6 +14,7 @@ both, why the fold matters after a fault, rebalances and zombies: docs/scheduler
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from rose.config import Config
-from rose.contract.events import InvalidEvent, LeaseState, Telemetry
+from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
 from rose.contract.signing import sign_headers
 from rose.contract.wire import decode, encode
 from rose.kafka.admin import partitions_of, retrying
@@ -42,9 +43,18 @@ from rose.kafka.producer import Producer, dead_letter, make_producer, partition_
 from rose.kafka.transactional import FatalTransactionError, GroupMembershipLost, Transactor, bounded
 from rose.obs import metrics
 from rose.obs.logs import get_logger
-from rose.obs.tracing import ensure_provider, inject_headers, process_span, send_span, tracer, unsampled_headers
+from rose.obs.tracing import (
+    SpanPlan,
+    can_plan_spans,
+    ensure_provider,
+    inject_headers,
+    process_span,
+    send_span,
+    tracer,
+    unsampled_headers,
+)
 from rose.policy.core import SchedulingCore
-from rose.policy.lease_policy import POLICY_VERSION, GpuView
+from rose.policy.lease_policy import POLICY_VERSION, Decision, GpuView
 from rose.shutdown import Shutdown
 
 SCHEDULER_GROUP = "rose-scheduler"  # the consumer group id of every scheduler instance, after the topic prefix
@@ -114,6 +124,7 @@ class Scheduler:
         ensure_provider()  # commands always carry trace context, exported or not
         self._tracer = tracer("rose.scheduler")
         self._renew_every = max(1, cfg.tracing.renew_sample_every)
+        self._plan_spans = can_plan_spans(self._tracer)  # spans recorded after the commit (SpanPlan)
         self._running = True
         self._hold = False  # join_paused: partitions assigned meanwhile start paused
         self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
@@ -216,6 +227,8 @@ class Scheduler:
     def start(self) -> None:
         parts = retrying(lambda: partitions_of(self.k, self.k.lease_state_topic))
         self._command_partitions = len(retrying(lambda: partitions_of(self.k, self.k.commands_topic)))
+        for topic in (self.k.commands_topic, self.state_topic):  # the first decisions need not wait for it
+            retrying(lambda topic=topic: self.producer.list_topics(topic, timeout=10))
         self.lease_consumer.assign([TopicPartition(self.k.lease_state_topic, p, OFFSET_BEGINNING) for p in parts])
         self.consumer.subscribe(
             [self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
@@ -286,13 +299,15 @@ class Scheduler:
 
     def _transact(self, msgs: list[Message], consumed_at: float) -> None:
         """The batch's commands, views and offsets in one transaction (rose.kafka.transactional);
-        an aborted attempt restores the views this batch changed before it is redone."""
+        an aborted attempt restores the views this batch changed before it is redone. The spans
+        and log lines of its traced commands are recorded once it committed (`SpanPlan`)."""
         snapshot: dict[str, GpuView | None] = {}
+        plans: list[tuple[SpanPlan, list[Command]]] = []
         processed_at = consumed_at
 
         def process() -> list[int]:
             nonlocal processed_at
-            out = self._process(msgs, snapshot)
+            out = self._process(msgs, snapshot, plans)
             processed_at = time.time()
             return out
 
@@ -305,6 +320,7 @@ class Scheduler:
                 else:
                     self.views[gpu] = v
             snapshot.clear()
+            plans.clear()
 
         pending_latency = self.tx.run(msgs, process, restore)
         now = time.time()
@@ -317,10 +333,15 @@ class Scheduler:
                     (max(0.0, consumed_at - ts_ms / 1000.0), processed_at - consumed_at, now - processed_at)
                 )
         self.stats.transactions += 1
+        t_record = time.perf_counter()
+        for plan, traced in plans:
+            plan.record(self._tracer, self.group, functools.partial(self._log_nth, traced))
+        self.stats.traced_s += time.perf_counter() - t_record
 
-    def _process(self, msgs: list[Message], snapshot: dict) -> list[int]:
+    def _process(self, msgs: list[Message], snapshot: dict, plans: list) -> list[int]:
         """Decide for every message of the batch; produce commands, dlq records and the
-        changed views into the open transaction. Returns record timestamps of commands."""
+        changed views into the open transaction; plan the spans of traced commands into
+        `plans`. Returns record timestamps of commands."""
         core = self.core
         dirty: dict[str, int] = {}
         latency_ts: list[int] = []
@@ -328,6 +349,7 @@ class Scheduler:
         self.stats.events += len(msgs)
         EVENTS_IN.inc(len(msgs))
         time_ns = time.time_ns
+        traced_of = self._traced
         for m in msgs:
             t0 = time_ns()
             try:
@@ -351,44 +373,69 @@ class Scheduler:
                 dead_letter(self.producer, self.k.dlq_topic, m, d.explain.reason, "event_id", consumer="scheduler")
                 self.stats.dlq += 1
                 DLQ.inc()
-            if d.commands:
-                # a span only where the event caused a traced command: most events change nothing
-                if any(map(self._traced, d.commands)):
-                    t_traced = time.perf_counter()
-                    with process_span(self._tracer, m, self.group, start_time=t0):
-                        for cmd in d.commands:
-                            self._emit(cmd, d, m)
-                    self.stats.traced_s += time.perf_counter() - t_traced
-                    self.stats.traced_commands += sum(map(self._traced, d.commands))
-                else:
+            if not d.commands:
+                continue
+            traced = [c for c in d.commands if traced_of(c)]
+            if not traced:
+                for cmd in d.commands:
+                    self._emit(cmd, d, m)
+            elif self._plan_spans:  # ids now, spans after the commit
+                t_traced = time.perf_counter()
+                plan = SpanPlan(m, t0)
+                for cmd in d.commands:
+                    self._emit(cmd, d, m, plan)
+                plan.end_ns = time_ns()
+                plans.append((plan, traced))
+                self.stats.traced_s += time.perf_counter() - t_traced
+            else:  # a tracer provider not installed here: spans in the transaction
+                t_traced = time.perf_counter()
+                with process_span(self._tracer, m, self.group, start_time=t0):
                     for cmd in d.commands:
                         self._emit(cmd, d, m)
-                ts_ms = m.timestamp()[1]
-                latency_ts.extend(ts_ms for _ in d.commands)
+                self.stats.traced_s += time.perf_counter() - t_traced
+            self.stats.traced_commands += len(traced)
+            ts_ms = m.timestamp()[1]
+            latency_ts.extend(ts_ms for _ in d.commands)
         for gpu, p in dirty.items():
             produce(self.producer, self.state_topic, orjson.dumps(self.views[gpu].to_dict()), gpu, partition=p)
         LEASES.set(sum(1 for v in self.views.values() if v.lease_id is not None))
         VIEWS.set(len(self.views))
         return latency_ts
 
-    def _traced(self, cmd) -> bool:
+    def _traced(self, cmd: Command) -> bool:
         """Whether a command gets its spans and log line: every grant, throttle and revoke,
         one renew in `tracing.renew_sample_every`, the same ones on every run (by command id)."""
         return cmd.kind != "renew" or int(cmd.command_id[:8], 16) % self._renew_every == 0
 
-    def _emit(self, cmd, d, cause: Message) -> None:
-        """Produce one command in a `lease.decide` span (child of the event's `process` span)
-        that holds the decision's why, and a `send` span whose context the command carries.
-        A sampled-out renew carries a not-sampled `traceparent` in the event's trace instead."""
+    def _emit(self, cmd: Command, d: Decision, cause: Message, plan: SpanPlan | None = None) -> None:
+        """Produce one command. A traced one gets a `lease.decide` span (child of the event's
+        `process` span) that holds the decision's why, and a `send` span whose context the
+        command carries: planned in `plan` and recorded after the commit, or made here. A
+        sampled-out renew carries a not-sampled `traceparent` in the event's trace instead."""
+        topic, n = self.k.commands_topic, self._command_partitions
+        value = encode(cmd)
         if not self._traced(cmd):
-            value = encode(cmd)
-            headers = unsampled_headers(cause.headers())
-            if self._hmac_key:
-                headers += sign_headers(self._hmac_key, value)
-            produce(self.producer, self.k.commands_topic, value, cmd.gpu, headers)
-            self.stats.commands += 1
-            COMMANDS_OUT.inc(kind=cmd.kind)
+            self._produce_command(cmd, value, unsampled_headers(cause.headers()))
             return
+        partition = partition_for(cmd.gpu, n) if n else None
+        attrs = self._decision_attrs(cmd, d)
+        if plan is not None:
+            self._produce_command(cmd, value, plan.child("lease.decide", attrs, topic, cmd.gpu, partition))
+            return
+        with self._tracer.start_as_current_span("lease.decide", attributes=attrs):
+            with send_span(self._tracer, topic, key=cmd.gpu, partition=partition):
+                self._produce_command(cmd, value, inject_headers())
+            self._log_decision(cmd)
+
+    def _produce_command(self, cmd: Command, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+        if self._hmac_key:
+            headers += sign_headers(self._hmac_key, value)
+        produce(self.producer, self.k.commands_topic, value, cmd.gpu, headers)
+        self.stats.commands += 1
+        COMMANDS_OUT.inc(kind=cmd.kind)
+
+    @staticmethod
+    def _decision_attrs(cmd: Command, d: Decision) -> dict:
         ex = d.explain
         attrs = {
             "rose.gpu": cmd.gpu,
@@ -403,27 +450,23 @@ class Scheduler:
         }
         for metric, h in ex.headroom.items():
             attrs[f"rose.headroom.{metric}"] = h
-        topic, n = self.k.commands_topic, self._command_partitions
-        with self._tracer.start_as_current_span("lease.decide", attributes=attrs):
-            value = encode(cmd)
-            with send_span(self._tracer, topic, key=cmd.gpu, partition=partition_for(cmd.gpu, n) if n else None):
-                headers = inject_headers()
-                if self._hmac_key:
-                    headers += sign_headers(self._hmac_key, value)
-                produce(self.producer, topic, value, cmd.gpu, headers)
-            self.log.info(
-                "lease.decision",
-                gpu=cmd.gpu,
-                kind=cmd.kind,
-                epoch=cmd.epoch,
-                lease_id=cmd.lease_id,
-                command_id=cmd.command_id,
-                reason=cmd.reason,
-                mem_bytes=cmd.mem_bytes,
-                compute_share=cmd.compute_share,
-            )
-        self.stats.commands += 1
-        COMMANDS_OUT.inc(kind=cmd.kind)
+        return attrs
+
+    def _log_nth(self, cmds: list[Command], i: int) -> None:
+        self._log_decision(cmds[i])
+
+    def _log_decision(self, cmd: Command) -> None:
+        self.log.info(
+            "lease.decision",
+            gpu=cmd.gpu,
+            kind=cmd.kind,
+            epoch=cmd.epoch,
+            lease_id=cmd.lease_id,
+            command_id=cmd.command_id,
+            reason=cmd.reason,
+            mem_bytes=cmd.mem_bytes,
+            compute_share=cmd.compute_share,
+        )
 
     def _update_lag(self) -> None:
         try:
