@@ -10,7 +10,6 @@ that context (`send_span`, `process_span`).
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,7 +53,7 @@ class _PresetIds(RandomIdGenerator):
 
 _ids = _PresetIds()
 _memory_exporter: InMemorySpanExporter | None = None
-_random = random.Random()  # span ids need unique, not secret, values (as the SDK draws them)
+_fresh = RandomIdGenerator()  # ids of spans planned before they are recorded, and of unsampled messages
 
 
 def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProvider:
@@ -137,20 +136,9 @@ def unsampled_headers(carried) -> list[tuple[str, bytes]]:
     """A `traceparent` (W3C, flags 00: not sampled) for a message whose spans were sampled
     out: the trace id of the context in `carried` (a consumed message's headers), else a new
     one, and a fresh span id. Costs no span; a consumer downstream still joins the trace."""
-    trace_id = 0
-    for k, v in carried or ():
-        if k == "traceparent" and v:
-            parts = (v.decode("latin-1") if isinstance(v, bytes) else str(v)).split("-")
-            if len(parts) == 4 and len(parts[1]) == 32:
-                try:
-                    trace_id = int(parts[1], 16)
-                except ValueError:
-                    trace_id = 0
-            break
-    if not trace_id:
-        trace_id = _random.getrandbits(128) or 1
-    span_id = _random.getrandbits(64) or 1
-    return [("traceparent", f"00-{trace_id:032x}-{span_id:016x}-00".encode())]
+    sc = trace.get_current_span(extract_context(carried)).get_span_context()
+    trace_id = sc.trace_id if sc.is_valid else _fresh.generate_trace_id()
+    return [("traceparent", f"00-{trace_id:032x}-{_fresh.generate_span_id():016x}-00".encode())]
 
 
 def _messaging(operation: str, topic: str, key, partition: int | None) -> dict:
@@ -226,18 +214,18 @@ class SpanPlan:
         sc = trace.get_current_span(extract_context(msg.headers())).get_span_context()
         self.msg, self.start_ns, self.end_ns = msg, start_ns, start_ns
         self.parent_valid = sc.is_valid
-        self.trace_id = sc.trace_id if sc.is_valid else (_random.getrandbits(128) or 1)
+        self.trace_id = sc.trace_id if sc.is_valid else _fresh.generate_trace_id()
         # the default sampler follows a parent's decision and samples a new trace
         self.flags = "01" if not sc.is_valid or sc.trace_flags.sampled else "00"
         self.state = sc.trace_state.to_header() if sc.is_valid and sc.trace_state else ""
-        self.process_id = _random.getrandbits(64) or 1
+        self.process_id = _fresh.generate_span_id()
         self.children: list[tuple[int, int, str, dict, str, str, int | None, int]] = []
 
     def child(
         self, name: str, attributes: dict, topic: str, key: str, partition: int | None
     ) -> list[tuple[str, bytes]]:
         """Plan a child span and its `send {topic}`; the headers for the message it sends."""
-        child_id, send_id = _random.getrandbits(64) or 1, _random.getrandbits(64) or 1
+        child_id, send_id = _fresh.generate_span_id(), _fresh.generate_span_id()
         self.children.append((child_id, send_id, name, attributes, topic, key, partition, time.time_ns()))
         headers = [("traceparent", f"00-{self.trace_id:032x}-{send_id:016x}-{self.flags}".encode())]
         if self.state:

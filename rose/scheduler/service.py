@@ -375,23 +375,24 @@ class Scheduler:
                 DLQ.inc()
             if not d.commands:
                 continue
-            traced = [c for c in d.commands if traced_of(c)]
+            flags = [traced_of(c) for c in d.commands]
+            traced = [c for c, f in zip(d.commands, flags, strict=True) if f]
             if not traced:
                 for cmd in d.commands:
-                    self._emit(cmd, d, m)
+                    self._emit(cmd, d, m, False)
             elif self._plan_spans:  # ids now, spans after the commit
                 t_traced = time.perf_counter()
                 plan = SpanPlan(m, t0)
-                for cmd in d.commands:
-                    self._emit(cmd, d, m, plan)
+                for cmd, f in zip(d.commands, flags, strict=True):
+                    self._emit(cmd, d, m, f, plan)
                 plan.end_ns = time_ns()
                 plans.append((plan, traced))
                 self.stats.traced_s += time.perf_counter() - t_traced
             else:  # a tracer provider not installed here: spans in the transaction
                 t_traced = time.perf_counter()
                 with process_span(self._tracer, m, self.group, start_time=t0):
-                    for cmd in d.commands:
-                        self._emit(cmd, d, m)
+                    for cmd, f in zip(d.commands, flags, strict=True):
+                        self._emit(cmd, d, m, f)
                 self.stats.traced_s += time.perf_counter() - t_traced
             self.stats.traced_commands += len(traced)
             ts_ms = m.timestamp()[1]
@@ -407,14 +408,14 @@ class Scheduler:
         one renew in `tracing.renew_sample_every`, the same ones on every run (by command id)."""
         return cmd.kind != "renew" or int(cmd.command_id[:8], 16) % self._renew_every == 0
 
-    def _emit(self, cmd: Command, d: Decision, cause: Message, plan: SpanPlan | None = None) -> None:
+    def _emit(self, cmd: Command, d: Decision, cause: Message, traced: bool, plan: SpanPlan | None = None) -> None:
         """Produce one command. A traced one gets a `lease.decide` span (child of the event's
         `process` span) that holds the decision's why, and a `send` span whose context the
         command carries: planned in `plan` and recorded after the commit, or made here. A
         sampled-out renew carries a not-sampled `traceparent` in the event's trace instead."""
         topic, n = self.k.commands_topic, self._command_partitions
         value = encode(cmd)
-        if not self._traced(cmd):
+        if not traced:  # `_traced(cmd)`, decided once by the caller
             self._produce_command(cmd, value, unsampled_headers(cause.headers()))
             return
         partition = partition_for(cmd.gpu, n) if n else None

@@ -410,7 +410,7 @@ def audit_weights(r, stream: str, out_dir: Path, versions: list[dict], shard_byt
 
     want = [_shard_sums(v, shard_bytes) for v in versions]
     carried: dict[int, str] | None = None
-    checked, last = 0, None
+    commits = []  # (version, seq, epoch, every shard's checksum as of that version)
     for version, seq, epoch, shards, keyframe in _commits(r, stream):
         if keyframe:
             carried = dict(shards)
@@ -418,13 +418,15 @@ def audit_weights(r, stream: str, out_dir: Path, versions: list[dict], shard_byt
             continue  # trimmed: its base is no longer in the stream
         else:
             carried.update(shards)
-        assert 1 <= version <= len(want), f"the stream holds version {version}; the trainer made {len(want)}"
-        if last is not None:  # only the first version read may follow a trimmed gap
-            assert version == last[0] + 1, f"version {version} follows version {last[0]} in the stream"
-        assert carried == want[version - 1][1], f"version {version} in the stream is not the trainer's"
-        checked += 1
-        last = (version, seq, epoch)
-    assert last is not None and last[0] == len(want), f"the stream's last version is {last}, not {len(want)}"
+        commits.append((version, seq, epoch, dict(carried)))
+    versions = [c[0] for c in commits]
+    # exactly the trainer's last versions, each once and in order (trimming may drop the first ones)
+    assert versions == list(range(len(want) - len(versions) + 1, len(want) + 1)) and versions, (
+        f"the stream holds versions {versions}; the trainer made 1..{len(want)}"
+    )
+    for version, _, _, sums in commits:
+        assert sums == want[version - 1][1], f"version {version} in the stream is not the trainer's"
+    checked, last = len(commits), commits[-1][:3]
     loaded = FileStateStore(out_dir).load()
     assert loaded is not None, f"the follower wrote no state in {out_dir}"
     snap, applied = loaded
