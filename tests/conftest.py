@@ -94,3 +94,11 @@ def traces_dir() -> Path:
     if not TRACES.is_dir():
         pytest.fail(f"traces not found at {TRACES}; set ROSE_TRACES to the shared traces folder")
     return TRACES
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A random-init Qwen2 checkpoint (2 layers, hidden 256, vocab 1024), made once per session."""
+    from rose.model.random_init import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2")

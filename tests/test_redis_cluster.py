@@ -418,9 +418,7 @@ def test_a_worker_config_carries_the_cluster_to_the_worker(rc, rcfg):
 
     [(arrays, flat)] = _versions(1, seed=8)
     _publish(_publisher(rc, rcfg), arrays)
-    from rose.rollout.policy_model import ModelSpec
-
-    ws = weight_source(back, ModelSpec(d_model=32, n_heads=2, d_ff=64, n_layers=1, max_seq=64), None)
+    ws = weight_source(back, None)
     try:
         assert ws.follower.cluster and ws.newest() == 1
         assert np.array_equal(ws.follower.receiver.visible().flat, flat)

@@ -246,11 +246,11 @@ def test_retired_worker_stream_comes_back_when_targeted(queue, redis_client):
 def test_undecodable_task_goes_to_dead_stream(queue, redis_client):
     queue.ensure_group()
     redis_client.xadd(queue.stream, {"task_id": "x", "task": b"{not json"})
-    redis_client.xadd(queue.stream, {"task_id": "y", "task": orjson.dumps({"task_id": "y", "prompt": [999]})})
+    redis_client.xadd(queue.stream, {"task_id": "y", "task": orjson.dumps({"task_id": "y", "prompt": [-1]})})
     assert queue.read("c", count=10) == []
     dead = redis_client.xrange(queue.dead_stream)
     reasons = sorted(f[b"reason"].decode() for _i, f in dead)
-    assert reasons == ["prompt: expected a list of byte tokens (ints 0..255)", "task: not valid JSON"]
+    assert reasons == ["prompt: expected a list of token ids (ints 0..2147483647)", "task: not valid JSON"]
     assert _nothing_pending(queue)
 
 
@@ -269,7 +269,7 @@ def test_policy_version_switches_between_steps(cfg, redis_client, queue):
     s = spec(cfg, "w", max_episodes=4)
     ms = ModelSpec(**SMALL)
     eng = TorchEngine(ms, MemoryBudget(s.mem_bytes, ms), max_batch=8)
-    weights = StaticWeights(ms, seed=0)
+    weights = StaticWeights(init_state_dict(ms, seed=0))
     eng.load_weights(*weights.current())
     v1 = init_state_dict(ms, seed=1)
 

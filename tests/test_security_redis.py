@@ -97,7 +97,7 @@ def test_keyed_worker_refuses_unsigned_and_wrongly_signed_deltas(cfg, redis_clie
     config = read_config(_config_file(sent.to_json().encode()))
     assert config == sent and config.weights_hmac_key == key and config.redis == cfg.redis
     mspec = ModelSpec(**SMALL)
-    weights = weight_source(config, mspec, redis_client)
+    weights = weight_source(config, redis_client)
     pub = WeightPublisher(redis_client, cfg.redis, "signed", hmac_key=key, shard_bytes=4096)
     v1 = _bf16(init_state_dict(mspec, 1))
     v2, v3, v4, v5 = _nudged(v1, 2), _nudged(v1, 3), _nudged(v1, 4), _nudged(v1, 5)

@@ -18,7 +18,12 @@ SHARE = 0.5  # the lease's compute share while it runs
 SAMPLE_S = 0.1  # the progress sampler's window: longer than a decode step and its duty-cycle idle
 
 
-def run(cfg, quick: bool) -> dict:
+# a lease on a checkpoint engine holds the engine's libraries, weights and (vLLM on CPU) its fixed KV
+# space: the grant says so, or the executor's memory cap would stop the worker
+ENGINE_LEASE_BYTES = 6 * GiB
+
+
+def run(cfg, quick: bool, cycles: int = 0) -> dict:
     import dataclasses
 
     from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
@@ -28,6 +33,9 @@ def run(cfg, quick: bool) -> dict:
 
     setup_logging("WARNING")
     cold_cycles, warm_cycles, throttles = (2, 2, 2) if quick else (5, 10, 5)
+    if cycles:  # warm grants asked for; resumes follow at five throttles per lease
+        warm_cycles, cold_cycles = cycles, max(2, cycles // 4)
+    engine = cfg.rollout.engine
     job = "bench-coelastic"
     with private_stack(cfg, "coelastic") as c:
         c = dataclasses.replace(
@@ -38,9 +46,14 @@ def run(cfg, quick: bool) -> dict:
                 guard_period_s=0.0,  # the Kafka path is measured here; the guard has its own bench (revoke)
                 worker_nice=10,
                 revoke_deadline_s=5.0,
+                worker_weights="follow" if engine != "reference" else c.executor.worker_weights,
+                model=f"bench-{engine}",
             ),
+            rollout=dataclasses.replace(c.rollout, verify_weights=1),
         )
         fill_tasks(c, job, 400 if quick else 4000)
+        if engine != "reference":  # version 1, which every warm engine applies before its lease
+            _publish_version(c, 1)
         producer = make_producer(c.kafka, **{"linger.ms": 0})
         states = make_consumer(c.kafka, f"bench-{time.monotonic_ns()}", **{"fetch.wait.max.ms": 5})
         states.subscribe([c.kafka.lease_state_topic])
@@ -50,7 +63,18 @@ def run(cfg, quick: bool) -> dict:
             warm = b.phase(warm_workers=1, cycles=warm_cycles, throttles=throttles)
         finally:
             states.close()
+        seen = _engine_heartbeats(c)
     out: dict[str, Any] = {
+        "engine": _engine_of(seen, engine),
+        "weights": {
+            "versions_applied": sum(int(h.get(b"versions_applied", 0)) for h in seen),
+            "versions_verified": sum(int(h.get(b"versions_verified", 0)) for h in seen),
+            "bit_exact": (
+                all(h.get(b"versions_mismatched", b"0") == b"0" for h in seen)
+                if any(int(h.get(b"versions_verified", 0)) for h in seen)
+                else None
+            ),
+        },
         "path": "command→executor",
         "path_note": "commands are produced to the commands topic directly (the scheduler's decision time is "
         "measured by its own bench); t0 is just before produce(); the executor runs in this process, its "
@@ -130,7 +154,7 @@ class _Bench:
             gpu=GPU,
             lease_id=f"{GPU}#{epoch}",
             epoch=epoch,
-            mem_bytes=0 if end else GiB,
+            mem_bytes=0 if end else (GiB if self.cfg.rollout.engine == "reference" else ENGINE_LEASE_BYTES),
             compute_share=0.0 if end else share,
             ts=now,
             expires_at=now if end else now + 300,
@@ -166,7 +190,7 @@ class _Bench:
         try:
             for _ in range(cycles):
                 if warm_workers:
-                    wait_for(lambda: _pool_ready(ex), 180)
+                    wait_for(lambda: _pool_ready(ex), 600)
                 self.epoch += 1
                 epoch = self.epoch
                 sampler = _Progress(ex, epoch)
@@ -175,7 +199,7 @@ class _Bench:
                 self.command("grant", epoch, f"g{epoch}", SHARE)
                 h = wait_for(lambda: _handle(ex, epoch), 120)
                 flag = h.flag
-                wait_for(lambda: flag.first_token_ns > t0, 120)
+                wait_for(lambda: flag.first_token_ns > t0, 600)  # a cold engine imports and starts
                 res["first_token"].append(flag.first_token_ns - t0)
                 res["warm_started"].append(h.warm)
                 for i in range(throttles):
@@ -308,3 +332,51 @@ def _frac_of(progress: list[tuple[float, float]]) -> float | None:
     """Leased-time-weighted fraction with progress."""
     total = sum(t for _f, t in progress)
     return round(sum(f * t for f, t in progress) / total, 4) if total > 0 else None
+
+
+def _publish_version(cfg, version: int) -> None:
+    """The trainer's version `version`: the checkpoint's tensors nudged, in bf16, on the bench's stream."""
+    from pathlib import Path
+
+    import redis
+    import torch
+    from safetensors.torch import load_file
+
+    from rose.weights.stream import WeightPublisher
+
+    g = torch.Generator().manual_seed(version)
+    sd: dict = {}
+    for f in sorted(Path(cfg.rollout.model).glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    r = redis.Redis.from_url(cfg.redis.url)
+    try:
+        pub = WeightPublisher(r, cfg.redis, cfg.executor.model, hmac_key=cfg.security.weights_hmac_key)
+        pub.publish(
+            {k: (v.float() + 1e-3 * torch.randn(v.shape, generator=g)).to(torch.bfloat16) for k, v in sd.items()}
+        )
+    finally:
+        r.close()
+
+
+def _engine_heartbeats(cfg) -> list[dict]:
+    """The last heartbeat of every worker the bench ran."""
+    import redis
+
+    r = redis.Redis.from_url(cfg.redis.url)
+    try:
+        return [
+            h for k in r.scan_iter(match=cfg.redis.key("workers", "*")) if r.type(k) == b"hash" for h in [r.hgetall(k)]
+        ]
+    finally:
+        r.close()
+
+
+def _engine_of(heartbeats: list[dict], engine: str) -> dict:
+    for h in heartbeats:
+        if h.get(b"engine_library"):
+            return {
+                "name": h[b"engine"].decode(),
+                "version": h[b"engine_library"].decode(),
+                "device": h.get(b"device", b"").decode(),
+            }
+    return {"name": engine, "version": None, "device": None}

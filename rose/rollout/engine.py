@@ -36,10 +36,21 @@ class RolloutEngine(Protocol):
       loop iteration it gives continuous batching: sequences join and leave between steps.
     - `release(seq_id)` drops a sequence's cache; `free_slots()` says how many more fit.
     - `load_weights(version, state_dict)` swaps the policy between two `generate` calls; the
-      engine is single-threaded, so no step ever runs on a half-updated policy.
+      engine is single-threaded, so no step ever runs on a half-updated policy. The state dict
+      is keyed by the checkpoint's tensor names; an empty one keeps the weights (a new version
+      number only).
+    - `n_slots` sequences at most, each up to `max_seq` tokens of ids below `vocab_size`;
+      `interrupted_tokens` counts decode work a pause threw away; `describe()` says
+      `{name, version, device}` (the library's version, not the policy's).
     """
 
     version: int
+    n_slots: int
+    max_seq: int
+    vocab_size: int
+    interrupted_tokens: int
+
+    def describe(self) -> dict: ...
 
     def generate(
         self, requests: Sequence[GenRequest], max_new_tokens: int, pause_check: Callable[[], bool] = lambda: False
@@ -168,9 +179,21 @@ class TorchEngine:
         self.cache = self.model.new_cache(n)
         self._free = list(range(n - 1, -1, -1))
 
+    @property
+    def max_seq(self) -> int:
+        return self.spec.max_seq
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab
+
+    def describe(self) -> dict:
+        return {"name": "reference", "version": torch.__version__, "device": str(self.device)}
+
     # weights ---------------------------------------------------------------------------
     def load_weights(self, version: int, state_dict: dict) -> None:
-        self.model.load_state_dict(state_dict, strict=True)
+        if state_dict:
+            self.model.load_state_dict(state_dict, strict=True)
         self.version = version
 
     # sequences -------------------------------------------------------------------------

@@ -74,10 +74,18 @@ class Turn:
             raise InvalidTask(path.rstrip("."), "malformed turn") from None
 
 
+# token ids of any vocabulary; the worker checks them against its engine's (`Worker._admit`)
+MAX_TOKEN_ID = (1 << 31) - 1
+
+
 def _tokens(d: dict, key: str, path: str = "") -> list[int]:
     v = d.get(key)
-    if not isinstance(v, list) or len(v) > MAX_TOKENS or not all(isinstance(t, int) and 0 <= t < 256 for t in v):
-        raise InvalidTask(path + key, "expected a list of byte tokens (ints 0..255)")
+    if (
+        not isinstance(v, list)
+        or len(v) > MAX_TOKENS
+        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in v)
+    ):
+        raise InvalidTask(path + key, f"expected a list of token ids (ints 0..{MAX_TOKEN_ID})")
     return v
 
 

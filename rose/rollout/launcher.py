@@ -43,6 +43,9 @@ MAX_CONFIG_BYTES = 1 << 20
 _PR_SET_PDEATHSIG = 1
 
 
+ENGINES = ("reference", "vllm", "hf")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     gpu: str
@@ -75,6 +78,16 @@ class WorkerConfig:
     # `lease_file` (announced by the pause flag's assignment counter) and runs that lease.
     warm: bool = False
     lease_file: str = ""
+    # the engine (rose.rollout.engines, docs/engines.md): "reference" (the toy) | "vllm" | "hf",
+    # on the Hugging Face checkpoint directory `checkpoint`
+    engine: str = "reference"
+    checkpoint: str = ""
+    python: str = ""  # interpreter to run the worker with; "" = the launcher's own
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    kv_cache_bytes: int = GiB
+    threads: int = 1
+    verify_weights: bool = False  # check each applied version bit-exact (engine.weights_match)
 
     @classmethod
     def from_config(cls, cfg: Config, **fields) -> WorkerConfig:
@@ -85,6 +98,14 @@ class WorkerConfig:
             "weights_hmac_key": cfg.security.weights_hmac_key,
             "job": cfg.executor.job,
             "model": cfg.executor.model,
+            "engine": cfg.rollout.engine,
+            "checkpoint": cfg.rollout.model,
+            "python": cfg.rollout.python,
+            "dtype": cfg.rollout.dtype,
+            "max_model_len": cfg.rollout.max_model_len,
+            "kv_cache_bytes": cfg.rollout.kv_cache_bytes,
+            "threads": cfg.rollout.threads,
+            "verify_weights": bool(cfg.rollout.verify_weights),
         }
         return cls(**{**base, **fields})
 
@@ -110,6 +131,12 @@ class WorkerConfig:
             raise ValueError(f"weights: expected 'static' or 'follow', got {c.weights!r}")
         if c.max_batch < 1:
             raise ValueError("max_batch: must be >= 1")
+        if c.engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {c.engine!r}")
+        if c.engine != "reference" and not c.checkpoint:
+            raise ValueError(
+                f"checkpoint: engine {c.engine!r} needs a Hugging Face checkpoint directory (rollout.model)"
+            )
         return c
 
     def can_run_as(self, other: WorkerConfig) -> bool:
@@ -289,7 +316,7 @@ def launch(config: WorkerConfig, **popen) -> subprocess.Popen:
     fd = _config_file(config.to_json().encode())
     try:
         return spawn(
-            [sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)],
+            [config.python or sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)],
             cpus=config.cpus,
             nice=config.nice,  # cold or warm: imports and the model build already yield to serving
             pass_fds=(fd,),

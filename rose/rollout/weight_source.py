@@ -3,16 +3,15 @@
 The weight engine's follower (`rose.weights`, `WeightFollower.current()` / `poll()`)
 satisfies this protocol; a version it returns is complete (all shards committed), and the
 worker loads it between two decode steps, so no step runs on a half-updated policy.
-`StaticWeights` is the seeded initial policy (version 0), for runs without a trainer;
-`FollowedWeights` wraps the follower. `current()` may build a full state dict, so the
-worker calls it only when `poll()` reports a new version.
+`StaticWeights` is a fixed policy (version 0): the seeded reference policy, or a checkpoint's
+own weights (an empty state dict: the engine keeps what it loaded); `FollowedWeights` wraps the
+follower, starting from that policy until the trainer's first version commits. `current()` may
+build a full state dict, so the worker calls it only when `poll()` reports a new version.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
-
-from rose.rollout.policy_model import ModelSpec, init_state_dict
 
 
 class WeightSource(Protocol):
@@ -28,9 +27,12 @@ class WeightSource(Protocol):
 
 
 class StaticWeights:
-    def __init__(self, spec: ModelSpec, seed: int, version: int = 0):
+    """A fixed policy: `initial` (the seeded reference weights, or {} for a checkpoint engine,
+    which keeps the weights it loaded) as `version`."""
+
+    def __init__(self, initial: dict, version: int = 0):
         self._v = version
-        self._sd = init_state_dict(spec, seed)
+        self._sd = initial
         self._new: int | None = None
 
     def poll(self) -> int | None:
@@ -49,19 +51,19 @@ class StaticWeights:
 
 
 class FollowedWeights:
-    """The weight engine's `WeightFollower`, starting from the seeded policy (version -1)
-    until the trainer's first version commits."""
+    """The weight engine's `WeightFollower`, starting from `initial` (version -1) until the
+    trainer's first version commits."""
 
-    def __init__(self, follower, spec: ModelSpec, seed: int):
+    def __init__(self, follower, initial: dict):
         self.follower = follower
-        self._seeded = init_state_dict(spec, seed)
+        self._initial = initial
 
     def poll(self) -> int | None:
         return self.follower.poll()
 
     def current(self) -> tuple[int, dict]:
         v, sd = self.follower.current()
-        return (-1, self._seeded) if v is None else (v, sd)
+        return (-1, self._initial) if v is None else (v, sd)
 
     def newest(self) -> int | None:
         return self.follower.newest()

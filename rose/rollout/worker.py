@@ -33,6 +33,27 @@ def fresh_enough(applied: int, newest: int | None, max_staleness: int) -> bool:
     return newest is None or applied >= newest - max_staleness
 
 
+def apply_version(engine, weights, flag: PauseFlag | None, stats: dict, verify: bool, first: bool = False) -> None:
+    """Load the weight source's visible version into the engine when it is new, or when it is the
+    `first` (between two decode steps); with `verify`, check it bit-exact where the engine can tell
+    (`weights_match`), counting the versions that were not in `stats`."""
+    v, sd = weights.current()
+    if v == engine.version and not first:
+        return
+    engine.load_weights(v, sd)
+    if flag is not None and v is not None:
+        flag.set_version(v)
+    if v is None or v < 1 or not sd:  # the engine's initial policy, not a trainer's version
+        return
+    stats["versions_applied"] = stats.get("versions_applied", 0) + 1
+    if verify and hasattr(engine, "weights_match"):
+        bad = engine.weights_match(sd)
+        stats["versions_verified"] = stats.get("versions_verified", 0) + 1
+        if bad:
+            stats["versions_mismatched"] = stats.get("versions_mismatched", 0) + 1
+            print(f"rose-worker: version {v} not bit-exact in {len(bad)} tensors, first {bad[0]}", file=sys.stderr)
+
+
 class Worker:
     HEARTBEAT_S = 0.2
     VIEW_S = 0.25
@@ -57,8 +78,12 @@ class Worker:
         self._fresh = True  # the applied policy is within max_staleness of the newest: take tasks
         self.stats = {"episodes": 0, "turns": 0, "tokens": 0, "moved": 0, "requeued": 0, "lost": 0, "duplicates": 0}
         self.stats["carried"] = 0  # tokens handed on, in trajectories or continuations
+        # versions applied, and of those checked bit-exact (`verify_weights`) how many were not
+        self.stats.update(versions_applied=0, versions_verified=0, versions_mismatched=0)
         self._next = {"hb": 0.0, "view": 0.0, "weights": 0.0, "reclaim": 0.0, "touch": 0.0, "read": 0.0}
         self._views: list = []
+        d = engine.describe()
+        self._engine_fields = {"engine": d["name"], "engine_library": d["version"], "device": d["device"]}
         self._progress: dict[int, tuple[float, float]] = {}
 
     # helpers -----------------------------------------------------------------------------
@@ -115,6 +140,10 @@ class Worker:
                 # (`duplicates`), or taken over by another while it held them (`lost`)
                 "duplicates": self.stats["duplicates"],
                 "lost": self.stats["lost"],
+                **self._engine_fields,
+                "versions_applied": self.stats["versions_applied"],
+                "versions_verified": self.stats["versions_verified"],
+                "versions_mismatched": self.stats["versions_mismatched"],
             },
         )
         p.expire(self.hb_key, 60)
@@ -238,11 +267,7 @@ class Worker:
         s = self.config
         if self._due("weights", now, self.WEIGHTS_S):
             if self.weights.poll() is not None:  # a complete version; loaded between decode steps
-                v, sd = self.weights.current()
-                if v != self.engine.version:
-                    self.engine.load_weights(v, sd)
-                    if self.flag is not None:
-                        self.flag.set_version(v)
+                apply_version(self.engine, self.weights, self.flag, self.stats, s.verify_weights)
             self._fresh = fresh_enough(self.engine.version, self.weights.newest(), s.max_staleness)
         if self._due("hb", now, self.HEARTBEAT_S):
             self.publish("running")
@@ -276,13 +301,13 @@ class Worker:
         from rose.rollout.episode import DONE, Episode
 
         s = self.config
-        if c.task.total_tokens > self.engine.spec.max_seq:
-            self.q.dead_letter(
-                c.stream,
-                c.entry_id,
-                json.dumps(c.task.to_dict()).encode(),
-                f"task: {c.task.total_tokens} tokens > max_seq {self.engine.spec.max_seq}",
-            )
+        why = None
+        if c.task.total_tokens > self.engine.max_seq:
+            why = f"task: {c.task.total_tokens} tokens > max_seq {self.engine.max_seq}"
+        elif max(c.task.prompt) >= self.engine.vocab_size:
+            why = f"prompt: token {max(c.task.prompt)} outside the engine's vocabulary of {self.engine.vocab_size}"
+        if why is not None:
+            self.q.dead_letter(c.stream, c.entry_id, json.dumps(c.task.to_dict()).encode(), why)
             return
         ep = Episode(c.task, s.worker_id, s.gpu, s.dedicated, now)
         if ep.state == DONE:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 from rose.rollout.launcher import LeaseRecord, WorkerConfig, apply_nice, read_config
 from rose.rollout.pause_flag import STOP, PauseFlag
-from rose.rollout.worker import Worker
+from rose.rollout.worker import Worker, apply_version
 from rose.shutdown import Shutdown
 
 EXIT_BAD_CONFIG = 2
@@ -73,13 +73,16 @@ def protect(config: WorkerConfig):
     return lowest_priority_stream(dev)
 
 
-def wait_for_lease(config: WorkerConfig, flag: PauseFlag, engine, weights, stop) -> LeaseRecord | None:
+def wait_for_lease(
+    config: WorkerConfig, flag: PauseFlag, engine, weights, stop, stats: dict | None = None
+) -> LeaseRecord | None:
     """A warm worker's wait, started and paused with no lease: keep applying weight versions as
     they commit (so it starts at the newest), poll the flag's assignment counter, and return
     the lease record the executor announced; None on STOP or `stop` (a threading.Event).
     Raises ValueError for a record that is not valid."""
     from rose.weights.stream import unavailable_errors
 
+    stats = {} if stats is None else stats
     next_weights = 0.0
     while not stop.is_set() and flag.get() != STOP:
         n = flag.assignment  # a fresh flag says 0; a warm worker is assigned once
@@ -95,10 +98,7 @@ def wait_for_lease(config: WorkerConfig, flag: PauseFlag, engine, weights, stop)
             next_weights = now + Worker.WEIGHTS_S
             try:
                 if weights.poll() is not None:
-                    v, sd = weights.current()
-                    if v != engine.version:
-                        engine.load_weights(v, sd)
-                        flag.set_version(v)
+                    apply_version(engine, weights, flag, stats, config.verify_weights)
             except unavailable_errors():
                 next_weights = now + 1.0  # Redis or a cluster node is away: retry later, the lease may come
         time.sleep(0.001)
@@ -126,22 +126,24 @@ def _fail(msg: str, code: int) -> int:
     return code
 
 
-def weight_source(config: WorkerConfig, mspec, r):
-    """The worker's policy source: the seeded policy, or the trainer's weight stream followed
-    with the config's HMAC key (unsigned or wrongly signed entries are refused). `r` is the
-    worker's Redis at redis.url; the weight streams are read through `weights_client`, on the
-    Redis Cluster of redis.cluster_nodes when set (ClusterUnavailable when it is not usable)."""
+def weight_source(config: WorkerConfig, r):
+    """The worker's policy source: the engine's initial policy (the seeded reference weights, or
+    the checkpoint's own), or the trainer's weight stream followed with the config's HMAC key
+    (unsigned or wrongly signed entries are refused). `r` is the worker's Redis at redis.url;
+    the weight streams are read through `weights_client`, on the Redis Cluster of
+    redis.cluster_nodes when set (ClusterUnavailable when it is not usable)."""
+    from rose.rollout.engines import initial_weights
     from rose.rollout.weight_source import FollowedWeights, StaticWeights
 
     if config.weights == "static":
-        return StaticWeights(mspec, config.seed)
+        return StaticWeights(initial_weights(config))
     from rose.weights.follower import WeightFollower
     from rose.weights.stream import weights_client
 
     # the weight streams on their own client: a RedisCluster with redis.cluster_nodes, else `r`
     f = WeightFollower(weights_client(config.redis, r), config.redis, config.model, hmac_key=config.weights_hmac_key)
     f.poll()
-    return FollowedWeights(f, mspec, config.seed)
+    return FollowedWeights(f, initial_weights(config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,41 +162,31 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
     import redis
 
-    from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
-    from rose.rollout.policy_model import ModelSpec
+    from rose.rollout.engine import BudgetError
+    from rose.rollout.engines import build_engine
     from rose.rollout.tasks import TaskQueue
     from rose.weights.stream import ClusterUnavailable
 
     stream = protect(config)
     try:
-        mspec = ModelSpec(**config.model_spec)
+        engine = build_engine(config, config.device, config.mem_bytes, stream)
     except TypeError as e:
         return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
-    try:
-        engine = TorchEngine(
-            mspec,
-            MemoryBudget(config.mem_bytes, mspec),
-            max_batch=config.max_batch,
-            device=config.device,
-            stream=stream,
-            temperature=config.temperature,
-        )
     except BudgetError as e:
         return _fail(str(e), EXIT_BUDGET)
     r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
     try:
-        weights = weight_source(config, mspec, r)
+        weights = weight_source(config, r)
     except ValueError as e:
         return _fail(str(e), EXIT_BAD_CONFIG)
     except ClusterUnavailable as e:
         return _fail(str(e), EXIT_UNAVAILABLE)
-    v, sd = weights.current()
-    engine.load_weights(v, sd)
     flag = PauseFlag(config.pause_flag) if config.pause_flag else None
-    if flag is not None:
-        flag.set_version(v)
+    stats: dict = {}
+    apply_version(engine, weights, flag, stats, config.verify_weights, first=True)
     q = TaskQueue(r, config.redis, config.job)
     w = Worker(config, r, q, engine, weights, flag)
+    w.stats.update(stats)
     Shutdown.install(name="rose-worker", hooks=(lambda: setattr(w, "stop_requested", True),))
     return _run_and_exit(w, flag, r)
 
@@ -225,31 +217,29 @@ def _warm_main(config: WorkerConfig) -> int:
     import redis
 
     from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
-    from rose.rollout.policy_model import ModelSpec
+    from rose.rollout.engines import build_engine
     from rose.rollout.tasks import TaskQueue
     from rose.weights.stream import ClusterUnavailable
 
     try:
-        mspec = ModelSpec(**config.model_spec)
+        # the reference engine waits on the host with no KV cache; vLLM on CPU holds its fixed KV
+        # space from the start (counted in the worker's memory), and runs on the device it starts on
+        engine = build_engine(config, "cpu" if config.engine == "reference" else config.device, 0)
     except TypeError as e:
         return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
-    engine = TorchEngine(
-        mspec, MemoryBudget(0, mspec), max_batch=config.max_batch, device="cpu", temperature=config.temperature
-    )
     r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
     try:
-        weights = weight_source(config, mspec, r)
+        weights = weight_source(config, r)
     except ValueError as e:
         return _fail(str(e), EXIT_BAD_CONFIG)
     except ClusterUnavailable as e:
         return _fail(str(e), EXIT_UNAVAILABLE)
     flag = PauseFlag(config.pause_flag)
-    v, sd = weights.current()
-    engine.load_weights(v, sd)
-    flag.set_version(v)
+    warm_stats: dict = {}
+    apply_version(engine, weights, flag, warm_stats, config.verify_weights, first=True)
     flag.mark_ready()
     try:
-        rec = wait_for_lease(config, flag, engine, weights, shutdown.stop)
+        rec = wait_for_lease(config, flag, engine, weights, shutdown.stop, warm_stats)
     except ValueError as e:
         return _fail(f"lease record: {e}", EXIT_BAD_CONFIG)
     if rec is None:  # stopped while warm: nothing to hand back
@@ -262,12 +252,14 @@ def _warm_main(config: WorkerConfig) -> int:
     if config.device.startswith("cuda"):  # the CUDA context starts only now, so MPS still reads this
         os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
     stream = protect(config)
-    try:
-        engine.assign(MemoryBudget(config.mem_bytes, mspec), device=config.device, stream=stream)
-    except BudgetError as e:
-        return _fail(str(e), EXIT_BUDGET)
+    if isinstance(engine, TorchEngine):
+        try:
+            engine.assign(MemoryBudget(config.mem_bytes, engine.spec), device=config.device, stream=stream)
+        except BudgetError as e:
+            return _fail(str(e), EXIT_BUDGET)
     q = TaskQueue(r, config.redis, config.job)
     w = Worker(config, r, q, engine, weights, flag)
+    w.stats.update(warm_stats)  # versions applied while warm
     shutdown.hooks.append(lambda: setattr(w, "stop_requested", True))
     w.stop_requested = shutdown.requested
     return _run_and_exit(w, flag, r)
