@@ -1,13 +1,23 @@
-"""Prometheus exposition parsing and windowed serving figures (vLLM and SGLang names)."""
+"""Prometheus exposition parsing and windowed serving figures (vLLM and SGLang names).
+
+tests/data/vllm-0.32-metrics-{idle,busy}.txt are the `vllm:` lines of two scrapes of a real vLLM
+0.32 server (CPU build, the tiny random-init Qwen2 of tests/conftest.py): idle after two warm-up
+requests, then mid-load with eight requests running (tests/test_agent_vllm.py's load)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import threading
+from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rose.node import prometheus as prom
+
+DATA = Path(__file__).resolve().parent / "data"
 
 BOUNDS = ["0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "+Inf"]
 
@@ -45,9 +55,18 @@ def vllm_text(
     )
 
 
-def sglang_text(ttft, tpot, total, queue=2, running=5) -> str:
+def sglang_text(ttft, tpot, total, queue=2, running=5, token_usage: float | None = 0.28) -> str:
+    usage = (
+        ""
+        if token_usage is None
+        else (
+            "# HELP sglang:token_usage The token usage.\n"
+            "# TYPE sglang:token_usage gauge\n"
+            f'sglang:token_usage{{model_name="m",engine_type="unified",tp_rank="0"}} {token_usage}\n'
+        )
+    )
     return (
-        "# TYPE sglang:num_running_reqs gauge\n"
+        usage + "# TYPE sglang:num_running_reqs gauge\n"
         f'sglang:num_running_reqs{{model_name="m",engine_type="unified",tp_rank="0"}} {running}\n'
         "# TYPE sglang:num_queue_reqs gauge\n"
         f'sglang:num_queue_reqs{{model_name="m",engine_type="unified",tp_rank="0"}} {queue}\n'
@@ -164,3 +183,155 @@ def test_keep_skips_other_series_with_the_same_result():
     assert "other_metric" in full.values and "other_metric" not in kept.values
     assert kept.histograms["vllm:time_to_first_token_seconds"] == full.histograms["vllm:time_to_first_token_seconds"]
     assert kept.values["vllm:num_requests_waiting"] == 3
+
+
+def recorded(name: str) -> str:
+    return (DATA / f"vllm-0.32-metrics-{name}.txt").read_text()
+
+
+def test_recorded_vllm_032_pages():
+    """The names vLLM 0.32 reports, read from its own page: a window between the idle and the busy
+    scrape (16 first tokens and 441 inter-token gaps in between)."""
+    idle, busy = prom.parse(recorded("idle"), prom.all_names(NAMES)), prom.parse(recorded("busy"))
+    assert "vllm:time_per_output_token_seconds" not in busy.histograms  # gone in 0.32: only the fallback
+    w = prom.window(busy, idle, 2.0, NAMES)
+    assert w.missing == ()
+    # TTFT: 9 of 16 below 0.5 s, 7 in (0.5, 0.75] -> rank 15.84 -> 0.5 + 0.25 * 6.84 / 7
+    assert w.ttft_p99_ms == pytest.approx(1000 * (0.5 + 0.25 * (0.99 * 16 - 9) / 7))
+    # inter-token: 431 of 441 below 75 ms, 8 in (75, 100] ms -> rank 436.59
+    assert w.tpot_p99_ms == pytest.approx(75 + 25 * (0.99 * 441 - 431) / 8)
+    assert w.rps == pytest.approx((10 - 2) / 2.0)  # request_success_total summed over finish reasons
+    assert (w.running, w.queue_depth) == (8, 0)
+    assert w.kv_cache_usage == pytest.approx(0.003907203907203893)  # 8 requests x 2 blocks of 128 tokens, of 4095
+    first = prom.window(idle, None, 0.0, NAMES)
+    assert first.kv_cache_usage == 0.0 and first.ttft_p99_ms is None  # an idle engine: 0, not absent
+    only_vllm = prom.window(busy, idle, 2.0, prom.metric_names("vllm"))
+    assert only_vllm == w
+
+
+def renamed(text: str, **names: str) -> str:
+    for old, new in names.items():
+        text = text.replace(old, new)
+    return text
+
+
+def test_older_vllm_names_are_read_when_the_current_ones_are_absent():
+    idle, busy = recorded("idle"), recorded("busy")
+    current = prom.window(prom.parse(busy), prom.parse(idle), 2.0, NAMES)
+    old = {"vllm:inter_token_latency_seconds": "vllm:time_per_output_token_seconds"}
+    old_kv = {"vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc"}
+    w = prom.window(prom.parse(renamed(busy, **old, **old_kv)), prom.parse(renamed(idle, **old, **old_kv)), 2.0, NAMES)
+    assert w == current
+    # both on one page (a release that reports the old name beside the new): the current name wins
+    extra = '\nvllm:gpu_cache_usage_perc{engine="0"} 0.9\n'
+    both = prom.window(
+        prom.parse(busy + renamed(busy, **old) + extra), prom.parse(idle + renamed(idle, **old) + extra), 2.0, NAMES
+    )
+    assert both.kv_cache_usage == current.kv_cache_usage
+    assert both.tpot_p99_ms == current.tpot_p99_ms
+    a = prom.parse(vllm_text([0] * 9, [0] * 9, 1) + hist("vllm:inter_token_latency_seconds", [0] * 9))
+    b = prom.parse(
+        vllm_text([0] * 9, [0, 0, 0, 0, 0, 0, 0, 5, 0], 1) + hist("vllm:inter_token_latency_seconds", [0, 5] + [0] * 7)
+    )
+    assert prom.window(b, a, 1.0, prom.metric_names("vllm")).tpot_p99_ms == pytest.approx(10 + 15 * 4.95 / 5)
+
+
+def test_kv_cache_usage_gauge():
+    def kv(text: str, engine: str = "auto") -> float | None:
+        return prom.window(prom.parse(text), None, 0.0, prom.metric_names(engine)).kv_cache_usage
+
+    # several engines behind one page (data parallel): the fullest, never the sum
+    page = 'vllm:kv_cache_usage_perc{engine="0"} 0.25\nvllm:kv_cache_usage_perc{engine="1"} 0.75\n'
+    assert kv(page) == 0.75 and prom.parse(page).values["vllm:kv_cache_usage_perc"] == 1.0
+    assert kv('vllm:kv_cache_usage_perc{engine="0"} 1.0\n') == 1.0
+    assert kv('vllm:num_requests_running{engine="0"} 1\n') is None  # not reported: None, never 0
+    assert kv("vllm:kv_cache_usage_perc 57\n") is None  # a percentage is no fraction: left out
+    assert kv("vllm:kv_cache_usage_perc -0.1\n") is None
+    assert kv("vllm:kv_cache_usage_perc NaN\n") is None
+    assert kv(sglang_text([0] * 9, [0] * 9, 1, token_usage=0.28), "sglang") == 0.28
+    assert kv(sglang_text([0] * 9, [0] * 9, 1, token_usage=0.28)) == 0.28
+    assert kv(sglang_text([0] * 9, [0] * 9, 1, token_usage=None), "sglang") is None
+    assert kv(page, "sglang") is None  # an engine's names only
+    assert kv("my_kv_ratio 0.5\n", "vllm") is None
+    custom = prom.metric_names("vllm", {"kv_cache": "my_kv_ratio"})
+    assert custom["kv_cache"] == ("my_kv_ratio",)
+    assert prom.window(prom.parse("my_kv_ratio 0.5\n"), None, 0.0, custom).kv_cache_usage == 0.5
+    assert "kv_cache" in prom.ROLES and all(set(r) == set(prom.ROLES) for r in prom.ENGINES.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    engine=st.sampled_from(["vllm", "sglang", "auto"]),
+    present=st.lists(st.booleans(), min_size=4, max_size=4),
+    values=st.lists(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3), min_size=4, max_size=4),
+    counts=st.lists(st.lists(st.integers(0, 5), min_size=9, max_size=9), min_size=4, max_size=4),
+)
+def test_first_present_candidate_wins(engine, present, values, counts):
+    """Per role the reader takes the first candidate name on the page, as if the others were not there:
+    KV usage as that gauge's largest value over label sets, the p99 from that histogram alone."""
+    names = prom.metric_names(engine)
+    kv_names, tpot_names = names["kv_cache"], names["tpot"]
+    on = [n for n, p in zip(kv_names, present) if p]
+    page = "".join(
+        f'{n}{{engine="{k}"}} {v!r}\n' for n, vs in zip(kv_names, values) if n in on for k, v in enumerate(vs)
+    )
+    w = prom.window(prom.parse(page), None, 0.0, names)
+    assert w.kv_cache_usage == (max(values[kv_names.index(on[0])]) if on else None)
+
+    hon = [n for n, p in zip(tpot_names, present) if p]
+    before = "".join(hist(n, [0] * 9) for n in hon)
+    after = "".join(hist(n, c) for n, c in zip(tpot_names, counts) if n in hon)
+    w = prom.window(prom.parse(after), prom.parse(before), 1.0, names)
+    if not hon:
+        assert w.tpot_p99_ms is None and "tpot" in w.missing
+        return
+    first = hon[0]
+    alone = prom.window(
+        prom.parse(hist(first, counts[tpot_names.index(first)])),
+        prom.parse(hist(first, [0] * 9)),
+        1.0,
+        {**names, "tpot": (first,)},
+    )
+    assert w.tpot_p99_ms == alone.tpot_p99_ms and "tpot" not in w.missing
+
+
+def test_the_agent_publishes_kv_cache_usage_when_the_engine_reports_it(tmp_path):
+    """`run_nvml` over two engines' pages served by HTTP: the recorded vLLM 0.32 pages (KV usage
+    reported) and synthetic ones without the gauge. Only the first GPU's events carry the field."""
+    import json
+
+    import jsonschema
+
+    from rose.contract.events import Telemetry
+    from tests.test_agent import REPO, Collect
+    from tests.test_agent_nvml import Pages, agent_cfg, run_agent
+
+    servers = []
+
+    def serve(pages: list[str]):
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+        srv.pages, srv.served = pages, 0
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}/metrics", srv
+
+    try:
+        url0, real = serve([recorded("idle"), recorded("busy"), recorded("busy")])
+        url1, _ = serve([vllm_text([0, 1] + [0] * 7, [1] + [0] * 8, 1), vllm_text([0, 2] + [0] * 7, [2] + [0] * 8, 2)])
+        cfg = agent_cfg()
+        cfg = dataclasses.replace(cfg, telemetry=dataclasses.replace(cfg.telemetry, engine="auto"))
+        pub = Collect()
+        run_agent(cfg, [url0, url1], real, tmp_path, pub)
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+    schema = json.loads((REPO / "schemas" / "rose.telemetry.v1.json").read_text())
+    for d in pub.events:
+        jsonschema.validate(d, schema)
+    by_gpu = {g: [Telemetry.from_dict(d) for d in pub.events if d["gpu"] == g] for g in ("n/0", "n/1")}
+    assert len(by_gpu["n/0"]) == 2 and len(by_gpu["n/1"]) >= 1
+    assert [e.kv_cache_usage for e in by_gpu["n/0"]] == [pytest.approx(0.003907203907203893)] * 2
+    assert by_gpu["n/0"][0].latency_ms.ttft_p99 == pytest.approx(1000 * (0.5 + 0.25 * (0.99 * 16 - 9) / 7))
+    assert all(e.kv_cache_usage is None for e in by_gpu["n/1"])
+    assert all("kv_cache_usage" not in d for d in pub.events if d["gpu"] == "n/1")

@@ -132,11 +132,17 @@ def _paths(d, prefix=()):
             yield from _paths(v, prefix + (k,))
 
 
-@pytest.mark.parametrize("name,typ", TYPES.items())
+# every example, plus telemetry carrying the optional kv_cache_usage (so that field is mutated too)
+MUTATED = [(name, typ, EXAMPLES[typ]) for name, typ in TYPES.items()] + [
+    ("rose.telemetry.v1", Telemetry, lambda: telemetry_example(kv_cache_usage=0.42))
+]
+
+
+@pytest.mark.parametrize("name,typ,example", MUTATED)
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
-def test_decoder_rejects_exactly_what_the_schema_rejects(name, typ, data):
-    d = orjson.loads(encode(EXAMPLES[typ]()))
+def test_decoder_rejects_exactly_what_the_schema_rejects(name, typ, example, data):
+    d = orjson.loads(encode(example()))
     path = data.draw(st.sampled_from(sorted(_paths(d))))
     target = d
     for k in path[:-1]:
@@ -205,11 +211,15 @@ def test_the_fast_telemetry_path_accepts_a_subset_and_builds_the_same_value():
     """The scheduler's one-pass decoder (rose.events._telemetry_fast) never accepts what the
     full checks refuse, and what it accepts it builds exactly as they do: every field set
     to every edge value, or removed."""
-    base = orjson.loads(encode(telemetry_example()))
+    for example in (telemetry_example(), telemetry_example(kv_cache_usage=0.42)):
+        _fast_paths_agree(orjson.loads(encode(example)))
+
+
+def _fast_paths_agree(base: dict) -> None:
     _fast_agrees_with_full(base)
     for path in sorted(_paths(base)):
         for value in [*EDGES, "<removed>"]:
-            d = orjson.loads(encode(telemetry_example()))
+            d = orjson.loads(orjson.dumps(base))
             target = d
             for k in path[:-1]:
                 target = target[k]
@@ -259,6 +269,96 @@ def test_specific_reasons():
         with pytest.raises(InvalidEvent) as ei:
             decode(orjson.dumps(d))
         assert ei.value.field == field and reason in ei.value.reason, (field, ei.value)
+
+
+def test_kv_cache_usage_is_optional_and_round_trips():
+    """rose.telemetry.v1's optional kv_cache_usage: an event without it (every event before it
+    existed) decodes to None and re-encodes to the same bytes; with it, it round-trips after
+    queue_depth, through both decoding paths."""
+    from rose.contract.events import _telemetry_fast
+
+    old = encode(telemetry_example())
+    assert b"kv_cache_usage" not in old
+    ev = decode(old, Telemetry)
+    assert ev.kv_cache_usage is None and encode(ev) == old
+    for value in (0, 0.0, 0.0039, 0.5, 1, 1.0):
+        d = {**orjson.loads(old), "kv_cache_usage": value}
+        jsonschema.validate(d, load("rose.telemetry.v1"))
+        ev = decode(orjson.dumps(d), Telemetry)
+        assert ev.kv_cache_usage == value and type(ev.kv_cache_usage) is float
+        assert _telemetry_fast(d) == Telemetry.checked(d) == ev
+        assert list(orjson.loads(encode(ev)))[-1] == "kv_cache_usage"
+        assert decode(encode(ev)) == ev
+
+
+def test_bad_kv_cache_usage_is_rejected_naming_the_field():
+    """A value outside 0..1, not a number, or null is rejected like any bad field: InvalidEvent
+    naming `kv_cache_usage` (the scheduler sends it to the dlq with that field)."""
+    base = orjson.loads(encode(telemetry_example()))
+    for value, reason in (
+        (1.5, "outside"),
+        (-0.01, "outside"),
+        (57, "outside"),  # a percentage is not a fraction
+        ("0.5", "expected number"),
+        (None, "expected number"),
+        (True, "expected number"),
+        ([0.5], "expected number"),
+    ):
+        with pytest.raises(InvalidEvent) as ei:
+            decode(orjson.dumps({**base, "kv_cache_usage": value}))
+        assert ei.value.field == "kv_cache_usage" and reason in ei.value.reason, (value, ei.value)
+        assert not jsonschema.Draft202012Validator(load("rose.telemetry.v1")).is_valid(
+            {**base, "kv_cache_usage": value}
+        )
+    for value in (math.nan, math.inf):  # not JSON, but a dict handed to the decoder directly
+        with pytest.raises(InvalidEvent, match="kv_cache_usage: must be finite"):
+            Telemetry.from_dict({**base, "kv_cache_usage": value})
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=BAD_VALUES | st.floats(-0.5, 1.5) | st.integers(-2, 2))
+def test_kv_cache_usage_accepted_exactly_where_the_schema_accepts_it(value):
+    from rose.contract.events import _telemetry_fast
+
+    d = {**orjson.loads(encode(telemetry_example())), "kv_cache_usage": value}
+    schema_ok = jsonschema.Draft202012Validator(load("rose.telemetry.v1")).is_valid(d)
+    try:
+        ev = decode(orjson.dumps(d), Telemetry)
+    except InvalidEvent as e:
+        assert not schema_ok and e.field == "kv_cache_usage", (value, e)
+        assert _telemetry_fast(d) is None
+    else:
+        assert schema_ok and ev.kv_cache_usage == value and _telemetry_fast(d) == ev
+
+
+def test_agent_records_carry_kv_cache_usage_when_the_engine_reports_it():
+    from rose.config import GiB
+    from rose.node.telemetry import telemetry_records
+
+    common = dict(
+        ts=1.7e9,
+        node="n",
+        gpus=["n/0", "n/1"],
+        pool="serving",
+        slo=(1000.0, 100.0),
+        run_id="r",
+        seq=1,
+        util=[0.5, 0.5],
+        mem_total=80 * GiB,
+        mem_used=[GiB, GiB],
+        rollout_mem=[0, 0],
+        ttft_ms=[1.0, 2.0],
+        tpot_ms=[3.0, 4.0],
+        rps=[0.0, 1.5],
+        queue=[0, 2],
+    )
+    without = telemetry_records(**common)
+    assert all(b"kv_cache_usage" not in v for v, _ in without)  # the bytes of an agent before the field
+    recs = telemetry_records(**common, kv_cache_usage=[0.25, None])
+    assert recs[1] == without[1]  # an engine that does not report it: the field stays off
+    d = orjson.loads(recs[0][0])
+    jsonschema.validate(d, load("rose.telemetry.v1"))
+    assert Telemetry.from_dict(d).kv_cache_usage == 0.25 and list(d)[-1] == "kv_cache_usage"
 
 
 def test_huge_value_rejected_before_parsing():

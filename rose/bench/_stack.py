@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
+from typing import cast
 
 from rose.config import Config
 from rose.obs.stats import percentile
@@ -88,3 +89,66 @@ def wait_for(fn, timeout_s: float):
             return v
         time.sleep(0.0002)
     raise TimeoutError(f"bench: condition not met within {timeout_s}s")
+
+
+# a lease on a checkpoint engine holds the engine's libraries, its weights and (vLLM on CPU) its fixed
+# KV space: the benches' grants say so, or the executor's memory cap would stop the worker
+ENGINE_LEASE_BYTES = 6 << 30
+
+
+def engine_lease_bytes(cfg: Config) -> int:
+    """mem_bytes of a bench's grant for the configured rollout engine."""
+    return (1 << 30) if cfg.rollout.engine == "reference" else ENGINE_LEASE_BYTES
+
+
+def publish_test_version(cfg: Config, version: int) -> None:
+    """A trainer's version for a bench: the checkpoint's tensors nudged (seeded by `version`), in bf16,
+    on the weight stream `executor.model`."""
+    from pathlib import Path
+
+    import redis
+    import torch
+    from safetensors.torch import load_file
+
+    from rose.weights.stream import WeightPublisher
+
+    g = torch.Generator().manual_seed(version)
+    sd: dict = {}
+    for f in sorted(Path(cfg.rollout.model).glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    r = redis.Redis.from_url(cfg.redis.url)
+    try:
+        pub = WeightPublisher(r, cfg.redis, cfg.executor.model, hmac_key=cfg.security.weights_hmac_key)
+        pub.publish(
+            {k: (v.float() + 1e-3 * torch.randn(v.shape, generator=g)).to(torch.bfloat16) for k, v in sd.items()}
+        )
+    finally:
+        r.close()
+
+
+def engine_report(cfg: Config) -> dict:
+    """`engine: {name, version, device}` and `weights: {versions_applied, versions_verified, bit_exact}`
+    from the last heartbeat of every worker the bench ran (CONTRACT §6)."""
+    import redis
+
+    r = redis.Redis.from_url(cfg.redis.url)
+    try:
+        keys = [k for k in r.scan_iter(match=cfg.redis.key("workers", "*")) if r.type(k) == b"hash"]
+        beats: list[dict[bytes, bytes]] = [cast("dict[bytes, bytes]", r.hgetall(k)) for k in keys]
+    finally:
+        r.close()
+    engine: dict = {"name": cfg.rollout.engine, "version": None, "device": None}
+    FIELDS = (("name", b"engine"), ("version", b"engine_library"), ("device", b"device"))
+    for h in beats:
+        if h.get(b"engine_library"):
+            engine = {k: h.get(f, b"").decode() for k, f in FIELDS}
+            break
+    verified = sum(int(h.get(b"versions_verified", 0)) for h in beats)
+    return {
+        "engine": engine,
+        "weights": {
+            "versions_applied": sum(int(h.get(b"versions_applied", 0)) for h in beats),
+            "versions_verified": verified,
+            "bit_exact": all(h.get(b"versions_mismatched", b"0") == b"0" for h in beats) if verified else None,
+        },
+    }

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from rose.bench._stack import wait_for
+from rose.bench._stack import engine_lease_bytes, engine_report, publish_test_version, wait_for
 
 GOAL_WARM_FIRST_TOKEN_P99_MS = 1000.0
 GOAL_RESUME_FIRST_TOKEN_P99_MS = 100.0
@@ -16,11 +16,6 @@ GiB = 1 << 30
 GPU = "sim/0"
 SHARE = 0.5  # the lease's compute share while it runs
 SAMPLE_S = 0.1  # the progress sampler's window: longer than a decode step and its duty-cycle idle
-
-
-# a lease on a checkpoint engine holds the engine's libraries, weights and (vLLM on CPU) its fixed KV
-# space: the grant says so, or the executor's memory cap would stop the worker
-ENGINE_LEASE_BYTES = 6 * GiB
 
 
 def run(cfg, quick: bool, cycles: int = 0) -> dict:
@@ -53,7 +48,7 @@ def run(cfg, quick: bool, cycles: int = 0) -> dict:
         )
         fill_tasks(c, job, 400 if quick else 4000)
         if engine != "reference":  # version 1, which every warm engine applies before its lease
-            _publish_version(c, 1)
+            publish_test_version(c, 1)
         producer = make_producer(c.kafka, **{"linger.ms": 0})
         states = make_consumer(c.kafka, f"bench-{time.monotonic_ns()}", **{"fetch.wait.max.ms": 5})
         states.subscribe([c.kafka.lease_state_topic])
@@ -63,18 +58,9 @@ def run(cfg, quick: bool, cycles: int = 0) -> dict:
             warm = b.phase(warm_workers=1, cycles=warm_cycles, throttles=throttles)
         finally:
             states.close()
-        seen = _engine_heartbeats(c)
+        engine_fields = engine_report(c)
     out: dict[str, Any] = {
-        "engine": _engine_of(seen, engine),
-        "weights": {
-            "versions_applied": sum(int(h.get(b"versions_applied", 0)) for h in seen),
-            "versions_verified": sum(int(h.get(b"versions_verified", 0)) for h in seen),
-            "bit_exact": (
-                all(h.get(b"versions_mismatched", b"0") == b"0" for h in seen)
-                if any(int(h.get(b"versions_verified", 0)) for h in seen)
-                else None
-            ),
-        },
+        **engine_fields,
         "path": "command→executor",
         "path_note": "commands are produced to the commands topic directly (the scheduler's decision time is "
         "measured by its own bench); t0 is just before produce(); the executor runs in this process, its "
@@ -154,7 +140,7 @@ class _Bench:
             gpu=GPU,
             lease_id=f"{GPU}#{epoch}",
             epoch=epoch,
-            mem_bytes=0 if end else (GiB if self.cfg.rollout.engine == "reference" else ENGINE_LEASE_BYTES),
+            mem_bytes=0 if end else engine_lease_bytes(self.cfg),
             compute_share=0.0 if end else share,
             ts=now,
             expires_at=now if end else now + 300,
@@ -332,51 +318,3 @@ def _frac_of(progress: list[tuple[float, float]]) -> float | None:
     """Leased-time-weighted fraction with progress."""
     total = sum(t for _f, t in progress)
     return round(sum(f * t for f, t in progress) / total, 4) if total > 0 else None
-
-
-def _publish_version(cfg, version: int) -> None:
-    """The trainer's version `version`: the checkpoint's tensors nudged, in bf16, on the bench's stream."""
-    from pathlib import Path
-
-    import redis
-    import torch
-    from safetensors.torch import load_file
-
-    from rose.weights.stream import WeightPublisher
-
-    g = torch.Generator().manual_seed(version)
-    sd: dict = {}
-    for f in sorted(Path(cfg.rollout.model).glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    r = redis.Redis.from_url(cfg.redis.url)
-    try:
-        pub = WeightPublisher(r, cfg.redis, cfg.executor.model, hmac_key=cfg.security.weights_hmac_key)
-        pub.publish(
-            {k: (v.float() + 1e-3 * torch.randn(v.shape, generator=g)).to(torch.bfloat16) for k, v in sd.items()}
-        )
-    finally:
-        r.close()
-
-
-def _engine_heartbeats(cfg) -> list[dict]:
-    """The last heartbeat of every worker the bench ran."""
-    import redis
-
-    r = redis.Redis.from_url(cfg.redis.url)
-    try:
-        return [
-            h for k in r.scan_iter(match=cfg.redis.key("workers", "*")) if r.type(k) == b"hash" for h in [r.hgetall(k)]
-        ]
-    finally:
-        r.close()
-
-
-def _engine_of(heartbeats: list[dict], engine: str) -> dict:
-    for h in heartbeats:
-        if h.get(b"engine_library"):
-            return {
-                "name": h[b"engine"].decode(),
-                "version": h[b"engine_library"].decode(),
-                "device": h.get(b"device", b"").decode(),
-            }
-    return {"name": engine, "version": None, "device": None}

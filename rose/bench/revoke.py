@@ -6,8 +6,7 @@ import threading
 import time
 from typing import Any
 
-from rose.bench._stack import wait_for
-from rose.config import GiB
+from rose.bench._stack import engine_lease_bytes, engine_report, publish_test_version, wait_for
 
 GOAL_KAFKA_PAUSED_P99_MS = 20.0
 GOAL_GUARD_PAUSED_P99_MS = 2.0
@@ -37,10 +36,19 @@ def run(cfg, quick: bool) -> dict:
         c = dataclasses.replace(
             c,
             executor=dataclasses.replace(
-                c.executor, job=job, latency_dir=str(lat_dir), guard_period_s=0.0005, worker_nice=10
+                c.executor,
+                job=job,
+                latency_dir=str(lat_dir),
+                guard_period_s=0.0005,
+                worker_nice=10,
+                worker_weights="follow" if c.rollout.engine != "reference" else c.executor.worker_weights,
+                model=f"bench-{c.rollout.engine}",
             ),
+            rollout=dataclasses.replace(c.rollout, verify_weights=1),
         )
         fill_tasks(c, job, 400 if quick else 4000)
+        if c.rollout.engine != "reference":
+            publish_test_version(c, 1)
         slo = Latency(ttft_p99=1000.0, tpot_p99=100.0)
         calm = LatencySample(time.time(), Latency(300.0, 30.0), slo)
         spike = LatencySample(time.time(), Latency(300.0, 97.0), slo)  # headroom 0.03 < 0.10
@@ -61,7 +69,7 @@ def run(cfg, quick: bool) -> dict:
                     gpu=GPU,
                     lease_id=f"{GPU}#{epoch}",
                     epoch=epoch,
-                    mem_bytes=GiB,
+                    mem_bytes=engine_lease_bytes(c),
                     compute_share=0.5,
                     ts=now,
                     expires_at=now + 120,
@@ -77,7 +85,7 @@ def run(cfg, quick: bool) -> dict:
                 )
                 flag = h.flag
                 beat0 = flag.heartbeat
-                wait_for(lambda: flag.heartbeat > beat0 + 50, 60)  # the worker is in its decode loop
+                wait_for(lambda: flag.heartbeat > beat0 + 50, 600)  # in its decode loop (a cold engine starts first)
                 for _ in range(guard_per_cycle):  # the local guard path
                     t0 = time.monotonic_ns()
                     write_latency(lat_dir, GPU, spike)
@@ -103,6 +111,7 @@ def run(cfg, quick: bool) -> dict:
                 revoked = wait_for(lambda: _find(states, LeaseState, decode, "revoked", epoch), 15)
                 k_revoked.append(time.monotonic_ns() - t0)
                 freed.append(revoked.rollout_mem_bytes == 0 and not psutil.pid_exists(pid))
+            engine_fields = engine_report(c)
         finally:
             stop.set()
             loop.join(20)
@@ -114,6 +123,7 @@ def run(cfg, quick: bool) -> dict:
                 pass
     kp, gp = percentiles_ms(k_paused), percentiles_ms(g_paused)
     return {
+        **engine_fields,
         "path": "command→executor",
         "path_note": "the revoke command is produced to rose.commands directly (the scheduler's decision time "
         "is measured by its own bench); t0 is just before produce()",

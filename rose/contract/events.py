@@ -134,6 +134,9 @@ class Telemetry:
     slo_ms: Latency
     rps: float
     queue_depth: int
+    # optional: the serving engine's KV-cache usage 0..1 (e.g. vllm:kv_cache_usage_perc); None when
+    # the engine does not report it, and then absent on the wire (the event's bytes are v1's)
+    kv_cache_usage: float | None = None
 
     schema: ClassVar[str] = TELEMETRY_SCHEMA
 
@@ -142,7 +145,10 @@ class Telemetry:
         return self.gpu
 
     def to_dict(self) -> dict:
-        return _plain(self, TELEMETRY_SCHEMA)
+        d = _plain(self, TELEMETRY_SCHEMA)
+        if self.kv_cache_usage is None:
+            del d["kv_cache_usage"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> Telemetry:
@@ -175,6 +181,7 @@ class Telemetry:
             slo_ms=Latency.from_dict(_get(d, "slo_ms"), "slo_ms.", positive=True),
             rps=_num(d, "rps", 0.0, MAX_RPS),
             queue_depth=_int(d, "queue_depth", 0, MAX_QUEUE),
+            kv_cache_usage=_num(d, "kv_cache_usage", 0.0, 1.0) if "kv_cache_usage" in d else None,
         )
 
 
@@ -206,6 +213,12 @@ def _telemetry_fast(d: Any) -> Telemetry | None:
         lt, lp, st, sp = lat["ttft_p99"], lat["tpot_p99"], slo["ttft_p99"], slo["tpot_p99"]
     except KeyError:
         return None
+    kv = None
+    if "kv_cache_usage" in d:  # optional; present means a number in [0, 1] (null is not absent)
+        kv = d["kv_cache_usage"]
+        if type(kv) not in _NUMBER or not 0.0 <= kv <= 1.0:
+            return None
+        kv = float(kv)
     for v in (eid, node, gpu, pool):
         if type(v) is not str or not 0 < len(v) <= MAX_ID_LEN:
             return None
@@ -247,6 +260,7 @@ def _telemetry_fast(d: Any) -> Telemetry | None:
         Latency(float(st), float(sp)),
         float(rps),
         queue,
+        kv,
     )
 
 

@@ -1,6 +1,7 @@
 """The serving-node agent (`rose agent --nvml --metrics-url URL`): NVML utilisation and memory
 per GPU (rollout memory by PID) plus the serving engine's Prometheus metrics (p99 TTFT/TPOT from
-histogram deltas, requests/s, queue), one rose.telemetry.v1 per GPU per period, published through
+histogram deltas, requests/s, queue, KV-cache usage when the engine reports it), one
+rose.telemetry.v1 per GPU per period, published through
 rose.kafka.telemetry_publisher. One metrics URL per GPU in index order, or a single URL for an
 engine that spans all of the node's GPUs (tensor parallel). A GPU whose engine cannot be scraped
 publishes nothing that period: without telemetry its lease is not renewed and expires (safe). A
@@ -149,6 +150,7 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
                 tpot_ms=[x[1] for x in lat],
                 rps=[w.rps or 0.0 for w in ws],
                 queue=[w.queue_depth or 0 for w in ws],
+                kv_cache_usage=[w.kv_cache_usage for w in ws],
             )
             with window_span("telemetry.sample", gpus=len(idx)):
                 pub.publish(recs, ts_ms=int(now_wall * 1000))

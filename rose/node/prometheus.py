@@ -4,19 +4,26 @@ Parses the text exposition format (version 0.0.4: ``# HELP``/``# TYPE`` comments
 ``name{label="v",...} value [timestamp]`` samples, ``_bucket{le=...}``/``_sum``/``_count``
 histogram series) and turns two scrapes into one window: p99 TTFT and TPOT from the
 histogram bucket deltas (linear interpolation inside the bucket, as PromQL's
-``histogram_quantile``), requests/s from a counter's delta, queue depth from a gauge.
+``histogram_quantile``), requests/s from a counter's delta, queue depth from a gauge, KV-cache
+usage (0..1) from a gauge.
 
 Series are summed over all labels but ``le`` (one engine may report per model or per
-finish reason). A counter or histogram whose value went down was reset (the engine
-restarted): the window then counts what the new process has seen since it started, as
-PromQL's ``rate`` does. A window without a figure yields None, never 0: a latency histogram
-that gained no observation (no request finished: an idle engine, or the first scrape, which
-has nothing to compare with) has no p99, and 0 ms would read as full headroom;
-`ServingWindow.missing` names the latency roles whose histogram is not on the page at all (a
-misconfigured metric name). What the agent publishes for such windows: rose.node.agent.
+finish reason); a ratio gauge (KV-cache usage) is read as its largest value over label sets
+(`Scrape.peaks`: the fullest of several engines behind one page, never their sum), and a value
+outside 0..1 (a percentage under a configured name) as absent. A counter or histogram whose
+value went down was reset (the engine restarted): the window then counts what the new process
+has seen since it started, as PromQL's ``rate`` does. A window without a figure yields None,
+never 0: a latency histogram that gained no observation (no request finished: an idle engine,
+or the first scrape, which has nothing to compare with) has no p99, and 0 ms would read as full
+headroom; `ServingWindow.missing` names the latency roles whose histogram is not on the page at
+all (a misconfigured metric name). What the agent publishes for such windows: rose.node.agent.
 
 Metric names per engine are configuration (`ENGINES`, overridable per role through
-``[telemetry.metrics]``), so other engines fit without code.
+``[telemetry.metrics]``), so other engines fit without code. Per role the current name of an
+engine comes first and the names of its older releases follow as fallbacks: vLLM 0.32 reports
+``vllm:inter_token_latency_seconds`` and ``vllm:kv_cache_usage_perc`` (older releases
+``vllm:time_per_output_token_seconds`` and ``vllm:gpu_cache_usage_perc``); SGLang reports the
+share of its KV token pool in use as ``sglang:token_usage``.
 """
 
 from __future__ import annotations
@@ -27,14 +34,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# role -> candidate metric names, first present wins
+# role -> candidate metric names, first present wins (current names first, older releases' after)
 ENGINES: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {
         "ttft": ("vllm:time_to_first_token_seconds",),
-        "tpot": ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
+        "tpot": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
         "running": ("vllm:num_requests_running",),
         "waiting": ("vllm:num_requests_waiting",),
         "requests": ("vllm:request_success_total",),
+        "kv_cache": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     },
     "sglang": {
         "ttft": ("sglang:time_to_first_token_seconds",),
@@ -42,9 +50,10 @@ ENGINES: dict[str, dict[str, tuple[str, ...]]] = {
         "running": ("sglang:num_running_reqs",),
         "waiting": ("sglang:num_queue_reqs",),
         "requests": ("sglang:num_requests_total",),
+        "kv_cache": ("sglang:token_usage",),
     },
 }
-ROLES = ("ttft", "tpot", "running", "waiting", "requests")
+ROLES = ("ttft", "tpot", "running", "waiting", "requests", "kv_cache")
 
 
 class ExpositionError(ValueError):
@@ -84,10 +93,12 @@ class Histogram:
 
 @dataclass
 class Scrape:
-    """One parse: plain samples summed by metric name, histograms by base name."""
+    """One parse: plain samples summed by metric name, histograms by base name, and each plain
+    sample's largest value over its label sets (`peaks`: how a ratio gauge aggregates)."""
 
     values: dict[str, float]
     histograms: dict[str, Histogram]
+    peaks: dict[str, float] = field(default_factory=dict)
 
 
 def _unescape(v: str) -> str:
@@ -131,8 +142,9 @@ def parse(text: str, keep: frozenset[str] | None = None) -> Scrape:
     """Parse exposition text; ExpositionError names the first malformed line.
 
     `keep` (a frozenset of names, e.g. `all_names(metric_names(...))`) skips every other series before its labels
-    are parsed: a serving engine's page has hundreds of samples and the agent needs five."""
+    are parsed: a serving engine's page has hundreds of samples and the agent needs six."""
     values: dict[str, float] = {}
+    peaks: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -163,15 +175,19 @@ def parse(text: str, keep: frozenset[str] | None = None) -> Scrape:
             le = _number(labels["le"], lineno)
             b = buckets.setdefault(name[:-7], {})
             b[le] = b.get(le, 0.0) + v
+        elif name in values:
+            values[name] += v
+            if v > peaks[name]:
+                peaks[name] = v
         else:
-            values[name] = values.get(name, 0.0) + v
+            values[name] = peaks[name] = v
     hists = {}
     for base, b in buckets.items():
         bounds = sorted(b)
         hists[base] = Histogram(
             bounds, [b[x] for x in bounds], values.get(base + "_count", b[bounds[-1]]), values.get(base + "_sum", 0.0)
         )
-    return Scrape(values, hists)
+    return Scrape(values, hists, peaks)
 
 
 def _delta_hist(now: Histogram, prev: Histogram | None) -> list[float] | None:
@@ -213,6 +229,7 @@ class ServingWindow:
     queue_depth: int | None
     running: int | None
     missing: tuple[str, ...] = ()  # latency roles ("ttft", "tpot") whose histogram the page lacks
+    kv_cache_usage: float | None = None  # 0..1 at the newer scrape, the fullest label set (None: absent, outside 0..1)
 
 
 def _first(d: Mapping, names: tuple[str, ...]):
@@ -240,6 +257,7 @@ def window(now: Scrape, prev: Scrape | None, dt_s: float, names: Mapping[str, tu
         rps = (req - preq if req >= preq else req) / dt_s
     waiting = _first(now.values, names["waiting"])
     running = _first(now.values, names["running"])
+    kv = _first(now.peaks, names.get("kv_cache", ()))
     return ServingWindow(
         out["ttft"],
         out["tpot"],
@@ -247,4 +265,5 @@ def window(now: Scrape, prev: Scrape | None, dt_s: float, names: Mapping[str, tu
         None if waiting is None else max(0, int(round(waiting))),
         None if running is None else max(0, int(round(running))),
         tuple(missing),
+        kv if kv is not None and 0.0 <= kv <= 1.0 else None,
     )

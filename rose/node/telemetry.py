@@ -25,9 +25,12 @@ def telemetry_records(
     tpot_ms,
     rps,
     queue,
+    kv_cache_usage=None,
 ) -> list[tuple[bytes, bytes]]:
     """(value, key) of one telemetry event per GPU; array-likes hold one entry per GPU
-    (`mem_total` may also be one int for all).
+    (`mem_total` may also be one int for all). `kv_cache_usage` (optional) holds each GPU's
+    engine KV-cache usage 0..1, None for a GPU whose engine does not report it: the field is
+    then left off that event.
 
     Built as plain dicts and encoded with orjson (not through the dataclass) because this
     runs for every GPU every period; tests check the output with Telemetry.from_dict and the
@@ -54,6 +57,8 @@ def telemetry_records(
             "rps": float(rps[i]),
             "queue_depth": int(queue[i]),
         }
+        if kv_cache_usage is not None and (kv := kv_cache_usage[i]) is not None:
+            d["kv_cache_usage"] = min(1.0, max(0.0, float(kv)))
         out.append((dumps(d), g.encode()))
     return out
 

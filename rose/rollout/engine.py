@@ -46,9 +46,13 @@ class RolloutEngine(Protocol):
 
     version: int
     n_slots: int
-    max_seq: int
-    vocab_size: int
     interrupted_tokens: int
+
+    @property
+    def max_seq(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def describe(self) -> dict: ...
 

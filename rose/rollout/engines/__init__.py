@@ -41,7 +41,7 @@ def build_engine(config: WorkerConfig, device: str, mem_bytes: int, stream=None)
     if config.engine == "hf":
         from rose.rollout.engines.hf_engine import HFEngine
 
-        return HFEngine(  # type: ignore[return-value]
+        return HFEngine(
             config.checkpoint,
             max_batch=config.max_batch,
             max_seq=config.max_model_len,

@@ -29,7 +29,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from rose.config import GiB
 from rose.rollout.engine import GenRequest
@@ -85,7 +85,7 @@ class VllmEngine:
         args = EngineArgs(
             model=checkpoint,
             skip_tokenizer_init=True,
-            dtype=dtype,
+            dtype=cast(Any, dtype),
             max_model_len=max_model_len,
             max_num_seqs=max_batch,
             enforce_eager=device == "cpu",
@@ -115,7 +115,7 @@ class VllmEngine:
         """Apply a complete version in place, between two steps; an empty dict keeps the
         checkpoint's weights (the version before the trainer's first)."""
         if state_dict:
-            self.llm.collective_rpc(_reload, args=(list(state_dict.items()),))
+            self.llm.collective_rpc(cast(Any, _reload), args=(list(state_dict.items()),))
             self.llm.reset_prefix_cache()
         self.version = version
         self.llm.set_weight_version(str(version))
@@ -125,7 +125,7 @@ class VllmEngine:
         per tensor, the engine's parameter or its slice of a fused one, cast to the published
         dtype, against the published bytes. Packed CPU kernel weights are read back through
         their own kernel (an identity input: exact)."""
-        return self.llm.collective_rpc(_mismatches, args=(list(state_dict.items()),))[0]
+        return self.llm.collective_rpc(cast(Any, _mismatches), args=(list(state_dict.items()),))[0]
 
     # sequences -------------------------------------------------------------------------
     def free_slots(self) -> int:
@@ -197,10 +197,10 @@ class VllmEngine:
             if pause_check() or not self.llm.has_unfinished_requests():
                 break
             for o in self.llm.step():
-                seq_id = self._by_request.get(o.request_id)
-                if seq_id is None:
+                owner = self._by_request.get(o.request_id)
+                if owner is None or not isinstance(o.outputs, list):
                     continue
-                s = self._seqs[seq_id]
+                seq_id, s = owner, self._seqs[owner]
                 toks = list(o.outputs[0].token_ids) if o.outputs else []
                 s.context.extend(toks)
                 if seq_id in index:
