@@ -227,3 +227,28 @@ def test_architecture_the_code_never_names(tmp_path, arch):
     out = run(e, prompts, 8, start={"z": 2})
     for sid, prompt in prompts.items():
         assert out[sid] == reference(tmp_path / arch, prompt, 8), sid
+
+
+@pytest.mark.cuda
+def test_hf_engine_on_cuda_on_the_lowest_priority_stream(tiny_checkpoint):
+    """The GPU check's engine: greedy tokens on a CUDA device, launched on rollout's lowest-priority
+    stream, equal transformers' own generate on the same device; a bf16 version applies bit-exact."""
+    from transformers import AutoModelForCausalLM
+
+    from rose.rollout.worker_process import lowest_priority_stream
+
+    dev = torch.device("cuda:0")
+    e = HFEngine(tiny_checkpoint, temperature=0, device="cuda:0", stream=lowest_priority_stream(dev))
+    assert e.describe()["device"].startswith("cuda")
+    out = run(e, PROMPTS, 12, start={"b": 3})
+    ref = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, local_files_only=True).to(dev).eval()
+    for sid, prompt in PROMPTS.items():
+        ids = ref.generate(torch.tensor([prompt], device=dev), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out[sid] == ids[0, len(prompt) :].tolist(), sid
+    g = torch.Generator().manual_seed(2)
+    published = {
+        k: (v + 0.05 * torch.randn(v.shape, generator=g)).to(torch.bfloat16)
+        for k, v in checkpoint_tensors(tiny_checkpoint).items()
+    }
+    e.load_weights(1, published)
+    assert weights_match(e, published) == []
