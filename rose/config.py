@@ -334,4 +334,15 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         if section not in known:
             raise ConfigError(f"[{section}]: unknown section (known: {', '.join(sorted(known))})")
         changes[section] = _apply(getattr(cfg, section), section, values)
-    return replace(cfg, **changes)
+    cfg = replace(cfg, **changes)
+    _check_rollout(cfg.rollout)
+    return cfg
+
+
+def _check_rollout(r: RolloutConfig) -> None:
+    if r.engine not in ("vllm", "hf", "reference"):
+        raise ConfigError(f"rollout.engine: expected vllm, hf or reference, got {r.engine!r}")
+    if r.engine != "reference" and not r.model:
+        raise ConfigError(f"rollout.model: engine {r.engine!r} needs a local Hugging Face checkpoint directory")
+    if r.engine != "reference" and not (Path(r.model) / "config.json").is_file():
+        raise ConfigError(f"rollout.model: {r.model} is not a Hugging Face checkpoint directory (no config.json)")

@@ -1,5 +1,7 @@
 """Configuration from the environment, without any broker: names map as documented."""
 
+import pytest
+
 from rose.config import load_config
 
 
@@ -16,3 +18,17 @@ def test_environment_overrides_sections_and_passes_librdkafka_properties_through
     assert cfg.policy.ttl_s == 8.0
     assert cfg.kafka.librdkafka["sasl.mechanism"] == "SCRAM-SHA-512"
     assert cfg.kafka.librdkafka["log_level"] == "3" and "log.level" not in cfg.kafka.librdkafka
+
+
+def test_rollout_engine_and_model_are_checked(tmp_path):
+    from rose.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.engine: expected vllm, hf or reference, got 'sglang'"):
+        load_config(env={"ROSE_ROLLOUT__ENGINE": "sglang"})
+    with pytest.raises(ConfigError, match="rollout.model: engine 'vllm' needs"):
+        load_config(env={"ROSE_ROLLOUT__ENGINE": "vllm"})
+    with pytest.raises(ConfigError, match="not a Hugging Face checkpoint directory"):
+        load_config(env={"ROSE_ROLLOUT__ENGINE": "hf", "ROSE_ROLLOUT__MODEL": str(tmp_path)})
+    (tmp_path / "config.json").write_text("{}")
+    c = load_config(env={"ROSE_ROLLOUT__ENGINE": "hf", "ROSE_ROLLOUT__MODEL": str(tmp_path)})
+    assert (c.rollout.engine, c.rollout.model) == ("hf", str(tmp_path))

@@ -312,10 +312,14 @@ class TorchEngine:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.budget.activation_bytes(b, t, ctx))
 
     def _sample(self, logits: list[torch.Tensor], gens: list[torch.Generator]) -> list[int]:
-        """One token per sequence, each from its own generator (so a sequence's draws do not
-        depend on what it is batched with); the softmax runs once for the batch."""
-        lg = torch.stack(logits).float()
-        if self.temperature <= 0:
-            return lg.argmax(-1).tolist()
-        probs = torch.softmax(lg / self.temperature, dim=-1).cpu()
-        return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
+        return sample_tokens(logits, gens, self.temperature)
+
+
+def sample_tokens(logits: list[torch.Tensor], gens: list[torch.Generator], temperature: float) -> list[int]:
+    """One token per sequence, each from its own generator (so a sequence's draws do not depend
+    on what it is batched with); the softmax runs once for the batch; temperature 0 is greedy."""
+    lg = torch.stack(logits).float()
+    if temperature <= 0:
+        return lg.argmax(-1).tolist()
+    probs = torch.softmax(lg / temperature, dim=-1).cpu()
+    return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]

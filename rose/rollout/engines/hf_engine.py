@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rose.rollout.engine import GenRequest
+from rose.rollout.engine import GenRequest, sample_tokens
 
 # config attributes that hold a model's longest sequence, by architecture family
 _MAX_POSITION_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -305,13 +305,7 @@ class HFEngine:
             s.pending.clear()
 
     def _sample(self, logits: list[torch.Tensor], gens: list[torch.Generator]) -> list[int]:
-        """One token per sequence, each from its own generator (so a sequence's draws do not
-        depend on what it is batched with); the softmax runs once for the batch."""
-        lg = torch.stack(logits).float()
-        if self.temperature <= 0:
-            return lg.argmax(-1).tolist()
-        probs = torch.softmax(lg / self.temperature, dim=-1).cpu()
-        return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
+        return sample_tokens(logits, gens, self.temperature)
 
 
 def weights_match(engine: HFEngine, state_dict: dict) -> list[str]:
