@@ -12,6 +12,7 @@ def test_revoke_bench_reports_every_figure(cfg):
     from rose.bench import revoke
 
     out = revoke.run(cfg, quick=True)
+    assert out["engine"]["name"] == "reference" and out["weights"]["versions_applied"] == 0
     for k in ("kafka_worker_paused_ms", "kafka_revoked_published_ms", "guard_worker_paused_ms", "guard_flag_raised_ms"):
         assert out[k]["n"] > 0 and out[k]["p50_ms"] is not None and out[k]["p99_ms"] is not None
     assert out["path"] == "command→executor"
@@ -75,6 +76,9 @@ def test_coelastic_bench_reports_every_figure(cfg):
     from rose.bench import coelastic
 
     out = coelastic.run(cfg, quick=True)
+    assert out["engine"]["name"] == "reference" and out["engine"]["version"]  # torch's, read from the heartbeats
+    # static seeded weights: no trainer version applied, so nothing to verify
+    assert out["weights"] == {"versions_applied": 0, "versions_verified": 0, "bit_exact": None}
     ft = out["grant_to_first_token_ms"]
     for k in ("warm", "cold"):
         assert ft[k]["n"] > 0 and ft[k]["p50_ms"] > 0 and ft[k]["p99_ms"] >= ft[k]["p50_ms"]

@@ -126,17 +126,14 @@ def publish_test_version(cfg: Config, version: int) -> None:
         r.close()
 
 
-def engine_report(cfg: Config) -> dict:
-    """`engine: {name, version, device}` and `weights: {versions_applied, versions_verified, bit_exact}`
-    from the last heartbeat of every worker the bench ran (CONTRACT §6)."""
-    import redis
+def last_heartbeat(r, cfg: Config, worker_id: str) -> dict[bytes, bytes]:
+    """A worker's heartbeat hash as it is now (empty once it expired)."""
+    return cast("dict[bytes, bytes]", r.hgetall(cfg.redis.key("workers", worker_id)))
 
-    r = redis.Redis.from_url(cfg.redis.url)
-    try:
-        keys = [k for k in r.scan_iter(match=cfg.redis.key("workers", "*")) if r.type(k) == b"hash"]
-        beats: list[dict[bytes, bytes]] = [cast("dict[bytes, bytes]", r.hgetall(k)) for k in keys]
-    finally:
-        r.close()
+
+def engine_report(cfg: Config, beats: list[dict[bytes, bytes]]) -> dict:
+    """`engine: {name, version, device}` and `weights: {versions_applied, versions_verified, bit_exact}`
+    from the last heartbeat of each worker the bench ran, read when it ended (CONTRACT §6)."""
     engine: dict = {"name": cfg.rollout.engine, "version": None, "device": None}
     FIELDS = (("name", b"engine"), ("version", b"engine_library"), ("device", b"device"))
     for h in beats:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from rose.bench._stack import engine_lease_bytes, engine_report, publish_test_version, wait_for
 
@@ -58,7 +58,7 @@ def run(cfg, quick: bool, cycles: int = 0) -> dict:
             warm = b.phase(warm_workers=1, cycles=warm_cycles, throttles=throttles)
         finally:
             states.close()
-        engine_fields = engine_report(c)
+        engine_fields = engine_report(c, cold["heartbeats"] + warm["heartbeats"])
     out: dict[str, Any] = {
         **engine_fields,
         "path": "command→executor",
@@ -167,6 +167,7 @@ class _Bench:
             "steps_while_paused": [],
             "revokes": [],
             "progress": [],
+            "heartbeats": [],
         }
         ex = Executor(c, [GPU], guard=False).start()
         stop = threading.Event()
@@ -213,6 +214,7 @@ class _Bench:
                 self.command("revoke", epoch, f"r{epoch}", 0.0)
                 wait_for(lambda: _revoked(self.states, epoch), 30)
                 w = _wasted(r, key, int(before[b"tokens_interrupted"]))
+                res["heartbeats"].append(cast("dict[bytes, bytes]", r.hgetall(key)))
                 if w is not None:
                     res["revokes"].append(w)
         finally:

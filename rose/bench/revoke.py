@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Any
 
-from rose.bench._stack import engine_lease_bytes, engine_report, publish_test_version, wait_for
+from rose.bench._stack import engine_lease_bytes, engine_report, last_heartbeat, publish_test_version, wait_for
 
 GOAL_KAFKA_PAUSED_P99_MS = 20.0
 GOAL_GUARD_PAUSED_P99_MS = 2.0
@@ -17,6 +18,7 @@ def run(cfg, quick: bool) -> dict:
     import dataclasses
 
     import psutil
+    import redis
 
     from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
     from rose.contract.events import Command, Latency, LeaseState
@@ -62,6 +64,8 @@ def run(cfg, quick: bool) -> dict:
         states.subscribe([c.kafka.lease_state_topic])
         k_flag, k_paused, k_revoked, g_flag, g_paused = [], [], [], [], []
         freed = []
+        beats: list[dict[bytes, bytes]] = []
+        r = redis.Redis.from_url(c.redis.url)
         try:
             for epoch in range(1, cycles + 1):
                 now = time.time()
@@ -110,12 +114,14 @@ def run(cfg, quick: bool) -> dict:
                 k_paused.append(flag.paused_seen_ns - t0)
                 revoked = wait_for(lambda: _find(states, LeaseState, decode, "revoked", epoch), 15)
                 k_revoked.append(time.monotonic_ns() - t0)
+                beats.append(last_heartbeat(r, c, f"{socket.gethostname()}:{GPU}:{epoch}"))
                 freed.append(revoked.rollout_mem_bytes == 0 and not psutil.pid_exists(pid))
-            engine_fields = engine_report(c)
+            engine_fields = engine_report(c, beats)
         finally:
             stop.set()
             loop.join(20)
             states.close()
+            r.close()
             try:
                 (lat_dir / "sim%2F0.json").unlink()
                 lat_dir.rmdir()

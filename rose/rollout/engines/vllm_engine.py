@@ -40,7 +40,11 @@ CUDA_ACTIVATION_MARGIN = 512 << 20
 
 def engine_environment(device: str, kv_cache_bytes: int, threads: int) -> dict[str, str]:
     """The environment vLLM reads at import: in-process engine core, KV space and threads."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # a worker's stdout may be a bench's JSON
+    }
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_bytes / GiB)))
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # the executor pins and nices the process
