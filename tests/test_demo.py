@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from rose.demo import report, windows
 from rose.demo.coserve import CoserveSpec, LatencyWindow, latency_summary, scaled_lengths
 from rose.demo.observed import ClaimClock, Observed
+from rose.demo.run_setup import DemoOptions
 from rose.demo.trainer import advantages, reward, sequence_and_mask, staleness
 from rose.obs import stats
 from rose.obs.stats import percentile
@@ -208,6 +209,86 @@ def test_report_builds_and_prints_from_a_small_run():
     assert set(rep["episodes_per_min"]) == {"dedicated_only", "with_leases", "ci95_dedicated_only", "ci95_with_leases"}
     md = report.markdown({**rep, "plots": []})
     assert "leases on (mean of 2 windows, 95 % CI)" in md and "trainer lr 0.003" in md and "rose bench weights" in md
+    assert rep["engine"] == {"name": None, "version": None, "device": None} and rep["rl"]["reward_by_step"] == []
+
+
+def test_report_names_the_engine_and_shows_samples_and_reward_by_step():
+    obs = Observed()
+    obs.workers = {"w1": {"engine": "vllm", "engine_library": "0.32.0", "device": "cpu"}}
+    obs.versions = [
+        {"version": 1, "reward_mean": None, "ts": 100.0},
+        {"version": 2, "reward_mean": 0.0, "ts": 110.0, "batch": 16},
+        {"version": 3, "reward_mean": 0.25, "ts": 125.0, "batch": 16},
+    ]
+    sample = {"question": "What is 12 + 30?", "answer": "42|x", "reward": 1.0, "version": 2, "gpu": "sim/0"}
+    obs.trainer = {"task": "addition", "group": "8", "samples": json.dumps([sample]), "trained": json.dumps({})}
+    r = report.rl(obs, t0=100.0)
+    assert r["reward_by_step"] == [
+        {"version": 2, "t_s": 10.0, "reward_mean": 0.0, "batch": 16},
+        {"version": 3, "t_s": 25.0, "reward_mean": 0.25, "batch": 16},
+    ]
+    assert r["samples"] == [sample] and r["group"] == 8
+    assert report.engine(obs, {}) == {"name": "vllm", "version": "0.32.0", "device": "cpu"}
+    meta = {"rollout": {"engine": "vllm", "engine_version": "0.32", "device": "cpu"}}
+    assert report.engine(Observed(), meta)["name"] == "vllm"  # no heartbeat left: the run's configuration
+    lines = "\n".join(report._rl_lines({"engine": report.engine(obs, {}), "model": "m", "rl": r}))
+    assert "Engine `vllm` 0.32.0 on `cpu`" in lines and "`42\\|x`" in lines and "What is 12 + 30?" in lines
+
+
+def test_math_task_reward_and_group_advantages():
+    import random
+
+    from rose.demo import math_task as mt
+
+    p = mt.Problem(47, 38)
+    assert p.question == "What is 47 + 38?" and p.answer == 85
+    assert mt.reward("85", p) == 1.0 and mt.reward(" 85.\nuser", p) == 1.0
+    assert mt.reward("47 + 38 = 85", p) == 0.0 and mt.reward("eighty-five", p) == 0.0
+    assert mt.first_int("x -3 4") == -3 and mt.first_int("") is None
+    assert mt.group_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0] and mt.group_advantages([1.0]) == [0.0]
+    a = mt.group_advantages([1.0, 0.0, 0.0, 0.0])
+    assert a[0] > 0 > a[1] and abs(sum(a)) < 1e-9
+    rng = random.Random(0)
+    assert all(10 <= x <= 99 for _ in range(100) for x in dataclasses.astuple(mt.problem(rng)))
+    m = mt.messages(p)
+    assert m[0]["role"] == "system" and m[-1] == {"role": "user", "content": "What is 47 + 38?"}
+
+
+def test_hf_trainer_trains_the_last_layers_and_the_final_norm():
+    from rose.demo.hf_trainer import trainable
+
+    names = [f"model.layers.{i}.mlp.weight" for i in range(4)] + ["model.norm.weight", "model.embed_tokens.weight"]
+    assert trainable(names, 4, 1) == {"model.layers.3.mlp.weight", "model.norm.weight"}
+    assert trainable(names, 4, 2) == {"model.layers.2.mlp.weight", "model.layers.3.mlp.weight", "model.norm.weight"}
+
+
+def test_demo_with_a_checkpoint_engine_configures_rollout_and_the_trainer(tmp_path):
+    from rose.config import Config
+    from rose.demo.run_setup import DemoSetup
+    from rose.demo.trainer import TrainerSpec
+
+    d = DemoSetup(Config(), DemoOptions(engine="vllm", model=str(tmp_path), max_batch=8))
+    ro = d.cfg.rollout
+    assert (ro.engine, ro.model, ro.dtype, ro.max_model_len) == ("vllm", str(tmp_path.resolve()), "float32", 512)
+    spec = TrainerSpec.from_json(d._trainer_spec().to_json())
+    assert (spec.engine, spec.checkpoint, spec.max_turns, spec.obs_tokens) == ("vllm", ro.model, 1, 0)
+    assert 12 <= spec.tokens_per_turn <= 16 and spec.group > 1
+    ref = DemoSetup(Config(), DemoOptions())
+    assert ref.cfg.rollout == Config().rollout and ref._trainer_spec().engine == "reference"
+
+
+def test_demo_cli_refuses_an_engine_without_a_checkpoint(tmp_path):
+    from typer.testing import CliRunner
+
+    from rose.cli import app
+
+    run = CliRunner().invoke
+    r = run(app, ["demo", "--engine", "vllm"])
+    assert r.exit_code == 2 and "--model" in r.output
+    r = run(app, ["demo", "--engine", "vllm", "--model", str(tmp_path)])
+    assert r.exit_code == 2 and "no config.json" in r.output
+    r = run(app, ["demo", "--engine", "tgi", "--model", str(tmp_path)])
+    assert r.exit_code == 2 and "--engine" in r.output
 
 
 @given(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=1, max_size=200))
@@ -339,7 +420,8 @@ def test_demo_end_to_end(stack, base_cfg, tmp_path):
     assert rep["weights"]["versions_published"] >= 2
     assert rep["weights"]["max_version_in_trajectories"] >= 2  # a trained version reached rollout
     assert "real/0" in rep["slo"]["per_gpu"] and rep["slo"]["per_gpu"]["real/0"]["windows"] > 0
-    for name in ("serving_p99.png", "throughput.png", "revoke_latency.png", "weight_bytes.png"):
+    assert rep["engine"]["name"] == "reference" and rep["rl"]["reward_by_step"]
+    for name in ("serving_p99.png", "throughput.png", "revoke_latency.png", "weight_bytes.png", "reward.png"):
         assert (tmp_path / name).stat().st_size > 10_000, name
     assert "serving SLO attainment" in (tmp_path / "report.md").read_text()
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before

@@ -16,6 +16,15 @@ def register(app: typer.Typer) -> None:
         ),
         speed: float = typer.Option(0.5, "--speed", help="Play the trace this many times faster (0.5: half its rate)."),
         keep: bool = typer.Option(False, "--keep", help="Keep the run's topics and Redis keys afterwards."),
+        engine: str = typer.Option(
+            "reference",
+            "--engine",
+            help="Rollout engine: reference (the toy byte-level policy and task), vllm or hf (on --model: "
+            "two-digit addition, trained by a transformers copy of the checkpoint).",
+        ),
+        model: str | None = typer.Option(
+            None, "--model", help="Hugging Face checkpoint directory for --engine vllm|hf (`rose model import`)."
+        ),
     ) -> None:
         """Serving (trace-driven + one real co-served device), scheduler, executors, rollout workers and a
         trainer closing the RL loop; a live view; a report in --report."""
@@ -29,7 +38,33 @@ def register(app: typer.Typer) -> None:
             fail(f"--gpus must be between 1 and 16, got {gpus}")
         if not speed > 0:
             fail(f"--speed must be > 0, got {speed}")
-        opts = DemoOptions(duration_s=duration, report_dir=report, gpus=gpus, trace=trace, speed=speed, keep=keep)
+        if engine not in ("reference", "vllm", "hf"):
+            fail(f"--engine must be reference, vllm or hf, got {engine!r}")
+        if engine != "reference":
+            from pathlib import Path
+
+            if not model:
+                fail(f"--engine {engine} needs --model DIR (a Hugging Face checkpoint: `rose model import`)")
+            elif not (Path(model) / "config.json").is_file():
+                fail(f"--model: {model} is not a checkpoint directory (no config.json)")
+        elif model:
+            fail("--model needs --engine vllm or hf")
+        opts = DemoOptions(
+            duration_s=duration,
+            report_dir=report,
+            gpus=gpus,
+            trace=trace,
+            speed=speed,
+            keep=keep,
+            engine=engine,
+            model=model or "",
+            max_batch=4 if engine == "reference" else 8,
+            # an engine on a checkpoint starts in a minute or more on a CPU: longer windows let the
+            # executors' warm workers take the leases of an on window and finish episodes in it
+            window_s=20.0 if engine == "reference" else 45.0,
+            drain_s=15.0 if engine == "reference" else 30.0,
+            startup_timeout_s=240.0 if engine == "reference" else 900.0,  # engines load the checkpoint
+        )
         try:
             from rose.demo.orchestrator import default_trace
 

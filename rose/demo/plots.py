@@ -211,10 +211,33 @@ def weight_bytes(path: Path, rep: dict, obs: Observed) -> Path:
     return _save(fig, path)
 
 
+def reward(path: Path, rep: dict, obs: Observed) -> Path:
+    """The mean reward of each trainer step's batch over the run's time."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    steps = (rep.get("rl") or {}).get("reward_by_step") or []
+    if steps:
+        ax.plot([x["t_s"] for x in steps], [x["reward_mean"] for x in steps], marker=".", color="#8172b2", lw=0.8)
+        k = min(8, len(steps))
+        if k > 1:
+            ys = [x["reward_mean"] for x in steps]
+            avg = [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
+            ax.plot([x["t_s"] for x in steps], avg, color="black", lw=1.5, label=f"mean of the last {k} steps")
+            ax.legend(fontsize=8)
+        ax.set_ylim(-0.02, max(0.1, max(x["reward_mean"] for x in steps) * 1.15))
+    e = rep.get("engine") or {}
+    ax.set_xlabel("seconds since the measured run started (start-up before 0)")
+    ax.set_ylabel("mean reward of the step's batch")
+    ax.set_title(f"Reward per trainer step ({e.get('name')}, {Path(str(rep.get('model', ''))).name})", fontsize=10)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def write_all(directory: Path, rep: dict, obs: Observed) -> list[Path]:
     return [
         serving(directory / "serving_p99.png", rep, obs),
         throughput(directory / "throughput.png", rep, obs),
         revoke(directory / "revoke_latency.png", rep, obs),
         weight_bytes(directory / "weight_bytes.png", rep, obs),
+        reward(directory / "reward.png", rep, obs),
     ]

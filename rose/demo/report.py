@@ -245,6 +245,44 @@ def leases(obs: Observed, intervals) -> dict:
     }
 
 
+def engine(obs: Observed, meta: dict) -> dict:
+    """The rollout engine as the workers' heartbeats name it (else as the run configured it)."""
+    for w in obs.workers.values():
+        if w.get("engine"):
+            return {"name": w["engine"], "version": w.get("engine_library"), "device": w.get("device")}
+    r = meta.get("rollout") or {}
+    return {"name": r.get("engine"), "version": r.get("engine_version"), "device": r.get("device")}
+
+
+def _json(text, default):
+    try:
+        return json.loads(text) if text else default
+    except (TypeError, ValueError):
+        return default
+
+
+def rl(obs: Observed, t0: float) -> dict:
+    """The RL task, what is trained, a few sample turns and the mean reward of each step's batch."""
+    tr = obs.trainer
+    steps = [
+        {
+            "version": v["version"],
+            "t_s": round(v["ts"] - t0, 1),
+            "reward_mean": v["reward_mean"],
+            "batch": v.get("batch"),
+        }
+        for v in obs.versions
+        if v.get("reward_mean") is not None and "ts" in v
+    ]
+    return {
+        "task": tr.get("task") or "toy: fraction of action tokens that are lowercase ASCII letters",
+        "trained": _json(tr.get("trained"), None),
+        "group": _num(tr.get("group")),
+        "samples": _json(tr.get("samples"), []),
+        "reward_by_step": steps,
+    }
+
+
 def build(obs: Observed, timeline: dict, meta: dict) -> dict:
     """report.json: the contract's keys first, then the details."""
     t0, t_end = timeline["t0"], timeline["t_end"]
@@ -265,6 +303,9 @@ def build(obs: Observed, timeline: dict, meta: dict) -> dict:
         "weight_bytes_ratio": w["weight_bytes_ratio"],
         "trainer_lr": w["trainer_lr"],
         "measured_device": measured_device(obs, t0, t_end, meta.get("real_gpu", "real/0"), slo),
+        "engine": engine(obs, meta),
+        "model": (meta.get("rollout") or {}).get("model") or "reference (toy byte-level policy)",
+        "rl": rl(obs, t0),
         "slo": slo,
         "throughput": tp,
         "revoke": rv,
@@ -392,6 +433,7 @@ def markdown(rep: dict) -> str:
             f"| alone | {wo.get('requests')} | {_f(wo.get('ttft_p50_ms'), ' ms')} | {_f(wo.get('ttft_p99_ms'), ' ms')} | "
             f"{_f(wo.get('tpot_p50_ms'), ' ms')} | {_f(wo.get('tpot_p99_ms'), ' ms')} |",
         ]
+    lines += _rl_lines(rep)
     inter = rep.get("interference") or {}
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in rep["plots"]]
     lines += [
@@ -414,6 +456,41 @@ def markdown(rep: dict) -> str:
         f"Process logs: `logs/` beside this file. Problems seen: {', '.join(rep['problems']) or 'none'}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _rl_lines(rep: dict) -> list[str]:
+    e, r = rep.get("engine") or {}, rep.get("rl") or {}
+    lines = [
+        "",
+        "## Rollout engine and RL task",
+        "",
+        f"Engine `{e.get('name')}` {e.get('version') or ''} on `{e.get('device')}`; model `{rep.get('model')}`. "
+        f"Task: {r.get('task')}.",
+    ]
+    tr = r.get("trained")
+    if tr:
+        lines.append(
+            f"Trained: {tr.get('layers')} ({tr.get('parameters')} of {tr.get('of')} parameters; the rest frozen), "
+            f"group of {int(r.get('group') or 0)} samples per prompt."
+        )
+    steps = r.get("reward_by_step") or []
+    if steps:
+        k = max(1, len(steps) // 4)
+        quarters = [steps[i : i + k] for i in range(0, len(steps), k)]
+        means = [
+            f"{q[0]['t_s']:.0f}–{q[-1]['t_s']:.0f} s: {statistics.fmean(x['reward_mean'] for x in q):.3f}"
+            for q in quarters
+        ]
+        lines.append(
+            f"Mean reward of the trained batches ({len(steps)} steps), by part of the run: {'; '.join(means)}."
+        )
+    samples = r.get("samples") or []
+    if samples:
+        lines += ["", "| question | answer (decoded) | reward | policy version | GPU |", "|---|---|---|---|---|"]
+        for x in samples[-6:]:
+            ans = str(x.get("answer", "")).replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {x.get('question')} | `{ans}` | {x.get('reward')} | {x.get('version')} | {x.get('gpu')} |")
+    return lines
 
 
 def _num(x):

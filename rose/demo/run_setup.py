@@ -50,6 +50,12 @@ class DemoOptions:
     live: bool | None = None  # None: rich view on a terminal, progress lines otherwise
     startup_timeout_s: float = 240.0
     line_every_s: float = 5.0
+    # the rollout engine: "reference" (the toy byte-level policy and task) or "vllm" / "hf" on
+    # the Hugging Face checkpoint `model` (two-digit addition, rose.demo.math_task)
+    engine: str = "reference"
+    model: str = ""
+    max_model_len: int = 512
+    tokens_per_turn: int = 14  # engine != reference: answer tokens per episode
 
 
 def default_trace() -> Path:
@@ -98,6 +104,18 @@ class DemoSetup:
                 guard_period_s=0.002,
             ),
         )
+        if opts.engine != "reference":
+            self.cfg = dataclasses.replace(
+                self.cfg,
+                rollout=dataclasses.replace(
+                    self.cfg.rollout,
+                    engine=opts.engine,
+                    model=str(Path(opts.model).resolve()),
+                    dtype="float32",
+                    max_model_len=opts.max_model_len,
+                    threads=1,
+                ),
+            )
         self.config_dir: str | None = None  # holds the run's config file (secrets: 0700 / 0600)
         self.real_gpu = "real/0"
         self.cuda = _cuda()
@@ -144,7 +162,6 @@ class DemoSetup:
 
     def _argv(self) -> dict[str, list[str] | WorkerConfig]:
         from rose.demo.coserve import CoserveSpec
-        from rose.demo.trainer import TrainerSpec
 
         py, o = sys.executable, self.opts
         worker = ["--max-batch", str(o.max_batch)]
@@ -180,7 +197,7 @@ class DemoSetup:
                 "-m",
                 "rose.demo.trainer",
                 "--spec",
-                TrainerSpec(job=self.job, model=self.model, inflight=max(24, 4 * o.max_batch * (o.gpus + 2))).to_json(),
+                self._trainer_spec().to_json(),
             ],
             "dedicated": WorkerConfig.from_config(
                 self.cfg,
@@ -210,6 +227,29 @@ class DemoSetup:
             ],
             "scheduler": [py, "-m", "rose", "scheduler", "--instance", f"demo-{self.run_id}"],
         }
+
+    def _trainer_spec(self):
+        from rose.demo.trainer import TrainerSpec
+
+        o = self.opts
+        if o.engine == "reference":
+            return TrainerSpec(job=self.job, model=self.model, inflight=max(24, 4 * o.max_batch * (o.gpus + 2)))
+        # a real checkpoint on CPU: a few groups in flight per worker, a step every few seconds at most
+        return TrainerSpec(
+            job=self.job,
+            model=self.model,
+            engine=o.engine,
+            checkpoint=self.cfg.rollout.model,
+            lr=1e-4,
+            inflight=32,  # four groups of 8
+            tokens_per_turn=o.tokens_per_turn,
+            max_turns=1,
+            obs_tokens=0,
+            min_step_s=2.0,
+            group=8,
+            groups_per_step=2,
+            train_layers=1,
+        )
 
 
 def config_toml(cfg: Config) -> str:

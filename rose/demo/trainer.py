@@ -8,7 +8,8 @@ step on up to `batch_max` of them and publishes the new weights as a delta again
 receivers' view. As RL trainers do, it keeps fp32 master weights, which the optimizer updates,
 and publishes them cast to bf16, what the weight stream carries. The toy task rewards lowercase
 ASCII action tokens. The forward pass is the reference policy's own, so training and rollout
-run the same code. The loop, the loss and what it reports to Redis: docs/demo.md.
+run the same code. The loop, the loss and what it reports to Redis: docs/demo.md. With
+`engine` other than "reference" the trainer is rose.demo.hf_trainer's, on a real checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class TrainerSpec(JsonSpec):
     threads: int = 1
     status_key: str = "demo:trainer"
     versions_key: str = "demo:versions"
+    # the policy: "reference" (the toy model above) or a real checkpoint's engine (vllm | hf),
+    # trained by rose.demo.hf_trainer on two-digit addition
+    engine: str = "reference"
+    checkpoint: str = ""  # the Hugging Face checkpoint directory (engine != reference)
+    group: int = 4  # samples per prompt (distinct seeds); advantages are normalised within a group
+    groups_per_step: int = 2  # complete groups per optimizer step
+    train_layers: int = 1  # the last N decoder layers (and the final norm) are trained, the rest frozen
 
 
 # ---- pure parts ----------------------------------------------------------------------------
@@ -121,17 +129,7 @@ class Trainer:
         sd = {k: v.detach().to(getattr(torch, PUBLISH_DTYPE)) for k, v in self.model.state_dict().items()}
         st = self.pub.publish(sd)
         self.version = st.version
-        rec = {
-            "version": st.version,
-            "keyframe": st.keyframe,
-            "bytes_sent": st.bytes_sent,
-            "bytes_full": st.bytes_full,
-            "changed_elements": st.changed_elements,
-            "encode_ms": round(st.encode_s * 1000, 3),
-            "send_ms": round(st.send_s * 1000, 3),
-            "ts": time.time(),
-            **extra,
-        }
+        rec = version_record(st.version, st, extra)
         p = self.r.pipeline(transaction=False)
         p.rpush(self.cfg.redis.key(self.spec.versions_key), json.dumps(rec))
         p.hset(
@@ -197,15 +195,9 @@ class Trainer:
         logits = self._forward(
             self.model, tok, self.model.new_cache(B), torch.arange(B), torch.zeros(B, dtype=torch.long)
         )
-        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])[..., 0]
-        keep = mask[:, 1:].float()
-        a = torch.tensor(adv)[:, None]
-        loss = -(a * logp * keep).sum() / keep.sum().clamp(min=1)
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
+        loss = policy_gradient_step(self.opt, logits, tok, mask, adv)
         return {
-            "loss": round(float(loss.detach()), 5),
+            "loss": round(loss, 5),
             "reward_mean": round(sum(rewards) / B, 4),
             "batch": B,
             "staleness": staleness(batch, self.version),
@@ -224,8 +216,47 @@ class Trainer:
                 self.publish(self.step())
 
 
+def make_trainer(spec: TrainerSpec, cfg, r):
+    """The toy trainer for the reference policy, rose.demo.hf_trainer's for a real checkpoint."""
+    if spec.engine == "reference":
+        return Trainer(spec, cfg, r)
+    from rose.demo.hf_trainer import HFTrainer
+
+    return HFTrainer(spec, cfg, r)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return spec_main("rose.demo.trainer", TrainerSpec, Trainer, argv)
+    return spec_main("rose.demo.trainer", TrainerSpec, make_trainer, argv)
+
+
+def policy_gradient_step(opt, logits, tok, mask, adv: list[float]) -> float:
+    """One REINFORCE step: minus the advantage-weighted log-probability of each action token
+    (`mask`), averaged over them; the loss."""
+    import torch
+
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])[..., 0]
+    keep = mask[:, 1:].float()
+    a = torch.tensor(adv)[:, None]
+    loss = -(a * logp * keep).sum() / keep.sum().clamp(min=1)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def version_record(version: int, st, extra: dict) -> dict:
+    """What the report keeps of a published version: its publish stats (`WeightPublisher`'s)."""
+    return {
+        "version": version,
+        "keyframe": st.keyframe,
+        "bytes_sent": st.bytes_sent,
+        "bytes_full": st.bytes_full,
+        "changed_elements": st.changed_elements,
+        "encode_ms": round(st.encode_s * 1000, 3),
+        "send_ms": round(st.send_s * 1000, 3),
+        "ts": time.time(),
+        **extra,
+    }
 
 
 if __name__ == "__main__":
