@@ -305,6 +305,7 @@ def measure(server: Server, names, keep) -> Measured:
     return Measured(client, prom.window(after, before, time.monotonic() - t0, names), before, after, busy)
 
 
+@pytest.mark.timeout(900)  # the server's start (up to STARTUP_TIMEOUT_S) counts here, and up to 3 windows
 def test_agent_reads_what_the_client_measured(vllm_server):
     """The agent's p99s agree with the client's: within 10 %, or in the client's bucket of vLLM's
     histogram where the buckets are coarser than that. Client and server time different spans
