@@ -150,13 +150,13 @@ def test_executor_hands_the_key_to_its_worker_off_the_command_line(cfg, redis_cl
     c = dataclasses.replace(
         cfg,
         redis=dataclasses.replace(cfg.redis, url=url),
-        security=dataclasses.replace(cfg.security, weights_hmac_key=key, command_hmac_key="ck"),
+        security=dataclasses.replace(cfg.security, weights_hmac_key=key, command_hmac_key="command-key-4f1b"),
         executor=dataclasses.replace(cfg.executor, worker_weights="follow", model="keyed", job="keyed", worker_nice=0),
     )
     start = lm.Start(gpu="sim/0", lease_id="sim/0#1", epoch=1, mem_bytes=1 << 30, compute_share=0.5, paused=False)
     wc = worker_config(c, start, "flag", "cpu", 1)
     assert wc.weights_hmac_key == key and wc.redis.url == url and wc.weights == "follow"
-    assert "ck" not in wc.to_json()  # the command key stays with the executor
+    assert "command-key-4f1b" not in wc.to_json()  # the command key stays with the executor
 
     pub = WeightPublisher(redis_client, cfg.redis, "keyed", hmac_key=key)
     sd = _bf16(init_state_dict(ModelSpec(), 1))

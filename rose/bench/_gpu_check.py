@@ -42,12 +42,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # What the GPU machine has besides the standard library: torch, transformers and what their
-# wheels require (the import names).
+# wheels require (the import names; transformers 5 brings huggingface_hub 1, which brings httpx
+# and typer, the closure of their requirements read from the installed distributions).
 PRESENT = (
-    "torch", "torchgen", "triton", "nvidia", "numpy", "transformers", "tokenizers", "safetensors",
-    "huggingface_hub", "filelock", "fsspec", "jinja2", "markupsafe", "networkx", "sympy", "mpmath",
-    "typing_extensions", "packaging", "yaml", "regex", "requests", "urllib3", "idna", "certifi",
-    "charset_normalizer", "tqdm", "setuptools", "pkg_resources", "_distutils_hack",
+    "torch", "torchgen", "functorch", "triton", "nvidia", "cuda", "numpy", "transformers", "tokenizers",
+    "safetensors", "huggingface_hub", "hf_xet", "filelock", "fsspec", "jinja2", "markupsafe", "networkx",
+    "sympy", "mpmath", "typing_extensions", "packaging", "yaml", "regex", "requests", "urllib3", "idna",
+    "certifi", "charset_normalizer", "tqdm", "setuptools", "pkg_resources", "_distutils_hack",
+    "httpx", "httpx2", "httpcore", "httpcore2", "anyio", "sniffio", "h11", "truststore", "typer", "click",
+    "rich", "markdown_it", "mdurl", "pygments", "shellingham", "pydantic", "pydantic_core", "annotated_types",
+    "annotated_doc", "typing_inspection", "exceptiongroup", "importlib_metadata", "colorama", "tomli",
 )  # fmt: skip
 # Import name -> the wheel that carries it (`pip download` names, docs/paper-check.md).
 WHEELS = {
