@@ -289,6 +289,50 @@ def test_policy_version_switches_between_steps(cfg, redis_client, queue):
         assert t["versions"] == sorted(t["versions"])  # never back to an older policy
 
 
+@pytest.mark.stack
+def test_a_completion_lost_to_an_outage_is_retried(cfg, redis_client, queue):
+    """Fault: the connection drops inside `complete` (Redis stopping as an episode ends). The
+    finished episode stays with its worker, which completes it once Redis answers again: it
+    neither waits forever in memory (its entry touched, so never reclaimed) nor lands twice."""
+    import threading
+
+    import redis
+    import torch
+
+    from rose.rollout.engine import MemoryBudget, TorchEngine
+    from rose.rollout.policy_model import ModelSpec, init_state_dict
+    from rose.rollout.weight_source import StaticWeights
+    from rose.rollout.worker import Worker
+
+    for t in tasks(4, turns=2, tpt=8, tool_s=0.01, prefix="lc"):
+        queue.submit(t)
+    failed: list[str] = []
+
+    class DroppingQueue(TaskQueue):
+        def complete(self, c, trajectory):
+            if not failed:
+                failed.append(c.task.task_id)
+                raise redis.ConnectionError("Connection closed by server.")
+            return super().complete(c, trajectory)
+
+    q = DroppingQueue(redis_client, cfg.redis, JOB)
+    s = spec(cfg, "w-lc", max_episodes=4)
+    ms = ModelSpec(**SMALL)
+    eng = TorchEngine(ms, MemoryBudget(s.mem_bytes, ms), max_batch=8)
+    weights = StaticWeights(init_state_dict(ms, seed=0))
+    eng.load_weights(*weights.current())
+    w = Worker(s, redis_client, q, eng, weights, None)
+    torch.set_num_threads(1)
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(w.run()), daemon=True)
+    t.start()
+    t.join(60)
+    w.stop_requested = True
+    assert failed, "no completion was made to fail"
+    assert rc == [0], f"the worker did not finish its 4 episodes: {w.stats}"
+    assert ids(queue) == collections.Counter({f"lc{i}": 1 for i in range(4)})
+
+
 def test_worker_refuses_a_budget_below_the_model():
     s = WorkerConfig(
         gpu="g",

@@ -339,8 +339,9 @@ class Worker:
 
     def _decode_step(self, now: float) -> bool:
         from rose.rollout.engine import GenRequest
-        from rose.rollout.episode import DONE, GENERATE
+        from rose.rollout.episode import GENERATE
 
+        self._finish_done()
         ready = [(k, c, ep) for k, (c, ep) in self.active.items() if ep.state == GENERATE]
         if not ready:
             return False
@@ -353,17 +354,26 @@ class Worker:
                 self._tokened = True
         v = self.engine.version
         t = time.monotonic()
-        for (k, c, ep), toks in zip(ready, out):
+        for (_k, _c, ep), toks in zip(ready, out):
             turns_before = len(ep.turns)
             for tok in toks:
                 ep.on_token(tok, v, t)
             self.stats["tokens"] += len(toks)
             self.stats["turns"] += len(ep.turns) - turns_before
+        self._finish_done()
+        return True
+
+    def _finish_done(self) -> None:
+        """Complete every finished episode. One whose completion failed (Redis went away
+        mid-call) stays active, its entry still touched, and the next pass completes it: a
+        finished episode never waits in memory for a reclaim that touching prevents."""
+        from rose.rollout.episode import DONE
+
+        for k, (c, ep) in list(self.active.items()):
             if ep.state == DONE:
                 self._complete(c, ep)
                 self.engine.release(k)
                 del self.active[k]
-        return True
 
     def _complete(self, c, ep) -> None:
         if self.q.complete(c, ep.trajectory()):
