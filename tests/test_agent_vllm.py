@@ -47,7 +47,7 @@ WAVES = 6
 REQUESTS = WAVES * CONCURRENCY
 MAX_TOKENS = 32
 PROMPT_LEN = 224
-WINDOWS = 3  # measured windows at most; one must agree on both p99s (see the test)
+WINDOWS = 4  # measured windows at most; each p99 must agree in one of them (see the test)
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "rose.telemetry.v1.json"
 
 
@@ -257,15 +257,16 @@ class Measured:
         h = self.after.histograms
         return h[TTFT].bounds, h[ITL].bounds
 
-    def agrees(self) -> bool:
+    def agreeing(self) -> set[str]:
+        """Which of the reader's p99s ("ttft", "itl") agree with the client's in this window."""
         (ttft, itl), (tb, ib) = self.p99s_ms(), self.bounds()
         w = self.window
-        return (
-            w.ttft_p99_ms is not None
-            and w.tpot_p99_ms is not None
-            and agrees(w.ttft_p99_ms, ttft, tb)
-            and agrees(w.tpot_p99_ms, itl, ib)
-        )
+        ok = set()
+        if w.ttft_p99_ms is not None and agrees(w.ttft_p99_ms, ttft, tb):
+            ok.add("ttft")
+        if w.tpot_p99_ms is not None and agrees(w.tpot_p99_ms, itl, ib):
+            ok.add("itl")
+        return ok
 
     def figures(self) -> str:
         (ttft, itl), (tb, ib) = self.p99s_ms(), self.bounds()
@@ -305,19 +306,22 @@ def measure(server: Server, names, keep) -> Measured:
     return Measured(client, prom.window(after, before, time.monotonic() - t0, names), before, after, busy)
 
 
-@pytest.mark.timeout(900)  # the server's start (up to STARTUP_TIMEOUT_S) counts here, and up to 3 windows
+@pytest.mark.timeout(900)  # the server's start (up to STARTUP_TIMEOUT_S) counts here, and up to WINDOWS windows
 def test_agent_reads_what_the_client_measured(vllm_server):
     """The agent's p99s agree with the client's: within 10 %, or in the client's bucket of vLLM's
     histogram where the buckets are coarser than that. Client and server time different spans
     (the client adds HTTP and its own scheduling; vLLM's inter-token gaps are engine step times),
-    and on a shared 2-core machine a hiccup can carry a p99 across a bucket bound, so up to
-    WINDOWS windows are measured and one must agree on both p99s; everything else holds in every
-    window. A wrong reader (names, units, deltas, quantile) disagrees in all of them."""
+    and on a shared 2-core machine a hiccup can carry one p99 across a bucket bound, so up to
+    WINDOWS windows are measured and each p99 (TTFT, inter-token) must agree in at least one of
+    them: the two are independent readings, and a hiccup in one window's TTFT says nothing of its
+    inter-token figure. Everything else holds in every window. A wrong reader (names, units,
+    deltas, quantile) disagrees in all of them."""
     names = prom.metric_names("auto")  # the agent's default: `telemetry.engine = "auto"`
     keep = prom.all_names(names)
     run_load(vllm_server, 1, 2, 4, 16)  # warm-up: first-request costs stay out of the windows
 
     seen: list[Measured] = []
+    agreed: set[str] = set()
     for _ in range(WINDOWS):
         m = measure(vllm_server, names, keep)
         seen.append(m)
@@ -332,11 +336,12 @@ def test_agent_reads_what_the_client_measured(vllm_server):
         # KV-cache usage: a number in [0, 1]; above 0 while requests hold blocks
         assert w.kv_cache_usage is not None and 0.0 <= w.kv_cache_usage <= 1.0
         assert m.busy and all(b.kv_cache_usage is not None and 0.0 < b.kv_cache_usage <= 1.0 for b in m.busy)
-        if m.agrees():
+        agreed |= m.agreeing()
+        if agreed == {"ttft", "itl"}:
             break
     else:
         pytest.fail(
-            "no window agreed with the client:\n"
+            f"{sorted({'ttft', 'itl'} - agreed)} agreed with the client in no window:\n"
             + "\n".join(x.figures() for x in seen)
             + f"\n(server log: {vllm_server.log})"
         )

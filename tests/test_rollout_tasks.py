@@ -254,9 +254,9 @@ def test_undecodable_task_goes_to_dead_stream(queue, redis_client):
     assert _nothing_pending(queue)
 
 
-@pytest.mark.stack
-def test_policy_version_switches_between_steps(cfg, redis_client, queue):
-    """A new version becomes visible mid-run; each turn records the version that made it."""
+def in_process_worker(cfg, redis_client, queue, wid: str, max_episodes: int):
+    """A Worker in this process on the reference engine (SMALL, seed 0 weights, one thread):
+    the worker, its engine and its weight source."""
     import torch
 
     from rose.rollout.engine import MemoryBudget, TorchEngine
@@ -264,14 +264,25 @@ def test_policy_version_switches_between_steps(cfg, redis_client, queue):
     from rose.rollout.weight_source import StaticWeights
     from rose.rollout.worker import Worker
 
-    for t in tasks(4, turns=4, tpt=16, tool_s=0.05):
-        queue.submit(t)
-    s = spec(cfg, "w", max_episodes=4)
+    s = spec(cfg, wid, max_episodes=max_episodes)
     ms = ModelSpec(**SMALL)
     eng = TorchEngine(ms, MemoryBudget(s.mem_bytes, ms), max_batch=8)
     weights = StaticWeights(init_state_dict(ms, seed=0))
     eng.load_weights(*weights.current())
-    v1 = init_state_dict(ms, seed=1)
+    torch.set_num_threads(1)
+    return Worker(s, redis_client, queue, eng, weights, None), eng, weights
+
+
+@pytest.mark.stack
+def test_policy_version_switches_between_steps(cfg, redis_client, queue):
+    """A new version becomes visible mid-run; each turn records the version that made it."""
+    from rose.rollout.policy_model import ModelSpec, init_state_dict
+    from rose.rollout.weight_source import StaticWeights
+
+    for t in tasks(4, turns=4, tpt=16, tool_s=0.05):
+        queue.submit(t)
+    w, eng, weights = in_process_worker(cfg, redis_client, queue, "w", max_episodes=4)
+    v1 = init_state_dict(ModelSpec(**SMALL), seed=1)
 
     class Trainer(StaticWeights):  # commits version 1 after 40 decode steps
         def poll(self):
@@ -280,8 +291,6 @@ def test_policy_version_switches_between_steps(cfg, redis_client, queue):
             return super().poll()
 
     weights.__class__ = Trainer
-    w = Worker(s, redis_client, queue, eng, weights, None)
-    torch.set_num_threads(1)
     assert w.run() == 0
     versions = [x["version"] for t in queue.all_results() for x in t["turns"]]
     assert set(versions) == {0, 1} and eng.version == 1
@@ -297,12 +306,6 @@ def test_a_completion_lost_to_an_outage_is_retried(cfg, redis_client, queue):
     import threading
 
     import redis
-    import torch
-
-    from rose.rollout.engine import MemoryBudget, TorchEngine
-    from rose.rollout.policy_model import ModelSpec, init_state_dict
-    from rose.rollout.weight_source import StaticWeights
-    from rose.rollout.worker import Worker
 
     for t in tasks(4, turns=2, tpt=8, tool_s=0.01, prefix="lc"):
         queue.submit(t)
@@ -315,14 +318,7 @@ def test_a_completion_lost_to_an_outage_is_retried(cfg, redis_client, queue):
                 raise redis.ConnectionError("Connection closed by server.")
             return super().complete(c, trajectory)
 
-    q = DroppingQueue(redis_client, cfg.redis, JOB)
-    s = spec(cfg, "w-lc", max_episodes=4)
-    ms = ModelSpec(**SMALL)
-    eng = TorchEngine(ms, MemoryBudget(s.mem_bytes, ms), max_batch=8)
-    weights = StaticWeights(init_state_dict(ms, seed=0))
-    eng.load_weights(*weights.current())
-    w = Worker(s, redis_client, q, eng, weights, None)
-    torch.set_num_threads(1)
+    w, _eng, _weights = in_process_worker(cfg, redis_client, DroppingQueue(redis_client, cfg.redis, JOB), "w-lc", 4)
     rc: list[int] = []
     t = threading.Thread(target=lambda: rc.append(w.run()), daemon=True)
     t.start()
@@ -356,6 +352,10 @@ def test_worker_refuses_a_budget_below_the_model():
         (('"job":"j",', ""), "job: missing required field"),
         (('"seed":0', '"sede":0'), "sede: unknown WorkerConfig field"),
         (("{", "["), "worker config: not valid JSON (Expecting ',' delimiter)"),
+        (
+            ('"model_spec":{}', '"model_spec":{"d_modl":64}'),
+            "model_spec: ModelSpec.__init__() got an unexpected keyword argument 'd_modl'",
+        ),
     ],
 )
 def test_worker_rejects_a_bad_config_in_one_line(change, message):
@@ -363,7 +363,7 @@ def test_worker_rejects_a_bad_config_in_one_line(change, message):
     text = WorkerConfig(gpu="g", worker_id="w", redis=RedisConfig("r", "x:"), job="j", model="m").to_json()
     assert change[0] in text
     p = subprocess.run(
-        [sys.executable, "-m", "rose.rollout.worker"],
+        [sys.executable, "-m", "rose.rollout.worker"],  # the older entry point still runs the process
         input=text.replace(change[0], change[1], 1),
         capture_output=True,
         text=True,

@@ -92,7 +92,7 @@ def unlink_quietly(path: str) -> None:
 
 
 def launch_worker(wc: WorkerConfig | None) -> subprocess.Popen:
-    """A worker process: `python -m rose.rollout.worker` for `wc`, or the placeholder (None)."""
+    """A worker process: `python -m rose.rollout.worker_process` for `wc`, or the placeholder (None)."""
     if wc is None:
         return spawn(PLACEHOLDER_ARGV, stdin=subprocess.DEVNULL)
     return launch(wc, stdin=subprocess.DEVNULL)

@@ -38,7 +38,8 @@ class RolloutEngine(Protocol):
     - `load_weights(version, state_dict)` swaps the policy between two `generate` calls; the
       engine is single-threaded, so no step ever runs on a half-updated policy. The state dict
       is keyed by the checkpoint's tensor names; an empty one keeps the weights (a new version
-      number only).
+      number only). `weights_match(state_dict)` names the published tensors the engine does not
+      hold bit-exactly (empty: it runs exactly what was published).
     - `n_slots` sequences at most, each up to `max_seq` tokens of ids below `vocab_size`;
       `interrupted_tokens` counts decode work a pause threw away; `describe()` says
       `{name, version, device}` (the library's version, not the policy's).
@@ -65,6 +66,8 @@ class RolloutEngine(Protocol):
     def free_slots(self) -> int: ...
 
     def load_weights(self, version: int, state_dict: dict) -> None: ...
+
+    def weights_match(self, state_dict: dict) -> list[str]: ...
 
 
 class BudgetError(RuntimeError):
@@ -200,6 +203,9 @@ class TorchEngine:
             self.model.load_state_dict(state_dict, strict=True)
         self.version = version
 
+    def weights_match(self, state_dict: dict) -> list[str]:
+        return tensors_match(self.model.state_dict(), state_dict)
+
     # sequences -------------------------------------------------------------------------
     def free_slots(self) -> int:
         return len(self._free)
@@ -233,23 +239,18 @@ class TorchEngine:
         self, requests: Sequence[GenRequest], max_new_tokens: int, pause_check: Callable[[], bool] = lambda: False
     ) -> list[list[int]]:
         seqs = [self._seq(r) for r in requests]
-        gens: list[torch.Generator] = []
-        for s in seqs:
-            assert s.gen is not None  # _seq gives every sequence one
-            gens.append(s.gen)
-        out: list[list[int]] = [[] for _ in seqs]
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            for _ in range(max_new_tokens):
-                if pause_check():
-                    break
-                logits = self._step(seqs, pause_check)
-                if logits is None:  # paused between prefill chunks; the rest stays pending
-                    break
-                for i, (s, tok) in enumerate(zip(seqs, self._sample(logits, gens))):
-                    s.pending.append(tok)
-                    out[i].append(tok)
-                self.steps += 1
-        return out
+            # paused before a step, or between prefill chunks: the rest stays pending
+            return decode_tokens(
+                seqs,
+                max_new_tokens,
+                lambda: None if pause_check() else self._step(seqs, pause_check),
+                self.temperature,
+                self._count_step,
+            )
+
+    def _count_step(self) -> None:
+        self.steps += 1
 
     def _step(self, seqs: list[_Seq], pause_check: Callable[[], bool]) -> list[torch.Tensor] | None:
         """Feed every sequence's pending tokens; each one's last logits, or None when
@@ -311,8 +312,37 @@ class TorchEngine:
     def _track(self, b: int, t: int, ctx: int) -> None:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.budget.activation_bytes(b, t, ctx))
 
-    def _sample(self, logits: list[torch.Tensor], gens: list[torch.Generator]) -> list[int]:
-        return sample_tokens(logits, gens, self.temperature)
+
+class _Decoding(Protocol):
+    pending: list[int]
+    gen: torch.Generator | None
+
+
+def decode_tokens(
+    seqs: Sequence[_Decoding],
+    max_new_tokens: int,
+    step: Callable[[], list[torch.Tensor] | None],
+    temperature: float,
+    on_step: Callable[[], None],
+) -> list[list[int]]:
+    """The decode loop of the torch engines: up to `max_new_tokens` times, `step()` feeds every
+    sequence's pending tokens and gives each one's last logits (None once paused: stop), one
+    token per sequence is sampled from its own generator, to be fed at the next step, and
+    `on_step()` counts the step (a pause check may read the count). Each sequence's new tokens."""
+    gens: list[torch.Generator] = []
+    for s in seqs:
+        assert s.gen is not None  # every engine seeds a sequence's generator when it admits it
+        gens.append(s.gen)
+    out: list[list[int]] = [[] for _ in seqs]
+    for _ in range(max_new_tokens):
+        logits = step()
+        if logits is None:
+            break
+        for i, (s, tok) in enumerate(zip(seqs, sample_tokens(logits, gens, temperature))):
+            s.pending.append(tok)
+            out[i].append(tok)
+        on_step()
+    return out
 
 
 def sample_tokens(logits: list[torch.Tensor], gens: list[torch.Generator], temperature: float) -> list[int]:
@@ -323,3 +353,21 @@ def sample_tokens(logits: list[torch.Tensor], gens: list[torch.Generator], tempe
         return lg.argmax(-1).tolist()
     probs = torch.softmax(lg / temperature, dim=-1).cpu()
     return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
+
+
+def tensors_match(params: dict, state_dict: dict) -> list[str]:
+    """Names of the published tensors `params` (a module's state dict) does not hold bit-exactly:
+    its tensor, cast to the published tensor's dtype, is not byte-equal to the published one (or
+    is missing, or has another shape)."""
+    bad = []
+    with torch.no_grad():
+        for name, t in state_dict.items():
+            p = params.get(name)
+            if p is None or tuple(p.shape) != tuple(t.shape):
+                bad.append(name)
+                continue
+            mine = p.detach().to(dtype=t.dtype).reshape(-1).contiguous()
+            theirs = t.detach().to(device=mine.device).reshape(-1).contiguous()
+            if not torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)):
+                bad.append(name)
+    return bad

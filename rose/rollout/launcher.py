@@ -6,11 +6,11 @@ share, pause flag), device, job and model, the `RedisConfig` it connects with, a
 secret it needs, `weights_hmac_key` (the command key stays with the executor). The worker
 builds its Redis client, task queue and weight follower from this object alone.
 
-`launch(config)` starts `python -m rose.rollout.worker --config-fd N`: the config travels as
+`launch(config)` starts `python -m rose.rollout.worker_process --config-fd N`: the config travels as
 JSON in an anonymous in-memory file (memfd; an unlinked 0600 temporary file where memfd is
 missing) passed as descriptor N, which the worker reads once and closes. Neither the HMAC key
 nor a Redis password ever appears on the command line (`ps`, /proc/<pid>/cmdline) or in the
-environment. By hand: `python -m rose.rollout.worker < worker.json` (the default fd is stdin).
+environment. By hand: `python -m rose.rollout.worker_process < worker.json` (the default fd is stdin).
 
 A warm worker (`warm=True`, the executor's pool) is launched the same way before any lease: it
 gets its lease later, still without argv, as a `LeaseRecord` file next to its pause flag.
@@ -38,7 +38,7 @@ from typing import Any
 
 from rose.config import Config, GiB, RedisConfig
 
-WORKER_MODULE = "rose.rollout.worker"
+WORKER_MODULE = "rose.rollout.worker_process"
 MAX_CONFIG_BYTES = 1 << 20
 _PR_SET_PDEATHSIG = 1
 

@@ -1,7 +1,7 @@
 """The rollout worker: the loop of the process the executor starts inside a lease (or on a
 dedicated rollout GPU) that runs agentic episodes from the task queue.
 
-    python -m rose.rollout.worker --config-fd N      (rose.rollout.launcher.launch(WorkerConfig))
+    python -m rose.rollout.worker_process --config-fd N      (rose.rollout.launcher.launch(WorkerConfig))
 
 runs `rose.rollout.worker_process.main`, which reads the worker's `WorkerConfig`, builds its
 engine, task queue and weight source and protects serving, then runs `Worker.run`. One loop,
@@ -35,8 +35,8 @@ def fresh_enough(applied: int, newest: int | None, max_staleness: int) -> bool:
 
 def apply_version(engine, weights, flag: PauseFlag | None, stats: dict, verify: bool, first: bool = False) -> None:
     """Load the weight source's visible version into the engine when it is new, or when it is the
-    `first` (between two decode steps); with `verify`, check it bit-exact where the engine can tell
-    (`weights_match`), counting the versions that were not in `stats`."""
+    `first` (between two decode steps); with `verify`, check it bit-exact (`weights_match`),
+    counting the versions that were not in `stats`."""
     v, sd = weights.current()
     if v == engine.version and not first:
         return
@@ -46,7 +46,7 @@ def apply_version(engine, weights, flag: PauseFlag | None, stats: dict, verify: 
     if v is None or v < 1 or not sd:  # the engine's initial policy, not a trainer's version
         return
     stats["versions_applied"] = stats.get("versions_applied", 0) + 1
-    if verify and hasattr(engine, "weights_match"):
+    if verify:
         bad = engine.weights_match(sd)
         stats["versions_verified"] = stats.get("versions_verified", 0) + 1
         if bad:
@@ -403,7 +403,7 @@ class Worker:
         self.publish("stopped")
 
 
-if __name__ == "__main__":
-    from rose.rollout.worker_process import main
+if __name__ == "__main__":  # the contract's older entry point: run the process module (no import of it here)
+    import runpy
 
-    sys.exit(main())
+    runpy.run_module("rose.rollout.worker_process", run_name="__main__", alter_sys=True)

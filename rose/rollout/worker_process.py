@@ -1,7 +1,7 @@
-"""The rollout worker's process: `main()`, what `python -m rose.rollout.worker` runs (the loop
-itself is rose.rollout.worker.Worker).
+"""The rollout worker's process: `main()`, what `python -m rose.rollout.worker_process` runs (the
+loop itself is rose.rollout.worker.Worker; `python -m rose.rollout.worker` runs this module too).
 
-    python -m rose.rollout.worker --config-fd N      (rose.rollout.launcher.launch(WorkerConfig))
+    python -m rose.rollout.worker_process --config-fd N      (rose.rollout.launcher.launch(WorkerConfig))
 
 Its one configuration, `WorkerConfig`, arrives as JSON on descriptor N (default 0, stdin), never
 on the command line: it carries the Redis connection and the weights HMAC key, from which the
@@ -147,7 +147,7 @@ def weight_source(config: WorkerConfig, r):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rose.rollout.worker")
+    ap = argparse.ArgumentParser(prog="rose.rollout.worker_process")
     ap.add_argument(
         "--config-fd", type=int, default=0, help="Descriptor to read the WorkerConfig JSON from (default: stdin)"
     )
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = protect(config)
     try:
         engine = build_engine(config, config.device, config.mem_bytes, stream)
-    except TypeError as e:
-        return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
+    except ValueError as e:
+        return _fail(str(e), EXIT_BAD_CONFIG)
     except BudgetError as e:
         return _fail(str(e), EXIT_BUDGET)
     r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
@@ -225,8 +225,8 @@ def _warm_main(config: WorkerConfig) -> int:
         # the reference engine waits on the host with no KV cache; vLLM on CPU holds its fixed KV
         # space from the start (counted in the worker's memory), and runs on the device it starts on
         engine = build_engine(config, "cpu" if config.engine == "reference" else config.device, 0)
-    except TypeError as e:
-        return _fail(f"model_spec: {e}", EXIT_BAD_CONFIG)
+    except ValueError as e:
+        return _fail(str(e), EXIT_BAD_CONFIG)
     r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
     try:
         weights = weight_source(config, r)
@@ -263,3 +263,7 @@ def _warm_main(config: WorkerConfig) -> int:
     shutdown.hooks.append(lambda: setattr(w, "stop_requested", True))
     w.stop_requested = shutdown.requested
     return _run_and_exit(w, flag, r)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rose.rollout.engine import RolloutEngine
     from rose.rollout.launcher import WorkerConfig
+    from rose.rollout.policy_model import ModelSpec
 
 
 def build_engine(config: WorkerConfig, device: str, mem_bytes: int, stream=None) -> RolloutEngine:
     """The engine `config.engine` names, on `device` within `mem_bytes` (0: a warm engine that
     has no lease yet). Raises rose.rollout.engine.BudgetError when the budget cannot hold the
-    model and one sequence, ImportError when the engine's library is not installed."""
+    model and one sequence, ValueError naming what is wrong with the configuration, ImportError
+    when the engine's library is not installed."""
     if config.engine == "vllm":
         from rose.rollout.engines.vllm_engine import CUDA_ACTIVATION_MARGIN, VllmEngine, checkpoint_bytes
 
@@ -51,9 +53,8 @@ def build_engine(config: WorkerConfig, device: str, mem_bytes: int, stream=None)
             temperature=config.temperature,
         )
     from rose.rollout.engine import MemoryBudget, TorchEngine
-    from rose.rollout.policy_model import ModelSpec
 
-    spec = ModelSpec(**config.model_spec)
+    spec = reference_spec(config)
     return TorchEngine(
         spec,
         MemoryBudget(mem_bytes, spec),
@@ -69,6 +70,16 @@ def initial_weights(config: WorkerConfig) -> dict:
     checkpoint engine (it keeps the checkpoint's weights)."""
     if config.engine != "reference":
         return {}
-    from rose.rollout.policy_model import ModelSpec, init_state_dict
+    from rose.rollout.policy_model import init_state_dict
 
-    return init_state_dict(ModelSpec(**config.model_spec), config.seed)
+    return init_state_dict(reference_spec(config), config.seed)
+
+
+def reference_spec(config: WorkerConfig) -> ModelSpec:
+    """The reference engine's model shape from `config.model_spec`; ValueError names the key."""
+    from rose.rollout.policy_model import ModelSpec
+
+    try:
+        return ModelSpec(**config.model_spec)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model_spec: {e}") from None

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rose.rollout.engine import GenRequest, sample_tokens
+from rose.rollout.engine import GenRequest, decode_tokens, tensors_match
 
 # config attributes that hold a model's longest sequence, by architecture family
 _MAX_POSITION_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -201,21 +201,14 @@ class HFEngine:
         self, requests: Sequence[GenRequest], max_new_tokens: int, pause_check: Callable[[], bool] = lambda: False
     ) -> list[list[int]]:
         seqs = self._admit(requests)
-        gens: list[torch.Generator] = []
-        for s in seqs:
-            assert s.gen is not None  # _admit gives every sequence one
-            gens.append(s.gen)
-        out: list[list[int]] = [[] for _ in seqs]
         with self._on_stream(), torch.inference_mode():
-            for _ in range(max_new_tokens):
-                logits = self._step(seqs, pause_check)
-                if logits is None:  # paused before a forward; the rest stays pending
-                    break
-                for i, (s, tok) in enumerate(zip(seqs, self._sample(logits, gens))):
-                    s.pending.append(tok)
-                    out[i].append(tok)
-                self.steps += 1
-        return out
+            # paused before a forward: the rest stays pending
+            return decode_tokens(
+                seqs, max_new_tokens, lambda: self._step(seqs, pause_check), self.temperature, self._count_step
+            )
+
+    def _count_step(self) -> None:
+        self.steps += 1
 
     def _step(self, seqs: list[_HFSeq], pause_check: Callable[[], bool]) -> list[torch.Tensor] | None:
         """Feed every sequence's pending tokens; each one's last logits, or None when
@@ -304,24 +297,8 @@ class HFEngine:
             s.length += 1
             s.pending.clear()
 
-    def _sample(self, logits: list[torch.Tensor], gens: list[torch.Generator]) -> list[int]:
-        return sample_tokens(logits, gens, self.temperature)
-
 
 def weights_match(engine: HFEngine, state_dict: dict) -> list[str]:
-    """Names of the published tensors the engine does not hold bit-exactly: its parameter, cast
-    to the published tensor's dtype, is not byte-equal to the tensor (or is missing, or has
-    another shape). An empty list means the engine runs exactly the published weights."""
-    params = engine.model.state_dict()
-    bad = []
-    with torch.no_grad():
-        for name, t in state_dict.items():
-            p = params.get(name)
-            if p is None or tuple(p.shape) != tuple(t.shape):
-                bad.append(name)
-                continue
-            mine = p.detach().to(dtype=t.dtype).reshape(-1).contiguous()
-            theirs = t.detach().to(device=mine.device).reshape(-1).contiguous()
-            if not torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)):
-                bad.append(name)
-    return bad
+    """Names of the published tensors the engine does not hold bit-exactly (`tensors_match`); an
+    empty list means the engine runs exactly the published weights."""
+    return tensors_match(engine.model.state_dict(), state_dict)
