@@ -149,3 +149,19 @@ def engine_report(cfg: Config, beats: list[dict[bytes, bytes]]) -> dict:
             "bit_exact": all(h.get(b"versions_mismatched", b"0") == b"0" for h in beats) if verified else None,
         },
     }
+
+
+def step_report(beats: list[dict[bytes, bytes]]) -> dict:
+    """The workers' decode-step wall time (heartbeat `step_ms_p50`/`step_ms_p99`, each over a
+    worker's last steps): per lease, the median and the largest of their p50s and p99s."""
+    p50 = sorted(float(h[b"step_ms_p50"]) for h in beats if h.get(b"step_ms_p50"))
+    p99 = sorted(float(h[b"step_ms_p99"]) for h in beats if h.get(b"step_ms_p99"))
+    if not p99:
+        return {"leases": 0}
+    return {
+        "leases": len(p99),
+        "p50_ms_median": p50[len(p50) // 2],
+        "p99_ms_median": p99[len(p99) // 2],
+        "p99_ms_max": p99[-1],
+        "note": "each worker's last heartbeat: nearest-rank p50/p99 of its last 512 token-producing steps",
+    }

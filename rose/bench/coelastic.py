@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any, cast
 
-from rose.bench._stack import engine_lease_bytes, engine_report, publish_test_version, wait_for
+from rose.bench._stack import engine_lease_bytes, engine_report, publish_test_version, step_report, wait_for
 
 GOAL_WARM_FIRST_TOKEN_P99_MS = 1000.0
 GOAL_RESUME_FIRST_TOKEN_P99_MS = 100.0
@@ -86,6 +86,10 @@ def run(cfg, quick: bool, cycles: int = 0) -> dict:
     out["resume_first_token_p99_over_goal"] = (
         round(resume["p99_ms"] / GOAL_RESUME_FIRST_TOKEN_P99_MS, 4) if resume["n"] else None
     )
+    # where a resume's time goes: the command's way to the flag (Kafka, the executor), then the
+    # worker's first decode step; a step's own time bounds the second part from below
+    out["resume_flag_to_first_token_ms"] = percentiles_ms(cold["resume_flag"] + warm["resume_flag"])
+    out["decode_step_ms"] = step_report(cold["heartbeats"] + warm["heartbeats"])
     revokes = cold["revokes"] + warm["revokes"]
     in_flight = sum(r["in_flight_episodes"] for r in revokes)
     wasted = sum(r["wasted_tokens"] for r in revokes)
@@ -164,6 +168,7 @@ class _Bench:
             "paused": [],
             "paused_flag": [],
             "resume": [],
+            "resume_flag": [],
             "steps_while_paused": [],
             "revokes": [],
             "progress": [],
@@ -204,6 +209,7 @@ class _Bench:
                     self.command("throttle", epoch, f"u{epoch}-{i}", SHARE)
                     wait_for(lambda: flag.first_token_ns > t2, 10)
                     res["resume"].append(flag.first_token_ns - t2)
+                    res["resume_flag"].append(flag.first_token_ns - flag.set_ns)
                 s0 = flag.steps
                 wait_for(lambda: flag.steps > s0 + 5, 30)
                 # the decode steps the throttles cut short are not the revoke's: count from here

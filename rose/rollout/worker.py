@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from rose.rollout.launcher import WorkerConfig
@@ -58,6 +59,7 @@ class Worker:
     HEARTBEAT_S = 0.2
     VIEW_S = 0.25
     WEIGHTS_S = 0.05
+    STEP_WINDOW = 512  # decode steps the heartbeat's step_ms_p50/p99 cover
 
     def __init__(self, config: WorkerConfig, r, queue, engine, weights, flag: PauseFlag | None):
         from rose.rollout.placement import PlacementConfig
@@ -85,6 +87,9 @@ class Worker:
         d = engine.describe()
         self._engine_fields = {"engine": d["name"], "engine_library": d["version"], "device": d["device"]}
         self._progress: dict[int, tuple[float, float]] = {}
+        # wall time of the last decode steps that produced tokens: a pause waits for the step in
+        # flight and a resume's first token takes one, so this bounds both (heartbeat step_ms_*)
+        self._step_ms: deque[float] = deque(maxlen=self.STEP_WINDOW)
 
     # helpers -----------------------------------------------------------------------------
     def _due(self, name: str, now: float, every: float) -> bool:
@@ -144,6 +149,7 @@ class Worker:
                 "versions_applied": self.stats["versions_applied"],
                 "versions_verified": self.stats["versions_verified"],
                 "versions_mismatched": self.stats["versions_mismatched"],
+                **self._step_fields(),
             },
         )
         p.expire(self.hb_key, 60)
@@ -192,6 +198,14 @@ class Worker:
             self._step_done_frac(ep.task.step, now),
             self.pcfg,
         )
+
+    def _step_fields(self) -> dict:
+        from rose.obs.stats import percentile
+
+        if not self._step_ms:
+            return {}
+        ms = list(self._step_ms)
+        return {"step_ms_p50": percentile(ms, 0.5, 3), "step_ms_p99": percentile(ms, 0.99, 3), "step_ms_n": len(ms)}
 
     # the loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -346,7 +360,10 @@ class Worker:
         if not ready:
             return False
         reqs = [GenRequest(k, ep.to_feed(), ep.sampler_seed()) for k, _c, ep in ready]
+        t0 = time.monotonic()
         out = self.engine.generate(reqs, 1, pause_check=self._should_pause)
+        if any(out):
+            self._step_ms.append((time.monotonic() - t0) * 1000)
         if self.flag is not None and any(out):
             self.flag.count_steps()
             if not self._tokened:
