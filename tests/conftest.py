@@ -28,6 +28,21 @@ def slow_enabled(path: Path, setting: str) -> bool:
     return any(path.is_relative_to(REPO / p.strip()) for p in setting.split(",") if p.strip())
 
 
+# Fixtures that reach the real local Kafka and Redis (`cfg` and `redis_client` go through `stack`).
+STACK_FIXTURES = frozenset({"stack", "cfg", "redis_client"})
+
+
+def needs_stack(item) -> bool:
+    """Whether a test needs the real Kafka and Redis: marked `stack`, asking for a fixture that
+    reaches them (directly or through another fixture), or one of the fault suite's."""
+    return (
+        item.get_closest_marker("stack") is not None
+        or not STACK_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+        or Path(item.path).is_relative_to(REPO / "tests" / "faults")
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marks added here
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -37,6 +52,8 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = False
     slow = os.environ.get("ROSE_SLOW", "")
     for item in items:
+        if needs_stack(item) and item.get_closest_marker("stack") is None:
+            item.add_marker(pytest.mark.stack)  # `make unit` (-m "not stack") leaves it out
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "slow" in item.keywords and not slow_enabled(Path(item.path), slow):
@@ -102,3 +119,29 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     from rose.model.random_init import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2")
+
+
+VLLM_STARTUP_TIMEOUT_S = 240.0  # a cold start on a busy 2-core machine (about 45 s on an idle one)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_checkpoint, tmp_path_factory):
+    """vLLM's OpenAI server (`rose.demo.vllm_server`) on the tiny checkpoint, up until the session ends."""
+    from rose.demo.vllm_server import ServerError, start_server, stop_server
+
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    try:
+        srv = start_server(
+            str(tiny_checkpoint),
+            log,
+            max_model_len=1024,
+            threads=1,
+            timeout_s=VLLM_STARTUP_TIMEOUT_S,
+            env={"VLLM_SERVER_DEV_MODE": "1"},
+        )
+    except ServerError as e:
+        pytest.fail(str(e))
+    try:
+        yield srv
+    finally:
+        stop_server(srv)

@@ -60,3 +60,17 @@ def command_bytes(decisions) -> bytes:
 
 def steady(n, start=0, t0=100.0, **kw):
     return [tel(start + i, t0 + 0.5 * (start + i), **kw) for i in range(n)]
+
+
+def lease_state_record(gpu: str, epoch: int, state: str, ts: float, command_id: str) -> dict:
+    """An executor's rose.lease_state.v1 record for lease `{gpu}#{epoch}`."""
+    return {
+        "schema": "rose.lease_state.v1",
+        "gpu": gpu,
+        "lease_id": f"{gpu}#{epoch}",
+        "epoch": epoch,
+        "state": state,
+        "ts": ts,
+        "rollout_mem_bytes": 0,
+        "command_id": command_id,
+    }

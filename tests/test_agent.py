@@ -18,8 +18,8 @@ from rose.contract.events import Telemetry
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce_event
 from rose.node.lease_view import LeaseView
+from rose.node.simulated_agent import SimOptions, run_simulated
 from rose.node.telemetry import telemetry_records
-from rose.sim.agent import SimOptions, run_simulated
 from tests.examples import command_example, lease_state_example
 
 REPO = Path(__file__).resolve().parent.parent

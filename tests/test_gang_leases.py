@@ -146,3 +146,23 @@ def test_group_size_one_keeps_v1_commands():
     cmds, _, _ = calm(core, ["n/0"], 0, 1000.0)
     assert [c.kind for c in cmds] == ["grant"]
     assert "group_id" not in orjson.loads(orjson.dumps(cmds[0].to_dict()))
+
+
+def test_a_batch_step_leaves_the_views_as_they_were_until_committed():
+    """`step` decides a batch over an overlay: the same decisions as one `decide` after another,
+    and the core's views change only at `commit` (an uncommitted batch is simply dropped)."""
+    events = events_of([(g, 0.25, 20, 30) for _ in range(5) for g in GPUS] + [("n/1", 0.25, 95, 30)])
+    one_by_one, decided = run_core(events)
+    core = SchedulingCore(CFG)
+    first = core.step(events[:7])
+    assert core.views == {} and first.views
+    core.commit(first)
+    rest = core.step(events[7:])
+    kept = dict(core.views)
+    dropped = core.step(events[7:])
+    assert core.views == kept and dropped == rest
+    core.commit(rest)
+    assert core.views == one_by_one.views
+    assert first.decisions + rest.decisions == tuple(decided)
+    assert any(c.kind == "grant" for d in decided for c in d.commands)
+    assert any(c.kind == "throttle" for d in decided for c in d.commands)

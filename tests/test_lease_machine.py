@@ -282,3 +282,33 @@ def test_a_duplicate_is_recognised_among_the_last_half_of_seen_max_commands():
     again, acts = lm.step(s, lm.Received(cmd("renew", 1, ids[-1], ttl=1e6)), 1.0, P)
     assert again == s and acts == ()  # applied once
     assert not lm.has_seen(s, "g")  # the oldest are forgotten: epochs fence them
+
+
+def _start(gpu: str, mem: int, share: float, paused: bool = False, group: str = "n#n/0#1") -> lm.Start:
+    return lm.Start(gpu, f"{gpu}#1", 1, mem, share, paused, group, 2)
+
+
+def test_a_gang_starts_one_worker_once_every_member_said_start():
+    g0 = lm.NO_GANGS
+    g1, lead, members = lm.gang_start(g0, _start("n/1", 3 * GiB, 0.3, paused=True))
+    assert lead is None and members == ("n/1",) and g0 == lm.NO_GANGS  # the input is left as it was
+    g2, lead, members = lm.gang_start(g1, _start("n/0", 2 * GiB, 0.5))
+    assert members == ("n/0", "n/1")
+    assert lead == _start("n/0", 5 * GiB, 0.3, paused=True)  # the first member's, for the whole group
+    assert g2.waiting == {} and g2.member_of == {"n/1": "n#n/0#1", "n/0": "n#n/0#1"}
+    assert g1.waiting == {"n#n/0#1": {"n/1": _start("n/1", 3 * GiB, 0.3, paused=True)}}
+
+
+def test_any_members_stop_ends_its_gang():
+    g, _, _ = lm.gang_start(lm.NO_GANGS, _start("n/0", GiB, 0.5))
+    g, _, _ = lm.gang_start(g, _start("n/1", GiB, 0.5))
+    g, _, _ = lm.gang_start(g, _start("m/0", GiB, 0.5, group="m#m/0#1"))  # another gang, still waiting
+    after, carry = lm.gang_stop(g, "n/1")
+    assert carry == (("n/0", lm.GroupEnded("n#n/0#1")),)
+    assert after.member_of == {"n/0": "n#n/0#1", "m/0": "m#m/0#1"} and after.waiting == g.waiting
+    after, carry = lm.gang_stop(after, "n/0")
+    assert carry == () and after.member_of == {"m/0": "m#m/0#1"}
+    # a member whose group's worker never started has no worker to wait for
+    after, carry = lm.gang_stop(after, "m/0")
+    assert carry == (("m/0", lm.WorkerExited()),) and after == lm.NO_GANGS
+    assert lm.gang_stop(after, "x/0") == (after, ())

@@ -15,6 +15,7 @@ from rose.config import GiB, PolicyConfig
 from rose.contract.events import Latency, Telemetry
 from rose.policy.replay import first_divergence, read_log, replay
 from tests.conftest import TRACES
+from tests.policy_examples import lease_state_record
 
 T0 = 1_750_000_000.0
 GPUS = {"az/0": 80, "az/1": 141, "az/2": 48}  # heterogeneous: GiB per GPU
@@ -99,16 +100,7 @@ def plain_log(tmp_path, events):
 
 
 def lease_state(epoch: int, state: str, ts: float = T0, gpu: str = "az/0") -> dict:
-    return {
-        "schema": "rose.lease_state.v1",
-        "gpu": gpu,
-        "lease_id": f"{gpu}#{epoch}",
-        "epoch": epoch,
-        "state": state,
-        "ts": ts,
-        "rollout_mem_bytes": 0,
-        "command_id": "x",
-    }
+    return lease_state_record(gpu, epoch, state, ts, "x")
 
 
 def write_record(path, events, commands, states=(lease_state(0, "expired"),)):

@@ -19,9 +19,10 @@ from rose.config import GiB
 from rose.obs.stats import t_975
 from rose.sim.engine import POLICIES, SimConfig, _Forked, auto_workers, calibration, simulate, simulate_seeds
 from rose.sim.ledger import Ledger
-from rose.sim.models import GPUS, MODELS, EpisodeModel, RolloutModel, deployed
+from rose.sim.models import GPUS, MODELS, EpisodeModel, deployed
 from rose.sim.report import SLO_TOLERANCE, markdown, validity
 from rose.sim.requests import capacity_bound, kv_costs_s, request_costs_s, roofline_costs_s
+from rose.sim.rollout_model import RolloutModel
 from rose.sim.serving_model import ServingSim
 from rose.sim.traces import Trace, load_trace
 from tests.conftest import REPO

@@ -135,6 +135,7 @@ def other_stack(tmp_path, monkeypatch):
     mine.down()
 
 
+@pytest.mark.stack  # starts a Redis (and Kafka) of its own
 def test_up_says_whose_stack_holds_its_ports_and_uses_it(other_stack, capsys):
     other, mine, other_checkout = other_stack
     pid = int((other.root / "redis.pid").read_text())
@@ -148,6 +149,7 @@ def test_up_says_whose_stack_holds_its_ports_and_uses_it(other_stack, capsys):
     assert mine.redis_down() is False and other.redis_alive()  # `down` here leaves their Redis alone
 
 
+@pytest.mark.stack  # starts a Redis (and Kafka) of its own
 def test_up_own_refuses_another_stack_in_one_line_starting_nothing(other_stack):
     from rose.stack import NotOwnedError
 
@@ -172,6 +174,7 @@ def test_up_own_refuses_another_stack_in_one_line_starting_nothing(other_stack):
     ), st.stdout
 
 
+@pytest.mark.stack  # starts a Redis (and Kafka) of its own
 def test_make_test_refuses_a_stack_it_does_not_own(other_stack, tmp_path):
     other, mine, other_checkout = other_stack
     stamp = tmp_path / "installed"
@@ -190,6 +193,7 @@ def test_make_test_refuses_a_stack_it_does_not_own(other_stack, tmp_path):
     assert not any(mine.root.glob("*.pid")) and other.redis_alive()
 
 
+@pytest.mark.stack  # starts a Redis (and Kafka) of its own
 @pytest.mark.slow
 def test_make_test_runs_on_its_own_stack_and_rose_keep_stack_keeps_it(tmp_path):
     """`make test` on a stack of its own (a private state dir and ports): it starts it, runs the

@@ -175,8 +175,8 @@ def test_format_2_xor_stream_and_a_format_3_stream_both_apply():
 
 def test_format_2_delta_file_still_patches(tmp_path):
     pytest.importorskip("safetensors")
-    from rose.cli.weights import patch_files
     from rose.weights.checkpoint import save
+    from rose.weights.patch import patch_files
 
     rng = np.random.default_rng(6)
     layout = make_layout({"w": ("bfloat16", (50_000,))}, shard_bytes=16384)

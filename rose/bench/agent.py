@@ -100,7 +100,7 @@ def run(cfg, quick: bool) -> dict:
     from rose.kafka.admin import wait_for_broker
     from rose.kafka.telemetry_publisher import TelemetryPublisher
     from rose.kafka.topics import create_topics, delete_topics
-    from rose.sim.agent import SimOptions, run_simulated
+    from rose.node.simulated_agent import SimOptions, run_simulated
     from rose.sim.traces import TraceError
 
     gpus = 5000

@@ -224,10 +224,10 @@ def _patch_figures(params: int, runs: int = 3) -> dict:
     imports included): the median and range of each one's wall time, the process's CPU time."""
     import resource
 
-    from rose.cli.weights import patch_files
     from rose.weights import codec, delta_file
     from rose.weights.checkpoint import load
     from rose.weights.layout import flatten, make_layout
+    from rose.weights.patch import patch_files
 
     with tempfile.TemporaryDirectory(prefix="rose-bench-weights-") as tmp:
         d = Path(tmp)

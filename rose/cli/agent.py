@@ -111,7 +111,7 @@ def register(app: typer.Typer) -> None:
                 nv.close()
         else:
             from rose.kafka.telemetry_publisher import TelemetryPublisher
-            from rose.sim.agent import SimOptions, run_simulated
+            from rose.node.simulated_agent import SimOptions, run_simulated
             from rose.sim.models import gpu_spec
             from rose.sim.models import model_size as model_preset
             from rose.sim.traces import TraceError, load_trace

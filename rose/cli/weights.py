@@ -96,44 +96,6 @@ def _itemsize(dtype: str) -> int:
     return ITEMSIZE[dtype]
 
 
-class PatchError(ValueError):
-    """A delta that cannot be applied to this base (the message says why, for the user)."""
-
-
-def patch_files(base: Path, delta: Path, out: Path, workers: int = _WORKERS) -> dict[str, float]:
-    """Apply the delta file DELTA to the checkpoint BASE and write OUT; seconds per stage."""
-    from rose.weights import codec, delta_file
-    from rose.weights.checkpoint import CheckpointError, load, save
-    from rose.weights.layout import LayoutError
-
-    t0 = time.perf_counter()
-    if not delta.is_file():
-        raise PatchError(f"{delta}: no such file")
-    try:
-        d = delta_file.read(delta)
-        b = load(base)
-    except (delta_file.DeltaFileError, CheckpointError) as e:
-        raise PatchError(str(e)) from None
-    layout, flat = _flat(b, d.layout.shard_bytes)
-    try:
-        d.layout.check_same(layout)
-    except LayoutError as e:
-        raise PatchError(f"layout mismatch between {base} and the delta's base: {e}") from None
-    if codec.checksum(flat) != d.base_checksum:
-        raise PatchError(f"{base} is not the checkpoint {delta} was made from (checksum differs)")
-    t1 = time.perf_counter()
-    try:
-        codec.apply_patches(layout, flat, d.patches, workers=workers)
-    except (codec.ChecksumMismatch, codec.CorruptPayload) as e:
-        raise PatchError(f"{delta}: {e}") from None
-    if codec.checksum(flat) != d.target_checksum:
-        raise PatchError(f"{delta}: result differs from the target (corrupt delta)")
-    t2 = time.perf_counter()
-    fmt = _out_format(out)
-    save(out, layout, flat, fmt, d.metadata if fmt == d.format else None)
-    return {"load_s": t1 - t0, "apply_s": t2 - t1, "save_s": time.perf_counter() - t2}
-
-
 @weights_app.command("patch")
 def patch(
     base: Path = typer.Argument(..., help="The checkpoint the delta was made from."),
@@ -142,6 +104,7 @@ def patch(
 ) -> None:
     """Apply DELTA to BASE; OUT equals the diff's TARGET bit for bit."""
     from rose.cli import fail
+    from rose.weights.patch import PatchError, patch_files
 
     try:
         patch_files(base, delta, out)

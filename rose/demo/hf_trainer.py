@@ -23,7 +23,7 @@ import time
 from collections import deque
 
 from rose.demo import math_task as mt
-from rose.demo.trainer import MASTER_DTYPE, PUBLISH_DTYPE, TrainerSpec, policy_gradient_step, version_record
+from rose.demo.training import MASTER_DTYPE, PUBLISH_DTYPE, TrainerSpec, policy_gradient_step, version_record
 
 SAMPLES_KEPT = 8
 

@@ -393,3 +393,59 @@ __all__ = [
     "lease_state",
     "TERMINAL",
 ]
+
+
+# ---- gangs: the members of a group lease, across the executor's GPUs ---------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Gangs:
+    """The executor's gang bookkeeping (docs/executor.md): per group, the members that said
+    `Start` while the group's one worker has not started; per GPU, the group it belongs to, from
+    its `Start` until its worker stops. Each rule returns a new value; none changes its input."""
+
+    waiting: dict[str, dict[str, Start]]  # group_id -> gpu -> its Start
+    member_of: dict[str, str]  # gpu -> group_id
+
+
+NO_GANGS = Gangs({}, {})
+
+
+def gang_start(g: Gangs, a: Start) -> tuple[Gangs, Start | None, tuple[str, ...]]:
+    """Member `a.gpu` of group `a.group_id` said `Start`. Until every member has, no worker
+    starts (None); then the group's one worker: the first member's `Start` holding the whole
+    group's memory at the smallest share, paused if any member is. With it, the members that
+    said `Start`, by GPU."""
+    member_of = {**g.member_of, a.gpu: a.group_id}
+    waiting = {**g.waiting.get(a.group_id, {}), a.gpu: a}
+    members = tuple(sorted(waiting))
+    if len(waiting) < a.group_size:
+        return Gangs({**g.waiting, a.group_id: waiting}, member_of), None, members
+    starts = list(waiting.values())
+    lead = replace(
+        waiting[members[0]],
+        mem_bytes=sum(m.mem_bytes for m in starts),
+        compute_share=min(m.compute_share for m in starts),
+        paused=any(m.paused for m in starts),
+    )
+    return Gangs({k: v for k, v in g.waiting.items() if k != a.group_id}, member_of), lead, members
+
+
+def gang_stop(g: Gangs, gpu: str) -> tuple[Gangs, tuple[tuple[str, Input], ...]]:
+    """`gpu`'s worker is told to stop. Any member's end ends its gang: the group's one worker
+    goes, so every member's lease does. The inputs that carries, per GPU: `WorkerExited` to
+    `gpu` itself when the group's worker never started (there is none to wait for), and
+    `GroupEnded` to every other member."""
+    gid = g.member_of.get(gpu)
+    if gid is None:
+        return g, ()
+    member_of = {k: v for k, v in g.member_of.items() if k != gpu}
+    waiting = {k: v for k, v in g.waiting.get(gid, {}).items() if k != gpu}
+    carry: list[tuple[str, Input]] = []
+    if gpu in g.waiting.get(gid, {}):
+        carry.append((gpu, WorkerExited()))
+    groups = {k: v for k, v in g.waiting.items() if k != gid}
+    if waiting:
+        groups[gid] = waiting
+    carry += [(other, GroupEnded(gid)) for other, og in member_of.items() if og == gid]
+    return Gangs(groups, member_of), tuple(carry)

@@ -105,10 +105,9 @@ class Executor:
         )
         self.states: dict[str, lm.GpuLease] = {g: lm.initial(g) for g in self.gpus}
         self.workers: dict[str, WorkerHandle] = {}  # a gang's members share their one worker's handle
-        # gang leases: group_id -> the members that said Start, until all have (then one worker);
-        # gpu -> its gang; and inputs for other GPUs raised while an input is being applied
-        self.gangs: dict[str, dict[str, lm.Start]] = {}
-        self.gang_of: dict[str, str] = {}
+        # gang leases: the members that said Start and each GPU's gang (lm.gang_start, lm.gang_stop);
+        # and the inputs for other GPUs raised while an input is being applied
+        self.gangs: lm.Gangs = lm.NO_GANGS
         self._deferred: list[tuple[str, lm.Input]] = []
         if cfg.executor.worker not in ("rollout", "placeholder"):
             raise ValueError(f"executor.worker: expected rollout or placeholder, got {cfg.executor.worker!r}")
@@ -416,21 +415,10 @@ class Executor:
         if a.group_size <= 1:
             self._start_one(a)
             return
-        self.gang_of[a.gpu] = a.group_id
-        waiting = self.gangs.setdefault(a.group_id, {})
-        waiting[a.gpu] = a
-        if len(waiting) < a.group_size:
-            self.log.info("gang.waiting", gpu=a.gpu, group_id=a.group_id, members=len(waiting), of=a.group_size)
+        self.gangs, lead, members = lm.gang_start(self.gangs, a)
+        if lead is None:
+            self.log.info("gang.waiting", gpu=a.gpu, group_id=a.group_id, members=len(members), of=a.group_size)
             return
-        del self.gangs[a.group_id]
-        members = sorted(waiting)
-        starts = list(waiting.values())
-        lead = replace(
-            waiting[members[0]],
-            mem_bytes=sum(m.mem_bytes for m in starts),
-            compute_share=min(m.compute_share for m in starts),
-            paused=any(m.paused for m in starts),
-        )
         self._start_one(lead)
         for g in members[1:]:
             self.workers[g] = self.workers[lead.gpu]
@@ -505,18 +493,9 @@ class Executor:
         h = self.workers.get(gpu)
         if h is not None and h.flag is not None:
             stop_worker(h)
-        gid = self.gang_of.pop(gpu, None)
-        if gid is None:
-            return
         # any member's end ends the gang: its one worker goes, so every member's lease does
-        waiting = self.gangs.get(gid, {})
-        if waiting.pop(gpu, None) is not None:  # the gang's worker never started: nothing to wait for
-            self._deferred.append((gpu, lm.WorkerExited()))
-        if not waiting:
-            self.gangs.pop(gid, None)
-        for g, other in self.gang_of.items():
-            if other == gid:
-                self._deferred.append((g, lm.GroupEnded(gid)))
+        self.gangs, carry = lm.gang_stop(self.gangs, gpu)
+        self._deferred.extend(carry)
 
     def _kill_worker(self, gpu: str) -> None:
         h = self.workers.get(gpu)

@@ -7,7 +7,7 @@ from confluent_kafka.admin import NewTopic
 
 from rose.config import KafkaConfig
 from rose.kafka.admin import make_admin
-from rose.kafka.base import MAX_RECORD_BYTES
+from rose.kafka.base import LOG_EVERY_S, MAX_RECORD_BYTES, _Every
 
 # Compaction keeps the newest lease state per GPU forever: the scheduler's rebuild source.
 COMPACTED = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": "600000"}
@@ -23,6 +23,40 @@ def topic_specs(kcfg: KafkaConfig) -> dict[str, dict[str, str]]:
         kcfg.topic("scheduler-state"): {**COMPACTED, **LARGE},
         kcfg.dlq_topic: {"retention.ms": str(14 * 24 * 3600 * 1000), **LARGE},
     }
+
+
+CREATE_HINT = "create them with `rose topics create` (same kafka.bootstrap and kafka.topic_prefix)"
+
+_missing_every = _Every(LOG_EVERY_S)
+
+
+def missing_topics(kcfg: KafkaConfig, timeout_s: float = 5.0) -> list[str]:
+    """The topics of `topic_specs` the cluster does not have (one metadata request of all
+    topics, which auto-creates none); KafkaException when the cluster does not answer."""
+    md = make_admin(kcfg).list_topics(timeout=timeout_s)
+    absent = []
+    for name in topic_specs(kcfg):
+        t = md.topics.get(name)
+        if t is None or (t.error is not None and t.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+            absent.append(name)
+    return absent
+
+
+def report_missing_topics(kcfg: KafkaConfig, missing: list[str], log, service: str) -> bool:
+    """One error line naming the missing topics and the command that creates them, at most
+    once per `LOG_EVERY_S` for the same topics; True when a line was written."""
+    held = _missing_every.allow((kcfg.bootstrap, tuple(missing)))
+    if held is None:
+        return False
+    log.error(
+        f"{service}.topics_missing",
+        topics=missing,
+        bootstrap=kcfg.bootstrap,
+        fix=CREATE_HINT,
+        waiting=True,
+        left_out=held,
+    )
+    return True
 
 
 def create_topics(kcfg: KafkaConfig, timeout_s: float = 30.0) -> dict[str, str]:

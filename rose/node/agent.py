@@ -7,7 +7,7 @@ engine that spans all of the node's GPUs (tensor parallel). A GPU whose engine c
 publishes nothing that period: without telemetry its lease is not renewed and expires (safe). A
 window in which no request finished carries the last measured p99 (`LatencyCarry`), never 0 ms.
 With `--feed-guard` each measured window's p99 also goes to the executor's local guard.
-The simulated agent is rose.sim.agent."""
+The simulated agent is rose.node.simulated_agent."""
 
 from __future__ import annotations
 

@@ -9,21 +9,15 @@ states" (and docs/contract.md §4).
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rose.config import PolicyConfig
-from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
-from rose.policy.lease_policy import (
-    NEVER,
-    Decision,
-    GpuView,
-    command_id,
-    cooldown_for,
-    decide,
-    lease_id_for,
-)
+from rose.contract.events import InvalidEvent, LeaseState, Telemetry
+from rose.policy import gang
+from rose.policy.lease_policy import Decision, GpuView, cooldown_for, decide
 
 _LEASE_ENDING_STATES = frozenset(("revoking", "revoked", "expired", "rejected"))
 
@@ -78,6 +72,14 @@ def observe_lease_state(view: GpuView | None, state: LeaseState, cfg: PolicyConf
     return replace(view, epoch=epoch, cooldown_until=cooldown_until, revokes_in_row=revokes_in_row, **lease)
 
 
+@dataclass(frozen=True)
+class BatchStep:
+    """A batch decided over an overlay of the views (`SchedulingCore.step`)."""
+
+    decisions: tuple[Decision, ...]  # one per event, in order
+    views: dict[str, GpuView]  # every view the batch changed, as the batch left it
+
+
 class SchedulingCore:
     """The views of the GPUs a caller decides for, and the lease floor: the newest lease state
     each executor published per GPU (any GPU, owned or not). `views` and `lease_floor` may be
@@ -109,20 +111,32 @@ class SchedulingCore:
                 v = observe_lease_state(None, floor, self.cfg)
         return v
 
-    def decide(self, event: Telemetry, before: dict[str, GpuView | None] | None = None) -> Decision:
-        """One policy step for the event's GPU; the new views are kept. `before`, when given,
-        gets the previous view of every GPU the step changes (unless it holds one already)."""
-        old = self.view_for(event.gpu)
-        if before is not None and event.gpu not in before:
-            before[event.gpu] = self.views.get(event.gpu)
+    def decide(self, event: Telemetry) -> Decision:
+        """One policy step for the event's GPU; the new views are kept at once."""
+        return self._decide(event, self.views)
+
+    def step(self, events: Iterable[Telemetry]) -> BatchStep:
+        """A batch of policy steps, in order, over an overlay of the views: each step meets the
+        views the steps before it left, and the core's own views stay as they were until
+        `commit(batch)` (a batch that is not committed is simply dropped)."""
+        overlay: dict[str, GpuView] = {}
+        return BatchStep(tuple(self._decide(ev, overlay) for ev in events), overlay)
+
+    def commit(self, batch: BatchStep) -> None:
+        """Keep the views a batch left."""
+        self.views.update(batch.views)
+
+    def _decide(self, event: Telemetry, into: dict[str, GpuView]) -> Decision:
+        """One step: it reads `into` over the core's views and writes every view it changes to
+        `into` (the core's views themselves, or a batch's overlay)."""
+        gpu = event.gpu
+        old = into[gpu] if gpu in into else self.view_for(gpu)
         d = decide(old, event, self.cfg)
         if self.cfg.group_size > 1 and d.explain.action != "ignored":
-            d = _gang_step(self.views, old, event, d, self.cfg)
+            d = gang.combine(into if into is self.views else ChainMap(into, self.views), old, event, d, self.cfg)
             for v in d.others:
-                if before is not None and v.gpu not in before:
-                    before[v.gpu] = self.views.get(v.gpu)
-                self.views[v.gpu] = v
-        self.views[event.gpu] = d.view
+                into[v.gpu] = v
+        into[gpu] = d.view
         return d
 
     def observe(self, state: LeaseState) -> tuple[GpuView, GpuView] | None:
@@ -138,6 +152,11 @@ class SchedulingCore:
         self.views[state.gpu] = nv
         return v, nv
 
+    def forget(self, gpus: Iterable[str]) -> None:
+        """Drop the views of GPUs no longer decided for here (their partitions went elsewhere)."""
+        for gpu in gpus:
+            self.views.pop(gpu, None)
+
     def restore(self, views: Iterable[GpuView], lease_states: Iterable[LeaseState]) -> None:
         """After a (re)assignment: `views` as last committed (a later one of a GPU wins), the
         floor re-read from the whole lease-state log, and each GPU's floor folded into its view."""
@@ -150,176 +169,3 @@ class SchedulingCore:
             view = self.views.get(gpu)
             if view is not None:
                 self.views[gpu] = observe_lease_state(view, ls, self.cfg)
-
-
-# ---- gang leases (docs/policy.md "Gang leases") ------------------------------------------------
-
-_NO_LEASE: dict[str, Any] = {
-    "lease_id": None,
-    "lease_expires_at": 0.0,
-    "lease_mem_bytes": 0,
-    "lease_compute_share": 0.0,
-    "lease_granted_at": 0.0,
-    "paused_since": NEVER,
-    "group_id": "",
-    "group_size": 0,
-}
-
-
-def _gang_step(
-    views: dict[str, GpuView], old: GpuView | None, event: Telemetry, d: Decision, cfg: PolicyConfig
-) -> Decision:
-    """`decide()` judges each GPU alone; with `group_size` k > 1 a lease spans k GPUs of one
-    node. This step turns the one GPU's decision into the gang's: a grant waits until k GPUs of
-    the node would each be granted (then all k at once, in this step's commands: one
-    transaction); a pause or revoke of one member pauses or revokes every member; a resume
-    waits until every member would resume, at the smallest share any of them would take."""
-    k, ts, gpu, node = cfg.group_size, event.ts, event.gpu, event.node
-    v = replace(d.view, node=node)
-    held = old is not None and old.lease_id is not None and old.group_id != ""
-    if old is not None and held and v.lease_id == old.lease_id:  # decide() keeps the lease, not its group
-        v = replace(v, group_id=old.group_id, group_size=old.group_size)
-    cmds = list(d.commands)
-    others: list[GpuView] = []
-    explain = d.explain
-
-    def siblings(group_id: str) -> list[GpuView]:
-        return sorted(
-            (w for g, w in views.items() if g != gpu and w.group_id == group_id and w.lease_id is not None),
-            key=lambda w: w.gpu,
-        )
-
-    def command(w: GpuView, kind: str, mem: int, share: float, expires: float, why: str) -> Command:
-        assert w.lease_id is not None
-        return Command(
-            command_id(event.event_id, kind, w.gpu, w.epoch),
-            ts,
-            kind,
-            w.gpu,
-            w.lease_id,
-            w.epoch,
-            mem,
-            share,
-            expires,
-            why,
-            event.event_id,
-            w.group_id,
-            w.group_size,
-        )
-
-    if held:
-        assert old is not None
-        if v.lease_id != old.lease_id:  # revoked here, or expired without renewal: the gang ends
-            why = f"gang {old.group_id}: member {gpu} ended ({explain.reason})"
-            for w in siblings(old.group_id):
-                cmds.append(command(w, "revoke", 0, 0.0, ts, why))
-                others.append(
-                    replace(w, cooldown_until=max(w.cooldown_until, v.cooldown_until), ready_mem_bytes=0, **_NO_LEASE)
-                )
-            cmds = [c if c.group_id or c.gpu != gpu or c.kind != "revoke" else _in_group(c, old) for c in cmds]
-            held = False
-
-    grant = next((c for c in cmds if c.kind == "grant"), None)
-    if grant is not None:  # a lone GPU qualifies: it waits for its node's other GPUs
-        cmds.remove(grant)
-        v = replace(
-            v, epoch=grant.epoch - 1, ready_mem_bytes=grant.mem_bytes, ready_share=grant.compute_share, **_NO_LEASE
-        )
-        busy = {w.gpu for w in others}
-        ready = sorted(
-            (
-                w
-                for g, w in views.items()
-                if g != gpu
-                and g not in busy
-                and w.node == node
-                and w.lease_id is None
-                and w.ready_mem_bytes > 0
-                and w.last_ts >= ts - cfg.ttl_s
-                and ts >= w.cooldown_until
-            ),
-            key=lambda w: w.gpu,
-        )[: k - 1]
-        if len(ready) < k - 1:
-            explain = replace(
-                explain,
-                action="none",
-                reason=f"gang: {len(ready) + 1} of {k} GPUs of {node} qualify; " + explain.reason,
-            )
-        else:
-            members = [v, *ready]
-            share = min(w.ready_share for w in members)
-            group_id = f"{node}#{lease_id_for(gpu, v.epoch + 1)}"
-            why = f"gang {group_id}: {k} GPUs of {node} qualify; share {share:g}; " + grant.reason
-            granted = []
-            for w in members:
-                epoch = w.epoch + 1
-                w = replace(
-                    w,
-                    epoch=epoch,
-                    lease_id=lease_id_for(w.gpu, epoch),
-                    lease_expires_at=ts + cfg.ttl_s,
-                    lease_mem_bytes=w.ready_mem_bytes,
-                    lease_compute_share=share,
-                    lease_granted_at=ts,
-                    group_id=group_id,
-                    group_size=k,
-                    ready_mem_bytes=0,
-                    ready_share=0.0,
-                )
-                cmds.append(command(w, "grant", w.lease_mem_bytes, share, w.lease_expires_at, why))
-                granted.append(w)
-            v = granted[0]
-            others += granted[1:]
-            explain = replace(explain, action="grant", reason=why)
-        return Decision(v, tuple(cmds), explain, tuple(others))
-
-    if not held:
-        return Decision(v, tuple(cmds), explain, tuple(others))
-    assert old is not None
-    group_id = old.group_id
-    pause = any(c.kind == "throttle" and c.compute_share == 0.0 for c in cmds)
-    resume = next((c for c in cmds if c.kind == "throttle" and c.compute_share > 0.0), None)
-    if pause:
-        why = f"gang {group_id}: member {gpu} paused ({explain.reason})"
-        for w in siblings(group_id):
-            if w.lease_compute_share > 0.0:
-                exp = ts + cfg.ttl_s
-                cmds.append(command(w, "throttle", w.lease_mem_bytes, 0.0, exp, why))
-                others.append(replace(w, lease_compute_share=0.0, paused_since=ts, lease_expires_at=exp))
-    elif resume is not None:  # this member would resume: the gang resumes once all would
-        cmds.remove(resume)
-        v = replace(
-            v,
-            lease_compute_share=0.0,
-            paused_since=old.paused_since,
-            lease_expires_at=old.lease_expires_at,
-            ready_share=resume.compute_share,
-        )
-        sibs = siblings(group_id)
-        if len(sibs) == old.group_size - 1 and all(w.lease_compute_share == 0.0 and w.ready_share > 0.0 for w in sibs):
-            share = min([resume.compute_share] + [w.ready_share for w in sibs])
-            why = f"gang {group_id}: every member would resume; share {share:g}; " + resume.reason
-            exp = ts + cfg.ttl_s
-            members = [v, *sibs]
-            resumed = []
-            for w in members:
-                w = replace(w, lease_compute_share=share, paused_since=NEVER, lease_expires_at=exp, ready_share=0.0)
-                cmds.append(command(w, "throttle", w.lease_mem_bytes, share, exp, why))
-                resumed.append(w)
-            v, others = resumed[0], resumed[1:]
-            explain = replace(explain, reason=why)
-        else:
-            explain = replace(explain, action="hold", reason=f"gang {group_id}: waiting for every member to resume")
-            if v.lease_expires_at - ts < cfg.renew_before_s:
-                exp = ts + cfg.ttl_s
-                v = replace(v, lease_expires_at=exp)
-                cmds.append(command(v, "renew", v.lease_mem_bytes, 0.0, exp, explain.reason))
-                explain = replace(explain, action="renew")
-    # every command of a member carries the group
-    cmds = [c if c.group_id else _in_group(c, old) for c in cmds]
-    return Decision(v, tuple(cmds), explain, tuple(others))
-
-
-def _in_group(c: Command, held: GpuView) -> Command:
-    return replace(c, group_id=held.group_id, group_size=held.group_size)

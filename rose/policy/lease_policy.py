@@ -110,6 +110,39 @@ def command_id(cause_event_id: str, kind: str, gpu: str, epoch: int) -> str:
     return hashlib.sha256(f"{cause_event_id}\x1f{kind}\x1f{gpu}\x1f{epoch}".encode()).hexdigest()[:32]
 
 
+def lease_command(
+    cause: Telemetry,
+    kind: str,
+    gpu: str,
+    lease_id: str,
+    epoch: int,
+    *,
+    mem_bytes: int,
+    compute_share: float,
+    expires_at: float,
+    reason: str,
+    group_id: str = "",
+    group_size: int = 0,
+) -> Command:
+    """A command about lease `lease_id` (epoch `epoch`) of `gpu`, decided on telemetry `cause`:
+    its time is the event's, its id a hash of the cause (`command_id`)."""
+    return Command(
+        command_id=command_id(cause.event_id, kind, gpu, epoch),
+        ts=cause.ts,
+        kind=kind,
+        gpu=gpu,
+        lease_id=lease_id,
+        epoch=epoch,
+        mem_bytes=mem_bytes,
+        compute_share=compute_share,
+        expires_at=expires_at,
+        reason=reason,
+        cause_event_id=cause.event_id,
+        group_id=group_id,
+        group_size=group_size,
+    )
+
+
 def lease_id_for(gpu: str, epoch: int) -> str:
     return f"{gpu}#{epoch}"
 
@@ -192,7 +225,8 @@ def _trend(
 
 
 def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decision:
-    """One policy step for one telemetry event of one GPU."""
+    """One policy step for one telemetry event of one GPU: what the event says (`assess`), what
+    to do about the lease (`choose`), and the view the GPU's next event meets (`next_view`)."""
     if view is None:
         view = GpuView(gpu=event.gpu)
     ts = event.ts
@@ -203,27 +237,111 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
             else f"stale: ts {ts:.3f} <= last {view.last_ts:.3f}"
         )
         return Decision(replace(view, ignored_stale=view.ignored_stale + 1), (), Explanation({}, {}, 0, "ignored", why))
+    held, expired_note = lease_at(view, ts)
+    a = assess(view, event, held, cfg)
+    c = choose(view.gpu, event, a, held, cfg)
+    reason = c.reason
+    if expired_note and not c.commands:  # commands stay the same whether the executor's `expired` came first
+        reason = expired_note + reason
+    return Decision(
+        next_view(view, event, a, c.terms), c.commands, Explanation(a.headroom, a.predicted, a.free, c.action, reason)
+    )
 
+
+@immutable
+class LeaseTerms:
+    """The lease fields of a GPU's view: the lease held (if any) and what outlives it (the
+    epoch floor, the cooldown and the revokes in a row behind it)."""
+
+    lease_id: str | None
+    epoch: int
+    mem_bytes: int
+    share: float
+    expires_at: float
+    granted_at: float
+    paused_since: float
+    cooldown_until: float
+    revokes_in_row: int
+
+    def until(self, expires_at: float, share: float, paused_since: float) -> LeaseTerms:
+        """The same lease, running at `share` (0: paused since `paused_since`) until `expires_at`."""
+        return LeaseTerms(
+            self.lease_id,
+            self.epoch,
+            self.mem_bytes,
+            share,
+            expires_at,
+            self.granted_at,
+            paused_since,
+            self.cooldown_until,
+            self.revokes_in_row,
+        )
+
+
+@immutable
+class Assessment:
+    """What one fresh event says about its GPU before anything is chosen."""
+
+    headroom: dict[str, float]  # per SLO metric, 1 - p99/slo
+    predicted: dict[str, float]  # after the trend predictor
+    h_min: float  # the smaller headroom
+    serving: int  # serving's memory: used - rollout
+    free: int  # total - serving - max(lease, rollout)
+    margin: int  # memory never lent
+    slow: tuple[str, ...]  # latency conditions: pause a lease, block a grant
+    short: tuple[str, ...]  # memory conditions: revoke a lease, block a grant
+    streak: int  # consecutive events with grant headroom on every metric, this one included
+    load: float  # serving's load now: worst p99 / SLO
+    base_load: float  # the interference estimate after this event
+    slowdown_per_share: float
+
+
+@immutable
+class Choice:
+    """What to do about the lease: the action, why, the lease fields after it, its commands."""
+
+    action: str
+    reason: str
+    terms: LeaseTerms
+    commands: tuple[Command, ...]
+
+
+def lease_at(view: GpuView, ts: float) -> tuple[LeaseTerms, str]:
+    """The view's lease as of event time `ts`: one whose expiry passed is over (the executor
+    revoked itself). With it, a note saying so ("" when nothing expired)."""
+    lease_id = view.lease_id
+    note = ""
+    if lease_id is not None and ts >= view.lease_expires_at:
+        note = f"lease {lease_id} expired at {view.lease_expires_at:.3f} without renewal; "
+        lease_id = None
+    if lease_id is None:
+        return LeaseTerms(None, view.epoch, 0, 0.0, 0.0, 0.0, _NEVER, view.cooldown_until, view.revokes_in_row), note
+    # positional, here and in `assess`: keyword arguments cost about three times as much on this path
+    return LeaseTerms(
+        lease_id,
+        view.epoch,
+        view.lease_mem_bytes,
+        view.lease_compute_share,
+        view.lease_expires_at,
+        view.lease_granted_at,
+        view.paused_since,
+        view.cooldown_until,
+        view.revokes_in_row,
+    ), note
+
+
+def assess(view: GpuView, event: Telemetry, held: LeaseTerms, cfg: PolicyConfig) -> Assessment:
+    """Headroom, memory and their trends; two levels (v1.1): latency conditions pause a lease's
+    compute (throttle to share 0), memory conditions revoke it. On a GPU without a lease,
+    either blocks a grant."""
     lat, slo = event.latency_ms, event.slo_ms
     h_ttft = 1.0 - lat.ttft_p99 / slo.ttft_p99
     h_tpot = 1.0 - lat.tpot_p99 / slo.tpot_p99
-    headroom = {"ttft_p99": h_ttft, "tpot_p99": h_tpot}
     total = event.mem_total_bytes
     rollout = event.rollout_mem_bytes
     serving = event.mem_used_bytes - rollout
     margin = memory_margin(total, cfg)
-
-    # The lease as of this event: one whose expiry passed is over (the executor revoked itself).
-    lease_id = view.lease_id
-    expired_note = ""
-    if lease_id is not None and ts >= view.lease_expires_at:
-        expired_note = f"lease {lease_id} expired at {view.lease_expires_at:.3f} without renewal; "
-        lease_id = None
-    lease_mem = view.lease_mem_bytes if lease_id is not None else 0
-    free = free_memory(total, serving, lease_mem, rollout)
-
-    # Two levels (v1.1). Latency conditions pause a lease's compute (throttle to share 0); memory
-    # conditions revoke it. On a GPU without a lease, either blocks a grant.
+    free = free_memory(total, serving, held.mem_bytes, rollout)
     slow: list[str] = []  # latency: headroom below the revoke threshold, or the trend crosses the SLO
     short: list[str] = []  # memory: free memory below the margin, or KV growth heading there
     rv = cfg.revoke_headroom
@@ -233,180 +351,217 @@ def decide(view: GpuView | None, event: Telemetry, cfg: PolicyConfig) -> Decisio
         slow.append(f"headroom {h_tpot:.2f} < {rv:.2f} on tpot_p99")
     if free < margin:
         short.append(f"free memory {_gib(free)} < margin {_gib(margin)}")
-    dt = ts - view.last_ts if view.last_ts >= 0.0 else 0.0
+    dt = event.ts - view.last_ts if view.last_ts >= 0.0 else 0.0
     p_ttft, p_tpot = h_ttft, h_tpot
-    horizon = cfg.trend_horizon_s
     if dt > 0.0:
-        dt2 = view.last_ts - view.prev2_ts
-        if view.prev2_ts >= 0.0 and dt2 > 0.0:
-            p_ttft = _trend(
-                "ttft_p99", lat.ttft_p99, view.prev_ttft_p99, view.prev2_ttft_p99, slo.ttft_p99, dt, dt2, horizon, slow
-            )
-            p_tpot = _trend(
-                "tpot_p99", lat.tpot_p99, view.prev_tpot_p99, view.prev2_tpot_p99, slo.tpot_p99, dt, dt2, horizon, slow
-            )
-        prev_mem = view.prev_serving_mem
-        if 0 <= prev_mem < serving and margin > 0:
-            growth = (serving - prev_mem) / dt * horizon
-            limit = cfg.kv_growth_revoke_frac * margin
-            if growth >= limit:
-                short.append(
-                    f"KV growth {_gib(growth)} per {horizon:g} s >= {_gib(limit)} "
-                    f"({cfg.kv_growth_revoke_frac:g} x margin {_gib(margin)})"
-                )
-            elif free - growth < margin <= free:
-                short.append(
-                    f"KV growth {_gib(growth)} per {horizon:g} s would leave "
-                    f"{_gib(free - growth)} < margin {_gib(margin)}"
-                )
-    predicted = {"ttft_p99": p_ttft, "tpot_p99": p_tpot}
-
-    g = cfg.grant_headroom
+        if view.prev2_ts >= 0.0:
+            p_ttft, p_tpot = _predicted(view, event, dt, (h_ttft, h_tpot), cfg, slow)
+        if 0 <= view.prev_serving_mem < serving and margin > 0:
+            _kv_growth(view.prev_serving_mem, serving, free, margin, dt, cfg, short)
     h_min = h_ttft if h_ttft < h_tpot else h_tpot
-    streak = view.streak + 1 if h_min >= g else 0
-
-    epoch = view.epoch
-    expires_at = view.lease_expires_at if lease_id is not None else 0.0
-    share = view.lease_compute_share if lease_id is not None else 0.0
-    granted_at = view.lease_granted_at if lease_id is not None else 0.0
-    paused_since = view.paused_since if lease_id is not None else _NEVER
-    cooldown_until, revokes_in_row = view.cooldown_until, view.revokes_in_row
-    commands: tuple[Command, ...] = ()
-    gpu = view.gpu
-
-    # The interference estimate: serving's load alone on calm events with no rollout running
-    # (never on an event deferral may hold back: those have h_min < grant_headroom), and its
-    # slowdown per unit of share on events where a lease runs.
     load = 1.0 - h_min
-    base_load, per_share = view.base_load, view.slowdown_per_share
-    w_est = cfg.interference_weight
-    if lease_id is not None and share > 0.0:
-        if base_load > 0.0:
-            obs = (load / base_load - 1.0) / share
-            lo, hi = _SLOWDOWN_BOUNDS
-            per_share = _ewma(per_share, lo if obs < lo else hi if obs > hi else obs, w_est)
-    elif h_min >= g:
-        base_load = _ewma(base_load, load, w_est)
+    base_load, per_share = _interference(view, held, load, h_min >= cfg.grant_headroom, cfg)
+    return Assessment(
+        {"ttft_p99": h_ttft, "tpot_p99": h_tpot},  # headroom
+        {"ttft_p99": p_ttft, "tpot_p99": p_tpot},  # predicted
+        h_min,
+        serving,
+        free,
+        margin,
+        tuple(slow),
+        tuple(short),
+        view.streak + 1 if h_min >= cfg.grant_headroom else 0,  # streak
+        load,
+        base_load,
+        per_share,
+    )
 
-    def command(kind: str, mem: int, cshare: float, expires: float, why: str) -> tuple[Command, ...]:
-        assert lease_id is not None  # every command is about a lease: the held one, or the one granted
-        return (
-            Command(
-                command_id(event.event_id, kind, gpu, epoch),
-                ts,
-                kind,
-                gpu,
-                lease_id,
-                epoch,
-                mem,
-                cshare,
-                expires,
-                why,
-                event.event_id,
-            ),
+
+def _predicted(
+    view: GpuView, event: Telemetry, dt: float, now: tuple[float, float], cfg: PolicyConfig, slow: list[str]
+) -> tuple[float, float]:
+    """Predicted headroom per metric (`_trend`), given the event before the last (`prev2_ts` ≥
+    0); else `now`."""
+    dt2 = view.last_ts - view.prev2_ts
+    if not dt2 > 0.0:
+        return now
+    lat, slo, horizon = event.latency_ms, event.slo_ms, cfg.trend_horizon_s
+    return (
+        _trend("ttft_p99", lat.ttft_p99, view.prev_ttft_p99, view.prev2_ttft_p99, slo.ttft_p99, dt, dt2, horizon, slow),
+        _trend("tpot_p99", lat.tpot_p99, view.prev_tpot_p99, view.prev2_tpot_p99, slo.tpot_p99, dt, dt2, horizon, slow),
+    )
+
+
+def _kv_growth(prev_mem: int, serving: int, free: int, margin: int, dt: float, cfg: PolicyConfig, short: list[str]):
+    """Appends a memory condition when serving's memory, grown from `prev_mem` (≥ 0) to `serving`,
+    grows fast enough to eat the (positive) margin."""
+    horizon = cfg.trend_horizon_s
+    growth = (serving - prev_mem) / dt * horizon
+    limit = cfg.kv_growth_revoke_frac * margin
+    if growth >= limit:
+        short.append(
+            f"KV growth {_gib(growth)} per {horizon:g} s >= {_gib(limit)} "
+            f"({cfg.kv_growth_revoke_frac:g} x margin {_gib(margin)})"
+        )
+    elif free - growth < margin <= free:
+        short.append(
+            f"KV growth {_gib(growth)} per {horizon:g} s would leave {_gib(free - growth)} < margin {_gib(margin)}"
         )
 
-    if lease_id is not None:
-        paused_for = ts - paused_since if paused_since >= 0.0 else 0.0
-        if short or paused_for >= cfg.max_pause_s:
-            action = "revoke"
-            reason = "; ".join(short) if short else f"paused for {paused_for:.1f} s >= {cfg.max_pause_s:g} s"
-            lived = ts - granted_at
-            revokes_in_row = 1 if lived >= cfg.cooldown_reset_s else revokes_in_row + 1
-            cool = cooldown_for(revokes_in_row, cfg)
-            cooldown_until = ts + cool
-            reason += f"; cooldown {cool:g} s"
-            commands = command("revoke", 0, 0.0, ts, reason)
-            lease_id, lease_mem, share, expires_at, granted_at, paused_since = None, 0, 0.0, 0.0, 0.0, _NEVER
-        elif slow and share > 0.0:
-            action, reason = "throttle", "pause: " + "; ".join(slow)
-            share, paused_since, expires_at = 0.0, ts, ts + cfg.ttl_s
-            commands = command("throttle", lease_mem, share, expires_at, reason)
-        elif share == 0.0 and not slow and streak >= cfg.grant_streak:
-            share = compute_share_for(max(load, base_load), per_share, cfg)
-            if share > 0.0:
-                action = "throttle"
-                reason = (
-                    f"resume: headroom {h_min:.2f} >= {g:.2f} for {streak} events after "
-                    f"{paused_for:.1f} s paused; share {share:g}"
-                )
-                paused_since, expires_at = _NEVER, ts + cfg.ttl_s
-                commands = command("throttle", lease_mem, share, expires_at, reason)
-            else:
-                action, reason = "hold", f"paused: serving load {max(load, base_load):.2f} leaves no share"
-                if expires_at - ts < cfg.renew_before_s:
-                    action, expires_at = "renew", ts + cfg.ttl_s
-                    commands = command("renew", lease_mem, 0.0, expires_at, reason)
-        elif expires_at - ts < cfg.renew_before_s:
-            action = "renew"
-            state = "paused" if share == 0.0 else f"min headroom {h_min:.2f} >= {rv:.2f}"
-            reason = f"{state}, free memory {_gib(free)} >= margin {_gib(margin)}"
-            expires_at = ts + cfg.ttl_s
-            commands = command("renew", lease_mem, share, expires_at, reason)
-        else:
-            action = "hold"
-            reason = f"lease {lease_id} live until {expires_at:.3f}; " + (
-                f"paused {paused_for:.1f} s, headroom streak {streak}"
-                if share == 0.0
-                else f"min headroom {h_min:.2f} >= {rv:.2f}"
-            )
-    else:
-        avail = free - margin
-        blockers = slow + short
-        if blockers:
-            action, reason = "none", "no grant: " + "; ".join(blockers)
-        elif streak < cfg.grant_streak:
-            if h_min < g:
-                m = "ttft_p99" if h_ttft < h_tpot else "tpot_p99"
-                action, reason = "none", f"headroom {h_min:.2f} < {g:.2f} on {m}"
-            else:
-                action, reason = "none", f"headroom streak {streak} < {cfg.grant_streak}"
-        elif ts < cooldown_until:
-            action, reason = "none", f"cooldown until {cooldown_until:.3f}"
-        elif avail < cfg.min_lease_bytes:
-            action, reason = (
-                "none",
-                (f"free memory after margin {_gib(avail)} < minimum lease {_gib(cfg.min_lease_bytes)}"),
-            )
-        elif (grant_share := compute_share_for(max(load, base_load), per_share, cfg)) <= 0.0:
-            action, reason = "none", f"serving load {max(load, base_load):.2f} leaves no compute share"
-        else:
-            action = "grant"
-            epoch += 1
-            lease_id = lease_id_for(gpu, epoch)
-            lease_mem, share = _lease_mem(avail, h_min, cfg), grant_share
-            expires_at = ts + cfg.ttl_s
-            granted_at = ts
-            reason = (
-                f"headroom {h_min:.2f} >= {g:.2f} for {streak} events, free memory after margin "
-                f"{_gib(avail)} >= {_gib(cfg.min_lease_bytes)}; share {share:g}"
-            )
-            commands = command("grant", lease_mem, share, expires_at, reason)
-    if expired_note and not commands:  # commands stay the same whether the executor's `expired` came first
-        reason = expired_note + reason
 
-    v = GpuView(
-        gpu=gpu,
-        last_ts=ts,
-        last_event_id=event.event_id,
-        streak=streak,
+def _interference(view: GpuView, held: LeaseTerms, load: float, calm: bool, cfg: PolicyConfig) -> tuple[float, float]:
+    """The interference estimate after this event: serving's load alone on calm events with no
+    rollout running (never on an event deferral may hold back: those are not calm), and its
+    slowdown per unit of share on events where a lease runs."""
+    base_load, per_share = view.base_load, view.slowdown_per_share
+    w_est = cfg.interference_weight
+    if held.lease_id is not None and held.share > 0.0:
+        if base_load > 0.0:
+            obs = (load / base_load - 1.0) / held.share
+            lo, hi = _SLOWDOWN_BOUNDS
+            per_share = _ewma(per_share, lo if obs < lo else hi if obs > hi else obs, w_est)
+    elif calm:
+        base_load = _ewma(base_load, load, w_est)
+    return base_load, per_share
+
+
+def choose(gpu: str, event: Telemetry, a: Assessment, held: LeaseTerms, cfg: PolicyConfig) -> Choice:
+    """What to do about `gpu`'s lease on this event: keep, renew, pause, resume or revoke the
+    lease it holds, or grant one."""
+    if held.lease_id is not None:
+        return _choose_held(gpu, event, a, held, cfg)
+    return _choose_grant(gpu, event, a, held, cfg)
+
+
+def _command(
+    gpu: str, event: Telemetry, t: LeaseTerms, kind: str, mem: int, share: float, expires: float, why: str
+) -> tuple[Command, ...]:
+    assert t.lease_id is not None  # every command is about a lease: the held one, or the one granted
+    return (
+        lease_command(
+            event, kind, gpu, t.lease_id, t.epoch, mem_bytes=mem, compute_share=share, expires_at=expires, reason=why
+        ),
+    )
+
+
+def _choose_held(gpu: str, event: Telemetry, a: Assessment, t: LeaseTerms, cfg: PolicyConfig) -> Choice:
+    ts, share, rv = event.ts, t.share, cfg.revoke_headroom
+    paused_for = ts - t.paused_since if t.paused_since >= 0.0 else 0.0
+    if a.short or paused_for >= cfg.max_pause_s:
+        reason = "; ".join(a.short) if a.short else f"paused for {paused_for:.1f} s >= {cfg.max_pause_s:g} s"
+        revokes_in_row = 1 if ts - t.granted_at >= cfg.cooldown_reset_s else t.revokes_in_row + 1
+        cool = cooldown_for(revokes_in_row, cfg)
+        reason += f"; cooldown {cool:g} s"
+        ended = replace(
+            t,
+            lease_id=None,
+            mem_bytes=0,
+            share=0.0,
+            expires_at=0.0,
+            granted_at=0.0,
+            paused_since=_NEVER,
+            cooldown_until=ts + cool,
+            revokes_in_row=revokes_in_row,
+        )
+        return Choice("revoke", reason, ended, _command(gpu, event, t, "revoke", 0, 0.0, ts, reason))
+    if a.slow and share > 0.0:
+        reason = "pause: " + "; ".join(a.slow)
+        t = t.until(ts + cfg.ttl_s, 0.0, ts)
+        return Choice(
+            "throttle", reason, t, _command(gpu, event, t, "throttle", t.mem_bytes, 0.0, t.expires_at, reason)
+        )
+    if share == 0.0 and not a.slow and a.streak >= cfg.grant_streak:
+        load = max(a.load, a.base_load)
+        share = compute_share_for(load, a.slowdown_per_share, cfg)
+        if share > 0.0:
+            reason = (
+                f"resume: headroom {a.h_min:.2f} >= {cfg.grant_headroom:.2f} for {a.streak} events after "
+                f"{paused_for:.1f} s paused; share {share:g}"
+            )
+            t = t.until(ts + cfg.ttl_s, share, _NEVER)
+            return Choice(
+                "throttle", reason, t, _command(gpu, event, t, "throttle", t.mem_bytes, share, t.expires_at, reason)
+            )
+        reason = f"paused: serving load {load:.2f} leaves no share"
+        if t.expires_at - ts >= cfg.renew_before_s:
+            return Choice("hold", reason, t, ())
+        t = t.until(ts + cfg.ttl_s, t.share, t.paused_since)
+        return Choice("renew", reason, t, _command(gpu, event, t, "renew", t.mem_bytes, 0.0, t.expires_at, reason))
+    if t.expires_at - ts < cfg.renew_before_s:
+        state = "paused" if share == 0.0 else f"min headroom {a.h_min:.2f} >= {rv:.2f}"
+        reason = f"{state}, free memory {_gib(a.free)} >= margin {_gib(a.margin)}"
+        t = t.until(ts + cfg.ttl_s, t.share, t.paused_since)
+        return Choice("renew", reason, t, _command(gpu, event, t, "renew", t.mem_bytes, share, t.expires_at, reason))
+    reason = f"lease {t.lease_id} live until {t.expires_at:.3f}; " + (
+        f"paused {paused_for:.1f} s, headroom streak {a.streak}"
+        if share == 0.0
+        else f"min headroom {a.h_min:.2f} >= {rv:.2f}"
+    )
+    return Choice("hold", reason, t, ())
+
+
+def _choose_grant(gpu: str, event: Telemetry, a: Assessment, t: LeaseTerms, cfg: PolicyConfig) -> Choice:
+    g, ts = cfg.grant_headroom, event.ts
+    avail = a.free - a.margin
+    blockers = a.slow + a.short
+    if blockers:
+        return Choice("none", "no grant: " + "; ".join(blockers), t, ())
+    if a.streak < cfg.grant_streak:
+        if a.h_min < g:
+            m = "ttft_p99" if a.headroom["ttft_p99"] < a.headroom["tpot_p99"] else "tpot_p99"
+            return Choice("none", f"headroom {a.h_min:.2f} < {g:.2f} on {m}", t, ())
+        return Choice("none", f"headroom streak {a.streak} < {cfg.grant_streak}", t, ())
+    if ts < t.cooldown_until:
+        return Choice("none", f"cooldown until {t.cooldown_until:.3f}", t, ())
+    if avail < cfg.min_lease_bytes:
+        why = f"free memory after margin {_gib(avail)} < minimum lease {_gib(cfg.min_lease_bytes)}"
+        return Choice("none", why, t, ())
+    load = max(a.load, a.base_load)
+    share = compute_share_for(load, a.slowdown_per_share, cfg)
+    if share <= 0.0:
+        return Choice("none", f"serving load {load:.2f} leaves no compute share", t, ())
+    epoch = t.epoch + 1
+    t = replace(
+        t,
+        lease_id=lease_id_for(gpu, epoch),
         epoch=epoch,
-        lease_id=lease_id,
-        lease_expires_at=expires_at,
-        lease_mem_bytes=lease_mem,
-        lease_compute_share=share,
-        lease_granted_at=granted_at,
-        cooldown_until=cooldown_until,
-        revokes_in_row=revokes_in_row,
+        mem_bytes=_lease_mem(avail, a.h_min, cfg),
+        share=share,
+        expires_at=ts + cfg.ttl_s,
+        granted_at=ts,
+    )
+    reason = (
+        f"headroom {a.h_min:.2f} >= {g:.2f} for {a.streak} events, free memory after margin "
+        f"{_gib(avail)} >= {_gib(cfg.min_lease_bytes)}; share {share:g}"
+    )
+    return Choice("grant", reason, t, _command(gpu, event, t, "grant", t.mem_bytes, share, t.expires_at, reason))
+
+
+def next_view(view: GpuView, event: Telemetry, a: Assessment, t: LeaseTerms) -> GpuView:
+    """The view the GPU's next event meets: this event as the latest (the one before it kept for
+    the trend predictor), the lease fields as chosen, the interference estimate updated."""
+    lat = event.latency_ms
+    return GpuView(
+        gpu=view.gpu,
+        last_ts=event.ts,
+        last_event_id=event.event_id,
+        streak=a.streak,
+        epoch=t.epoch,
+        lease_id=t.lease_id,
+        lease_expires_at=t.expires_at,
+        lease_mem_bytes=t.mem_bytes,
+        lease_compute_share=t.share,
+        lease_granted_at=t.granted_at,
+        cooldown_until=t.cooldown_until,
+        revokes_in_row=t.revokes_in_row,
         prev_ttft_p99=lat.ttft_p99,
         prev_tpot_p99=lat.tpot_p99,
-        prev_serving_mem=serving,
+        prev_serving_mem=a.serving,
         ignored_stale=view.ignored_stale,
         prev2_ts=view.last_ts,
         prev2_ttft_p99=view.prev_ttft_p99,
         prev2_tpot_p99=view.prev_tpot_p99,
-        paused_since=paused_since,
-        base_load=base_load,
-        slowdown_per_share=per_share,
+        paused_since=t.paused_since,
+        base_load=a.base_load,
+        slowdown_per_share=a.slowdown_per_share,
     )
-    return Decision(v, commands, Explanation(headroom, predicted, free, action, reason))

@@ -51,7 +51,7 @@ def lowest_priority_stream(device):
     """A CUDA stream at the lowest priority (PyTorch: larger number = lower priority)."""
     import torch
 
-    low, _high = torch.cuda.Stream.priority_range()
+    low, _high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # static; the stubs declare a method
     return torch.cuda.Stream(device=device, priority=low)
 
 

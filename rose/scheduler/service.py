@@ -40,6 +40,7 @@ from rose.kafka.consumer import (
     rewind,
 )
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
+from rose.kafka.topics import missing_topics, report_missing_topics
 from rose.kafka.transactional import FatalTransactionError, GroupMembershipLost, Transactor, bounded
 from rose.obs import metrics
 from rose.obs.logs import get_logger
@@ -53,7 +54,7 @@ from rose.obs.tracing import (
     tracer,
     unsampled_headers,
 )
-from rose.policy.core import SchedulingCore
+from rose.policy.core import BatchStep, SchedulingCore
 from rose.policy.lease_policy import POLICY_VERSION, Decision, GpuView
 from rose.shutdown import Shutdown
 
@@ -93,6 +94,16 @@ class SchedulerStats:
     traced_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """A consumed batch, decided: per message its telemetry or why it goes to the dlq, and the
+    core's step over the telemetry (decisions in message order, the views it changed)."""
+
+    msgs: list[Message]
+    parsed: list[Telemetry | InvalidEvent]
+    step: BatchStep
+
+
 class Scheduler:
     """One scheduler instance. `run()` until stop(); `step()` processes one batch."""
 
@@ -116,7 +127,6 @@ class Scheduler:
         self.batch_linger_s = batch_linger_s
         self.state_topic = self.k.topic("scheduler-state")
         self.core = SchedulingCore(cfg.policy)  # the views and lease floor of the GPUs this instance owns
-        self.views: dict[str, GpuView] = self.core.views
         self.gpu_partition: dict[str, int] = {}
         self.stats = SchedulerStats()
         self.record_latencies = record_latencies
@@ -175,9 +185,10 @@ class Scheduler:
     def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         ps = {tp.partition for tp in parts}
         self.log.info("partitions.revoked", partitions=sorted(ps))
-        for gpu in [g for g, p in self.gpu_partition.items() if p in ps]:
-            self.views.pop(gpu, None)
+        gone = [g for g, p in self.gpu_partition.items() if p in ps]
+        for gpu in gone:
             self.gpu_partition.pop(gpu, None)
+        self.core.forget(gone)
         consumer.incremental_unassign(parts)
 
     def _rebuild(self, partitions: list[int]) -> None:
@@ -200,7 +211,7 @@ class Scheduler:
             except InvalidEvent:
                 continue
         self.core.restore(views, lease_states)
-        VIEWS.set(len(self.views))
+        VIEWS.set(len(self.core.views))
 
     # ---- the loop ----------------------------------------------------------------------
     def _fold_lease_states(self) -> None:
@@ -298,31 +309,31 @@ class Scheduler:
         return len(good)
 
     def _transact(self, msgs: list[Message], consumed_at: float) -> None:
-        """The batch's commands, views and offsets in one transaction (rose.kafka.transactional);
-        an aborted attempt restores the views this batch changed before it is redone. The spans
-        and log lines of its traced commands are recorded once it committed (`SpanPlan`)."""
-        snapshot: dict[str, GpuView | None] = {}
+        """Reconcile one batch: decide it (`_decide`: pure over an overlay of the views), have
+        the transactor produce its commands, dlq records and changed views with its offsets in
+        one transaction (rose.kafka.transactional; an aborted attempt is redone from the same
+        decisions), keep its views once committed, then record the spans and log lines of its
+        traced commands (`SpanPlan`)."""
+        batch = self._decide(msgs)
         plans: list[tuple[SpanPlan, list[Command]]] = []
         processed_at = consumed_at
 
         def process() -> list[int]:
             nonlocal processed_at
-            out = self._process(msgs, snapshot, plans)
+            out = self._produce(batch, plans)
             processed_at = time.time()
             return out
 
-        def restore() -> None:
+        def aborted() -> None:
             self.stats.aborts += 1
             ABORTS.inc()
-            for gpu, v in snapshot.items():
-                if v is None:
-                    self.views.pop(gpu, None)
-                else:
-                    self.views[gpu] = v
-            snapshot.clear()
             plans.clear()
 
-        pending_latency = self.tx.run(msgs, process, restore)
+        pending_latency = self.tx.run(msgs, process, aborted)
+        self.core.commit(batch.step)
+        views = self.core.views
+        LEASES.set(sum(1 for v in views.values() if v.lease_id is not None))
+        VIEWS.set(len(views))
         now = time.time()
         for ts_ms in pending_latency:
             lat = max(0.0, now - ts_ms / 1000.0)
@@ -338,33 +349,45 @@ class Scheduler:
             plan.record(self._tracer, self.group, functools.partial(self._log_nth, traced))
         self.stats.traced_s += time.perf_counter() - t_record
 
-    def _process(self, msgs: list[Message], snapshot: dict, plans: list) -> list[int]:
-        """Decide for every message of the batch; produce commands, dlq records and the
-        changed views into the open transaction; plan the spans of traced commands into
-        `plans`. Returns record timestamps of commands."""
-        core = self.core
-        dirty: dict[str, int] = {}
-        latency_ts: list[int] = []
-        gpu_partition = self.gpu_partition
+    def _decide(self, msgs: list[Message]) -> _Batch:
+        """Decode and admit every message, and decide the admitted telemetry in one core step
+        (`SchedulingCore.step`): nothing here is produced, and no view is kept yet."""
         self.stats.events += len(msgs)
         EVENTS_IN.inc(len(msgs))
-        time_ns = time.time_ns
-        traced_of = self._traced
+        core = self.core
+        parsed: list[Telemetry | InvalidEvent] = []
         for m in msgs:
-            t0 = time_ns()
             try:
                 ev = decode(m.value(), Telemetry)
                 core.admit(ev, m.timestamp()[1], m.key())
             except InvalidEvent as e:
-                dead_letter(self.producer, self.k.dlq_topic, m, e.reason, e.field, consumer="scheduler")
+                parsed.append(e)
+                continue
+            parsed.append(ev)
+        step = core.step(ev for ev in parsed if isinstance(ev, Telemetry))
+        return _Batch(msgs, parsed, step)
+
+    def _produce(self, batch: _Batch, plans: list) -> list[int]:
+        """Produce a decided batch into the open transaction: per message its dlq record or its
+        commands (planning the spans of traced ones into `plans`), then the views it changed.
+        Returns record timestamps of commands."""
+        dirty: dict[str, int] = {}
+        latency_ts: list[int] = []
+        gpu_partition = self.gpu_partition
+        time_ns = time.time_ns
+        traced_of = self._traced
+        decisions = iter(batch.step.decisions)
+        for m, ev in zip(batch.msgs, batch.parsed, strict=True):
+            t0 = time_ns()
+            if isinstance(ev, InvalidEvent):
+                dead_letter(self.producer, self.k.dlq_topic, m, ev.reason, ev.field, consumer="scheduler")
                 self.stats.dlq += 1
                 DLQ.inc()
                 continue
-            gpu = ev.gpu
-            d = core.decide(ev, snapshot)
+            d = next(decisions)
             partition = m.partition()
             assert partition is not None  # step() passes messages, not errors
-            gpu_partition[gpu] = dirty[gpu] = partition
+            gpu_partition[ev.gpu] = dirty[ev.gpu] = partition
             for other in d.others:  # a gang's members: their views go where their telemetry goes
                 dirty[other.gpu] = gpu_partition.get(other.gpu, partition)
             if d.explain.action == "ignored":
@@ -397,10 +420,9 @@ class Scheduler:
             self.stats.traced_commands += len(traced)
             ts_ms = m.timestamp()[1]
             latency_ts.extend(ts_ms for _ in d.commands)
+        views = batch.step.views
         for gpu, p in dirty.items():
-            produce(self.producer, self.state_topic, orjson.dumps(self.views[gpu].to_dict()), gpu, partition=p)
-        LEASES.set(sum(1 for v in self.views.values() if v.lease_id is not None))
-        VIEWS.set(len(self.views))
+            produce(self.producer, self.state_topic, orjson.dumps(views[gpu].to_dict()), gpu, partition=p)
         return latency_ts
 
     def _traced(self, cmd: Command) -> bool:
@@ -493,6 +515,23 @@ class Scheduler:
         self.producer.flush(5)
 
 
+TOPICS_RECHECK_S = 2.0  # how often a scheduler waiting for its topics looks again
+
+
+def _topics_missing(cfg: Config, log, left: float | None) -> bool:
+    """Whether the contract's topics are missing (said in one line, at most every 30 s). That
+    is a setup step not yet done, not a client failure: nothing is replaced or counted, and
+    the process stays up until `rose topics create` has run. A cluster that does not answer
+    is left to the client path, which reports and retries it."""
+    try:
+        missing = missing_topics(cfg.kafka, timeout_s=5.0 if left is None else max(0.5, min(5.0, left)))
+    except KafkaException:
+        return False
+    if missing:
+        report_missing_topics(cfg.kafka, missing, log, "scheduler")
+    return bool(missing)
+
+
 def run_scheduler(
     cfg: Config,
     instance: str,
@@ -532,6 +571,10 @@ def run_scheduler(
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             break
+        if _topics_missing(cfg, log, left):
+            health["ok"] = False
+            stop.wait(TOPICS_RECHECK_S)
+            continue
         s = None
         try:
             s = Scheduler(cfg, instance=instance, init_timeout_s=30 if left is None else max(1.0, min(30.0, left)))

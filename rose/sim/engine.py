@@ -20,13 +20,13 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from rose.config import PolicyConfig
 from rose.sim.ledger import Ledger
-from rose.sim.models import EngineConfig, EpisodeModel, RolloutModel, deployed, gpu_spec, model_size
+from rose.sim.models import deployed, gpu_spec, model_size
 from rose.sim.report import across_seeds, result_of
 from rose.sim.requests import (
     LONG_TRACE_S,
@@ -39,89 +39,27 @@ from rose.sim.requests import (
     trace_compression,
     two_choices,
 )
-from rose.sim.runs import ELASTIC_CAP_FRAC, POLICIES, RUNS, RoseRun, Run, RunContext, ShareAllRun
+from rose.sim.rollout_model import RolloutModel
+from rose.sim.runs import POLICIES, RUNS, RoseRun, Run, RunContext, ShareAllRun
 from rose.sim.serving_model import ServingSim
+from rose.sim.sim_config import SimConfig
 from rose.sim.traces import Trace
 
-PERIOD_S = 0.5  # telemetry period (TelemetryConfig.period_s), one serving window
-DEFAULT_LOAD = 0.7  # fraction of a GPU's roofline capacity the trace's busiest minute uses
-# Interference: serving's slowdown is 1 + alpha × share (capped at the time-slicing bound, see
-# rose.sim.serving_model). The default is an assumption inside the range published GPU
-# co-location measurements span (docs/simulator.md "Interference: where alpha comes from"):
-# preemptive schedulers keep a high-priority job's p99 within 2-7 % of running alone beside a
-# best-effort job (REEF, OSDI '22; Tally, ASPLOS '25: alpha 0.02-0.07), plain time-slicing
-# costs 1/(1 - share), about 1 + share (alpha 1). CUDA stream priorities without kernel
-# preemption (what ROSE's workers use) lie in between; 0.3 is about the geometric middle of
-# 0.07 and 1. Replace it with a measurement: `rose bench interference --json` on a GPU, passed
-# as `rose simulate --interference-bench FILE`.
-ALPHA_DEFAULT = 0.3
-ALPHA_DEFAULT_SOURCE = (
-    "assumption inside the published range 0.07 (preemptive GPU co-location, Tally ASPLOS '25) "
-    "to 1.0 (time-slicing); docs/simulator.md"
-)
 # The pessimistic row of the paper check: `rose bench interference --quick --json` on this
 # project's 2-core CPU box, a serving step's p99 beside an unprotected rollout worker is 4.157×
 # its p99 alone -> alpha = 3.157 (see `calibration`; docs/paper-check/interference.json).
 ALPHA_MEASURED = 3.157
 ALPHA_MEASURED_SOURCE = "rose bench interference --quick on 2 CPU cores (docs/paper-check/interference.json)"
-# `rose bench weights --full` in the GPU check (docs/measured/h200/weights.json, codec): lossless
-# zdelta bytes per RL step (Adam, lr 1e-6, 100M params) / full bf16 = 0.00664. Bytes, not time:
-# the same on any machine.
-WEIGHT_DELTA_RATIO = 0.00664
 DECIDE_CALLS_BUDGET = 2_000_000  # decide() costs ~12 µs a call in CPython: ~25 s of a run
 # A run of at least this many GPU-windows with ROSE and another policy runs ROSE in a second
 # process (`SimConfig.workers` 0): below it the fork costs more than it saves.
 PARALLEL_MIN_GPU_WINDOWS = 1_000_000
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    n_gpus: int = 64
-    dedicated: int = 0  # 0: n_gpus // 8 (at least 1)
-    model: str = "7B"
-    gpu: str = "H100"
-    tp: int = 0  # serving tensor parallel (0: the fewest GPUs that host the model, models.serving_tp)
-    rollout_tp: int = 0  # the RL policy's tensor parallel in rollout (0: serving's); > 1: gang leases
-    duration_s: float = 0.0  # 0: the trace's span, at most an hour
-    seed: int = 0
-    load: float = DEFAULT_LOAD
-    period_s: float = PERIOD_S
-    decide_every: int = 0  # 0: auto (every window up to DECIDE_CALLS_BUDGET calls, then coarser)
-    alpha: float = ALPHA_DEFAULT
-    alpha_source: str = ALPHA_DEFAULT_SOURCE
-    weight_delta_ratio: float = WEIGHT_DELTA_RATIO
-    weight_ratio_source: str = "rose bench weights --full (docs/measured/h200/weights.json)"
-    check_invariants: bool = False  # assert the simulator's invariants every window (tests)
-    policies: tuple[str, ...] = POLICIES
-    episode: EpisodeModel = field(default_factory=EpisodeModel)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    record_series: bool = True  # per-window series for plots
-    elastic_cap_frac: float = ELASTIC_CAP_FRAC  # the elastic baseline's GPUs at once, × the static pool
-    # processes: 1 runs every policy in this one; 2 runs ROSE in a forked child beside the others
-    # (the same results: the policies share nothing but the request stream, which each process
-    # draws from the same seed); 0: 2 for large runs where that is possible (`auto_workers`)
-    workers: int = 0
-
-    @property
-    def pool(self) -> int:
-        return self.dedicated if self.dedicated > 0 else max(1, self.n_gpus // 8)
-
-
 def simulate(trace: Trace, cfg: SimConfig) -> dict:
     """Run every policy of `cfg.policies` on `trace`; the JSON-ready result (rose.sim.report.result_of)."""
     t_wall = time.perf_counter()
-    for p in cfg.policies:
-        if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
-    if cfg.n_gpus < 1:
-        raise ValueError(f"n_gpus must be >= 1, got {cfg.n_gpus}")
-    if cfg.decide_every < 0:
-        raise ValueError(f"decide_every must be >= 0, got {cfg.decide_every}")
-    if not cfg.elastic_cap_frac >= 0:
-        raise ValueError(f"elastic_cap_frac must be >= 0, got {cfg.elastic_cap_frac}")
-    if cfg.workers < 0:
-        raise ValueError(f"workers must be >= 0, got {cfg.workers}")
+    check_config(cfg)
     gpu = gpu_spec(cfg.gpu)
     model = deployed(model_size(cfg.model), gpu, cfg.tp, cfg.engine.runtime_reserve_bytes)
     G, M, ep = cfg.n_gpus, cfg.pool, cfg.episode
@@ -231,6 +169,21 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     out = result_of(trace, cfg, ctx, model, load, runs, static)
     out["wall_s"] = round(time.perf_counter() - t_wall, 3)
     return out
+
+
+def check_config(cfg: SimConfig) -> None:
+    """ValueError naming the first setting of `cfg` that no run can use."""
+    for p in cfg.policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
+    if cfg.n_gpus < 1:
+        raise ValueError(f"n_gpus must be >= 1, got {cfg.n_gpus}")
+    if cfg.decide_every < 0:
+        raise ValueError(f"decide_every must be >= 0, got {cfg.decide_every}")
+    if not cfg.elastic_cap_frac >= 0:
+        raise ValueError(f"elastic_cap_frac must be >= 0, got {cfg.elastic_cap_frac}")
+    if cfg.workers < 0:
+        raise ValueError(f"workers must be >= 0, got {cfg.workers}")
 
 
 def _tally_slo(run: Run, st, slo) -> int:

@@ -13,9 +13,9 @@ import orjson
 from rose.obs.stats import mean_ci95
 
 if TYPE_CHECKING:
-    from rose.sim.engine import SimConfig
     from rose.sim.models import ModelSize
     from rose.sim.runs import Run, RunContext
+    from rose.sim.sim_config import SimConfig
     from rose.sim.traces import Trace
 
 SLO_TOLERANCE = 0.005  # ROSE's attainment counts as equal to static's within this

@@ -8,7 +8,9 @@ runs the system's own scheduling core, lease machine and guard rule: docs/simula
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -20,12 +22,18 @@ from rose.policy.core import SchedulingCore
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import free_memory, memory_margin
 from rose.sim.ledger import Ledger
-from rose.sim.models import EpisodeModel, GpuSpec, RolloutModel
+from rose.sim.models import EpisodeModel, GpuSpec
+from rose.sim.rollout_model import RolloutModel
 from rose.sim.serving_model import ServingSim
 
 SHARE_ALL_SHARE = 0.5  # = PolicyConfig.max_compute_share: the most ROSE would ever lend
 SHARE_ALL_MEM_FRAC = 0.5  # of the memory serving does not hold at start
 ELASTIC_PROVISION_S = 180.0  # request -> usable external GPU (VM/pod start, image, weights)
+
+# The guard's hysteresis rule over a whole fleet at once: tripped_next is elementwise over numpy
+# arrays (its docstring says so); its annotation names the one-GPU case.
+fleet_tripped_next = cast(Callable[[np.ndarray, np.ndarray, float, float], np.ndarray], tripped_next)
+
 ELASTIC_CAP_FRAC = 0.25  # cost cap: external GPUs at once, as a fraction of the static pool
 # elastic adds GPUs while a step would take longer than static's / (1 + cap frac): the step its cap allows
 
@@ -249,7 +257,7 @@ class RoseRun(Run):
         self.lease_gpu_s += float(self.leased.sum()) * c.dt
         self.lease_share_s += float(self.share[run_mask].sum()) * c.dt
         # the executors' local guard, on the window's latency sample
-        tripped = tripped_next(
+        tripped = fleet_tripped_next(
             self.tripped, min_headroom(st.ttft_p99_ms, st.tpot_p99_ms, c.slo), pc.revoke_headroom, pc.grant_headroom
         )
         self.guard_pauses += int((tripped & ~self.tripped & self.leased).sum())

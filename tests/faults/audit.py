@@ -93,7 +93,7 @@ def admitted_telemetry(cfg: Config) -> list[tuple[Telemetry, float]]:
     return out
 
 
-def admissible_replay(
+def admissible_replay(  # noqa: C901 - the search over admissible fold orders, one function so its budget holds
     events: list[tuple[Telemetry, float]],
     states: list[tuple[LeaseState, float]],
     recorded: list[tuple[dict, float]],

@@ -1,0 +1,71 @@
+"""What the demo's two trainers share (rose.demo.trainer's on the reference policy,
+rose.demo.hf_trainer's on a real checkpoint): the spec they start from, the dtypes of the master
+and the published weights, the REINFORCE step and the record a published version leaves."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rose.demo.spec_process import JsonSpec
+
+MASTER_DTYPE = "float32"  # what the optimizer updates
+PUBLISH_DTYPE = "bfloat16"  # what the weight stream carries
+
+
+@dataclass(frozen=True)
+class TrainerSpec(JsonSpec):
+    job: str = "demo"
+    model: str = "policy"  # the weight stream name (rose:weights:{model}), = executor.model
+    seed: int = 1
+    lr: float = 3e-3  # Adam on the toy task; far above large-model RL rates (rose bench weights)
+    batch_min: int = 8
+    batch_max: int = 32
+    min_step_s: float = 1.0  # at most one optimizer step per this many seconds (bounds the trainer's CPU)
+    inflight: int = 48  # episodes queued or running at most
+    prompt_len: int = 8
+    max_turns: int = 3
+    tokens_per_turn: int = 16
+    obs_tokens: int = 8
+    tool_mu: float = -1.4  # lognormal tool-call latency: median e^-1.4 ≈ 0.25 s
+    tool_sigma: float = 0.5
+    threads: int = 1
+    status_key: str = "demo:trainer"
+    versions_key: str = "demo:versions"
+    # the policy: "reference" (rose.demo.trainer's toy model) or a real checkpoint's engine (vllm | hf),
+    # trained by rose.demo.hf_trainer on two-digit addition
+    engine: str = "reference"
+    checkpoint: str = ""  # the Hugging Face checkpoint directory (engine != reference)
+    group: int = 4  # samples per prompt (distinct seeds); advantages are normalised within a group
+    groups_per_step: int = 2  # complete groups per optimizer step
+    train_layers: int = 1  # the last N decoder layers (and the final norm) are trained, the rest frozen
+
+
+def policy_gradient_step(opt, logits, tok, mask, adv: list[float]) -> float:
+    """One REINFORCE step: minus the advantage-weighted log-probability of each action token
+    (`mask`), averaged over them; the loss."""
+    import torch
+
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])[..., 0]
+    keep = mask[:, 1:].float()
+    a = torch.tensor(adv)[:, None]
+    loss = -(a * logp * keep).sum() / keep.sum().clamp(min=1)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def version_record(version: int, st, extra: dict) -> dict:
+    """What the report keeps of a published version: its publish stats (`WeightPublisher`'s)."""
+    return {
+        "version": version,
+        "keyframe": st.keyframe,
+        "bytes_sent": st.bytes_sent,
+        "bytes_full": st.bytes_full,
+        "changed_elements": st.changed_elements,
+        "encode_ms": round(st.encode_s * 1000, 3),
+        "send_ms": round(st.send_s * 1000, 3),
+        "ts": time.time(),
+        **extra,
+    }

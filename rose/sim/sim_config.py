@@ -1,0 +1,66 @@
+"""What one `rose simulate` run is set to (`SimConfig`): fleet, model, trace load, interference,
+policies and the RL job, with the defaults and where each comes from. Shared by the time loop
+(rose.sim.engine) and the report (rose.sim.report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rose.config import PolicyConfig
+from rose.sim.models import EngineConfig, EpisodeModel
+from rose.sim.runs import ELASTIC_CAP_FRAC, POLICIES
+
+PERIOD_S = 0.5  # telemetry period (TelemetryConfig.period_s), one serving window
+DEFAULT_LOAD = 0.7  # fraction of a GPU's roofline capacity the trace's busiest minute uses
+# Interference: serving's slowdown is 1 + alpha × share (capped at the time-slicing bound, see
+# rose.sim.serving_model). The default is an assumption inside the range published GPU
+# co-location measurements span (docs/simulator.md "Interference: where alpha comes from"):
+# preemptive schedulers keep a high-priority job's p99 within 2-7 % of running alone beside a
+# best-effort job (REEF, OSDI '22; Tally, ASPLOS '25: alpha 0.02-0.07), plain time-slicing
+# costs 1/(1 - share), about 1 + share (alpha 1). CUDA stream priorities without kernel
+# preemption (what ROSE's workers use) lie in between; 0.3 is about the geometric middle of
+# 0.07 and 1. Replace it with a measurement: `rose bench interference --json` on a GPU, passed
+# as `rose simulate --interference-bench FILE`.
+ALPHA_DEFAULT = 0.3
+ALPHA_DEFAULT_SOURCE = (
+    "assumption inside the published range 0.07 (preemptive GPU co-location, Tally ASPLOS '25) "
+    "to 1.0 (time-slicing); docs/simulator.md"
+)
+# `rose bench weights --full` in the GPU check (docs/measured/h200/weights.json, codec): lossless
+# zdelta bytes per RL step (Adam, lr 1e-6, 100M params) / full bf16 = 0.00664. Bytes, not time:
+# the same on any machine.
+WEIGHT_DELTA_RATIO = 0.00664
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    n_gpus: int = 64
+    dedicated: int = 0  # 0: n_gpus // 8 (at least 1)
+    model: str = "7B"
+    gpu: str = "H100"
+    tp: int = 0  # serving tensor parallel (0: the fewest GPUs that host the model, models.serving_tp)
+    rollout_tp: int = 0  # the RL policy's tensor parallel in rollout (0: serving's); > 1: gang leases
+    duration_s: float = 0.0  # 0: the trace's span, at most an hour
+    seed: int = 0
+    load: float = DEFAULT_LOAD
+    period_s: float = PERIOD_S
+    decide_every: int = 0  # 0: auto (every window up to DECIDE_CALLS_BUDGET calls, then coarser)
+    alpha: float = ALPHA_DEFAULT
+    alpha_source: str = ALPHA_DEFAULT_SOURCE
+    weight_delta_ratio: float = WEIGHT_DELTA_RATIO
+    weight_ratio_source: str = "rose bench weights --full (docs/measured/h200/weights.json)"
+    check_invariants: bool = False  # assert the simulator's invariants every window (tests)
+    policies: tuple[str, ...] = POLICIES
+    episode: EpisodeModel = field(default_factory=EpisodeModel)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    record_series: bool = True  # per-window series for plots
+    elastic_cap_frac: float = ELASTIC_CAP_FRAC  # the elastic baseline's GPUs at once, × the static pool
+    # processes: 1 runs every policy in this one; 2 runs ROSE in a forked child beside the others
+    # (the same results: the policies share nothing but the request stream, which each process
+    # draws from the same seed); 0: 2 for large runs where that is possible (`auto_workers`)
+    workers: int = 0
+
+    @property
+    def pool(self) -> int:
+        return self.dedicated if self.dedicated > 0 else max(1, self.n_gpus // 8)
