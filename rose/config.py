@@ -185,6 +185,10 @@ class RolloutConfig:
     # a warm engine holds it before any lease, and the worker's memory counts it
     kv_cache_bytes: int = GiB
     threads: int = 1  # engine compute threads (OMP) per worker on CPU
+    # tokens one engine step may batch (decodes and prefill chunks; vLLM's max_num_batched_tokens,
+    # the hf engine's prefill chunk); 0 = the engine's default. A pause waits for the step in
+    # flight and a resume's first token for the next one: the step's size bounds both
+    step_tokens: int = 0
     verify_weights: int = 0  # 1: workers check every applied version bit-exact (a read-back per version)
 
 
@@ -250,12 +254,15 @@ def _redact_url(url: str) -> str:
 _SECRET_FILE_SUFFIX = "_file"
 
 
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string"}
+
+
 def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     name = f"{section}.{f.name}"
     try:
         if typ == "int":
-            if isinstance(raw, bool):
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise ValueError
             return int(raw)
         if typ == "float":
@@ -263,9 +270,13 @@ def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:
                 raise ValueError
             return float(raw)
         if typ == "str":
+            if not isinstance(raw, str | int | float):  # a table, an array or a date is a mistake
+                raise ValueError
             return str(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected {typ}, got {raw!r}") from None
+        if typ.startswith("Mapping") and not isinstance(raw, Mapping):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{name}: expected {_TYPE_WORDS.get(typ, 'a table')}, got {raw!r}") from None
     return raw
 
 
@@ -275,10 +286,14 @@ def _apply(obj: Any, section: str, values: Mapping[str, Any]) -> Any:
     for key, raw in values.items():
         if key.endswith(_SECRET_FILE_SUFFIX) and key[: -len(_SECRET_FILE_SUFFIX)] in known:
             target = key[: -len(_SECRET_FILE_SUFFIX)]
+            if not isinstance(raw, str):
+                raise ConfigError(f"{section}.{key}: expected a file path, got {raw!r}")
             try:
                 changes[target] = Path(raw).read_text().strip()
             except OSError as e:
-                raise ConfigError(f"{section}.{key}: cannot read {raw}: {e.strerror}") from None
+                raise ConfigError(f"{section}.{key}: cannot read {raw}: {e.strerror or e}") from None
+            except ValueError as e:  # not UTF-8 text, or a NUL in the path
+                raise ConfigError(f"{section}.{key}: cannot read {raw!r}: {e}") from None
             continue
         if key not in known:
             raise ConfigError(f"{section}.{key}: unknown setting (known: {', '.join(sorted(known))})")
@@ -291,20 +306,35 @@ def _apply(obj: Any, section: str, values: Mapping[str, Any]) -> Any:
     return replace(obj, **changes) if changes else obj
 
 
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML document at `path`; every way it can fail is one ConfigError naming the file."""
+    fix = "pass a readable TOML file with --config-file or ROSE_CONFIG"
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; {fix}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror or e}); {fix}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: not valid TOML ({e}); fix the file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not valid TOML (not UTF-8 text); fix the file") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path}: not valid TOML (nested too deeply); fix the file") from None
+    except ValueError as e:  # a path the OS cannot take (a NUL byte)
+        raise ConfigError(f"config file {path!r}: cannot read it ({e}); {fix}") from None
+
+
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Defaults < TOML file (`path` or $ROSE_CONFIG) < environment."""
     env = os.environ if env is None else env
     path = path or env.get("ROSE_CONFIG")
     sections: dict[str, dict[str, Any]] = {}
     if path:
-        try:
-            with open(path, "rb") as fh:
-                doc = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path}: {e}") from None
-        for k, v in doc.items():
+        for k, v in _read_toml(path).items():
             if not isinstance(v, dict):
                 raise ConfigError(f"{k}: expected a [section] table")
             sections[k] = dict(v)
@@ -346,3 +376,7 @@ def _check_rollout(r: RolloutConfig) -> None:
         raise ConfigError(f"rollout.model: engine {r.engine!r} needs a local Hugging Face checkpoint directory")
     if r.engine != "reference" and not (Path(r.model) / "config.json").is_file():
         raise ConfigError(f"rollout.model: {r.model} is not a Hugging Face checkpoint directory (no config.json)")
+    if r.step_tokens < 0:
+        raise ConfigError(
+            f"rollout.step_tokens: expected 0 (the engine's default) or a positive count, got {r.step_tokens}"
+        )

@@ -9,6 +9,7 @@ file is involved.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -111,28 +112,100 @@ def to_tensors(layout: Layout, flat: np.ndarray) -> dict:
     return out
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
+
+
 def _read_safetensors(path: Path) -> Checkpoint:
+    """Parse the header and map the data; a file that breaks the format is a CheckpointError
+    naming the file and the first thing wrong (never a huge allocation or a bare KeyError)."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as fh:
-            (hlen,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(hlen))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
-    data = (
-        np.memmap(path, dtype=np.uint8, mode="r", offset=8 + hlen)
-        if path.stat().st_size > 8 + hlen
-        else np.zeros(0, np.uint8)
-    )
-    meta = header.pop("__metadata__", None) or {}
+            hlen, doc = _st_header(fh, size)
+        meta, entries = _st_entries(doc, size - 8 - hlen)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except _Corrupt as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({e}); re-create or re-download it") from None
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + hlen) if size > 8 + hlen else np.zeros(0, np.uint8)
     specs, arrays = {}, {}
-    for name, info in header.items():
-        dtype = _ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
-        start, end = info["data_offsets"]
-        specs[name] = (dtype, tuple(info["shape"]))
+    for name, (dtype, shape, start, end) in entries.items():
+        specs[name] = (dtype, shape)
         arrays[name] = data[start:end]
-    return Checkpoint(specs, arrays, "safetensors", dict(meta))
+    return Checkpoint(specs, arrays, "safetensors", meta)
+
+
+class _Corrupt(ValueError):
+    """What is wrong with a safetensors file's header (becomes a CheckpointError)."""
+
+
+def _st_header(fh, size: int) -> tuple[int, dict]:
+    """(header length, the header's JSON object), the length checked against the file."""
+    head = fh.read(8)
+    if len(head) < 8:
+        raise _Corrupt(f"{size} bytes, shorter than the 8-byte header length")
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > min(size - 8, MAX_HEADER_BYTES):
+        raise _Corrupt(f"header length {hlen} exceeds the {size - 8} bytes after it or {MAX_HEADER_BYTES}")
+    try:
+        doc = json.loads(fh.read(hlen))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge numbers
+        raise _Corrupt(f"header is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise _Corrupt(f"header is a JSON {type(doc).__name__}, not an object")
+    return hlen, doc
+
+
+def _st_entries(doc: dict, data_bytes: int) -> tuple[dict[str, str], dict[str, tuple]]:
+    """(metadata, name -> (dtype, shape, start, end)) of a header, each entry checked."""
+    meta = _st_metadata(doc.get("__metadata__"))
+    entries = {name: _st_entry(name, info, data_bytes) for name, info in doc.items() if name != "__metadata__"}
+    return meta, entries
+
+
+def _st_metadata(info: Any) -> dict[str, str]:
+    if info is None:
+        return {}
+    if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+        raise _Corrupt("__metadata__ is not an object of strings")
+    return dict(info)
+
+
+def _st_entry(name: str, info: Any, data_bytes: int) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, start, end) of one tensor entry, checked against the data section."""
+    if not isinstance(info, dict):
+        raise _Corrupt(f"tensor {_short(name)}: entry is not an object")
+    dtype = _ST_DTYPES.get(info["dtype"]) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+        raise _Corrupt(f"tensor {_short(name)}: unsupported or missing dtype {_short(info.get('dtype'))}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _Corrupt(f"tensor {_short(name)}: shape {_short(shape)} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise _Corrupt(
+            f"tensor {_short(name)}: data_offsets {_short(offsets)} is not a [start, end] pair of non-negative integers"
+        )
+    start, end = offsets
+    if not start <= end <= data_bytes:
+        raise _Corrupt(
+            f"tensor {_short(name)}: data_offsets [{start}, {end}] outside the {data_bytes}-byte data section"
+        )
+    nbytes = ITEMSIZE[dtype] * math.prod(shape)
+    if end - start != nbytes:
+        raise _Corrupt(
+            f"tensor {_short(name)}: {end - start} bytes of data for {dtype}{_short(shape)} ({nbytes} bytes)"
+        )
+    return dtype, tuple(shape), start, end
+
+
+def _short(x: Any, limit: int = 80) -> str:
+    """repr(x) cut to `limit` characters: a corrupt header must not flood the error line."""
+    r = repr(x)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def load(path: str | os.PathLike) -> Checkpoint:
@@ -140,8 +213,11 @@ def load(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
-    with open(path, "rb") as fh:
-        head = fh.read(16)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(16)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
     if path.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{"):
         return _read_safetensors(path)
     import torch

@@ -70,6 +70,27 @@ class _Diverged(Exception):
     pass
 
 
+KEY_MISMATCH_AFTER = 16  # entries in a row failing the HMAC check that point at the key itself
+KEY_MISMATCH_EVERY_S = 30.0
+KEY_MISMATCH_HINT = (
+    "every entry fails the HMAC check: the signing key likely differs from the publisher's (or the "
+    "publisher signs nothing); give both the same security.weights_hmac_key (or "
+    "security.weights_hmac_key_file, ROSE_SECURITY__WEIGHTS_HMAC_KEY)"
+)
+
+
+def _whole_version(fields: dict, refused: int) -> bool:
+    """Whether `fields`, a refused entry, is a commit and the `refused` entries in a row cover
+    its whole version (seq - vstart + 1 entries); its unsigned fields are only a hint here."""
+    f = {(k.encode() if isinstance(k, str) else k): v for k, v in fields.items()}
+    try:
+        kind = f.get(b"kind")
+        seq, vstart = int(f[b"seq"]), int(f[b"vstart"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return kind in (b"commit", "commit") and 0 < seq - vstart + 1 <= refused
+
+
 class Receiver:
     def __init__(self, hmac_key: str = "", log=None):
         self.key = hmac_key.encode()
@@ -82,6 +103,8 @@ class Receiver:
         self.last_seq = 0
         self.needs_resync = True  # nothing yet: start from a keyframe
         self._formats_seen: set[str] = set()
+        self._refused_in_a_row = 0  # entries that failed the HMAC check since the last that passed
+        self._key_mismatch_said = -KEY_MISMATCH_EVERY_S
         self._reset_staging()
 
     # -- restore / read -----------------------------------------------------------------
@@ -129,12 +152,33 @@ class Receiver:
                 self.stats.refused += 1
                 REJECTED.inc(reason="refused")
                 self.log.error("weights_entry_refused", reason=str(err), seq=fields.get(b"seq", fields.get("seq")))
+                self._note_refused(fields, str(err))
             else:
                 self.stats.invalid += 1
                 REJECTED.inc(reason="invalid")
                 self.log.error("weights_entry_invalid", reason=str(err))
             return None
+        self._refused_in_a_row = 0
         return self.offer_entry(e)
+
+    def _note_refused(self, fields: dict, reason: str) -> None:
+        """After a whole version (up to its commit entry) or KEY_MISMATCH_AFTER entries in a row
+        fail the HMAC check, say once (again at most every KEY_MISMATCH_EVERY_S) that the key,
+        not the entries, is the likely cause, and which setting holds it."""
+        self._refused_in_a_row += 1
+        n = self._refused_in_a_row
+        if not (n >= KEY_MISMATCH_AFTER or _whole_version(fields, n)):
+            return
+        now = time.monotonic()
+        if now - self._key_mismatch_said < KEY_MISMATCH_EVERY_S:
+            return
+        self._key_mismatch_said = now
+        self.log.error(
+            "weights_hmac_key_mismatch",
+            refused_in_a_row=n,
+            reason=reason,
+            fix=KEY_MISMATCH_HINT,
+        )
 
     def offer_entry(self, e: Entry) -> int | None:
         keyframe_start = e.kind == "full" and e.seq == e.vstart and e.part == 0 and bool(e.layout_json)
