@@ -32,3 +32,5 @@ def test_rollout_engine_and_model_are_checked(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     c = load_config(env={"ROSE_ROLLOUT__ENGINE": "hf", "ROSE_ROLLOUT__MODEL": str(tmp_path)})
     assert (c.rollout.engine, c.rollout.model) == ("hf", str(tmp_path))
+    with pytest.raises(ConfigError, match="rollout.step_tokens: expected 0 .* got -1"):
+        load_config(env={"ROSE_ROLLOUT__STEP_TOKENS": "-1"})

@@ -68,6 +68,22 @@ def test_describe_and_limits(tiny_checkpoint):
     assert HFEngine(tiny_checkpoint, max_seq=0).max_seq == 2048  # 0: the config's
 
 
+def test_step_tokens_from_the_config_size_the_prefill_chunk(tiny_checkpoint):
+    """`rollout.step_tokens` reaches the engine the worker builds (0: the engine's default)."""
+    import dataclasses
+
+    from rose.config import Config, RolloutConfig
+    from rose.rollout.engines import build_engine
+    from rose.rollout.launcher import WorkerConfig
+
+    rollout = RolloutConfig(engine="hf", model=str(tiny_checkpoint), step_tokens=64)
+    wc = WorkerConfig.from_config(Config(rollout=rollout), gpu="g", worker_id="w")
+    assert WorkerConfig.from_json(wc.to_json()).step_tokens == 64
+    assert build_engine(wc, "cpu", 0).prefill_chunk == 64
+    default = build_engine(dataclasses.replace(wc, step_tokens=0), "cpu", 0)
+    assert default.prefill_chunk == HFEngine(tiny_checkpoint).prefill_chunk != 64
+
+
 @pytest.mark.parametrize("batch_decode", [True, False])
 def test_greedy_matches_transformers_generate(tiny_checkpoint, batch_decode):
     """Each sequence's greedy tokens, decoded beside the others, are transformers' own."""

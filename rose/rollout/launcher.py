@@ -87,6 +87,7 @@ class WorkerConfig:
     max_model_len: int = 2048
     kv_cache_bytes: int = GiB
     threads: int = 1
+    step_tokens: int = 0  # tokens one engine step may batch; 0 = the engine's default
     verify_weights: bool = False  # check each applied version bit-exact (engine.weights_match)
 
     @classmethod
@@ -105,6 +106,7 @@ class WorkerConfig:
             "max_model_len": cfg.rollout.max_model_len,
             "kv_cache_bytes": cfg.rollout.kv_cache_bytes,
             "threads": cfg.rollout.threads,
+            "step_tokens": cfg.rollout.step_tokens,
             "verify_weights": bool(cfg.rollout.verify_weights),
         }
         return cls(**{**base, **fields})

@@ -39,9 +39,10 @@ def build_engine(config: WorkerConfig, device: str, mem_bytes: int, stream=None)
             threads=config.threads,
             temperature=config.temperature,
             seed=config.seed,
+            step_tokens=config.step_tokens,
         )
     if config.engine == "hf":
-        from rose.rollout.engines.hf_engine import HFEngine
+        from rose.rollout.engines.hf_engine import HF_PREFILL_CHUNK, HFEngine
 
         return HFEngine(
             config.checkpoint,
@@ -51,6 +52,7 @@ def build_engine(config: WorkerConfig, device: str, mem_bytes: int, stream=None)
             device=device,
             stream=stream,
             temperature=config.temperature,
+            prefill_chunk=config.step_tokens or HF_PREFILL_CHUNK,
         )
     from rose.rollout.engine import MemoryBudget, TorchEngine
 

@@ -41,6 +41,9 @@ from rose.rollout.engine import GenRequest, decode_tokens, tensors_match
 _MAX_POSITION_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
+HF_PREFILL_CHUNK = 512  # tokens of one prefill forward unless rollout.step_tokens says otherwise
+
+
 @dataclass
 class _HFSeq:
     seq_id: str
@@ -75,7 +78,7 @@ class HFEngine:
         dtype: str | torch.dtype = "auto",
         max_seq: int | None = None,
         batch_decode: bool = True,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = HF_PREFILL_CHUNK,
     ):
         from transformers import AutoModelForCausalLM, DynamicCache
         from transformers.cache_utils import DynamicLayer

@@ -77,6 +77,7 @@ class VllmEngine:
         threads: int = 1,
         temperature: float = 1.0,
         seed: int = 0,
+        step_tokens: int = 0,
     ):
         os.environ.update(engine_environment(device, kv_cache_bytes, threads))
         import vllm
@@ -86,6 +87,8 @@ class VllmEngine:
         kwargs: dict[str, Any] = {}
         if device != "cpu":
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        if step_tokens:  # a step's decodes and prefill chunks; at least one token per sequence
+            kwargs["max_num_batched_tokens"] = max(step_tokens, max_batch)
         args = EngineArgs(
             model=checkpoint,
             skip_tokenizer_init=True,
@@ -169,7 +172,7 @@ class VllmEngine:
         self._by_request[rid] = seq_id
 
     # generation ------------------------------------------------------------------------
-    def generate(
+    def generate(  # noqa: C901 - admission, abort and the step loop of one call, kept together
         self, requests: Sequence[GenRequest], max_new_tokens: int, pause_check: Callable[[], bool] = lambda: False
     ) -> list[list[int]]:
         """Up to `max_new_tokens` engine steps over every running request; each request's new
