@@ -13,17 +13,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +26,13 @@ import jsonschema
 import pytest
 
 from rose.contract.events import Telemetry
+from rose.demo.vllm_server import VllmServer as Server
 from rose.node import prometheus as prom
 from rose.node.agent import scrape
 from rose.node.telemetry import telemetry_records
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM installed")
 
-STARTUP_TIMEOUT_S = 240.0  # a cold start on a busy 2-core machine (about 45 s on an idle one)
 # Waves of CONCURRENCY requests: a wave's prompts (8 x 224 tokens) fit one prefill step of the CPU
 # server's 2048-token budget, so its requests then decode together, step after step, and the
 # inter-token figures are of decode steps, not of prefills of later arrivals.
@@ -49,84 +43,6 @@ MAX_TOKENS = 32
 PROMPT_LEN = 224
 WINDOWS = 4  # measured windows at most; each p99 must agree in one of them (see the test)
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "rose.telemetry.v1.json"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _last_lines(path: Path, n: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(deque(f, maxlen=n))
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    model: str
-    log: Path
-
-
-@pytest.fixture(scope="session")
-def vllm_server(tiny_checkpoint, tmp_path_factory):
-    """vLLM's OpenAI server on the tiny checkpoint, up until the session ends."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(tiny_checkpoint),
-        "--skip-tokenizer-init",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--enforce-eager",
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-    ]
-    with open(log, "wb") as out:
-        # a session of its own: the engine core is a child process, stopped with the server
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited with {proc.returncode} while starting:\n{_last_lines(log)}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:  # noqa: S310 - local server
-                    if r.status == 200:
-                        break
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM server not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{_last_lines(log)}")
-            time.sleep(1.0)
-        yield Server(url, str(tiny_checkpoint), log)
-    finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    try:  # the engine core, should it have outlived the server
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 @dataclass
@@ -306,7 +222,7 @@ def measure(server: Server, names, keep) -> Measured:
     return Measured(client, prom.window(after, before, time.monotonic() - t0, names), before, after, busy)
 
 
-@pytest.mark.timeout(900)  # the server's start (up to STARTUP_TIMEOUT_S) counts here, and up to WINDOWS windows
+@pytest.mark.timeout(900)  # the server's start (tests/conftest.py: vllm_server) counts here, and WINDOWS windows
 def test_agent_reads_what_the_client_measured(vllm_server):
     """The agent's p99s agree with the client's: within 10 %, or in the client's bucket of vLLM's
     histogram where the buckets are coarser than that. Client and server time different spans

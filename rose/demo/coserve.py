@@ -1,22 +1,32 @@
-"""The real co-served device of the demo: a small torch transformer answering requests replayed
-from a trace, with latency MEASURED by the wall clock, publishing rose.telemetry.v1 for one GPU
-id (default `real/0`).
+"""The real co-served device of the demo: a serving engine answering requests replayed from a
+trace, with latency MEASURED, publishing rose.telemetry.v1 for one GPU id (default `real/0`).
 
     python -m rose.demo.coserve --spec '<CoserveSpec JSON>'      (config from ROSE_* env)
 
-It serves with `rose.rollout.engine.TorchEngine` (continuous batching), measures TTFT and TPOT of
-every request, and publishes the p99 of each over the last `lookback_s` seconds every telemetry
-period (and writes it for the executor's local guard). Its SLO is the run's configured serving
-SLO (`telemetry.slo_ttft_ms`, `telemetry.slo_tpot_ms`), the same as every other serving GPU of
-the run reports. At exit it leaves every request's latency in its status hash, each marked with
-whether a rollout lease was running on the device. Load, latency, SLO and memory definitions:
-docs/demo.md.
+Two engines (`server`):
+
+- "torch": a small torch transformer in this process (`rose.rollout.engine.TorchEngine`,
+  continuous batching); the device measures TTFT and TPOT of every request by the wall clock and
+  publishes the p99 of each over the last `lookback_s` seconds every telemetry period (and writes
+  it for the executor's local guard every `guard_every_s`).
+- "vllm": vLLM's OpenAI server on the checkpoint `model` (rose.demo.vllm_server), started here in
+  a session of its own; each request is a streaming `/v1/completions` of token ids. The published
+  p99s and KV-cache usage are the server's own, read from its /metrics every telemetry period by
+  the agent's reader (`rose.node.agent.scrape`, `rose.node.prometheus`), and each measured window
+  goes to the local guard.
+
+Either way the client keeps every request's TTFT and mean TPOT. Its SLO is the run's configured
+serving SLO (`telemetry.slo_ttft_ms`, `telemetry.slo_tpot_ms`), the same as every other serving
+GPU of the run reports. At exit it leaves every request's latency in its status hash, each marked
+with whether a rollout lease was running on the device. Load, latency, SLO and memory
+definitions: docs/demo.md.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -26,7 +36,10 @@ from typing import Any
 import numpy as np
 
 from rose.demo.spec_process import JsonSpec, spec_main
+from rose.obs.logs import get_logger
 from rose.obs.stats import percentile
+
+log = get_logger("rose.coserve")
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,18 @@ class CoserveSpec(JsonSpec):
     guard_every_s: float = 0.02
     status_key: str = "demo:coserve"  # Redis hash: SLO, state; at exit the summary and every request
     threads: int = 1
+    # the serving engine: "torch" (the small model above, in this process) or "vllm" (vLLM's
+    # OpenAI server on the checkpoint `model`; the model fields above then do not apply)
+    server: str = "torch"
+    model: str = ""  # server "vllm": a local Hugging Face checkpoint directory
+    url: str = ""  # server "vllm": use the server already at this URL instead of starting one
+    vllm_python: str = ""  # the interpreter that runs the server ("" = this one)
+    port: int = 0  # the server's port (0 = a free one)
+    max_model_len: int = 1024
+    startup_timeout_s: float = 300.0  # until /health answers
+    request_timeout_s: float = 120.0
+    clients: int = 64  # concurrent client connections; more requests wait on this side
+    server_log: str = ""  # the directory of the server's log, coserve-vllm.log ("" = a new temporary one)
 
 
 # ---- pure parts ----------------------------------------------------------------------------
@@ -108,16 +133,31 @@ class _Req:
     last_t: float = 0.0
 
 
-class CoServed:
-    def __init__(self, spec: CoserveSpec, cfg, r):
+@dataclass(frozen=True)
+class Reading:
+    """What one telemetry window publishes for the device."""
+
+    ttft_ms: float
+    tpot_ms: float
+    measured: bool  # False: the p99s are carried over from an earlier window (no request finished)
+    queue: int
+    kv_cache_usage: float | None = None
+
+
+class TorchServer:
+    """The small torch model in this process (`rose.rollout.engine.TorchEngine`, continuous
+    batching): one `generate(..., 1)` per step, TTFT/TPOT measured by the wall clock and their
+    p99 taken over the last `lookback_s`."""
+
+    continuous_guard = True  # its p99s are fresh at any moment: the guard file is written every guard_every_s
+
+    def __init__(self, spec: CoserveSpec, finish):
         import torch
 
         from rose.rollout.engine import MemoryBudget, TorchEngine
         from rose.rollout.policy_model import ModelSpec, init_state_dict
-        from rose.sim.serving_model import spread
-        from rose.sim.traces import load_trace
 
-        self.spec, self.cfg, self.r = spec, cfg, r
+        self.spec, self.finish = spec, finish
         torch.set_num_threads(spec.threads)
         self.mspec = ModelSpec(
             d_model=spec.d_model,
@@ -130,76 +170,315 @@ class CoServed:
             self.mspec, MemoryBudget(2 << 30, self.mspec), max_batch=spec.max_batch, device=spec.device
         )
         self.engine.load_weights(0, init_state_dict(self.mspec, spec.seed))
-        tr = load_trace(spec.trace).scaled(spec.speed)
-        mine = spread(tr, spec.replicas, seed=spec.seed) == 0
-        self.arrival = tr.arrival_s[mine]
-        self.p_len, self.o_len = scaled_lengths(tr.prompt_tokens[mine], tr.output_tokens[mine], spec)
-        self.rng = np.random.default_rng(spec.seed)
         self.ttft = LatencyWindow(spec.lookback_s)
         self.tpot = LatencyWindow(spec.lookback_s)
         self.queue: deque[_Req] = deque()
         self.running: dict[str, _Req] = {}
-        self.stop = False
-        self.served = 0
-        # per request: (finish wall time, ttft ms, mean tpot ms, rollout running on this device)
-        self.done: list[tuple[float, float, float, bool]] = []
         self.is_cuda = spec.device.startswith("cuda")
+        self.busy_s = 0.0
+        self.proc: Any = None
 
-    def _warm(self) -> None:
+    def start(self) -> dict:
+        import psutil
+
         from rose.rollout.engine import GenRequest
 
         for i in range(3):
             self.engine.generate([GenRequest(f"warm{i}", [1] * 16, 0)], 1)
             self.engine.release(f"warm{i}")
+        self.proc = psutil.Process()
+        self.cpu0 = self._cpu()
+        return {"server": "torch"}
+
+    def submit(self, q: _Req) -> None:
+        self.queue.append(q)
+
+    def pending(self) -> bool:
+        return bool(self.running or self.queue)
+
+    def step(self) -> bool:
+        """One engine step over the running requests; False when there was nothing to run."""
+        from rose.rollout.engine import GenRequest
+
+        while self.queue and len(self.running) < self.engine.n_slots:
+            q = self.queue.popleft()
+            self.running[q.rid] = q
+        if not self.running:
+            return False
+        reqs = [GenRequest(q.rid, q.prompt if q.got == 0 else [], None) for q in self.running.values()]
+        for q in self.running.values():
+            q.prompt = []
+        s0 = time.monotonic()
+        self.engine.generate(reqs, 1)
+        if self.is_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        t = time.monotonic()
+        self.busy_s += t - s0
+        for q in list(self.running.values()):
+            if q.got == 0:
+                q.first_t = t
+                self.ttft.add(t, (t - q.arrival) * 1000.0)
+            else:
+                self.tpot.add(t, (t - q.last_t) * 1000.0)
+            q.last_t = t
+            q.got += 1
+            if q.got >= q.n_out:
+                self.engine.release(q.rid)
+                del self.running[q.rid]
+                self.finish(q)
+        return True
+
+    def reading(self, now: float) -> Reading | None:
+        return Reading(self.ttft.p99(now), self.tpot.p99(now), True, len(self.queue))
+
+    def _cpu(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system
+
+    def util(self, dt: float) -> float:
+        """Busy share of the last `dt` seconds: engine time (CUDA) or the process's CPU time (CPU)."""
+        cpu1 = self._cpu()
+        busy = self.busy_s if self.is_cuda else cpu1 - self.cpu0
+        self.cpu0, self.busy_s = cpu1, 0.0
+        return busy / dt
+
+    def close(self) -> None:
+        pass
+
+
+class VllmServerDevice:
+    """vLLM's OpenAI server on `spec.model` (started here in a session of its own, or the one at
+    `spec.url`): each request is a streaming `/v1/completions` with token ids as the prompt, timed
+    by the client as the torch path times its own; the published p99s are the server's, read
+    from its /metrics by the agent's reader every telemetry period."""
+
+    continuous_guard = False  # the guard file gets each measured window, as `rose agent --feed-guard` feeds it
+
+    def __init__(self, spec: CoserveSpec, finish, period_s: float):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from rose.node import prometheus
+
+        self.spec, self.finish, self.period_s = spec, finish, period_s
+        self.names = prometheus.metric_names("auto")
+        self.keep = prometheus.all_names(self.names)
+        self.pool = ThreadPoolExecutor(spec.clients, thread_name_prefix="coserve-client")
+        self.inflight: set[str] = set()
+        self.lock = threading.Lock()
+        self.srv: Any = None
+        self.latest: Reading | None = None  # the newest window not yet published
+        self.closing = threading.Event()
+        self.counts = {"submitted": 0, "answered": 0, "wrong_length": 0, "failed": 0, "scrape_failed": 0}
+        self.cpu0 = 0.0
+
+    def start(self) -> dict:
+        import tempfile
+        from pathlib import Path
+
+        from rose.demo.vllm_server import VllmServer, start_server, wait_healthy
+
+        spec = self.spec
+        if spec.url:
+            self.srv = VllmServer(spec.url.rstrip("/"), spec.model, Path(spec.server_log or "-"))
+            wait_healthy(self.srv, spec.startup_timeout_s)
+        else:
+            log = Path(spec.server_log or tempfile.mkdtemp(prefix="rose-coserve-vllm-")) / "coserve-vllm.log"
+            self.srv = start_server(
+                spec.model,
+                log,
+                port=spec.port,
+                max_model_len=spec.max_model_len,
+                threads=spec.threads,
+                python=spec.vllm_python,
+                timeout_s=spec.startup_timeout_s,
+            )
+        for i in range(2):  # first-request costs stay out of the measured windows
+            list(self._stream([1 + i] * 16, 2))
+        self.cpu0 = self._cpu()
+        threading.Thread(target=self._scrape_loop, name="coserve-metrics", daemon=True).start()
+        return {"server": "vllm", "model": spec.model, "server_url": self.srv.url, "server_log": str(self.srv.log)}
+
+    def _stream(self, prompt: list[int], n: int):
+        from rose.demo.vllm_server import stream_tokens
+
+        return stream_tokens(self.srv, prompt, n, timeout_s=self.spec.request_timeout_s)
+
+    def submit(self, q: _Req) -> None:
+        with self.lock:
+            self.inflight.add(q.rid)
+            self.counts["submitted"] += 1
+        self.pool.submit(self._serve, q)
+
+    def _serve(self, q: _Req) -> None:
+        try:
+            for k in self._stream(q.prompt, q.n_out):
+                t = time.monotonic()
+                if q.got == 0:
+                    q.first_t = t
+                q.got += k
+                q.last_t = t
+        except Exception as e:  # noqa: BLE001 - HTTP, connection, a malformed event: the request failed
+            if not self.closing.is_set():
+                with self.lock:
+                    self.counts["failed"] += 1
+                log.warning("request failed", rid=q.rid, error=repr(e))
+            q.got = 0
+        with self.lock:
+            self.inflight.discard(q.rid)
+            if q.got:
+                self.counts["answered"] += 1
+                self.counts["wrong_length"] += q.got != q.n_out
+        if q.got:
+            self.finish(q)
+
+    def pending(self) -> bool:
+        with self.lock:
+            return bool(self.inflight)
+
+    def step(self) -> bool:
+        return False  # the server runs the requests; the client threads time them
+
+    def _scrape_loop(self) -> None:
+        """A window of the server's metrics every telemetry period, read as `rose agent` reads it:
+        `scrape`, `prometheus.parse/window`, the last measured p99s carried over (`LatencyCarry`)."""
+        from rose.node import prometheus
+        from rose.node.agent import LatencyCarry, scrape
+
+        url = self.srv.url + "/metrics"
+        carry = LatencyCarry()
+        prev: tuple[float, prometheus.Scrape] | None = None
+        nxt = time.monotonic()
+        while not self.closing.is_set():
+            try:
+                sc = prometheus.parse(scrape(url, max(1.0, self.period_s)), self.keep)
+            except (OSError, prometheus.ExpositionError) as e:
+                self.counts["scrape_failed"] += 1
+                log.warning("cannot read the server's metrics", url=url, error=str(e))
+            else:
+                t = time.monotonic()
+                w = prometheus.window(sc, prev[1] if prev else None, t - prev[0] if prev else 0.0, self.names)
+                prev = (t, sc)
+                p99 = carry.update(w.ttft_p99_ms, w.tpot_p99_ms)
+                if p99 is not None:
+                    with self.lock:
+                        backlog = max(0, len(self.inflight) - self.spec.clients)  # not yet sent
+                    self.latest = Reading(p99[0], p99[1], p99[2], (w.queue_depth or 0) + backlog, w.kv_cache_usage)
+            nxt += self.period_s
+            self.closing.wait(max(0.0, nxt - time.monotonic()))
+
+    def reading(self, now: float) -> Reading | None:
+        r, self.latest = self.latest, None
+        return r
+
+    def _cpu(self) -> float:
+        from rose.demo.processes import _tree_cpu
+
+        return _tree_cpu(self.srv.proc.pid) if self.srv.proc is not None else 0.0
+
+    def util(self, dt: float) -> float:
+        """The server's (and its engine core's) CPU time over the last `dt` seconds."""
+        cpu1 = self._cpu()
+        busy, self.cpu0 = max(0.0, cpu1 - self.cpu0), cpu1
+        return busy / dt
+
+    def close(self) -> None:
+        from rose.demo.vllm_server import stop_server
+
+        self.closing.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.srv is not None:
+            stop_server(self.srv)
+
+
+class CoServed:
+    """The trace replay, the telemetry, the guard file and the status hash, around one serving
+    engine: `TorchServer` (spec.server "torch") or `VllmServerDevice` ("vllm")."""
+
+    def __init__(self, spec: CoserveSpec, cfg, r):
+        from rose.sim.serving_model import spread
+        from rose.sim.traces import load_trace
+
+        if spec.server not in ("torch", "vllm"):
+            raise ValueError(f"server: expected torch or vllm, got {spec.server!r}")
+        if spec.server == "vllm" and not spec.model:
+            raise ValueError("server vllm needs model (a Hugging Face checkpoint directory)")
+        self.spec, self.cfg, self.r = spec, cfg, r
+        tr = load_trace(spec.trace).scaled(spec.speed)
+        mine = spread(tr, spec.replicas, seed=spec.seed) == 0
+        self.arrival = tr.arrival_s[mine]
+        self.p_len, self.o_len = scaled_lengths(tr.prompt_tokens[mine], tr.output_tokens[mine], spec)
+        self.rng = np.random.default_rng(spec.seed)
+        self.stop = False
+        self.served = 0
+        self.rollout_now = False
+        # per request: (finish wall time, ttft ms, mean tpot ms, rollout running on this device)
+        self.done: list[tuple[float, float, float, bool]] = []
+        self.is_cuda = spec.device.startswith("cuda")
+        self.server: TorchServer | VllmServerDevice
+        if spec.server == "vllm":
+            self.server = VllmServerDevice(spec, self._finish, cfg.telemetry.period_s)
+        else:
+            self.server = TorchServer(spec, self._finish)
+
+    def _finish(self, q: _Req) -> None:
+        """A request answered: its latency as the client saw it (queueing included in TTFT)."""
+        self.served += 1
+        tpot_mean = (q.last_t - q.first_t) * 1000.0 / max(1, q.got - 1)
+        self.done.append((time.time(), (q.first_t - q.arrival) * 1000.0, tpot_mean, self.rollout_now))
 
     def run(self) -> dict:
-        import psutil
+        spec, cfg, r, server = self.spec, self.cfg, self.r, self.server
+        key = cfg.redis.key
+        slo = (cfg.telemetry.slo_ttft_ms, cfg.telemetry.slo_tpot_ms)
+        status = {
+            "device": spec.device,
+            "gpu": spec.gpu,
+            "slo_ttft_ms": slo[0],
+            "slo_tpot_ms": slo[1],
+            "slo_source": "telemetry.slo_ttft_ms / telemetry.slo_tpot_ms of the run's config",
+        }
+        r.hset(key(spec.status_key), mapping={"state": "starting", **status, "server": spec.server})
+        try:
+            status.update(server.start())
+            return self._serve(status, slo)
+        finally:
+            server.close()
 
+    def _serve(self, status: dict, slo: tuple[float, float]) -> dict:
         from rose.contract.events import Latency
         from rose.executor.guard import LatencySample, write_latency
         from rose.kafka.telemetry_publisher import TelemetryPublisher
         from rose.node.lease_view import LeaseFollower, LeaseView
-        from rose.node.telemetry import telemetry_records
-        from rose.rollout.engine import GenRequest
 
-        spec, cfg, r = self.spec, self.cfg, self.r
+        spec, cfg, r, server = self.spec, self.cfg, self.r, self.server
         key = cfg.redis.key
-        self._warm()
         pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, linger_ms=cfg.telemetry.linger_ms)
         view = LeaseView(default_share=cfg.policy.max_compute_share)
         follower = LeaseFollower(cfg, view)
-        proc = psutil.Process()
         period = cfg.telemetry.period_s
         run_id = uuid.uuid4().hex[:12]
-        slo = (cfg.telemetry.slo_ttft_ms, cfg.telemetry.slo_tpot_ms)
+
+        def guard(lat: tuple[float, float]) -> None:
+            if spec.latency_dir:
+                write_latency(spec.latency_dir, spec.gpu, LatencySample(time.time(), Latency(*lat), Latency(*slo)))
+
         t0 = time.monotonic()
         nxt = 0
         seq = 0
         next_tel = t0 + period
         next_guard = t0
-        cpu0 = proc.cpu_times()
-        cpu_t0 = time.monotonic()
-        busy_s = 0.0
+        util_t0 = t0
         arrivals_in_window = 0
-        rollout_now = False
-        r.hset(
-            key(spec.status_key),
-            mapping={
-                "state": "serving",
-                "device": spec.device,
-                "gpu": spec.gpu,
-                "slo_ttft_ms": slo[0],
-                "slo_tpot_ms": slo[1],
-                "slo_source": "telemetry.slo_ttft_ms / telemetry.slo_tpot_ms of the run's config",
-            },
-        )
+        r.hset(key(spec.status_key), mapping={"state": "serving", **status})
         while not self.stop:
             now = time.monotonic()
             # arrivals (the replay clock is the process's own; it loops over the trace)
             t_rel = now - t0
             while nxt < len(self.arrival) and self.arrival[nxt] <= t_rel:
                 n = int(self.p_len[nxt])
-                self.queue.append(
+                server.submit(
                     _Req(
                         f"r{nxt}",
                         t0 + float(self.arrival[nxt]),
@@ -209,92 +488,74 @@ class CoServed:
                 )
                 nxt += 1
                 arrivals_in_window += 1
-            while self.queue and len(self.running) < self.engine.n_slots:
-                q = self.queue.popleft()
-                self.running[q.rid] = q
-            if self.running:
-                reqs = [GenRequest(q.rid, q.prompt if q.got == 0 else [], None) for q in self.running.values()]
-                for q in self.running.values():
-                    q.prompt = []
-                s0 = time.monotonic()
-                self.engine.generate(reqs, 1)
-                if self.is_cuda:
-                    import torch
-
-                    torch.cuda.synchronize()
-                t = time.monotonic()
-                busy_s += t - s0
-                for q in list(self.running.values()):
-                    if q.got == 0:
-                        q.first_t = t
-                        self.ttft.add(t, (t - q.arrival) * 1000.0)
-                    else:
-                        self.tpot.add(t, (t - q.last_t) * 1000.0)
-                    q.last_t = t
-                    q.got += 1
-                    if q.got >= q.n_out:
-                        self.engine.release(q.rid)
-                        del self.running[q.rid]
-                        self.served += 1
-                        tpot_mean = (q.last_t - q.first_t) * 1000.0 / max(1, q.got - 1)
-                        self.done.append((time.time(), (q.first_t - q.arrival) * 1000.0, tpot_mean, rollout_now))
-            else:
+            if not server.step():
                 wait = 0.005
                 if nxt < len(self.arrival):
                     wait = min(wait, max(0.0, t0 + float(self.arrival[nxt]) - time.monotonic()))
                 time.sleep(wait)
             now = time.monotonic()
-            if spec.latency_dir and now >= next_guard:
+            if server.continuous_guard and now >= next_guard:
                 next_guard = now + spec.guard_every_s
-                write_latency(
-                    spec.latency_dir,
-                    spec.gpu,
-                    LatencySample(time.time(), Latency(self.ttft.p99(now), self.tpot.p99(now)), Latency(*slo)),
-                )
+                if (g := server.reading(now)) is not None:
+                    guard((g.ttft_ms, g.tpot_ms))
             if now >= next_tel:
                 next_tel += period
                 if next_tel < now:  # fell behind (a stall): keep the period, skip the missed ticks
                     next_tel = now + period
                 follower.poll()
                 share, running, rmem = view.rollout(spec.gpu)
-                rollout_now = running
-                cpu1, cpu_t1 = proc.cpu_times(), time.monotonic()
-                dt = max(1e-6, cpu_t1 - cpu_t0)
-                util = (busy_s / dt) if self.is_cuda else ((cpu1.user + cpu1.system - cpu0.user - cpu0.system) / dt)
-                cpu0, cpu_t0, busy_s = cpu1, cpu_t1, 0.0
-                total, used = self._memory()
-                recs = telemetry_records(
-                    ts=time.time(),
-                    node=spec.node,
-                    gpus=[spec.gpu],
-                    pool=cfg.telemetry.pool,
-                    slo=slo,
-                    run_id=run_id,
-                    seq=seq,
-                    util=[min(1.0, util)],
-                    mem_total=total,
-                    mem_used=[max(used, rmem)],
-                    rollout_mem=[rmem],
-                    ttft_ms=[self.ttft.p99(now)],
-                    tpot_ms=[self.tpot.p99(now)],
-                    rps=[arrivals_in_window / period],
-                    queue=[len(self.queue)],
-                )
-                pub.publish(recs, ts_ms=int(time.time() * 1000))
+                self.rollout_now = running
+                util = server.util(max(1e-6, now - util_t0))
+                util_t0 = now
+                reading = server.reading(now)
+                if reading is not None:  # None: no window of the server's metrics yet (nothing published)
+                    if not server.continuous_guard and reading.measured:
+                        guard((reading.ttft_ms, reading.tpot_ms))
+                    recs = self._records(reading, (run_id, seq), slo, util, rmem, arrivals_in_window / period)
+                    pub.publish(recs, ts_ms=int(time.time() * 1000))
                 seq += 1
                 arrivals_in_window = 0
                 pub.tick()
-            if nxt >= len(self.arrival) and not self.running and not self.queue:
+            if nxt >= len(self.arrival) and not server.pending():
                 t0, nxt = time.monotonic(), 0  # replay the trace again
         pub.flush(5.0)
         follower.close()
-        summary = latency_summary(self.done)
-        rows = [(round(t, 3), round(a, 3), round(b, 3), int(f)) for t, a, b, f in self.done]
+        done = list(self.done)
+        summary = latency_summary(done)
+        rows = [(round(t, 3), round(a, 3), round(b, 3), int(f)) for t, a, b, f in done]
+        extra = getattr(server, "counts", {})
         r.hset(
             key(spec.status_key),
-            mapping={"state": "stopped", "summary": json.dumps(summary), "requests": json.dumps(rows)},
+            mapping={"state": "stopped", "summary": json.dumps(summary), "requests": json.dumps(rows), **extra},
         )
         return summary
+
+    def _records(
+        self, reading: Reading, run_seq: tuple[str, int], slo: tuple[float, float], util: float, rmem: int, rps: float
+    ) -> list[tuple[bytes, bytes]]:
+        """The window's rose.telemetry.v1 record of this device."""
+        from rose.node.telemetry import telemetry_records
+
+        spec = self.spec
+        total, used = self._memory()
+        return telemetry_records(
+            ts=time.time(),
+            node=spec.node,
+            gpus=[spec.gpu],
+            pool=self.cfg.telemetry.pool,
+            slo=slo,
+            run_id=run_seq[0],
+            seq=run_seq[1],
+            util=[min(1.0, util)],
+            mem_total=total,
+            mem_used=[max(used, rmem)],
+            rollout_mem=[rmem],
+            ttft_ms=[reading.ttft_ms],
+            tpot_ms=[reading.tpot_ms],
+            rps=[rps],
+            queue=[reading.queue],
+            kv_cache_usage=[reading.kv_cache_usage],
+        )
 
     def _memory(self) -> tuple[int, int]:
         if self.is_cuda:

@@ -174,6 +174,20 @@ def _r(x, nd: int = 2):
     return None if x is None else round(x, nd)
 
 
+def _engine_text(md: dict) -> str:
+    return "vLLM's OpenAI server" if md.get("server") == "vllm" else "torch"
+
+
+def _measured_text(gpu: str, md: dict) -> str:
+    if md.get("server") == "vllm":
+        return (
+            f"`{gpu}` is vLLM's OpenAI server on `{md.get('model')}` on this machine: its telemetry's p99s and "
+            "KV-cache usage come from the server's own histograms (/metrics, read by the agent's reader); the "
+            "per-request figures below are the client's wall-clock measurements."
+        )
+    return f"`{gpu}`'s latencies are wall-clock measurements of a torch model on this machine."
+
+
 def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict) -> dict:
     """The device whose latency is measured, not modelled: its SLO attainment over the run's
     telemetry windows, and the p99 over its requests (finished within the run) served alone and
@@ -194,6 +208,8 @@ def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict)
         "slo_ms": {"ttft": _num(obs.coserve.get("slo_ttft_ms")), "tpot": _num(obs.coserve.get("slo_tpot_ms"))},
         "slo_source": obs.coserve.get("slo_source"),
         "device": obs.coserve.get("device"),
+        "server": obs.coserve.get("server") or "torch",
+        "model": obs.coserve.get("model"),
         "summary": s,
     }
 
@@ -410,7 +426,7 @@ def markdown(rep: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for gpu, g in slo["per_gpu"].items():
-        src = "measured (torch on this machine)" if gpu == rep["real_gpu"] else "trace-driven model"
+        src = f"measured ({_engine_text(md)} on this machine)" if gpu == rep["real_gpu"] else "trace-driven model"
         lines.append(
             f"| {gpu} | {src} | {g['windows']} | {_f(g['attainment'], '', 4)} | "
             f"{ls['lease_seconds_by_gpu'].get(gpu, 0.0)} | {tp['episodes_by_gpu'].get(gpu, 0)} |"
@@ -445,8 +461,7 @@ def markdown(rep: dict) -> str:
         "- The trace-driven GPUs' latencies come from rose.sim.serving_model (a queueing model of an LLM engine) "
         "driven by the trace, slowed under a running lease by the simulator's interference model 1 + alpha × share "
         f"(alpha {_f(inter.get('alpha'), '', 3)}: {inter.get('source', 'n/a')}); their lease decisions, commands, "
-        f"workers and trajectories are real. `{rep['real_gpu']}`'s latencies are wall-clock measurements of a torch "
-        "model on this machine.",
+        f"workers and trajectories are real. {_measured_text(rep['real_gpu'], md)}",
         "- The toy RL task: reward = fraction of action tokens that are lowercase ASCII letters; REINFORCE "
         "with a batch-mean baseline (rose.demo.trainer).",
         "- All processes share this machine's CPUs, so the trace-driven GPUs' rollout workers also compete "

@@ -77,7 +77,7 @@ class DemoSetup:
 
     def __init__(self, cfg: Config, opts: DemoOptions, echo: Callable[[str], None] = print):
         from rose.executor.guard import default_latency_dir
-        from rose.sim.engine import SimConfig
+        from rose.sim.sim_config import SimConfig
 
         self.opts, self.echo = opts, echo
         self.run_id = uuid.uuid4().hex[:8]
@@ -85,7 +85,7 @@ class DemoSetup:
         self.job, self.model = "demo", "policy"
         self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
         # the trace-driven GPUs slow down under a lease as `rose simulate`'s do: the simulator's
-        # interference model (rose.sim.serving_model) with its measured alpha (rose.sim.engine)
+        # interference model (rose.sim.serving_model) with its default alpha (rose.sim.sim_config)
         sim = SimConfig()
         self.interference = {"alpha": sim.alpha, "source": sim.alpha_source}
         self.cfg = dataclasses.replace(
@@ -178,6 +178,7 @@ class DemoSetup:
                     speed=1.0,
                     device=self.real_device,
                     latency_dir=str(self.latency_dir),
+                    **self._coserve_server(),
                 ).to_json(),
             ],
             "agent": [
@@ -226,6 +227,20 @@ class DemoSetup:
                 ",".join(map(str, sorted(self.device_cpus or ()))),
             ],
             "scheduler": [py, "-m", "rose", "scheduler", "--instance", f"demo-{self.run_id}"],
+        }
+
+    def _coserve_server(self) -> dict:
+        """The measured device's engine: vLLM's OpenAI server on the run's checkpoint when the
+        rollout runs vLLM, else the small torch model."""
+        o = self.opts
+        if o.engine != "vllm":
+            return {}
+        return {
+            "server": "vllm",
+            "model": self.cfg.rollout.model,
+            "max_model_len": o.max_model_len,
+            "startup_timeout_s": o.startup_timeout_s,
+            "server_log": str((self.report_dir / "logs").resolve()),
         }
 
     def _trainer_spec(self):

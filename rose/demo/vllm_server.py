@@ -1,0 +1,174 @@
+"""vLLM's OpenAI server as a child process: started in a session of its own on a local Hugging
+Face checkpoint (no tokenizer: prompts and answers are token ids), waited for until /health
+answers, stopped with its engine core.
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --skip-tokenizer-init --dtype float32
+        --max-model-len N --enforce-eager --port P --host 127.0.0.1
+
+The CPU build reads `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; 1 here) and `OMP_NUM_THREADS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """The server did not come up; the message says why and ends with its log's last lines."""
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    url: str  # http://127.0.0.1:PORT
+    model: str  # the checkpoint directory, also the model name requests give
+    log: Path
+    proc: subprocess.Popen | None = None  # None: a server started elsewhere
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_argv(model: str, port: int, max_model_len: int, python: str = "") -> list[str]:
+    return [
+        python or sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--skip-tokenizer-init",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
+
+
+def last_lines(path: Path, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError:
+        return ""
+
+
+def start_server(
+    model: str,
+    log: Path,
+    *,
+    port: int = 0,
+    max_model_len: int = 1024,
+    threads: int = 1,
+    python: str = "",
+    timeout_s: float = 240.0,
+    env: Mapping[str, str] | None = None,
+) -> VllmServer:
+    """Start the server (`port` 0: a free one) and wait until /health answers 200; ServerError
+    (the server stopped) when it exits first or is not healthy within `timeout_s`. The child
+    gets SIGTERM should this process die (`rose.rollout.launcher.spawn`)."""
+    from rose.rollout.launcher import spawn
+
+    port = port or free_port()
+    full_env = {**os.environ, **(env or {}), "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(threads)}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        # a session of its own: the engine core is a child process, stopped with the server
+        proc = spawn(
+            server_argv(model, port, max_model_len, python),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+    srv = VllmServer(f"http://127.0.0.1:{port}", str(model), log, proc)
+    try:
+        wait_healthy(srv, timeout_s)
+    except BaseException:
+        stop_server(srv)
+        raise
+    return srv
+
+
+def wait_healthy(srv: VllmServer, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if srv.proc is not None and srv.proc.poll() is not None:
+            raise ServerError(
+                f"vLLM server exited with {srv.proc.returncode} while starting (log {srv.log}):\n{last_lines(srv.log)}"
+            )
+        try:
+            with urllib.request.urlopen(srv.url + "/health", timeout=2) as r:  # noqa: S310 - local server
+                if r.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"vLLM server at {srv.url} not healthy after {timeout_s:.0f} s (log {srv.log}):\n{last_lines(srv.log)}"
+            )
+        time.sleep(1.0)
+
+
+def stop_server(srv: VllmServer) -> None:
+    """SIGTERM the server's session, SIGKILL it after 30 s; also whatever of it outlived the server."""
+    proc = srv.proc
+    if proc is None:
+        return
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        except ProcessLookupError:
+            pass
+    try:  # the engine core, should it have outlived the server
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stream_tokens(srv: VllmServer, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> Iterator[int]:
+    """One streaming `/v1/completions` request with token ids as the prompt and exactly
+    `max_tokens` answer tokens (`ignore_eos`); yields, as each server-sent event arrives, how many
+    token ids it carried (the events carry ids, the text stays empty without a tokenizer)."""
+    body = {
+        "model": srv.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        srv.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310 - local server
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            k = sum(len(c.get("token_ids") or ()) for c in json.loads(line[5:])["choices"])
+            if k:
+                yield k
