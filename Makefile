@@ -41,12 +41,13 @@ stack-down:
 	-rose stack down
 
 # Lint, format and types: what CI and the pre-commit hooks check; then the layers of
-# docs/architecture.md (every import down the floors, no import cycle, the names the docs give exist).
+# docs/architecture.md (every import down the floors, no import cycle, the names the docs give exist)
+# and the 80-line limit on functions of the policy, the scheduler and the executor.
 lint: install
 	ruff check rose tests consumers producers
 	ruff format --check rose tests consumers producers
 	mypy
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_function_length.py
 
 # The tests that need no Kafka or Redis, with no stack started: pytest -m "not stack" (tests/conftest.py
 # marks `stack` every test that uses the stack, cfg or redis_client fixture, and the fault suite; tests

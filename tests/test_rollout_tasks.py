@@ -373,6 +373,24 @@ def test_worker_rejects_a_bad_config_in_one_line(change, message):
     assert p.stderr.strip() == f"rose-worker: {message}"
 
 
+def test_a_vllm_step_budget_cpu_cannot_run_is_refused_in_one_line():
+    """vLLM on CPU cannot chunk a seeded prefill: a step budget below max_model_len is a bad
+    config, said before vLLM is even imported."""
+    wc = WorkerConfig(
+        gpu="g", worker_id="w", redis=RedisConfig("r", "x:"), job="j", model="m", engine="vllm", checkpoint="/nowhere"
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "rose.rollout.worker_process"],
+        input=wc.to_json().replace('"step_tokens":0', '"step_tokens":256'),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == EXIT_BAD_CONFIG, p.stderr
+    assert p.stderr.startswith("rose-worker: rollout.step_tokens: 256 < max_model_len 2048 chunks prefills")
+    assert p.stderr.count("\n") == 1
+
+
 def test_config_round_trips_through_a_descriptor():
     import os
 

@@ -91,12 +91,7 @@ def register(app: typer.Typer) -> None:
             from rose.kafka.telemetry_publisher import TelemetryPublisher
             from rose.node.agent import NvmlOptions, run_nvml
 
-            pub = TelemetryPublisher(
-                cfg.kafka,
-                cfg.kafka.telemetry_topic,
-                buffer_max=cfg.telemetry.buffer_max,
-                linger_ms=cfg.telemetry.linger_ms,
-            )
+            pub = TelemetryPublisher.for_config(cfg)
             try:
                 guard_dir = (cfg.executor.latency_dir or str(default_latency_dir())) if feed_guard else None
                 summary = run_nvml(
@@ -127,12 +122,7 @@ def register(app: typer.Typer) -> None:
                 fail(f"--model-size/--gpu-type: {e}")
             from rose.executor.guard import default_latency_dir
 
-            pub = TelemetryPublisher(
-                cfg.kafka,
-                cfg.kafka.telemetry_topic,
-                buffer_max=cfg.telemetry.buffer_max,
-                linger_ms=cfg.telemetry.linger_ms,
-            )
+            pub = TelemetryPublisher.for_config(cfg)
             opt = SimOptions(
                 trace=simulate,
                 gpus=gpus,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rose.contract.events import Command
+from rose.contract.events import Command, LeaseState
 
 SEEN_MAX = 256  # command ids remembered per GPU for duplicate detection, at least half of them
 
@@ -172,6 +172,19 @@ class Kill(_OnWorker):
 class Publish:
     gpu: str
     record: Record
+
+    def state(self, ts: float, rollout_mem_bytes: int = 0) -> LeaseState:
+        """The rose.lease_state.v1 event this publication becomes, at `ts`."""
+        r = self.record
+        return LeaseState(
+            gpu=self.gpu,
+            lease_id=r.lease_id,
+            epoch=r.epoch,
+            state=r.state,
+            ts=ts,
+            rollout_mem_bytes=rollout_mem_bytes,
+            command_id=r.command_id,
+        )
 
 
 Action = Start | Pause | Resume | Throttle | Stop | Kill | Publish

@@ -34,6 +34,7 @@ from rose.executor.warm_pool import WarmPool, lease_file_for
 from rose.executor.workers import (
     STARTS,
     WorkerHandle,
+    log_started,
     measure_rollout_mem,
     reap_worker,
     start_worker,
@@ -373,16 +374,7 @@ class Executor:
         h = self.workers.get(a.gpu)
         mem = measure_rollout_mem(h.proc.pid, self.device) if h is not None else 0
         ROLLOUT_MEM.set(mem, gpu=a.gpu)
-        r = a.record
-        ls = LeaseState(
-            gpu=a.gpu,
-            lease_id=r.lease_id,
-            epoch=r.epoch,
-            state=r.state,
-            ts=time.time(),
-            rollout_mem_bytes=mem,
-            command_id=r.command_id,
-        )
+        r, ls = a.record, a.state(time.time(), mem)
         topic, n = self.k.lease_state_topic, self._lease_partitions
         assert self.producer is not None  # start() made it
         with send_span(self._tracer, topic, key=a.gpu, partition=partition_for(a.gpu, n) if n else None):
@@ -439,16 +431,7 @@ class Executor:
         h = self.workers[a.gpu] = start_worker(a, name, wc)
         self.mem_watch.watch(a.gpu, h.proc, a.mem_bytes)
         STARTS.inc(how="cold")
-        self.log.info(
-            "worker.started",
-            gpu=a.gpu,
-            pid=h.proc.pid,
-            epoch=a.epoch,
-            mem_bytes=a.mem_bytes,
-            compute_share=a.compute_share,
-            paused=a.paused,
-            warm=False,
-        )
+        log_started(self.log, a, h.proc.pid, warm=False)
 
     def _new_warm_worker(self) -> tuple[str, WorkerConfig]:
         """A warm worker's pause flag name and config: the stock config of this executor's

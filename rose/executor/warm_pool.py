@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rose.executor import lease_machine as lm
-from rose.executor.workers import STARTS, WorkerHandle, launch_worker, unlink_quietly
+from rose.executor.workers import STARTS, WorkerHandle, launch_worker, log_started, unlink_quietly
 from rose.obs import metrics
 from rose.rollout.launcher import LeaseRecord, WorkerConfig
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
@@ -135,14 +135,10 @@ class WarmPool:
         h = WorkerHandle(a.gpu, w.proc, flag, a.epoch, lease_file=w.config.lease_file, warm=True)
         STARTS.inc(how="warm")
         self.hold = (flag, time.monotonic() + POOL_HOLD_S)
-        self.log.info(
-            "worker.started",
-            gpu=a.gpu,
-            pid=w.proc.pid,
-            epoch=a.epoch,
-            mem_bytes=a.mem_bytes,
-            compute_share=a.compute_share,
-            paused=a.paused,
+        log_started(
+            self.log,
+            a,
+            w.proc.pid,
             warm=True,
             warm_for_s=round((time.monotonic_ns() - w.started_ns) / 1e9, 3),
             weights_version=flag.version,

@@ -107,6 +107,21 @@ def start_worker(a: lm.Start, flag_name: str, wc: WorkerConfig | None) -> Worker
     return WorkerHandle(a.gpu, launch_worker(wc), flag, a.epoch)
 
 
+def log_started(log, a: lm.Start, pid: int, warm: bool, **extra) -> None:
+    """The `worker.started` line of a lease's worker, started cold or handed from the warm pool."""
+    log.info(
+        "worker.started",
+        gpu=a.gpu,
+        pid=pid,
+        epoch=a.epoch,
+        mem_bytes=a.mem_bytes,
+        compute_share=a.compute_share,
+        paused=a.paused,
+        warm=warm,
+        **extra,
+    )
+
+
 def stop_worker(h: WorkerHandle) -> None:
     """Ask the worker to drain and exit: STOP in its flag, its niceness back to 0, SIGTERM."""
     assert h.flag is not None  # a running worker's

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from rose.config import KafkaConfig
+from rose.config import Config, KafkaConfig
 from rose.kafka.base import CONNECTION_ERRORS, Headers, error_callback
 from rose.obs import metrics
 from rose.obs.logs import get_logger
@@ -36,6 +36,13 @@ BUFFERED = metrics.gauge("rose_agent_events_buffered", "Telemetry events waiting
 
 
 class TelemetryPublisher:
+    @classmethod
+    def for_config(cls, cfg: Config) -> TelemetryPublisher:
+        """An agent's publisher: the telemetry topic of `cfg.kafka`, buffered and lingering as
+        `cfg.telemetry` says."""
+        tc = cfg.telemetry
+        return cls(cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=tc.buffer_max, linger_ms=tc.linger_ms)
+
     def __init__(
         self,
         kcfg: KafkaConfig,

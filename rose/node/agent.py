@@ -79,9 +79,7 @@ def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lam
     n = len(nvml)
     gpus = [f"{opt.node}/{i}" for i in range(n)]
     urls = opt.metrics_urls if len(opt.metrics_urls) == n else [opt.metrics_urls[0]] * n
-    pub = publisher or TelemetryPublisher(
-        cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=tc.buffer_max, linger_ms=tc.linger_ms
-    )
+    pub = publisher or TelemetryPublisher.for_config(cfg)
     prev: dict[str, tuple[float, prometheus.Scrape]] = {}
     carry = [LatencyCarry() for _ in range(n)]
     counts = {"carried": 0, "no_latency_yet": 0}  # GPU-windows published with carried p99s / not published

@@ -55,9 +55,7 @@ def run_simulated(
     gpu_of = spread(trace, sim.replicas, seed=opt.seed)  # a replica per GPU unless tensor parallel
     gpus = [f"{opt.node}/{i}" for i in range(opt.gpus)]
     duration = opt.duration_s if opt.duration_s is not None else trace.duration_s
-    pub = publisher or TelemetryPublisher(
-        cfg.kafka, cfg.kafka.telemetry_topic, buffer_max=tc.buffer_max, linger_ms=tc.linger_ms
-    )
+    pub = publisher or TelemetryPublisher.for_config(cfg)
     view = LeaseView(default_share=cfg.policy.max_compute_share)
     follower = None
     if follow_leases:

@@ -160,12 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         return _warm_main(config)
     if config.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
         os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
-    import redis
 
     from rose.rollout.engine import BudgetError
     from rose.rollout.engines import build_engine
     from rose.rollout.tasks import TaskQueue
-    from rose.weights.stream import ClusterUnavailable
 
     stream = protect(config)
     try:
@@ -174,13 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e), EXIT_BAD_CONFIG)
     except BudgetError as e:
         return _fail(str(e), EXIT_BUDGET)
-    r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
-    try:
-        weights = weight_source(config, r)
-    except ValueError as e:
-        return _fail(str(e), EXIT_BAD_CONFIG)
-    except ClusterUnavailable as e:
-        return _fail(str(e), EXIT_UNAVAILABLE)
+    got = _redis_and_weights(config)
+    if isinstance(got, int):
+        return got
+    r, weights = got
     flag = PauseFlag(config.pause_flag) if config.pause_flag else None
     stats: dict = {}
     apply_version(engine, weights, flag, stats, config.verify_weights, first=True)
@@ -189,6 +184,22 @@ def main(argv: list[str] | None = None) -> int:
     w.stats.update(stats)
     Shutdown.install(name="rose-worker", hooks=(lambda: setattr(w, "stop_requested", True),))
     return _run_and_exit(w, flag, r)
+
+
+def _redis_and_weights(config: WorkerConfig):
+    """The task streams' Redis client and the weight source, or the exit status of a one-line
+    failure (a bad weights setting, an unreachable weights cluster)."""
+    import redis
+
+    from rose.weights.stream import ClusterUnavailable
+
+    r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
+    try:
+        return r, weight_source(config, r)
+    except ValueError as e:
+        return _fail(str(e), EXIT_BAD_CONFIG)
+    except ClusterUnavailable as e:
+        return _fail(str(e), EXIT_UNAVAILABLE)
 
 
 def _run_and_exit(w: Worker, flag: PauseFlag | None, r) -> int:
@@ -214,12 +225,10 @@ def _warm_main(config: WorkerConfig) -> int:
     waits in host memory with no KV cache (0 slots); the device, its memory cap, the stream and
     the KV cache are set up at assignment, from the lease's mem_bytes."""
     shutdown = Shutdown.install(name="rose-worker")  # until assigned, a stop has nothing to drain
-    import redis
 
     from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
     from rose.rollout.engines import build_engine
     from rose.rollout.tasks import TaskQueue
-    from rose.weights.stream import ClusterUnavailable
 
     try:
         # the reference engine waits on the host with no KV cache; vLLM on CPU holds its fixed KV
@@ -227,13 +236,10 @@ def _warm_main(config: WorkerConfig) -> int:
         engine = build_engine(config, "cpu" if config.engine == "reference" else config.device, 0)
     except ValueError as e:
         return _fail(str(e), EXIT_BAD_CONFIG)
-    r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
-    try:
-        weights = weight_source(config, r)
-    except ValueError as e:
-        return _fail(str(e), EXIT_BAD_CONFIG)
-    except ClusterUnavailable as e:
-        return _fail(str(e), EXIT_UNAVAILABLE)
+    got = _redis_and_weights(config)
+    if isinstance(got, int):
+        return got
+    r, weights = got
     flag = PauseFlag(config.pause_flag)
     warm_stats: dict = {}
     apply_version(engine, weights, flag, warm_stats, config.verify_weights, first=True)

@@ -15,7 +15,7 @@ from typing import cast
 import numpy as np
 
 from rose.config import PolicyConfig
-from rose.contract.events import Latency, LeaseState, Telemetry
+from rose.contract.events import Latency, Telemetry
 from rose.executor import lease_machine as lm
 from rose.executor.guard import tripped_next
 from rose.policy.core import SchedulingCore
@@ -433,18 +433,7 @@ class RoseRun(Run):
             elif t is lm.Stop:
                 self.worker[g] = self.worker_paused[g] = False
             elif t is lm.Publish:
-                r = a.record
-                self.core.observe(
-                    LeaseState(
-                        gpu=a.gpu,
-                        lease_id=r.lease_id,
-                        epoch=r.epoch,
-                        state=r.state,
-                        ts=now,
-                        rollout_mem_bytes=0,
-                        command_id=r.command_id,
-                    )
-                )
+                self.core.observe(a.state(now))
 
 
 RUNS = {"static": Run, "elastic": ElasticRun, "share-all": ShareAllRun, "rose": RoseRun}

@@ -52,6 +52,17 @@ def engine_environment(device: str, kv_cache_bytes: int, threads: int) -> dict[s
     return env
 
 
+def check_step_tokens(device: str, step_tokens: int, max_model_len: int) -> None:
+    """ValueError for a step budget vLLM cannot run here: on CPU a budget below the longest
+    sequence chunks prefills, and vLLM 0.32 rewinds a seeded request's generator after a partial
+    prefill, which CPU generators cannot do (the step fails). The worker seeds every turn."""
+    if device == "cpu" and 0 < step_tokens < max_model_len:
+        raise ValueError(
+            f"rollout.step_tokens: {step_tokens} < max_model_len {max_model_len} chunks prefills, which vLLM "
+            "on CPU cannot do with seeded sampling; use 0 (the engine's default) or at least max_model_len"
+        )
+
+
 @dataclass
 class _Seq:
     context: list[int] = field(default_factory=list)
@@ -79,6 +90,7 @@ class VllmEngine:
         seed: int = 0,
         step_tokens: int = 0,
     ):
+        check_step_tokens(device, step_tokens, max_model_len)
         os.environ.update(engine_environment(device, kv_cache_bytes, threads))
         import vllm
         from vllm import EngineArgs
