@@ -326,7 +326,7 @@ def test_bad_checkpoint_paths_name_the_argument(client, tmp_path):
     for path, said in [
         (tmp_path / "empty", "no .safetensors file"),
         (tmp_path / "notes.txt", "not a .safetensors file"),
-        (tmp_path / "bad.safetensors", "not a safetensors file"),
+        (tmp_path / "bad.safetensors", "not a valid safetensors file \\(header is not JSON"),
     ]:
         with pytest.raises(ValueError, match=f"^weights: .*{said}"):
             client.publish_weights(path)
