@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
 from rose.config import TracingConfig
-from rose.obs.tracing import SpanPlan, can_plan_spans, memory_exporter, setup_tracing, tracer
+from rose.obs.tracing import SpanPlan, adopt, can_plan_spans, memory_exporter, setup_tracing, tracer
 
 
 class _Msg:
@@ -79,3 +84,39 @@ def test_a_message_without_context_starts_the_trace_its_planned_messages_name():
     assert {format(s.context.trace_id, "032x") for s in spans} == {trace_id} and flags == "01"
     assert int(span_id, 16) in {s.context.span_id for s in spans}
     assert next(s for s in spans if s.name == "process p.telemetry").parent is None
+
+
+class _CountingIds(RandomIdGenerator):
+    """An application's own id generator: ids it hands out are counted."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def generate_span_id(self) -> int:
+        self.spans += 1
+        return 0x1000 + self.spans
+
+
+def test_an_applications_own_provider_is_adopted_keeping_its_ids_for_unplanned_spans():
+    from rose.obs import tracing
+
+    own = _CountingIds()
+    provider = TracerProvider(id_generator=own)
+    exp = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    before = tracing._ids.fallback
+    try:
+        assert not can_plan_spans(provider.get_tracer("before"))
+        adopt(provider)
+        tr = provider.get_tracer("after")
+        assert can_plan_spans(tr)
+        tr.start_span("unplanned").end()
+        assert exp.get_finished_spans()[0].context.span_id == 0x1001, "its own generator's id"
+        plan = SpanPlan(_Msg([]), time.time_ns())
+        headers = plan.child("lease.decide", {}, "p.commands", "g/0", 1)
+        plan.record(tr, "group")
+        trace_id, span_id, _ = _ids(headers)
+        send = next(s for s in exp.get_finished_spans() if s.name == "send p.commands")
+        assert (format(send.context.trace_id, "032x"), format(send.context.span_id, "016x")) == (trace_id, span_id)
+    finally:
+        tracing._ids.fallback = before

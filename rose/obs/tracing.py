@@ -21,7 +21,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -31,11 +31,13 @@ _propagator = TraceContextTextMapPropagator()
 
 
 class _PresetIds(RandomIdGenerator):
-    """Random ids, except the next span's (and trace's) when preset on this thread: lets a span
-    be recorded after the message carrying its context was sent (`record_spans_after`)."""
+    """Random ids (or a provider's own generator's, `fallback`), except the next span's (and
+    trace's) when preset on this thread: lets a span be recorded after the message carrying its
+    context was sent (`SpanPlan`)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self.fallback: IdGenerator | None = None
 
     def preset(self, span_id: int, trace_id: int | None) -> None:
         self._local.span_id, self._local.trace_id = span_id, trace_id
@@ -43,12 +45,16 @@ class _PresetIds(RandomIdGenerator):
     def generate_span_id(self) -> int:
         v = getattr(self._local, "span_id", None)
         self._local.span_id = None
-        return v if v is not None else super().generate_span_id()
+        if v is not None:
+            return v
+        return self.fallback.generate_span_id() if self.fallback else super().generate_span_id()
 
     def generate_trace_id(self) -> int:
         v = getattr(self._local, "trace_id", None)
         self._local.trace_id = None
-        return v if v is not None else super().generate_trace_id()
+        if v is not None:
+            return v
+        return self.fallback.generate_trace_id() if self.fallback else super().generate_trace_id()
 
 
 _ids = _PresetIds()
@@ -67,6 +73,7 @@ def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProv
             resource=Resource.create({"service.name": service or tcfg.service_name}), id_generator=_ids
         )
         trace.set_tracer_provider(provider)
+    adopt(provider)
     if tcfg.exporter == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -90,8 +97,18 @@ def ensure_provider() -> None:
     """Install an SDK tracer provider (exporting nothing) unless one is set, so spans get
     real ids and every message still carries W3C trace context (docs/contract.md §3.3) when no
     exporter is configured or setup_tracing was never called."""
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
         trace.set_tracer_provider(TracerProvider(resource=Resource.create({"service.name": "rose"}), id_generator=_ids))
+    else:
+        adopt(provider)
+
+
+def adopt(provider: TracerProvider) -> None:
+    """Let an application's own SDK provider take preset ids, so its tracers (got after this)
+    record planned spans (`SpanPlan`) too: its ids stay its own generator's otherwise."""
+    if provider.id_generator is not _ids:
+        _ids.fallback, provider.id_generator = provider.id_generator, _ids
 
 
 def memory_exporter() -> InMemorySpanExporter | None:

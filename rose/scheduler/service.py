@@ -48,9 +48,6 @@ from rose.obs.tracing import (
     SpanPlan,
     can_plan_spans,
     ensure_provider,
-    inject_headers,
-    process_span,
-    send_span,
     tracer,
     unsampled_headers,
 )
@@ -134,7 +131,7 @@ class Scheduler:
         ensure_provider()  # commands always carry trace context, exported or not
         self._tracer = tracer("rose.scheduler")
         self._renew_every = max(1, cfg.tracing.renew_sample_every)
-        self._plan_spans = can_plan_spans(self._tracer)  # spans recorded after the commit (SpanPlan)
+        assert can_plan_spans(self._tracer)  # spans recorded after the commit (SpanPlan)
         self._running = True
         self._hold = False  # join_paused: partitions assigned meanwhile start paused
         self._hmac_key = cfg.security.command_hmac_key.encode() if cfg.security.command_hmac_key else None
@@ -402,20 +399,14 @@ class Scheduler:
             traced = [c for c, f in zip(d.commands, flags, strict=True) if f]
             if not traced:
                 for cmd in d.commands:
-                    self._emit(cmd, d, m, False)
-            elif self._plan_spans:  # ids now, spans after the commit
+                    self._emit(cmd, d, m, None)
+            else:  # ids now, spans after the commit
                 t_traced = time.perf_counter()
                 plan = SpanPlan(m, t0)
                 for cmd, f in zip(d.commands, flags, strict=True):
-                    self._emit(cmd, d, m, f, plan)
+                    self._emit(cmd, d, m, plan if f else None)
                 plan.end_ns = time_ns()
                 plans.append((plan, traced))
-                self.stats.traced_s += time.perf_counter() - t_traced
-            else:  # a tracer provider not installed here: spans in the transaction
-                t_traced = time.perf_counter()
-                with process_span(self._tracer, m, self.group, start_time=t0):
-                    for cmd, f in zip(d.commands, flags, strict=True):
-                        self._emit(cmd, d, m, f)
                 self.stats.traced_s += time.perf_counter() - t_traced
             self.stats.traced_commands += len(traced)
             ts_ms = m.timestamp()[1]
@@ -430,25 +421,20 @@ class Scheduler:
         one renew in `tracing.renew_sample_every`, the same ones on every run (by command id)."""
         return cmd.kind != "renew" or int(cmd.command_id[:8], 16) % self._renew_every == 0
 
-    def _emit(self, cmd: Command, d: Decision, cause: Message, traced: bool, plan: SpanPlan | None = None) -> None:
-        """Produce one command. A traced one gets a `lease.decide` span (child of the event's
-        `process` span) that holds the decision's why, and a `send` span whose context the
-        command carries: planned in `plan` and recorded after the commit, or made here. A
-        sampled-out renew carries a not-sampled `traceparent` in the event's trace instead."""
-        topic, n = self.k.commands_topic, self._command_partitions
+    def _emit(self, cmd: Command, d: Decision, cause: Message, plan: SpanPlan | None) -> None:
+        """Produce one command. A traced one (`_traced`, decided once by the caller: given its
+        event's `plan`) carries the context of a `send` span planned under a `lease.decide` span
+        that holds the decision's why, both recorded after the commit. A sampled-out renew
+        carries a not-sampled `traceparent` in the event's trace instead."""
         value = encode(cmd)
-        if not traced:  # `_traced(cmd)`, decided once by the caller
+        if plan is None:
             self._produce_command(cmd, value, unsampled_headers(cause.headers()))
             return
+        topic, n = self.k.commands_topic, self._command_partitions
         partition = partition_for(cmd.gpu, n) if n else None
-        attrs = self._decision_attrs(cmd, d)
-        if plan is not None:
-            self._produce_command(cmd, value, plan.child("lease.decide", attrs, topic, cmd.gpu, partition))
-            return
-        with self._tracer.start_as_current_span("lease.decide", attributes=attrs):
-            with send_span(self._tracer, topic, key=cmd.gpu, partition=partition):
-                self._produce_command(cmd, value, inject_headers())
-            self._log_decision(cmd)
+        self._produce_command(
+            cmd, value, plan.child("lease.decide", self._decision_attrs(cmd, d), topic, cmd.gpu, partition)
+        )
 
     def _produce_command(self, cmd: Command, value: bytes, headers: list[tuple[str, bytes]]) -> None:
         if self._hmac_key:
