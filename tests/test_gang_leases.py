@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rose.config import PolicyConfig
+from rose.contract.events import LeaseState
 from rose.policy.core import SchedulingCore
 from rose.policy.lease_policy import GpuView
 from tests.policy_examples import tel
@@ -166,3 +167,21 @@ def test_a_batch_step_leaves_the_views_as_they_were_until_committed():
     assert first.decisions + rest.decisions == tuple(decided)
     assert any(c.kind == "grant" for d in decided for c in d.commands)
     assert any(c.kind == "throttle" for d in decided for c in d.commands)
+
+
+def test_a_member_rejected_by_its_executor_ends_the_gang_on_the_next_event_of_another():
+    core = SchedulingCore(CFG)
+    cmds, i, ts = calm(core, ["n/0", "n/1"], 0, 1000.0)
+    grants = {c.gpu: c for c in cmds if c.kind == "grant"}
+    g = grants["n/1"]
+    core.observe(LeaseState("n/1", g.lease_id, g.epoch, "rejected", ts, 0, g.command_id))
+    assert core.views["n/1"].lease_id is None and core.views["n/0"].lease_id == grants["n/0"].lease_id
+    d = core.decide(tel(i, ts + 0.25, 0.2, 0.1, 80, 24, gpu="n/0"))
+    assert [(c.gpu, c.kind, c.lease_id, c.group_id) for c in d.commands] == [
+        ("n/0", "revoke", grants["n/0"].lease_id, g.group_id)
+    ]
+    assert "1 member(s) lost their lease" in d.explain.reason and d.explain.action == "revoke"
+    assert all(v.lease_id is None for v in core.views.values())
+    # the gang forms again once both qualify
+    cmds, _, _ = calm(core, ["n/0", "n/1"], i + 1, ts + 0.25)
+    assert sorted(c.gpu for c in cmds if c.kind == "grant") == ["n/0", "n/1"]

@@ -14,7 +14,9 @@ member would have resumed to), and with the leases they hold:
 - a resume waits until every member would resume, at the smallest share any of them would
   take; meanwhile the member holds (and renews) its paused lease;
 - a member whose lease ends (revoked, or expired without renewal) ends the gang: every other
-  member is revoked and shares its cooldown.
+  member is revoked and shares its cooldown;
+- so does a member whose lease ended outside a step (its executor rejected the grant, or let
+  the lease expire): the next event of a member still holding the lease revokes every one left.
 
 Every command of a member carries the gang (`group_id`, `group_size`). Pure like `decide()`:
 no I/O, no clock.
@@ -56,19 +58,27 @@ def combine(
     own = solo.commands
     ended: tuple[Command, ...] = ()
     others: tuple[GpuView, ...] = ()
+    explain = solo.explain
     if gang is not None and v.lease_id != gang.lease_id:  # revoked here, or expired without renewal
         own = tuple(_in_group(c, gang) if c.kind == "revoke" and c.gpu == gpu else c for c in own)
         ended, others = _end(views, gang, v, event, solo.explain.reason)
+        gang = None
+    elif gang is not None and (lost := gang.group_size - 1 - len(_siblings(views, gpu, gang.group_id))) > 0:
+        # a member's lease ended outside a step (its executor rejected it, or it expired there)
+        why = f"gang {gang.group_id}: {lost} member(s) lost their lease"
+        own = (_command(event, v, "revoke", 0, 0.0, event.ts, why),)
+        v = replace(v, **_NO_LEASE)
+        ended, others = _end(views, gang, v, event, why)
+        explain = replace(explain, action="revoke", reason=why)
         gang = None
     grant = next((c for c in own if c.kind == "grant"), None)
     if grant is not None:  # a lone GPU qualifies: the gang forms once k GPUs of its node do
         kept = tuple(c for c in own if c is not grant)
         return _form(views, v, grant, event, cfg, kept + ended, others, solo.explain)
     if gang is None:
-        return Decision(v, own + ended, solo.explain, others)
+        return Decision(v, own + ended, explain, others)
     pause = any(c.kind == "throttle" and c.compute_share == 0.0 for c in own)
     resume = next((c for c in own if c.kind == "throttle" and c.compute_share > 0.0), None)
-    explain = solo.explain
     cmds = own
     if pause:
         paused, others = _pause(views, gang, event, cfg, explain.reason)
