@@ -31,7 +31,9 @@ def test_weights_bench_reports_every_figure(cfg):
         assert out[k] is not None and out[k] > 0, k
     assert out["params"] == 10_000_000 and out["bytes_full_bf16"] == 2 * out["params"]
     assert out["bytes_ratio_per_step"] < 1 and 0 < out["changed_fraction"] < 1
-    # the ratio is against the memcpy timed beside encode, in the same run
+    # the ratio is against the memcpy timed beside encode, in the same run, on as many threads
+    assert out["memcpy_threads"] == out["encode_workers"] == out["apply_workers"] == weights.WORKERS
+    assert out["memcpy_1_thread_gb_per_s"] > 0
     assert out["encode_over_memcpy"] == pytest.approx(out["encode_gb_per_s"] / out["encode_memcpy_gb_per_s"], rel=0.02)
     assert set(out["bytes_ratio_by_lr"]) == {"1e-07", "1e-06", "1e-05"}
     by_lr = [out["bytes_ratio_by_lr"][lr]["bytes_ratio"] for lr in ("1e-07", "1e-06", "1e-05")]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,16 @@ def _paired(f, reset, memcpy, repeat: int = 3) -> tuple[float, float]:
     return best_f, best_m
 
 
+def _copier(dst: np.ndarray, src: np.ndarray, threads: int, pool: ThreadPoolExecutor):
+    """memcpy of `src` into `dst` on `threads` threads (contiguous slices; np.copyto releases the
+    GIL), the reference for a stage run on as many threads."""
+    if threads == 1:
+        return lambda: np.copyto(dst, src)
+    bounds = np.linspace(0, len(src), threads + 1).astype(int)
+    parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return lambda: list(pool.map(lambda p: np.copyto(*p), parts))
+
+
 def _ratio(patches, layout) -> float:
     return sum(len(p.payload) for p in patches) / sum(t.nbytes for t in layout.tensors)
 
@@ -80,8 +91,14 @@ def run(cfg, quick: bool) -> dict:
 
 def _speed(trainer, params: int) -> dict:
     """One lossless step at lr 1e-6 past Adam's start-up, encoded and applied as the publisher
-    and the receiver do (WORKERS threads, best of 3 on reset copies), each beside memcpy of the
-    same bytes measured between its runs; then the stages alone, on one thread."""
+    and the receiver do (WORKERS threads, best of 3 on reset copies) and on one thread, each
+    beside memcpy of the same bytes on as many threads, measured between its runs; then the
+    stages alone, on one thread."""
+    with ThreadPoolExecutor(WORKERS) as pool:
+        return _speed_on(trainer, params, pool)
+
+
+def _speed_on(trainer, params: int, pool: ThreadPoolExecutor) -> dict:
     from rose.weights import codec
 
     layout, view = _flat_state(trainer)
@@ -89,16 +106,16 @@ def _speed(trainer, params: int) -> dict:
     target = _flat_state(trainer)[1]
     full = sum(t.nbytes for t in layout.tensors)
     scratch, work, rwork = np.empty_like(view), np.empty_like(view), np.empty_like(view)
-    memcpy = lambda: np.copyto(scratch, view)  # noqa: E731
+    memcpy, memcpy1 = _copier(scratch, view, WORKERS, pool), _copier(scratch, view, 1, pool)
     reset_sender = lambda: np.copyto(work, view)  # noqa: E731
     enc_s, enc_m = _paired(lambda: codec.encode_state(layout, work, target, workers=WORKERS), reset_sender, memcpy)
-    enc1_s, enc1_m = _paired(lambda: codec.encode_state(layout, work, target, workers=1), reset_sender, memcpy)
+    enc1_s, enc1_m = _paired(lambda: codec.encode_state(layout, work, target, workers=1), reset_sender, memcpy1)
     reset_sender()
     patches, _ = codec.encode_state(layout, work, target, workers=WORKERS)
     assert np.array_equal(work, target)
     reset_receiver = lambda: np.copyto(rwork, view)  # noqa: E731
     app_s, app_m = _paired(lambda: codec.apply_patches(layout, rwork, patches, workers=WORKERS), reset_receiver, memcpy)
-    app1_s, app1_m = _paired(lambda: codec.apply_patches(layout, rwork, patches, workers=1), reset_receiver, memcpy)
+    app1_s, app1_m = _paired(lambda: codec.apply_patches(layout, rwork, patches, workers=1), reset_receiver, memcpy1)
     assert np.array_equal(rwork, target)
     gbps = lambda s: full / s / 1e9  # noqa: E731
     ratio = _ratio(patches, layout)
@@ -111,13 +128,15 @@ def _speed(trainer, params: int) -> dict:
         "bytes_ratio_per_step": round(ratio, 5),
         "bytes_ratio_goal": GOAL_BYTES_RATIO,
         "bytes_ratio_over_goal": round(ratio / GOAL_BYTES_RATIO, 3),
+        "memcpy_threads": WORKERS,  # every ratio's memcpy runs on as many threads as its stage
         "memcpy_gb_per_s": round(gbps(min(enc_m, app_m)), 3),
+        "memcpy_1_thread_gb_per_s": round(gbps(min(enc1_m, app1_m)), 3),
         "encode_memcpy_gb_per_s": round(gbps(enc_m), 3),  # the memcpy paired with encode, same buffers
         "encode_gb_per_s": round(gbps(enc_s), 3),
         "encode_workers": WORKERS,
         "encode_over_memcpy": round(enc_m / enc_s, 4),
         "encode_over_memcpy_goal": GOAL_ENCODE_OVER_MEMCPY,
-        "encode_1_worker_over_memcpy": round(enc1_m / enc1_s, 4),
+        "encode_1_worker_over_memcpy": round(enc1_m / enc1_s, 4),  # beside a 1-thread memcpy
         "apply_gb_per_s": round(gbps(app_s), 3),
         "apply_workers": WORKERS,
         "apply_over_memcpy": round(app_m / app_s, 4),
