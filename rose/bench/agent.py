@@ -118,9 +118,9 @@ def run(cfg, quick: bool) -> dict:
         if kafka:
             kcfg = dataclasses.replace(cfg.kafka, topic_prefix=f"bench{uuid.uuid4().hex[:8]}.")
             create_topics(kcfg)
-            pub = TelemetryPublisher(
-                kcfg, kcfg.telemetry_topic, buffer_max=gpus * windows, linger_ms=cfg.telemetry.linger_ms
-            )
+            # the agent's own buffer (`telemetry.buffer_max`), smaller than the run: events the
+            # producer cannot keep up with are dropped and counted, as on a node
+            pub = TelemetryPublisher.for_config(dataclasses.replace(cfg, kafka=kcfg))
             t0 = time.perf_counter()
             summary = run_simulated(dataclasses.replace(cfg, kafka=kcfg), opt, publisher=pub, follow_leases=False)
             left = pub.flush(60.0)
@@ -131,6 +131,7 @@ def run(cfg, quick: bool) -> dict:
                 events=events,
                 events_per_s=round(events / dt, 1),
                 dropped=summary["dropped"] + left,
+                buffer_max=cfg.telemetry.buffer_max,
                 ratio_to_goal=round(events / dt / GOAL_EVENTS_PER_S, 3),
                 kafka=True,
             )
