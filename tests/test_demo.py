@@ -365,9 +365,9 @@ def test_demo_hands_its_children_the_run_config_in_a_private_file(tmp_path, monk
         got = load_config(path, env={})
         assert got == d.cfg and got.security.weights_hmac_key == "wk"
         assert got.executor.worker_weights == "follow" and got.redis.key_prefix.startswith("rose:demo-")
-        from rose.sim.sim_config import SimConfig
+        from rose.sim.sim_config import ALPHA_DEFAULT
 
-        assert got.telemetry.interference_alpha == SimConfig().alpha  # the simulator's, as `rose simulate`
+        assert got.telemetry.interference_alpha == ALPHA_DEFAULT  # the simulator's linear model, reference alpha
         assert d._argv()["dedicated"].weights_hmac_key == "wk"
     finally:
         import shutil

@@ -41,8 +41,16 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
             help="Processes: 1 runs every policy in one; 2 runs ROSE in a second one, same results "
             "(0: 2 for runs of 1M GPU-windows or more).",
         ),
+        interference_profile: Path = typer.Option(
+            None,
+            "--interference-profile",
+            help="A rose.interference_profile.v1 file (default: docs/measured/h200/interference-profile.json).",
+        ),
         interference_bench: Path = typer.Option(
-            None, "--interference-bench", help="`rose bench interference --json` output: calibrates alpha."
+            None, "--interference-bench", help="`rose bench interference --json` output, read as a profile."
+        ),
+        interference_alpha: float = typer.Option(
+            None, "--interference-alpha", help="Sweep option: the linear profile 1 + alpha × share instead."
         ),
         weights_bench: Path = typer.Option(
             None, "--weights-bench", help="`rose bench weights --json` output: the delta bytes ratio."
@@ -102,6 +110,21 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
             )
         except ValueError as e:
             fail(str(e))
+        given = [f for f, v in (("--interference-profile", interference_profile), ("--interference-bench",
+                 interference_bench), ("--interference-alpha", interference_alpha)) if v is not None]  # fmt: skip
+        if len(given) > 1:
+            fail(f"{' and '.join(given)}: give at most one interference model")
+        if interference_profile is not None:
+            from rose.sim.interference import read_profile
+
+            try:
+                cal["interference"] = read_profile(interference_profile)
+            except ValueError as e:
+                fail(f"--interference-profile: {e}")
+        if interference_alpha is not None:
+            if not interference_alpha >= 0:
+                fail(f"--interference-alpha must be >= 0, got {interference_alpha}")
+            cal.update(alpha=interference_alpha, alpha_source="rose simulate --interference-alpha (sweep)")
         cfg = cli_config()
         try:
             sc = SimConfig(
@@ -139,6 +162,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
             f"dedicated · {c['duration_s']:g} s · SLO ttft {c['slo_ms']['ttft_p99']:g} ms, "
             f"tpot {c['slo_ms']['tpot_p99']:g} ms · wall {result['wall_s']:.1f} s"
         )
+        ip = result["interference_profile"]
+        typer.echo(f"interference ({ip['mechanism']}): {ip['source']}")
         typer.echo(
             f"{'policy':10s} {'episodes/h':>11s} {'RL steps/h':>10s} {'gain':>15s} {'SLO att.':>19s} "
             f"{'harvest':>7s} {'revokes':>7s} {'weights GB':>10s}"

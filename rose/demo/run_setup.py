@@ -77,20 +77,21 @@ class DemoSetup:
 
     def __init__(self, cfg: Config, opts: DemoOptions, echo: Callable[[str], None] = print):
         from rose.executor.guard import default_latency_dir
-        from rose.sim.sim_config import SimConfig
+        from rose.sim.sim_config import ALPHA_DEFAULT, SimConfig
 
         self.opts, self.echo = opts, echo
         self.run_id = uuid.uuid4().hex[:8]
         self.trace = str(Path(opts.trace) if opts.trace else default_trace())
         self.job, self.model = "demo", "policy"
         self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
-        # the trace-driven GPUs slow down under a lease as `rose simulate`'s do: the simulator's
-        # interference model (rose.sim.serving_model) with its default alpha (rose.sim.sim_config)
-        sim = SimConfig()
-        self.interference = {"alpha": sim.alpha, "source": sim.alpha_source}
+        # the trace-driven GPUs slow down under a lease by the simulator's linear interference
+        # model (rose.sim.serving_model) at its reference alpha (rose.sim.sim_config.ALPHA_DEFAULT)
+        sim = SimConfig(alpha=ALPHA_DEFAULT)
+        alpha = ALPHA_DEFAULT
+        self.interference = {"alpha": alpha, "source": sim.alpha_source}
         self.cfg = dataclasses.replace(
             cfg,
-            telemetry=dataclasses.replace(cfg.telemetry, interference_alpha=sim.alpha),
+            telemetry=dataclasses.replace(cfg.telemetry, interference_alpha=alpha),
             kafka=dataclasses.replace(
                 cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}demo-{self.run_id}.", partitions=4
             ),
@@ -293,6 +294,8 @@ def _toml_value(v) -> str:
         return str(v)
     if isinstance(v, float):
         return repr(v)  # 0.5, 1e-05, inf: all TOML floats
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     body = "".join(
         {'"': '\\"', "\\": "\\\\"}.get(ch, ch) if ord(ch) >= 0x20 and ord(ch) != 0x7F else f"\\u{ord(ch):04x}"
         for ch in str(v)

@@ -1,7 +1,8 @@
 """`rose simulate`: a serving cluster driven by a real request trace, plus an agentic RL job,
 under four rollout policies (the paper's baselines and ROSE). `simulate(trace, SimConfig)`
 runs every policy over the same windows and the same requests and returns the JSON-ready
-result (`rose.sim.report.result_of`). Pure apart from reading the trace. A large run takes
+result (`rose.sim.report.result_of`). Pure apart from reading the trace (and the default
+interference profile, docs/measured/h200/interference-profile.json). A large run takes
 ROSE's side (its policy calls and lease machines, most of the work) to a forked second process
 (`SimConfig.workers`); the policies share nothing but the request stream, so the result is the
 same byte for byte.
@@ -25,6 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from rose.config import PolicyConfig
+from rose.sim.interference import ProfileError, from_bench
 from rose.sim.ledger import Ledger
 from rose.sim.models import deployed, gpu_spec, model_size
 from rose.sim.report import across_seeds, result_of
@@ -63,6 +65,7 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     gpu = gpu_spec(cfg.gpu)
     model = deployed(model_size(cfg.model), gpu, cfg.tp, cfg.engine.runtime_reserve_bytes)
     G, M, ep = cfg.n_gpus, cfg.pool, cfg.episode
+    profile = cfg.profile()
     probe = ServingSim(gpu, model, model.tp, engine=cfg.engine)  # one replica
     rollout = RolloutModel(probe, ep, cfg.engine.runtime_reserve_bytes, tp=cfg.rollout_tp)
     if rollout.dedicated_batch <= 0:
@@ -83,6 +86,9 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     # the smallest grant is what the rollout worker needs (its weight shard, the runtime reserve and one
     # episode at its end): a smaller lease could not run rollout and would only shrink serving's KV cache
     policy = replace(policy, min_lease_bytes=max(policy.min_lease_bytes, rollout.min_lease_bytes))
+    # the policy's prior is the run's interference profile (unless its configuration names one)
+    if not policy.interference_profile:
+        policy = replace(policy, interference_profile=profile.policy_points())
     ctx = RunContext(
         G,
         M,
@@ -100,6 +106,7 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         ep.episodes_per_step / ded_rate,
         cfg.weight_delta_ratio,
         cfg.elastic_cap_frac,
+        profile,
     )
 
     want = [p for p in POLICIES if p in cfg.policies]
@@ -110,10 +117,10 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         """The window loop for the policies `names` (each with the serving model it needs)."""
         sims: dict[str, ServingSim] = {}
         if {"static", "elastic"} & set(names):
-            sims["base"] = ServingSim(gpu, model, G, engine=cfg.engine, alpha=cfg.alpha)
+            sims["base"] = ServingSim(gpu, model, G, engine=cfg.engine, profile=profile)
         for p in ("share-all", "rose"):
             if p in names:
-                sims[p] = ServingSim(gpu, model, G, engine=cfg.engine, alpha=cfg.alpha)
+                sims[p] = ServingSim(gpu, model, G, engine=cfg.engine, profile=profile)
         runs = {p: RUNS[p](p, ctx, sims.get(p)) for p in names}
         for w in range(n_win):
             t1 = (w + 1) * cfg.period_s
@@ -250,7 +257,9 @@ def check_invariants(run: Run, st) -> None:
 def calibration(interference: dict | None, weights: dict | None) -> dict:
     """SimConfig fields from benchmark results (`rose bench interference|weights --json` objects).
 
-    Interference, from a GPU (`alpha_per_share`, rose.bench._cuda): the least-squares slope of
+    Interference: the result read as a profile (`interference`, rose.sim.interference.from_bench),
+    which the run uses; beside it the linear model's alpha the result implies (`alpha`, for
+    `rose paper-check`'s labelled column and the report). Alpha from a GPU (`alpha_per_share`, rose.bench._cuda): the least-squares slope of
     serving's p99 slowdown over rollout's share with rollout on the lowest-priority CUDA stream,
     the same ``1 + alpha × share`` the serving model applies. From the CPU bench (no
     `alpha_per_share`): it measures a serving step's p99 alone and beside a rollout worker
@@ -261,23 +270,22 @@ def calibration(interference: dict | None, weights: dict | None) -> dict:
     """
     out: dict = {}
     if interference is not None:
+        where = f"rose bench interference ({interference.get('_source', 'result')}, device {interference.get('device', '?')}"
         a = interference.get("alpha_per_share")
         r = interference.get("unprotected_p99_over_alone")
-        where = f"rose bench interference ({interference.get('_source', 'result')}, device {interference.get('device', '?')}"
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0):
+            raise ProfileError("--interference-bench: alpha_per_share must be a number >= 0")
+        try:
+            out["interference"] = from_bench(interference, str(interference.get("_source", "result")))
+        except ProfileError as e:
+            raise ProfileError(f"--interference-bench: {str(e).removeprefix('--interference-bench: ')}") from None
         if a is not None:
-            if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0:
-                raise ValueError("--interference-bench: alpha_per_share must be a number >= 0")
             out["alpha"] = round(float(a), 4)
             gpu = interference.get("gpu_name")
             out["alpha_source"] = (
                 f"{where}{f', {gpu}' if gpu else ''}): p99 slowdown per unit of share, priority streams"
             )
-        else:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
-                raise ValueError(
-                    "--interference-bench: expected alpha_per_share or a positive unprotected_p99_over_alone "
-                    "(the output of `rose bench interference --json`)"
-                )
+        elif isinstance(r, (int, float)) and not isinstance(r, bool):
             out["alpha"] = round(max(0.0, float(r) - 1.0), 4)
             out["alpha_source"] = f"{where}): unprotected p99 / alone = {r}"
     if weights is not None:

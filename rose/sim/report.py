@@ -63,6 +63,8 @@ def result_of(
             },
             "min_free_mem_bytes": run.min_free_bytes,
             "harvest_per_serving_gpu": (harvest := harvest_per_serving_gpu(run, ctx)),
+            # start of the first window in which rollout ran on a serving GPU (None: it never did)
+            "lease_start_s": None if run.lease_start_s is None else round(run.lease_start_s, 3),
         }
         if p in ("share-all", "rose"):
             res["gain_from_harvest"] = round(1.0 + ctx.G / ctx.M * harvest, 4)
@@ -82,8 +84,10 @@ def result_of(
             res.update(external_gpu_hours=round(run.ext_gpu_s / 3600.0, 3), external_gpu_cap=run.cap)
         pol[p] = res
     rollout, slo = ctx.rollout, ctx.slo
+    profile = ctx.profile if ctx.profile is not None else cfg.profile()
     out: dict = {
         "policies": pol,
+        "interference_profile": profile.label(),
         "fleet": {
             "serving_gpus": ctx.G,
             "dedicated_gpus": ctx.M,
@@ -109,8 +113,8 @@ def result_of(
             "telemetry_period_s": ctx.decide_every * ctx.dt,
             "slo_ms": {"ttft_p99": slo.ttft_p99, "tpot_p99": slo.tpot_p99},
             **load,
-            "interference_alpha": cfg.alpha,
-            "interference_alpha_source": cfg.alpha_source,
+            "interference_alpha": cfg.alpha,  # the linear model's alpha, when given (a sweep or a bench's fit)
+            "interference_alpha_source": cfg.alpha_source if cfg.alpha is not None else None,
             "weight_delta_ratio": cfg.weight_delta_ratio,
             "weight_delta_ratio_source": cfg.weight_ratio_source,
             "episode": asdict(ep),
@@ -124,6 +128,8 @@ def result_of(
         },
     }
     out.update(validity(pol))
+    if "rose" in pol and "share-all" in pol:
+        out["rose_vs_share_all"] = rose_vs_share_all([pol])
     if cfg.record_series:
         out["series"] = {p: run.series for p, run in runs.items()}
     return out
@@ -140,6 +146,26 @@ def harvest_per_serving_gpu(run: Run, ctx: RunContext) -> float:
     if per_gpu <= 0 or seconds <= 0:
         return 0.0
     return round(max(0.0, run.ledger.produced - own) / (per_gpu * seconds * ctx.G), 6)
+
+
+def rose_vs_share_all(per_seed: list[dict[str, dict]]) -> dict:
+    """ROSE beside share-all, from each seed's policy results: `throughput_ratio` (ROSE's
+    episodes over share-all's, the mean of the seeds' ratios), its 95 % Student t interval over
+    the seeds (`throughput_ratio_ci95`, None with one seed), and `slo_difference` (ROSE's SLO
+    attainment minus share-all's, mean over the seeds)."""
+    ratios, diffs = [], []
+    for pol in per_seed:
+        r, s = pol["rose"], pol["share-all"]
+        ratios.append(r["episodes"] / s["episodes"] if s["episodes"] > 0 else float("nan"))
+        diffs.append(r["slo_attainment"] - s["slo_attainment"])
+    finite = [x for x in ratios if x == x]
+    m, ci = mean_ci95(finite) if len(finite) == len(ratios) else (None, None)
+    return {
+        "throughput_ratio": None if m is None else round(m, 6),
+        "throughput_ratio_ci95": None if ci is None else [round(ci[0], 6), round(ci[1], 6)],
+        "ci_basis": "seeds (Student t over the per-seed ratios)",
+        "slo_difference": round(statistics.fmean(diffs), 6),
+    }
 
 
 def validity(policies: dict[str, dict]) -> dict:
@@ -177,7 +203,8 @@ def markdown(result: dict) -> str:
         f"peak/mean {c['peak_to_mean']:g}); trace compressed ×{c['trace_compress']:g}, "
         f"{c['trace_copies']} shifted copies, each request kept with p={c['trace_keep']:g}.",
         f"- Policy telemetry every {c['telemetry_period_s']:g} s (decide_every {c['decide_every']}).",
-        f"- Interference alpha {c['interference_alpha']:g}: {c['interference_alpha_source']}.",
+        f"- Interference profile ({result['interference_profile']['mechanism']}): "
+        f"{result['interference_profile']['source']}.",
         f"- Weight delta ratio {c['weight_delta_ratio']:g}: {c['weight_delta_ratio_source']}.",
         f"- Rollout: {c['rollout']['dedicated_batch']} concurrent episodes per dedicated GPU, "
         f"{c['rollout']['dedicated_episodes_per_s']:g} episodes/s each; "
@@ -243,6 +270,8 @@ def across_seeds(results: list[dict]) -> dict:
         }
         for r in results
     ]
+    if all("rose_vs_share_all" in r for r in results):
+        out["rose_vs_share_all"] = rose_vs_share_all([r["policies"] for r in results])
     if any("valid" in r for r in results):
         bad = [r for r in results if r.get("valid") is False]
         out["valid"] = not bad and all(r.get("valid") for r in results)

@@ -21,6 +21,7 @@ from rose.executor.guard import tripped_next
 from rose.policy.core import SchedulingCore
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import free_memory, memory_margin
+from rose.sim.interference import InterferenceProfile
 from rose.sim.ledger import Ledger
 from rose.sim.models import EpisodeModel, GpuSpec
 from rose.sim.rollout_model import RolloutModel
@@ -58,6 +59,14 @@ class RunContext:
     step_static_s: float  # one RL step's rollout on the dedicated pool alone, s
     delta_ratio: float  # weight delta bytes / full, per RL step
     elastic_cap_frac: float = ELASTIC_CAP_FRAC  # elastic: external GPUs at once, × M
+    profile: InterferenceProfile | None = None  # interference beside serving (rose.sim.interference)
+
+    def rollout_rate(self, mem_bytes, share) -> np.ndarray:
+        """Episodes/s per GPU of rollout with `mem_bytes` at compute `share` beside serving: its
+        solo rate × the profile's rollout fraction at that share (GPU time is conserved: what the
+        profile says one GPU does at that share, not share × the solo rate)."""
+        assert self.profile is not None  # simulate() always gives one
+        return self.rollout.rate(mem_bytes) * self.profile.rollout_fraction(share)
 
 
 class Run:
@@ -74,6 +83,7 @@ class Run:
         self.weight_bytes = self.weight_bytes_full = 0.0
         self.lease_gpu_s = self.lease_share_s = self.ext_gpu_s = 0.0
         self.last_steps = 0
+        self.lease_start_s: float | None = None  # when rollout first ran on a serving GPU
         self.min_free_bytes = 1 << 62
         self.series: dict[str, list] = {
             k: []
@@ -191,7 +201,9 @@ class ShareAllRun(Run):
 
     def extra(self, w, t1, st):
         c = self.ctx
-        self.ledger.progress(self.w, self.batch / 2.0, c.rollout.rate(self.mem, SHARE_ALL_SHARE) * c.dt)
+        self.ledger.progress(self.w, self.batch / 2.0, c.rollout_rate(self.mem, SHARE_ALL_SHARE) * c.dt)
+        if self.lease_start_s is None:
+            self.lease_start_s = t1 - c.dt
         self.lease_gpu_s += c.G * c.dt
         self.lease_share_s += float(self.usable.sum()) * SHARE_ALL_SHARE * c.dt
 
@@ -252,10 +264,12 @@ class RoseRun(Run):
         c, pc = self.ctx, self.ctx.policy
         run_mask = self.running()
         self.ledger.progress(
-            self.w, self.batch / 2.0, np.where(run_mask, c.rollout.rate(self.mem, self.share), 0.0) * c.dt
+            self.w, self.batch / 2.0, np.where(run_mask, c.rollout_rate(self.mem, self.share), 0.0) * c.dt
         )
         self.lease_gpu_s += float(self.leased.sum()) * c.dt
         self.lease_share_s += float(self.share[run_mask].sum()) * c.dt
+        if self.lease_start_s is None and run_mask.any():
+            self.lease_start_s = t1 - c.dt
         # the executors' local guard, on the window's latency sample
         tripped = fleet_tripped_next(
             self.tripped, min_headroom(st.ttft_p99_ms, st.tpot_p99_ms, c.slo), pc.revoke_headroom, pc.grant_headroom

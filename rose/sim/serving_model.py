@@ -4,8 +4,8 @@ Pure: no I/O, no wall clock, no randomness (only `spread` draws, from its seed).
 `rose agent --simulate`, `rose simulate` and the demo. One call to `ServingSim.advance`
 moves every GPU of a fleet through one sampling window with a handful of numpy operations
 (a roofline of each engine iteration with chunked prefill, a fluid FIFO prefill queue, a
-decode running set, memory with an elastic KV cache, rollout interference `1 + alpha × share`;
-a tensor-parallel replica of several GPUs is one engine), so 1,000 GPUs × an hour of 0.5 s
+decode running set, memory with an elastic KV cache, rollout interference from an interference
+profile, rose.sim.interference; a tensor-parallel replica of several GPUs is one engine), so 1,000 GPUs × an hour of 0.5 s
 windows runs in seconds. The model, its sources and its approximations: docs/simulator.md
 "The serving model". GPU and model presets: `rose.sim.models`.
 """
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rose.config import GiB
+from rose.sim.interference import InterferenceProfile, linear_profile
 from rose.sim.models import EngineConfig, GpuSpec, ModelSize, deployed
 
-ALPHA = 1.0  # serving slowdown per unit of rollout compute share (docs/simulator.md "Interference")
+ALPHA = 1.0  # serving slowdown per unit of rollout compute share without a profile (docs/simulator.md "Interference")
 P99 = 0.99
 MAX_TTFT_S = 3600.0  # a wait beyond an hour is reported as an hour (schema bound is 1e9 ms)
 MAX_STRETCH = 1000.0  # demand/capacity stretch cap when admission is blocked
@@ -53,6 +54,7 @@ class ServingSim:
     prompt_tokens, output_tokens)` takes the requests that arrive in [t, t_until) (any order;
     `replica_idx` says which replica each goes to: the GPU when tp = 1) and returns the window's
     WindowStats, one entry per GPU. `set_rollout` states the current lease of some GPUs.
+    Interference: `profile` (rose.sim.interference), or without one the linear profile of `alpha`.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class ServingSim:
         *,
         engine: EngineConfig = EngineConfig(),
         alpha: float = ALPHA,
+        profile: InterferenceProfile | None = None,
         t0: float = 0.0,
     ):
         if n_gpus < 1:
@@ -72,6 +75,7 @@ class ServingSim:
         if n_gpus % tp:
             raise ValueError(f"{n_gpus} GPUs do not split into replicas of tp={tp} GPUs ({model.name} on {gpu.name})")
         self.gpu, self.model, self.engine, self.alpha = gpu, model, engine, float(alpha)
+        self.profile = profile if profile is not None else linear_profile(self.alpha)
         self.n, self.tp, self.replicas = n_gpus, tp, n_gpus // tp
         self.t = float(t0)
         self.static_bytes = model.weight_bytes_per_gpu + engine.runtime_reserve_bytes  # per GPU
@@ -123,13 +127,14 @@ class ServingSim:
         cmp = batch * self.flop_time
         return self.engine.step_overhead_s + np.maximum(mem, cmp) + self.comm
 
-    def interference(self) -> np.ndarray:
-        """Per replica: the slowdown of its most loaded GPU (TP ranks meet at every all-reduce),
-        ``1 + alpha × share`` capped at the time-slicing bound ``1 / (1 - share)``: rollout
-        holding a share of the GPU's time leaves serving at least the rest of it
-        (docs/simulator.md "Interference")."""
-        x = self._worst(self.share * self.rollout_running)
-        return np.minimum(1.0 + self.alpha * x, 1.0 / np.maximum(1.0 - x, 1e-9))
+    def interference(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per replica, serving's step time beside rollout over alone: (mean, p99) ratios of the
+        profile at each GPU's running share, the replica's most slowed GPU (TP ranks meet at
+        every all-reduce). A window holds tens to hundreds of steps: its progress goes at the
+        mean, its token-weighted p99 is the per-step distribution's p99
+        (rose.sim.interference.StepMultiplier; docs/simulator.md "Interference")."""
+        x = self.share * self.rollout_running
+        return self._worst(self.profile.serving_mean_ratio(x)), self._worst(self.profile.serving_p99_ratio(x))
 
     def kv_capacity_tokens(self) -> np.ndarray:
         """Per replica: context tokens its KV cache can hold (every rank holds its share of each
@@ -155,7 +160,7 @@ class ServingSim:
         n_arr = np.bincount(gi, minlength=G)  # arrivals per replica
         n_new = n_arr.astype(np.float64)
 
-        f = self.interference()
+        f, f99 = self.interference()
         kv_cap = self.kv_capacity_tokens()  # rollout memory is fixed for the window
         N, R, C = self.N, self.R, self.C
         busy = N > 0
@@ -228,7 +233,7 @@ class ServingSim:
 
         # TTFT p99 of the window's arrivals, per GPU (nearest rank)
         ttft = np.minimum(W + S_s, MAX_TTFT_S)[arr]  # arrivals, grouped by replica
-        idle_step = self.step_time(np.maximum(N, 1.0), C) * f
+        idle_step = self.step_time(np.maximum(N, 1.0), C) * f99
         ttft_p99 = w_end + idle_step  # a request arriving at t1 waits this beyond its own prefill
         if ttft.size:
             cnt = n_arr
@@ -274,9 +279,10 @@ class ServingSim:
         decoded = R * (1 - frac_left)
         C_new = np.maximum(0.0, C + decoded - done * ctx_mean)
         N_new, R_new = N - done, R - decoded
-        stall = s + np.minimum(eng.chunk_tokens, p_max) * pf
+        s99 = self.step_time(N, C) * f99  # the p99 of a decode step
+        stall = s99 + np.minimum(eng.chunk_tokens, p_max) * pf
         stalled_frac = np.divide(n_pf_iters, k, out=np.zeros(G), where=k > 0)
-        tpot = np.where(stalled_frac >= 1 - P99, stall, s)
+        tpot = np.where(stalled_frac >= 1 - P99, stall, s99)
         tpot = np.where(busy, tpot, idle_step)
 
         # utilisation: prefill + time until the longest running request ends (+ rollout)

@@ -7,13 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rose.config import PolicyConfig
+from rose.sim.interference import InterferenceProfile, default_profile, linear_profile
 from rose.sim.models import EngineConfig, EpisodeModel
 from rose.sim.runs import ELASTIC_CAP_FRAC, POLICIES
 
 PERIOD_S = 0.5  # telemetry period (TelemetryConfig.period_s), one serving window
 DEFAULT_LOAD = 0.7  # fraction of a GPU's roofline capacity the trace's busiest minute uses
-# Interference: serving's slowdown is 1 + alpha × share (capped at the time-slicing bound, see
-# rose.sim.serving_model). The default is an assumption inside the range published GPU
+# Interference: by default the measured profile (rose.sim.interference.default_profile: serving
+# beside rollout in a separate process on an H200). The linear model, serving's slowdown
+# 1 + alpha × share (capped at the time-slicing bound), is a labelled sweep option (`alpha`). Its
+# reference value is an assumption inside the range published GPU
 # co-location measurements span (docs/simulator.md "Interference: where alpha comes from"):
 # preemptive schedulers keep a high-priority job's p99 within 2-7 % of running alone beside a
 # best-effort job (REEF, OSDI '22; Tally, ASPLOS '25: alpha 0.02-0.07), plain time-slicing
@@ -45,7 +48,10 @@ class SimConfig:
     load: float = DEFAULT_LOAD
     period_s: float = PERIOD_S
     decide_every: int = 0  # 0: auto (every window up to DECIDE_CALLS_BUDGET calls, then coarser)
-    alpha: float = ALPHA_DEFAULT
+    # interference: a profile (rose.sim.interference); None: the linear profile of `alpha` when
+    # that is set (a sweep), else the default measured profile
+    interference: InterferenceProfile | None = None
+    alpha: float | None = None
     alpha_source: str = ALPHA_DEFAULT_SOURCE
     weight_delta_ratio: float = WEIGHT_DELTA_RATIO
     weight_ratio_source: str = "rose bench weights --full (docs/measured/h200/weights.json)"
@@ -60,6 +66,14 @@ class SimConfig:
     # (the same results: the policies share nothing but the request stream, which each process
     # draws from the same seed); 0: 2 for large runs where that is possible (`auto_workers`)
     workers: int = 0
+
+    def profile(self) -> InterferenceProfile:
+        """The interference profile the run uses."""
+        if self.interference is not None:
+            return self.interference
+        if self.alpha is not None:
+            return linear_profile(self.alpha)
+        return default_profile()
 
     @property
     def pool(self) -> int:
