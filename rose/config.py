@@ -107,6 +107,12 @@ class PolicyConfig:
     # v1.1 gang leases: GPUs per lease, the rollout model's tensor-parallel degree. Above 1 a lease
     # spans that many GPUs of one node, granted all or none (docs/policy.md "Gang leases")
     group_size: int = 1
+    # the interference profile's prior (docs/contract.md §6, rose.interference_profile.v1): the
+    # (share, serving p99 ratio) points of the mechanism in use. A share whose predicted p99
+    # (current p99 × the ratio at that share) would leave less than grant_headroom is never
+    # granted. In TOML or the environment: a profile file's path, or an array of [share, ratio]
+    # pairs. Empty: no prior (the online estimate alone)
+    interference_profile: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,11 @@ class ExecutorConfig:
     restart_backoff_s: float = 1.0  # a worker that died inside a lease is restarted after this
     tick_s: float = 0.005  # main loop period: expiry, kill deadlines, worker exits
     lookback_s: float = 30.0  # first start (no committed offset): read commands from this far back
+    # the most this host's wall clock may differ from the scheduler's (docs/contract.md §5.1): a
+    # command's transit age is this clock less the record's timestamp, so a lease may outlive its
+    # `expires_at` here by up to this, or end that much early. Below policy.renew_before_s, else
+    # a renewal could always arrive after the lease ended here
+    max_clock_skew_s: float = 2.0
     latency_dir: str = ""  # the local guard's latency files; "" = /dev/shm/rose-latency
     guard_period_s: float = 0.0005  # the local guard's poll period; 0 turns the guard off
     worker_nice: int = 19  # OS priority of rollout workers on a serving node (CPU protection)
@@ -212,6 +223,24 @@ class StackConfig:
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """The OpenAI-compatible front door over the rollout pool (`rose gateway`, docs/gateway.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: str = field(default="", repr=False)  # comma-separated bearer tokens; "" = no auth
+    max_inflight: int = 64  # turns on the task queue at once; beyond them requests wait ...
+    max_queue: int = 256  # ... this many of them at most; the next one gets 429 with Retry-After
+    request_timeout_s: float = 600.0  # a request's deadline: admission wait and turn together
+    # no worker of the job running (all paused, revoked or gone) this long: new turns get 429
+    pause_patience_s: float = 30.0
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+
+@dataclass(frozen=True)
 class Config:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
@@ -222,6 +251,7 @@ class Config:
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     stack: StackConfig = field(default_factory=StackConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def redacted(self) -> dict:
         """The config as a dict with secrets replaced, safe to log."""
@@ -233,6 +263,8 @@ class Config:
             if v:
                 d["security"][k] = "***"
         d["redis"]["url"] = _redact_url(d["redis"]["url"])
+        if d["gateway"]["api_keys"]:
+            d["gateway"]["api_keys"] = "***"
         return d
 
 
@@ -260,6 +292,8 @@ _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string"}
 def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     name = f"{section}.{f.name}"
+    if typ.startswith("tuple[tuple[float, float]"):
+        return _profile_points(name, raw)
     try:
         if typ == "int":
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
@@ -278,6 +312,38 @@ def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{name}: expected {_TYPE_WORDS.get(typ, 'a table')}, got {raw!r}") from None
     return raw
+
+
+def _profile_points(name: str, raw: Any) -> tuple[tuple[float, float], ...]:
+    """(share, serving p99 ratio) points: from a rose.interference_profile.v1 file (a path; the
+    points of its mechanism in use) or an array of [share, ratio] pairs. Shares in (0, 1],
+    increasing; ratios > 0."""
+    import json
+
+    if isinstance(raw, str):
+        if not raw.strip():
+            return ()
+        try:
+            doc = json.loads(Path(raw).read_text())
+            pts = doc["points"] if "points" in doc else doc["mechanisms"][doc["mechanism"]]
+            raw = [[p["share"], p["serving_p99_ratio"]] for p in pts]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"{name}: cannot read {raw} as a rose.interference_profile.v1 file ({type(e).__name__}: {e}); "
+                "give a profile file or an array of [share, p99 ratio] pairs"
+            ) from None
+    if not isinstance(raw, list | tuple):
+        raise ConfigError(f"{name}: expected a profile file's path or an array of [share, p99 ratio] pairs")
+    out: list[tuple[float, float]] = []
+    for p in raw:
+        ok = isinstance(p, list | tuple) and len(p) == 2
+        ok = ok and all(isinstance(x, int | float) and not isinstance(x, bool) for x in p)
+        if not ok or not (0.0 < p[0] <= 1.0 and 0.0 < p[1] < float("inf")):
+            raise ConfigError(f"{name}: expected [share in (0, 1], p99 ratio > 0] pairs, got {p!r}")
+        out.append((float(p[0]), float(p[1])))
+    if [s for s, _ in out] != sorted({s for s, _ in out}):
+        raise ConfigError(f"{name}: shares must be distinct and increasing, got {[s for s, _ in out]}")
+    return tuple(out)
 
 
 def _apply(obj: Any, section: str, values: Mapping[str, Any]) -> Any:
@@ -366,7 +432,17 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         changes[section] = _apply(getattr(cfg, section), section, values)
     cfg = replace(cfg, **changes)
     _check_rollout(cfg.rollout)
+    _check_gateway(cfg.gateway)
+    _check_clock_skew(cfg.executor, cfg.policy)
     return cfg
+
+
+def _check_clock_skew(e: ExecutorConfig, p: PolicyConfig) -> None:
+    if not 0 <= e.max_clock_skew_s < p.renew_before_s:
+        raise ConfigError(
+            f"executor.max_clock_skew_s: expected seconds >= 0 and below policy.renew_before_s "
+            f"({p.renew_before_s:g}), got {e.max_clock_skew_s:g}"
+        )
 
 
 def _check_rollout(r: RolloutConfig) -> None:
@@ -380,3 +456,18 @@ def _check_rollout(r: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.step_tokens: expected 0 (the engine's default) or a positive count, got {r.step_tokens}"
         )
+
+
+def _check_gateway(g: GatewayConfig) -> None:
+    if not 0 <= g.port <= 65535:
+        raise ConfigError(f"gateway.port: expected a port 0..65535, got {g.port}")
+    if g.max_inflight < 1:
+        raise ConfigError(f"gateway.max_inflight: expected an integer >= 1, got {g.max_inflight}")
+    if g.max_queue < 0:
+        raise ConfigError(f"gateway.max_queue: expected an integer >= 0, got {g.max_queue}")
+    if not 0 < g.request_timeout_s < float("inf"):
+        raise ConfigError(
+            f"gateway.request_timeout_s: expected a positive number of seconds, got {g.request_timeout_s}"
+        )
+    if not 0 <= g.pause_patience_s < float("inf"):
+        raise ConfigError(f"gateway.pause_patience_s: expected a number of seconds >= 0, got {g.pause_patience_s}")

@@ -34,3 +34,15 @@ def test_rollout_engine_and_model_are_checked(tmp_path):
     assert (c.rollout.engine, c.rollout.model) == ("hf", str(tmp_path))
     with pytest.raises(ConfigError, match="rollout.step_tokens: expected 0 .* got -1"):
         load_config(env={"ROSE_ROLLOUT__STEP_TOKENS": "-1"})
+
+
+def test_executor_clock_skew_bound_is_checked():
+    from rose.config import ConfigError
+
+    assert load_config(env={}).executor.max_clock_skew_s == 2.0
+    assert load_config(env={"ROSE_EXECUTOR__MAX_CLOCK_SKEW_S": "0"}).executor.max_clock_skew_s == 0.0
+    for bad in ("-1", "2.5", "nan"):
+        with pytest.raises(ConfigError, match="executor.max_clock_skew_s: expected seconds >= 0 and below"):
+            load_config(env={"ROSE_EXECUTOR__MAX_CLOCK_SKEW_S": bad})
+    with pytest.raises(ConfigError, match=r"policy.renew_before_s \(1\)"):
+        load_config(env={"ROSE_POLICY__RENEW_BEFORE_S": "1"})

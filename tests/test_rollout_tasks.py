@@ -217,6 +217,23 @@ def test_touch_reports_entries_taken_by_others(queue):
 
 
 @pytest.mark.stack
+def test_a_directed_submit_reaches_its_worker_and_cancel_withdraws_a_task(queue, redis_client):
+    t0, t1, t2 = tasks(3)
+    queue.submit(t0, to="w1")  # a worker's directed stream, listed so others may steal from it
+    assert b"w1" in redis_client.smembers(queue.workers_key)
+    [c] = queue.read("w1", count=1, directed=queue.directed("w1"))
+    assert c.task.task_id == "t0" and c.stream == queue.directed("w1")
+    waiting = queue.submit(t1)
+    assert queue.cancel(queue.stream, waiting) and not queue.cancel(queue.stream, waiting)
+    assert queue.read("w0", count=1) == []  # withdrawn before any worker read it
+    queue.submit(t2)
+    [held] = queue.read("w0", count=1)
+    assert queue.cancel(held.stream, held.entry_id)
+    assert queue.touch("w0", [held]) == [held]  # withdrawn while held: the holder drops it
+    assert queue.progress(0) == (3, 0)
+
+
+@pytest.mark.stack
 def test_requeue_to_a_worker_and_steal_after_grace(queue):
     queue.register_worker("w1")
     queue.submit(tasks(1)[0])

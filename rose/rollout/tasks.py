@@ -140,12 +140,28 @@ class TaskQueue:
         return bool(self._retire(keys=[self.directed(worker_id), self.workers_key], args=[worker_id]))
 
     # trainer side ----------------------------------------------------------------------
-    def submit(self, task: Task) -> str:
-        self.ensure_group()
+    def submit(self, task: Task, to: str | None = None) -> str:
+        """Queue a task on the shared stream, or on worker `to`'s directed stream (listed in the
+        workers set, so any worker may still take it once it has waited the affinity grace);
+        returns its entry id."""
+        dst = self.directed(to) if to else self.stream
+        self.ensure_group(dst)
         p = self.r.pipeline(transaction=True)
-        p.xadd(self.stream, {"task_id": task.task_id, "task": orjson.dumps(task.to_dict())})
+        if to:
+            p.sadd(self.workers_key, to)
+        p.xadd(dst, {"task_id": task.task_id, "task": orjson.dumps(task.to_dict())})
         p.hincrby(self.stats_key, f"submitted:{task.step}", 1)
-        return _s(p.execute()[0])
+        return _s(p.execute()[-2])
+
+    def cancel(self, stream: str, entry_id: str) -> bool:
+        """Withdraw a submitted task: its entry is acked and deleted, so no worker reads it any
+        more, and a worker already holding it finds it gone at its next `touch` and drops the
+        episode (a `requeue` of it pushes nothing; a `complete` before that touch still appends
+        its result). False: the entry was already gone."""
+        p = self.r.pipeline(transaction=True)
+        p.xack(stream, self.group, entry_id)
+        p.xdel(stream, entry_id)
+        return bool(p.execute()[1])
 
     def progress(self, step: int) -> tuple[int, int]:
         """(submitted, completed) episodes of an RL step."""

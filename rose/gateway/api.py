@@ -1,0 +1,239 @@
+"""The gateway's wire shapes: OpenAI requests as pydantic models (a bad request is refused
+naming its field), and the responses and stream chunks built from a finished turn.
+
+Token ids in and out: a prompt (or a chat message's content) is a list of token ids; every
+choice carries the generated `token_ids`, the policy version of each as contiguous spans
+(`weight_versions`: `{version, start, end}` over output-token indexes, end exclusive) and the
+`worker` that finished the turn. Text is not produced: the gateway has no tokenizer (`text` and
+`content` are "")."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rose.rollout.episode import MAX_TOKEN_ID, MAX_TOKENS
+
+MAX_SEED = (1 << 63) - 1
+DEFAULT_MAX_TOKENS = 16
+
+
+class Unsupported(ValueError):
+    """A request field the gateway cannot honour; `field` names it."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+
+
+def _token_ids(v: Any, what: str) -> list[int]:
+    if isinstance(v, str):
+        raise ValueError(f"{what} as text needs a tokenizer, which this gateway has not; send a list of token ids")
+    if not isinstance(v, list) or not v:
+        raise ValueError(f"expected a non-empty list of token ids, got {type(v).__name__}")
+    if all(isinstance(x, list) for x in v):
+        raise ValueError("one prompt per request (a list of token ids), not a batch")
+    for i, t in enumerate(v):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"expected token ids (ints 0..{MAX_TOKEN_ID}), got {t!r} at index {i}")
+    return v
+
+
+class TurnRequest(BaseModel):
+    """The sampling fields both endpoints share; others OpenAI defines are ignored unless refused below."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    temperature: float | None = Field(default=None, ge=0.0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    user: str | None = None
+    return_token_ids: bool | None = None  # vLLM's extension; token ids are always returned here
+
+    def check_supported(self) -> None:
+        """Refuse what the engines do not do (yet), naming the field."""
+        if self.temperature is not None and self.temperature != 1.0:
+            raise Unsupported("temperature", "workers sample at temperature 1.0; other values are not supported yet")
+        if self.n != 1:
+            raise Unsupported("n", "one choice per request")
+        if self.stop:
+            raise Unsupported("stop", "turns end at max_tokens; stop sequences are not supported")
+
+    def tokens(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+class CompletionRequest(TurnRequest):
+    prompt: Any
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> list[int]:
+        return _token_ids(v, "a prompt")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise Unsupported("logprobs", "the rollout engines do not return log-probabilities")
+        if self.echo:
+            raise Unsupported("echo", "not supported")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Any
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: Any) -> list[int]:
+        return _token_ids(v, "content")
+
+
+class ChatRequest(TurnRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise Unsupported("logprobs", "the rollout engines do not return log-probabilities")
+
+    def tokens(self) -> int:
+        return self.max_completion_tokens or super().tokens()
+
+    def prompt(self) -> list[int]:
+        """The messages' token ids, in order (no chat template: the caller's ids are the prompt)."""
+        return [t for m in self.messages for t in m.content]
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """A finished turn, as the trajectory of its one-turn task holds it."""
+
+    task_id: str
+    prompt: list[int]
+    token_ids: list[int]
+    versions: list[int]  # per output token
+    worker: str
+    gpu: str
+    moves: int
+
+    @classmethod
+    def from_trajectory(cls, traj: dict) -> TurnResult:
+        turn = traj["turns"][0]
+        ids = list(turn["action"])
+        versions = list(turn.get("versions") or [turn["version"]] * len(ids))
+        return cls(
+            task_id=str(traj["task_id"]),
+            prompt=list(traj["prompt"]),
+            token_ids=ids,
+            versions=versions,
+            worker=str(turn.get("worker") or traj.get("worker", "")),
+            gpu=str(turn.get("gpu") or traj.get("gpu", "")),
+            moves=int(traj.get("moves", 0)),
+        )
+
+
+def version_spans(versions: list[int]) -> list[dict[str, int]]:
+    """Per-token versions as contiguous spans: [{version, start, end}], end exclusive."""
+    spans: list[dict[str, int]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+def _usage(r: TurnResult) -> dict[str, int]:
+    n, p = len(r.token_ids), len(r.prompt)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def _rose_fields(r: TurnResult) -> dict[str, Any]:
+    return {"token_ids": r.token_ids, "weight_versions": version_spans(r.versions), "worker": r.worker}
+
+
+def completion(rid: str, model: str, r: TurnResult) -> dict[str, Any]:
+    choice = {"index": 0, "text": "", "finish_reason": "length", "logprobs": None, **_rose_fields(r)}
+    choice["prompt_token_ids"] = r.prompt
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(r),
+    }
+
+
+def chat_completion(rid: str, model: str, r: TurnResult) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": ""},
+        "finish_reason": "length",
+        "logprobs": None,
+        **_rose_fields(r),
+    }
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "prompt_token_ids": r.prompt,
+        "usage": _usage(r),
+    }
+
+
+def stream_chunks(rid: str, model: str, r: TurnResult, chat: bool) -> list[dict[str, Any]]:
+    """The turn as OpenAI stream chunks: one per output token (its id and version), then one with
+    the finish reason, the version spans, the worker and the usage."""
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        body = {"index": 0, "logprobs": None, "finish_reason": None, **choice}
+        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [body], **extra}
+
+    out = []
+    if chat:
+        out.append(chunk({"delta": {"role": "assistant", "content": ""}}, prompt_token_ids=r.prompt))
+    for i, (t, v) in enumerate(zip(r.token_ids, r.versions)):
+        piece: dict[str, Any] = {"token_ids": [t], "weight_versions": [{"version": v, "start": i, "end": i + 1}]}
+        if chat:
+            piece["delta"] = {"content": ""}
+        else:
+            piece["text"] = ""
+            if i == 0:
+                piece["prompt_token_ids"] = r.prompt
+        out.append(chunk(piece))
+    last: dict[str, Any] = {
+        "finish_reason": "length",
+        "token_ids": [],
+        "weight_versions": version_spans(r.versions),
+        "worker": r.worker,
+    }
+    if chat:
+        last["delta"] = {}
+    else:
+        last["text"] = ""
+    out.append(chunk(last, usage=_usage(r)))
+    return out
+
+
+def error(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,296 @@
+"""The gateway's ASGI app (FastAPI): the OpenAI endpoints over the dispatcher, bearer-token
+auth, admission, errors in OpenAI's shape, and `serve` (uvicorn) for `rose gateway`.
+
+Status codes: 400 a request the gateway refuses (the message and `param` name the field), 401
+a missing or wrong bearer token, 404 an unknown model, 429 overload or no running worker (with
+`Retry-After`), 504 a turn not finished by the request's deadline. docs/gateway.md."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from rose.config import Config
+from rose.gateway import api
+from rose.gateway.admission import Admission, Overloaded
+from rose.gateway.dispatch import Dispatcher, PendingTurn, TurnFailed
+from rose.obs import metrics
+
+SESSION_HEADER = "x-rose-session"
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+KEEPALIVE_S = 5.0  # an SSE comment this often while a streamed turn runs (a gone client fails it)
+TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+REQUESTS = metrics.counter("rose_gateway_requests_total", "Gateway requests by endpoint and status code.")
+TOKENS = metrics.counter("rose_gateway_completion_tokens_total", "Tokens generated for gateway turns.")
+CANCELLED = metrics.counter("rose_gateway_turns_withdrawn_total", "Turns withdrawn: client gone or deadline.")
+INFLIGHT = metrics.gauge("rose_gateway_inflight_turns", "Gateway turns on the task queue.")
+WAITING = metrics.gauge("rose_gateway_waiting_requests", "Requests waiting for an in-flight place.")
+TURN_S = metrics.histogram("rose_gateway_turn_seconds", "Submit to result of a gateway turn.", TURN_BUCKETS_S)
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, **kw: Any):
+        super().__init__(message)
+        self.status, self.param = status, param
+        self.kind: str = kw.get("kind", "invalid_request_error")
+        self.code: str | None = kw.get("code")
+        self.headers: dict[str, str] = kw.get("headers", {})
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(api.error(str(self), self.param, self.kind, self.code), self.status, headers=self.headers)
+
+
+def _field(loc: Any) -> str:
+    parts = [str(x) for x in loc if x != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+class Gateway:
+    """The app's state: config, dispatcher, admission."""
+
+    def __init__(self, cfg: Config, dispatcher: Dispatcher | None = None):
+        self.cfg, self.g = cfg, cfg.gateway
+        self.model = cfg.executor.model
+        self.dispatcher = dispatcher or Dispatcher(cfg)
+        self.admission = Admission(self.g.max_inflight, self.g.max_queue)
+
+    def authorize(self, request: Request) -> None:
+        keys = self.g.keys
+        if not keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip(), k) for k in keys):
+            raise GatewayError(
+                401, "missing or wrong bearer token", kind="authentication_error", code="invalid_api_key"
+            )
+
+    def _gauges(self) -> None:
+        INFLIGHT.set(self.admission.inflight)
+        WAITING.set(self.admission.waiting)
+
+    async def admit(self, req: api.TurnRequest, deadline: float) -> None:
+        try:
+            req.check_supported()
+        except api.Unsupported as e:
+            raise GatewayError(400, str(e), e.field) from None
+        if req.model != self.model:
+            raise GatewayError(
+                404,
+                f"model: {req.model!r} is not served here (serving {self.model!r})",
+                "model",
+                code="model_not_found",
+            )
+        idle = self.dispatcher.no_worker_running_s()
+        if idle > self.g.pause_patience_s:
+            raise GatewayError(
+                429,
+                f"no rollout worker of job {self.dispatcher.job!r} has run for {idle:.0f}s",
+                kind="overloaded",
+                headers={"Retry-After": str(max(1, round(self.g.pause_patience_s)))},
+            )
+        try:
+            await self.admission.acquire(max(0.0, deadline - time.monotonic()))
+        except Overloaded as e:
+            raise GatewayError(
+                429, f"overloaded: {e}", kind="overloaded", headers={"Retry-After": str(e.retry_after_s)}
+            ) from None
+        finally:
+            self._gauges()
+
+    def release(self, turn: PendingTurn | None) -> None:
+        self.admission.release()
+        if turn is not None and turn.future.done() and not turn.future.cancelled():
+            self.admission.observe(time.monotonic() - turn.submitted)
+        self._gauges()
+
+    async def start_turn(self, request: Request, req: api.TurnRequest, prompt: list[int]) -> tuple[PendingTurn, float]:
+        deadline = time.monotonic() + self.g.request_timeout_s
+        await self.admit(req, deadline)
+        session = request.headers.get(SESSION_HEADER) or req.user
+        seed = req.seed if req.seed is not None else secrets.randbelow(api.MAX_SEED)
+        try:
+            return await self.dispatcher.submit(prompt, req.tokens(), seed, session), deadline
+        except BaseException:
+            self.release(None)
+            raise
+
+    async def wait(self, turn: PendingTurn, deadline: float, request: Request | None) -> api.TurnResult:
+        """The turn's result; withdraws the task when the client goes or the deadline passes."""
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise GatewayError(
+                        504,
+                        f"the turn did not finish within {self.g.request_timeout_s:g}s "
+                        "(gateway.request_timeout_s); it was withdrawn",
+                        kind="timeout",
+                    )
+                done, _ = await asyncio.wait({turn.future}, timeout=min(DISCONNECT_POLL_S, left))
+                if done:
+                    result: api.TurnResult = turn.future.result()
+                    TURN_S.observe(time.monotonic() - turn.submitted)
+                    TOKENS.inc(len(result.token_ids))
+                    return result
+                if request is not None and await request.is_disconnected():
+                    raise GatewayError(499, "the client closed the request; the turn was withdrawn", kind="cancelled")
+        except TurnFailed as e:
+            raise GatewayError(400, str(e), e.field) from None
+        except BaseException:
+            if not turn.future.done():
+                CANCELLED.inc()
+                self.dispatcher.withdraw(turn)
+            raise
+        finally:
+            self.release(turn)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _stream(gw: Gateway, turn: PendingTurn, deadline: float, rid: str, chat: bool) -> AsyncIterator[bytes]:
+    """The SSE body. A client that leaves cancels the generator (Starlette watches for it), or
+    makes the next keep-alive comment fail; either way the wait is cancelled and the turn withdrawn."""
+
+    async def gen() -> AsyncIterator[bytes]:
+        waiting = asyncio.ensure_future(gw.wait(turn, deadline, None))
+        try:
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=KEEPALIVE_S)
+                if not waiting.done():
+                    yield b": keep-alive\n\n"
+            r = waiting.result()
+        except GatewayError as e:
+            yield _sse(api.error(str(e), e.param, e.kind, e.code))
+            yield b"data: [DONE]\n\n"
+            return
+        finally:
+            waiting.cancel()  # a no-op once it is done
+        for chunk in api.stream_chunks(rid, gw.model, r, chat):
+            yield _sse(chunk)
+        yield b"data: [DONE]\n\n"
+
+    return gen()
+
+
+async def _turn(gw: Gateway, request: Request, req: api.TurnRequest, prompt: list[int], chat: bool) -> Response:
+    turn, deadline = await gw.start_turn(request, req, prompt)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{turn.task_id}"
+    if req.stream:
+        return StreamingResponse(_stream(gw, turn, deadline, rid, chat), media_type="text/event-stream")
+    r = await gw.wait(turn, deadline, request)
+    body = api.chat_completion(rid, gw.model, r) if chat else api.completion(rid, gw.model, r)
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+
+
+class _Counted:
+    """Counts responses by endpoint and status code (plain ASGI: a request's `is_disconnected`
+    keeps seeing the client, which Starlette's BaseHTTPMiddleware would hide)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in ENDPOINTS else "other"
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                REQUESTS.inc(endpoint=path, code=str(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
+    gw = Gateway(cfg, dispatcher)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(gw.dispatcher.start)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(gw.dispatcher.close)
+
+    app = FastAPI(title="ROSE gateway", lifespan=lifespan)
+    app.add_middleware(_Counted)
+    app.state.gateway = gw
+    _errors(app)
+    auth = [Depends(gw.authorize)]
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(req: api.CompletionRequest, request: Request) -> Response:
+        return await _turn(gw, request, req, req.prompt, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(req: api.ChatRequest, request: Request) -> Response:
+        return await _turn(gw, request, req, req.prompt(), chat=True)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": gw.model, "object": "model", "created": 0, "owned_by": "rose"}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        d = gw.dispatcher
+        ok = d.redis_ok
+        body = {"status": "ok" if ok else "redis unavailable", "job": d.job, "workers_running": d.workers_running()}
+        return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_request: Request, e: GatewayError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            ctx: Any = first.get("ctx") or {}
+            name, msg = "body", f"not valid JSON ({ctx.get('error', 'malformed')})"
+        else:
+            name = _field(first.get("loc", ()))
+            msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        return JSONResponse(api.error(f"{name}: {msg}", name), 400)
+
+
+def serve(cfg: Config, host: str | None = None, port: int | None = None, log_level: str = "warning") -> None:
+    """Run the gateway with uvicorn until SIGINT/SIGTERM."""
+    import uvicorn
+
+    uvicorn.run(
+        create_app(cfg),
+        host=host or cfg.gateway.host,
+        port=cfg.gateway.port if port is None else port,
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )

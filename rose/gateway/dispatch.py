@@ -1,0 +1,263 @@
+"""Turns in, results out: each gateway request is one single-turn Task on the job's task queue,
+and one background reader hands each result to the request waiting for it, by task id.
+
+A turn goes through the same queue as any episode, so placement, continuation after a revoke
+(the next worker prefills the tokens already made and samples on) and exactly-once completion
+apply to it unchanged: the result is the whole turn, with the policy version of every token.
+The reader also follows the queue's dead stream, so a turn no worker can run (a prompt token
+outside the vocabulary, a turn longer than `max_model_len`) fails its request with the reason
+instead of waiting out its deadline.
+
+Session affinity: placement has no per-task key, so the dispatcher remembers the worker of a
+session's last turn and sends the next turn to that worker's directed stream while its heartbeat
+is fresh and it is running (any worker may still take it after the affinity grace). The same
+heartbeats tell how long no worker of the job has been running (`no_worker_running_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import orjson
+import redis
+
+from rose.config import Config
+from rose.gateway.api import TurnResult
+from rose.obs.logs import get_logger
+from rose.rollout.episode import Task
+from rose.rollout.tasks import TaskQueue
+
+HEARTBEAT_FRESH_S = 3.0  # a worker heartbeat older than this belongs to a worker that is gone
+READ_BLOCK_MS = 200  # the reader's XREAD wait; heartbeats are refreshed between reads
+HEARTBEATS_S = 0.25
+MAX_SESSIONS = 100_000  # sessions remembered, least recently used dropped first
+TASK_PREFIX = "gw-"
+GATEWAY_STEP = 0  # the RL step gateway turns are counted under in the queue's stats
+
+
+class TurnFailed(Exception):
+    """A turn no worker can run (its task went to the dead stream); `field` names the cause."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(reason)
+        self.field = field
+
+
+@dataclass
+class PendingTurn:
+    """A submitted turn: where its entry is (to withdraw it) and the future its result resolves."""
+
+    task_id: str
+    stream: str
+    entry_id: str
+    future: asyncio.Future
+    session: str | None
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    session: str | None
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _resolve(fut: asyncio.Future, value: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+
+
+class Dispatcher:
+    def __init__(self, cfg: Config, job: str | None = None):
+        self.cfg = cfg
+        self.job = job or cfg.executor.job
+        self.r = redis.Redis.from_url(cfg.redis.url)
+        self.queue = TaskQueue(self.r, cfg.redis, self.job)
+        self._lock = threading.Lock()
+        self._waiters: dict[str, _Waiter] = {}
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._workers: dict[str, tuple[str, float]] = {}  # worker id -> (state, heartbeat ts)
+        self._last_running = time.monotonic()  # start-up counts as running: patience starts here
+        self.redis_ok = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._log = get_logger("rose.gateway", job=self.job)
+
+    # -- life ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.queue.ensure_group()
+        cursors = {s: self._tail(s) for s in (self.queue.results_stream, self.queue.dead_stream)}
+        self._refresh_workers()
+        self._thread = threading.Thread(target=self._read, args=(cursors,), daemon=True, name="rose-gateway-reader")
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * READ_BLOCK_MS / 1000 + 1)
+        self.r.close()
+
+    def _tail(self, stream: str) -> str:
+        last = cast("list[tuple[bytes, Any]]", self.r.xrevrange(stream, count=1))
+        return _s(last[0][0]) if last else "0-0"
+
+    # -- turns -----------------------------------------------------------------------------
+    async def submit(self, prompt: list[int], max_tokens: int, seed: int, session: str | None) -> PendingTurn:
+        """Queue one turn (to the session's worker while it is live); its result resolves the future."""
+        task = Task(
+            task_id=f"{TASK_PREFIX}{uuid.uuid4().hex}",
+            prompt=prompt,
+            max_turns=1,
+            tokens_per_turn=max_tokens,
+            obs_tokens=0,
+            seed=seed,
+            step=GATEWAY_STEP,
+        )
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            self._waiters[task.task_id] = _Waiter(loop, fut, session)
+        to = self.session_worker(session)
+        try:
+            entry = await asyncio.to_thread(self.queue.submit, task, to)
+        except BaseException:
+            self.forget(task.task_id)
+            raise
+        stream = self.queue.directed(to) if to else self.queue.stream
+        return PendingTurn(task.task_id, stream, entry, fut, session)
+
+    def forget(self, task_id: str) -> None:
+        with self._lock:
+            self._waiters.pop(task_id, None)
+
+    def withdraw(self, turn: PendingTurn) -> None:
+        """The request is gone (disconnected, past its deadline): withdraw its task, on a thread
+        of the loop's executor, so that a request being cancelled need not await it."""
+        self.forget(turn.task_id)
+        asyncio.get_running_loop().run_in_executor(None, self._cancel, turn)
+
+    def _cancel(self, turn: PendingTurn) -> None:
+        try:
+            self.queue.cancel(turn.stream, turn.entry_id)
+        except redis.RedisError as e:
+            self._log.warning("gateway.withdraw_failed", task_id=turn.task_id, error=str(e))
+
+    # -- sessions and workers --------------------------------------------------------------
+    def session_worker(self, session: str | None) -> str | None:
+        """The worker of the session's last turn, while it runs with a fresh heartbeat."""
+        if not session:
+            return None
+        with self._lock:
+            w = self._sessions.get(session)
+            hb = self._workers.get(w) if w else None
+        if w is None or hb is None:
+            return None
+        state, ts = hb
+        return w if state == "running" and time.time() - ts < HEARTBEAT_FRESH_S else None
+
+    def _remember(self, session: str, worker: str) -> None:
+        with self._lock:
+            self._sessions[session] = worker
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+
+    def workers_running(self) -> list[str]:
+        now = time.time()
+        with self._lock:
+            return sorted(
+                w for w, (st, ts) in self._workers.items() if st == "running" and now - ts < HEARTBEAT_FRESH_S
+            )
+
+    def no_worker_running_s(self) -> float:
+        """Seconds since a worker of the job last ran (0 while one does)."""
+        return 0.0 if self.workers_running() else time.monotonic() - self._last_running
+
+    def _refresh_workers(self) -> None:
+        ids = sorted(_s(w) for w in cast("set[bytes]", self.r.smembers(self.queue.workers_key)))
+        pipe = self.r.pipeline(transaction=False)
+        for w in ids:
+            pipe.hmget(self.cfg.redis.key("workers", w), "state", "ts")
+        seen = {}
+        for w, (st, ts) in zip(ids, pipe.execute()):
+            if st is not None:
+                try:
+                    seen[w] = (_s(st), float(ts or 0))
+                except ValueError:
+                    continue
+        with self._lock:
+            self._workers = seen
+        if self.workers_running():
+            self._last_running = time.monotonic()
+
+    # -- the reader ------------------------------------------------------------------------
+    def _read(self, cursors: dict[str, str]) -> None:
+        next_hb = 0.0
+        backoff = 0.0
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() >= next_hb:
+                    self._refresh_workers()
+                    next_hb = time.monotonic() + HEARTBEATS_S
+                got = self.r.xread(cast(Any, cursors), count=256, block=READ_BLOCK_MS)
+                self.redis_ok, backoff = True, 0.0
+            except redis.RedisError as e:
+                self.redis_ok = False
+                backoff = min(2.0, backoff * 2 or 0.1)
+                self._log.warning("gateway.redis_unavailable", error=str(e), retry_s=backoff)
+                self._stop.wait(backoff)
+                continue
+            for stream, entries in cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", got or []):
+                name = _s(stream)
+                for eid, fields in entries:
+                    cursors[name] = _s(eid)
+                    if name == self.queue.dead_stream:
+                        self._on_dead(fields)
+                    else:
+                        self._on_result(fields)
+
+    def _take(self, task_id: str) -> _Waiter | None:
+        with self._lock:
+            return self._waiters.pop(task_id, None)
+
+    def _on_result(self, fields: dict[bytes, bytes]) -> None:
+        task_id = _s(fields.get(b"task_id", b""))
+        if not task_id.startswith(TASK_PREFIX):
+            return
+        w = self._take(task_id)
+        if w is None:
+            return  # withdrawn, or another gateway's turn
+        try:
+            value: Any = TurnResult.from_trajectory(orjson.loads(fields[b"trajectory"]))
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            value = TurnFailed("trajectory", f"the worker's result is unreadable: {e}")
+        if isinstance(value, TurnResult) and w.session:
+            self._remember(w.session, value.worker)
+        w.loop.call_soon_threadsafe(_resolve, w.future, value)
+
+    def _on_dead(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            task_id = str(orjson.loads(fields.get(b"raw", b"")).get("task_id", ""))
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        w = self._take(task_id) if task_id.startswith(TASK_PREFIX) else None
+        if w is None:
+            return
+        reason = _s(fields.get(b"reason", b"refused by the worker"))
+        cause = reason.partition(":")[0]
+        failed = TurnFailed("prompt" if cause == "prompt" else "max_tokens", reason)
+        w.loop.call_soon_threadsafe(_resolve, w.future, failed)

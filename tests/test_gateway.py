@@ -1,0 +1,422 @@
+"""`rose gateway` through the official `openai` client: a real gateway (uvicorn in a thread),
+the real Redis and two real rollout workers on the reference engine (started once for the
+module). Completions and chat, streamed and not, return token ids with the policy version of
+every token; auth, validation and overload answer 401, 400 naming the field and 429, never a
+5xx; a session keeps its turns on one worker. Token ids stay below 256: the reference policy's
+vocabulary is bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import redis
+import uvicorn
+
+from rose.config import Config, ConfigError, GatewayConfig, load_config
+from rose.gateway.admission import Admission, Overloaded
+from rose.gateway.api import version_spans
+from rose.gateway.app import create_app
+from rose.rollout.launcher import WorkerConfig, launch
+from rose.rollout.pause_flag import STOP, PauseFlag
+
+JOB = "gw"
+MODEL = "policy"
+KEY = "test-key"
+SMALL = {"d_model": 64, "n_heads": 4, "d_ff": 128, "n_layers": 2, "max_seq": 512}
+PROMPT = list(b"What is 2 + 2?")
+
+
+@dataclasses.dataclass
+class Served:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self, key: str = KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60, **kw)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(cfg: Config) -> Served:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True, name=f"gateway-{port}")
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert t.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.02)
+    return Served(f"http://127.0.0.1:{port}", server, t)
+
+
+def gateway_cfg(base: Config, prefix: str, **gateway) -> Config:
+    return dataclasses.replace(
+        base,
+        redis=dataclasses.replace(base.redis, url=base.redis.url, key_prefix=prefix),
+        executor=dataclasses.replace(base.executor, job=JOB, model=MODEL),
+        gateway=GatewayConfig(**{"api_keys": KEY, "request_timeout_s": 60.0, **gateway}),
+    )
+
+
+@pytest.fixture(scope="module")
+def module_cfg(stack, base_cfg) -> Iterator[Config]:
+    prefix = f"t{uuid.uuid4().hex[:10]}:"
+    c = gateway_cfg(
+        dataclasses.replace(base_cfg, redis=dataclasses.replace(base_cfg.redis, url=stack.redis_url)), prefix
+    )
+    yield c
+    r = redis.Redis.from_url(c.redis.url)
+    keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def flags() -> Iterator[dict[str, PauseFlag]]:
+    """Each worker's pause flag, as its executor would hold it (the revoke test stops one)."""
+    out = {w: PauseFlag(f"rose-gw-{uuid.uuid4().hex[:8]}", create=True) for w in ("w0", "w1")}
+    yield out
+    for f in out.values():
+        f.close()
+        f.unlink()
+
+
+@pytest.fixture(scope="module")
+def workers(module_cfg, flags) -> Iterator[list[str]]:
+    procs = {
+        w: launch(
+            WorkerConfig(
+                gpu=f"sim/{w}",
+                worker_id=w,
+                redis=module_cfg.redis,
+                job=JOB,
+                model=MODEL,
+                model_spec=SMALL,
+                max_batch=8,
+                pause_flag=f.name,
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for w, f in flags.items()
+    }
+    yield sorted(procs)
+    for p in procs.values():
+        p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def gw(module_cfg, workers) -> Iterator[Served]:
+    s = serve(module_cfg)
+    health = wait_for(lambda: _running(s, workers), 90, "both workers running")
+    assert health["job"] == JOB
+    yield s
+    s.stop()
+
+
+def _running(s: Served, workers: list[str]) -> dict | None:
+    h = httpx.get(s.url + "/health").json()
+    return h if sorted(h["workers_running"]) == workers else None
+
+
+def wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def covers(spans: list[dict], n: int) -> list[int]:
+    """The per-token versions the spans describe; they must tile 0..n without a gap."""
+    out: list[int] = []
+    for sp in spans:
+        assert sp["start"] == len(out) and sp["end"] > sp["start"], spans
+        out += [sp["version"]] * (sp["end"] - sp["start"])
+    assert len(out) == n
+    return out
+
+
+# -- turns ----------------------------------------------------------------------------------
+
+
+def test_completion_returns_token_ids_versions_and_worker(gw, workers):
+    c = gw.client()
+    r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, seed=7, extra_body={"return_token_ids": True})
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and ch.text == ""
+    assert len(ch.token_ids) == 12 and all(0 <= t < 256 for t in ch.token_ids)
+    assert ch.prompt_token_ids == PROMPT
+    assert covers(ch.weight_versions, 12) == [0] * 12  # the seeded policy, version 0
+    assert ch.worker in workers
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(PROMPT)
+    again = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, seed=7)
+    assert again.choices[0].token_ids == ch.token_ids  # the seed alone decides the tokens
+
+
+def test_streamed_completion_matches_the_whole_answer(gw):
+    c = gw.client()
+    whole = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, seed=3).choices[0]
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, seed=3, stream=True))
+    ids = [t for ch in chunks for t in ch.choices[0].token_ids]
+    per_token = [sp["version"] for ch in chunks[:-1] for sp in ch.choices[0].weight_versions]
+    last = chunks[-1].choices[0]
+    assert ids == whole.token_ids and len(per_token) == len(ids) == 10
+    assert last.finish_reason == "length" and covers(last.weight_versions, 10) == per_token
+    assert last.worker == whole.worker or last.worker
+
+
+def test_chat_with_token_id_messages_streamed_and_not(gw):
+    c = gw.client()
+    msgs = [{"role": "system", "content": list(b"Be brief.")}, {"role": "user", "content": PROMPT}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, seed=11)  # type: ignore[arg-type]
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and len(ch.token_ids) == 8
+    assert r.prompt_token_ids == list(b"Be brief.") + PROMPT
+    assert covers(ch.weight_versions, 8) == [0] * 8
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, seed=11, stream=True))  # type: ignore[arg-type]
+    ids = [t for x in chunks for t in (getattr(x.choices[0], "token_ids", None) or [])]
+    assert ids == ch.token_ids and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_session_keeps_its_turns_on_one_worker(gw, workers):
+    c = gw.client()
+    for session in ("s-1", "s-2"):
+        seen = {
+            c.completions.create(
+                model=MODEL, prompt=PROMPT + [i], max_tokens=4, seed=i, extra_headers={"X-Rose-Session": session}
+            )
+            .choices[0]
+            .worker
+            for i in range(5)
+        }
+        assert len(seen) == 1 and seen <= set(workers), seen
+    by_user = {
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, user="u-1").choices[0].worker for _ in range(4)
+    }
+    assert len(by_user) == 1
+
+
+def test_models_health_and_metrics(gw):
+    assert [m.id for m in gw.client().models.list()] == [MODEL]
+    assert httpx.get(gw.url + "/health").status_code == 200
+    text = httpx.get(gw.url + "/metrics").text
+    assert "rose_gateway_requests_total" in text and "rose_gateway_turn_seconds_count" in text
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+
+def test_a_wrong_or_missing_token_is_401(gw):
+    with pytest.raises(openai.AuthenticationError):
+        gw.client("wrong").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert httpx.get(gw.url + "/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "What is 2 + 2?", "max_tokens": 4}, "prompt"),
+        ({"prompt": ["a", "b"], "max_tokens": 4}, "prompt"),
+        ({"prompt": PROMPT, "max_tokens": 4, "temperature": 0.3}, "temperature"),
+        ({"prompt": PROMPT, "max_tokens": 4, "logprobs": 2}, "logprobs"),
+        ({"prompt": PROMPT, "max_tokens": 4, "seed": -5}, "seed"),
+        ({"prompt": [300, 1], "max_tokens": 4}, "prompt"),  # outside the workers' vocabulary
+    ],
+)
+def test_a_bad_completion_request_is_400_naming_the_field(gw, kw, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.client().completions.create(model=MODEL, **kw)
+    assert e.value.status_code == 400 and field in e.value.message
+
+
+def test_a_bad_chat_request_is_400_naming_the_field(gw):
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert "messages[0].content" in e.value.message
+    with pytest.raises(openai.NotFoundError) as nf:
+        gw.client().completions.create(model="other", prompt=PROMPT)
+    assert "model" in nf.value.message
+
+
+def test_a_body_that_is_not_json_is_400_naming_the_body(gw):
+    r = httpx.post(gw.url + "/v1/completions", content=b"{bad", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+def test_overload_is_429_with_retry_after_never_5xx(module_cfg, gw):
+    tight = serve(
+        dataclasses.replace(module_cfg, gateway=dataclasses.replace(module_cfg.gateway, max_inflight=1, max_queue=0))
+    )
+    try:
+        c = tight.client()
+
+        def one(i: int) -> int | str:
+            try:
+                c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48, seed=i)
+                return 200
+            except openai.RateLimitError as e:
+                return f"429 retry-after {e.response.headers.get('retry-after')}"
+            except openai.APIStatusError as e:
+                return e.status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(one, range(8)))
+    finally:
+        tight.stop()
+    assert 200 in got and any(str(x).startswith("429 retry-after ") for x in got), got
+    assert all(x == 200 or (isinstance(x, str) and x.split()[-1].isdigit()) for x in got), got
+
+
+# -- pure parts -----------------------------------------------------------------------------
+
+
+def test_version_spans_are_contiguous_and_end_exclusive():
+    assert version_spans([]) == []
+    assert version_spans([3, 3, 4, 4, 4, 5]) == [
+        {"version": 3, "start": 0, "end": 2},
+        {"version": 4, "start": 2, "end": 5},
+        {"version": 5, "start": 5, "end": 6},
+    ]
+
+
+def test_the_gateway_section_loads_checks_and_hides_its_keys():
+    env = {"ROSE_GATEWAY__API_KEYS": "k1, k2", "ROSE_GATEWAY__MAX_QUEUE": "0", "ROSE_GATEWAY__PORT": "9000"}
+    g = load_config(env=env).gateway
+    assert g.keys == ("k1", "k2") and g.max_queue == 0 and g.port == 9000
+    assert load_config(env=env).redacted()["gateway"]["api_keys"] == "***" and "k1" not in repr(g)
+    for key, value in [("max_inflight", "0"), ("request_timeout_s", "0"), ("max_queue", "-1"), ("port", "70000")]:
+        with pytest.raises(ConfigError, match=f"gateway.{key}"):
+            load_config(env={f"ROSE_GATEWAY__{key.upper()}": value})
+
+
+def test_the_command_refuses_a_bad_port_in_one_line():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ROSE_")}
+    p = subprocess.run(
+        [sys.executable, "-m", "rose", "gateway", "--port", "70000"], env=clean, capture_output=True, text=True
+    )
+    assert p.returncode == 2 and p.stderr.strip() == "rose: --port: expected a port 0..65535, got 70000"
+
+
+def test_admission_hands_places_on_in_order_and_refuses_past_the_queue():
+    async def run() -> None:
+        a = Admission(max_inflight=1, max_queue=1)
+        await a.acquire(1.0)
+        waiter = asyncio.ensure_future(a.acquire(1.0))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):
+            await a.acquire(1.0)
+        a.release()
+        await waiter
+        assert a.inflight == 1 and a.waiting == 0
+        with pytest.raises(Overloaded):  # queue free, but no place within the timeout
+            await a.acquire(0.05)
+        a.release()
+        assert a.inflight == 0
+
+    asyncio.run(run())
+
+
+def test_a_turn_past_its_deadline_or_left_by_its_client_is_withdrawn(module_cfg):
+    """No worker serves this job: a request ends at its deadline, or when its client leaves, and
+    its task leaves the queue either way."""
+    cfg = dataclasses.replace(
+        module_cfg,
+        executor=dataclasses.replace(module_cfg.executor, job="idle"),
+        gateway=dataclasses.replace(module_cfg.gateway, request_timeout_s=1.5),
+    )
+    s = serve(cfg)
+    r = redis.Redis.from_url(cfg.redis.url)
+    stream = cfg.redis.key("tasks", "idle")
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        assert e.value.status_code == 504 and "request_timeout_s" in e.value.message
+        wait_for(lambda: r.xlen(stream) == 0, 5, "the late turn withdrawn")
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up well before the deadline
+            httpx.post(
+                s.url + "/v1/completions",
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=0.3,
+            )
+        wait_for(lambda: r.xlen(stream) == 0, 5, "the abandoned turn withdrawn")
+        assert time.monotonic() - t0 < 1.4  # before its deadline: the client leaving withdrew it
+        t0 = time.monotonic()
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=0.3) as h:
+            with h.stream(
+                "POST", s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            ) as sr:
+                assert sr.status_code == 200
+                sr.read()
+        wait_for(lambda: r.xlen(stream) == 0, 5, "the abandoned streamed turn withdrawn")
+        assert time.monotonic() - t0 < 1.4
+    finally:
+        r.close()
+        s.stop()
+
+
+# -- last: it stops one of the module's workers ----------------------------------------------
+
+
+def test_a_turn_revoked_midway_is_answered_whole(gw, module_cfg, flags):
+    """The worker running a turn is stopped mid-turn (a revoke): it hands the tokens made so far
+    on as a continuation, the other worker finishes the turn, and the client gets one answer
+    with every token's version."""
+    r = redis.Redis.from_url(module_cfg.redis.url)
+
+    def hb(w: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in r.hgetall(module_cfg.redis.key("workers", w)).items()}
+
+    for f in flags.values():
+        f.set_share(0.05)  # slow decoding down, so the stop lands mid-turn
+    before = {w: int(hb(w).get("tokens", 0)) for w in flags}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(gw.client().completions.create, model=MODEL, prompt=PROMPT, max_tokens=120, seed=5)
+        held = wait_for(
+            lambda: next((w for w in flags if int(hb(w).get("tokens", 0)) - before[w] >= 10), None),
+            30,
+            "a worker mid-turn",
+        )
+        other = next(w for w in flags if w != held)
+        flags[other].set_share(1.0)
+        flags[held].set(STOP)
+        ch = fut.result(timeout=60).choices[0]
+    stopped = wait_for(lambda: hb(held) if hb(held).get("state") == "stopped" else None, 30, "the stopped worker")
+    r.close()
+    assert len(ch.token_ids) == 120 and covers(ch.weight_versions, 120) == [0] * 120
+    assert ch.worker == other
+    assert int(stopped["requeued"]) == 1 and int(stopped["tokens_carried"]) >= 10  # handed on, not redone
