@@ -264,6 +264,17 @@ def test_shutdown_revokes_and_publishes_after_exit():
     assert states(acts) == ["revoked"]
 
 
+def test_a_newer_grant_of_the_same_size_stops_the_old_worker_first():
+    s, _ = lm.step(lm.initial(GPU), lm.Received(cmd("grant", 1, "g1")), 0.0, P)
+    s, acts = lm.step(s, lm.Received(cmd("grant", 2, "g2")), 0.5, P)  # same mem_bytes and share
+    assert states(acts) == ["revoking", "active"] and lm.Stop(GPU) in acts
+    assert not any(isinstance(a, lm.Start) for a in acts)
+    s, acts = lm.step(s, lm.WorkerExited(), 0.6, P)
+    assert states(acts) == ["revoked", "active"]  # the old lease's word, then the truth again
+    start = next(a for a in acts if isinstance(a, lm.Start))
+    assert (start.lease_id, start.epoch) == (f"{GPU}#2", 2)
+
+
 def test_rejected_records_carry_the_stale_command():
     c = replace(cmd("revoke", 0, "old"))
     s, _ = lm.step(lm.initial(GPU), lm.Received(cmd("grant", 2, "g")), 0.0, P)

@@ -39,13 +39,15 @@ class Lease:
 @dataclass(frozen=True, slots=True)
 class WorkerState:
     """The GPU's rollout worker as the machine believes it to be (until the shell reports its exit).
-    `compute_share` is the share last handed to it (at start or by `Throttle`)."""
+    `compute_share` is the share last handed to it (at start or by `Throttle`); `lease_id` is the
+    lease it was started for: a worker never passes from one lease to another."""
 
     mem_bytes: int
     compute_share: float
     stopping: bool = False
     kill_at: float = float("inf")
     killed: bool = False
+    lease_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +340,8 @@ def lease_state(compute_share: float) -> str:
 def _reconcile(s: GpuLease, now: float, p: Params, out: list[Action]) -> GpuLease:
     w, want = s.worker, s.lease
     if w is not None and not w.stopping:
-        if want is None or w.mem_bytes != want.mem_bytes:  # memory is the contract: a new one restarts
+        # an ended or superseded lease stops its worker; memory is the contract: a new one restarts
+        if want is None or w.lease_id != want.lease_id or w.mem_bytes != want.mem_bytes:
             if not any(isinstance(a, Pause) for a in out):
                 out.append(Pause(s.gpu))
             out.append(Stop(s.gpu))
@@ -369,7 +372,7 @@ def _reconcile(s: GpuLease, now: float, p: Params, out: list[Action]) -> GpuLeas
                 want.group_size,
             )
         )
-        s = replace(s, worker=WorkerState(want.mem_bytes, want.compute_share))
+        s = replace(s, worker=WorkerState(want.mem_bytes, want.compute_share, lease_id=want.lease_id))
     return s
 
 
