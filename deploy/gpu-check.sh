@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: ROSE's GPU parts on a real GPU (CUDA tests, the CUDA interference bench, the
-# pause latency, weight copies, the NVML agent), each on its own, JSON under OUT_DIR.
+# interference profiles of a rollout process beside serving, the pause latency, weight copies,
+# the NVML agent), each on its own, JSON under OUT_DIR.
 # Needs Python 3 with torch and this repository; no Kafka, Redis, Java or package registry.
 # Missing pure-Python or binary packages: carry their wheels in a folder, pass --wheels DIR
 # (docs/paper-check.md "The GPU check" says which and how to download them).
@@ -8,6 +9,7 @@
 #   deploy/gpu-check.sh OUT_DIR [--full] [--wheels DIR] [--only PART,...] [--dry-run]
 #
 # Then: rose simulate --interference-bench OUT_DIR/interference.json ...
+#   or: rose simulate --interference-profile OUT_DIR/interference-profile-8b-separate_process.json ...
 set -euo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: $0 OUT_DIR [--full] [--wheels DIR] [--only PART,...] [--dry-run]" >&2

@@ -35,11 +35,21 @@ def test_dry_run_writes_the_plan_and_runs_nothing(tmp_path):
     assert p.returncode == 0, p.stderr
     plan = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
     assert plan["dry_run"] is True and plan["environment"]["torch"] != "imported"
-    assert set(plan["parts"]) == {"cuda-tests", "interference", "pause", "weights", "nvml-agent"}
+    assert set(plan["parts"]) == {
+        "cuda-tests",
+        "interference",
+        "interference-profile",
+        "pause",
+        "weights",
+        "nvml-agent",
+    }
     for name, part in plan["parts"].items():
         assert part["needs"][0] == "torch" and "status" not in part, name
         assert part["would_run"] == (not part["missing"]), name
     assert "revoke-kafka" in plan["not_run"]
+    ifp = plan["parts"]["interference-profile"]["plan"]  # the GPU machine's plan, MPS looked for
+    assert set(ifp["shapes"]) == {"1b", "8b"} and ifp["shares"] == [0.1, 0.25, 0.5, 1.0]
+    assert "estimated" in p.stderr and "8b: 32 layers" in p.stderr
     assert _gpu_check.cuda_test_files() and all(f.startswith("tests/") for f in _gpu_check.cuda_test_files())
 
 
@@ -83,7 +93,9 @@ def test_wheels_are_unpacked_onto_the_path(tmp_path):
     assert p.stdout.split() == ["['carried-1.0-py3-none-any.whl']", "7"]
 
 
-@pytest.mark.parametrize("name", ["cuda-tests", "interference", "pause", "weights", "nvml-agent"])
+@pytest.mark.parametrize(
+    "name", ["cuda-tests", "interference", "interference-profile", "pause", "weights", "nvml-agent"]
+)
 def test_each_part_needs_only_torch_and_its_declared_packages(name):
     """In a process where every third-party module but PRESENT (torch, transformers and their
     requirements) and the part's declared packages fails to import, the part's modules import."""

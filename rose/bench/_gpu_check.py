@@ -11,6 +11,11 @@ Parts (docs/paper-check.md "The GPU check"):
 * cuda-tests: `pytest -m cuda` over the test files that carry the mark (cuda-tests.xml).
 * interference: serving beside rollout on CUDA stream priorities (rose.bench._cuda);
   interference.json is a calibration file for `rose simulate --interference-bench`.
+* interference-profile: serving and rollout as real transformer decode steps (random-init Llama
+  1B and 8B shapes, bf16), rollout in its own process as the executor starts workers, at shares
+  0.1, 0.25, 0.5 and 1 for each mechanism this machine has (rose.bench.interference_profile);
+  one `rose.interference_profile.v1` file per shape and mechanism, for
+  `rose simulate --interference-profile`. Sized to about 8 minutes on one H200.
 * pause: the pause flag raised -> rollout's stream drained, the device side of a guard pause
   or revoke (the Kafka path of `rose bench revoke` needs a broker and is not run here).
 * weights: `rose bench weights` (the delta codec) and host-to-device copies of a version.
@@ -100,6 +105,11 @@ def parts() -> list[Part]:
     return [
         Part("cuda-tests", "pytest -m cuda", ("pytest", "tests.conftest", *tests), test_pkgs),
         Part("interference", "serving beside rollout on CUDA stream priorities", ("torch", "rose.bench._cuda")),
+        Part(
+            "interference-profile",
+            "serving beside a rollout process, real decode steps, profiles per mechanism",
+            ("torch", "transformers", "rose.bench.interference_profile"),
+        ),
         Part("pause", "pause flag raised -> rollout stream drained", ("torch", "rose.bench._cuda")),
         Part(
             "weights",
@@ -186,6 +196,31 @@ def run_interference(out: Path, full: bool) -> dict:
         "alpha_per_share_separate_process": r["alpha_per_share_separate_process"],
         "use": f"rose simulate --interference-bench {out / 'interference.json'}",
     }
+
+
+def run_interference_profile(out: Path, full: bool) -> dict:
+    from rose.bench import interference_profile
+    from rose.config import ExecutorConfig
+
+    r = interference_profile.run(out, max_launch_us=ExecutorConfig().max_launch_us)
+    _write(out / "interference-profile.json", r)
+    files = [f for per_shape in r["files"].values() for f in per_shape.values()]
+    return {
+        "status": "ok" if files else "failed",
+        "file": "interference-profile.json",
+        "profiles": files,
+        "skipped": interference_profile.skips(r["plan"]),
+        "points": interference_profile.summary(r),
+        "use": "rose simulate --interference-profile FILE (one of profiles)",
+    }
+
+
+def interference_profile_plan(cuda: bool | None) -> dict:
+    """The interference-profile part's plan without importing torch: shapes, shares, steps,
+    mechanisms (MPS looked for, never started) and the estimated time on an H200."""
+    from rose.bench import interference_profile
+
+    return interference_profile.plan(cuda=True if cuda is None else cuda, mps=interference_profile.mps_daemon())
 
 
 def run_pause(out: Path, full: bool) -> dict:
@@ -295,6 +330,7 @@ def _sample(nv, i: int, pids: set[int]) -> dict:
 RUNNERS: dict[str, Callable[[Path, bool], dict]] = {
     "cuda-tests": run_cuda_tests,
     "interference": run_interference,
+    "interference-profile": run_interference_profile,
     "pause": run_pause,
     "weights": run_weights,
     "nvml-agent": run_nvml_agent,
@@ -323,6 +359,20 @@ def _environment(dry: bool) -> dict:
         env["cuda_version"] = torch.version.cuda
     env["mps_pipe"] = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     return env
+
+
+def _plan_lines(p: dict) -> str:
+    lines = [
+        f"  shares {', '.join(f'{x:g}' for x in p['shares'])}; estimated {p['estimated_s'] / 60:.1f} min on an H200"
+    ]
+    for name, s in p["shapes"].items():
+        m = s["model"]
+        head = (
+            f"  {name}: {m['layers']} layers, hidden {m['hidden']}, {s['serving_steps_per_phase']} serving steps/phase"
+        )
+        mechs = [f"{k} ({v['skipped']})" if "skipped" in v else k for k, v in s["mechanisms"].items()]
+        lines.append(f"{head}, ~{s['estimated_s']} s: " + "; ".join(mechs))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         results[part.name] = entry
         if a.dry_run:
             entry["would_run"] = not gaps
+            if part.name == "interference-profile":
+                entry["plan"] = interference_profile_plan(env.get("cuda_available"))
             continue
         if part.cuda and not cuda:
             entry.update(status="skipped", reason="no CUDA GPU (torch.cuda.is_available() is false)")
@@ -378,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     _write(out / "gpu-check.json", summary)
     for name, res in results.items():
         state = "would run" if res.get("would_run") else f"missing {', '.join(res['missing'])}"
-        print(f"{name:13s} {state if a.dry_run else res['status']}", file=sys.stderr)
+        print(f"{name:20s} {state if a.dry_run else res['status']}", file=sys.stderr)
+        if "plan" in res:
+            print(_plan_lines(res["plan"]), file=sys.stderr)
     print(f"summary: {out / 'gpu-check.json'}", file=sys.stderr)
     return 1 if failed else 0
 

@@ -178,17 +178,23 @@ class _Rollout:
         return {"ns": now, "paused_ns": paused, "steps": self.flag.steps, "hb_ts": ts, "tokens": tokens}
 
     def close(self) -> int:
-        from rose.rollout.pause_flag import STOP
+        return stop_process(self.proc, self.flag, 10.0)
 
-        self.flag.set(STOP)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.flag.close()
-        self.flag.unlink()
-        return self.proc.returncode
+
+def stop_process(proc: subprocess.Popen, flag, timeout_s: float) -> int:
+    """Set the process's pause flag to STOP, wait up to `timeout_s` for it to exit (then kill
+    it), close and remove the flag; its exit code."""
+    from rose.rollout.pause_flag import STOP
+
+    flag.set(STOP)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    flag.close()
+    flag.unlink()
+    return proc.wait()  # exited: its code
 
 
 def rollout_figures(start: dict, end: dict) -> dict:
