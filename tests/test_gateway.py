@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import orjson
 import pytest
 import redis
 import uvicorn
@@ -29,8 +30,12 @@ from rose.config import Config, ConfigError, GatewayConfig, load_config
 from rose.gateway.admission import Admission, Overloaded
 from rose.gateway.api import version_spans
 from rose.gateway.app import create_app
+from rose.rollout.episode import Episode, InvalidTask, Task
 from rose.rollout.launcher import WorkerConfig, launch
 from rose.rollout.pause_flag import STOP, PauseFlag
+from rose.rollout.tasks import TaskQueue
+from rose.rollout.token_stream import TokenStreamer
+from tests.test_rollout_tasks import wait_for
 
 JOB = "gw"
 MODEL = "policy"
@@ -147,16 +152,6 @@ def _running(s: Served, workers: list[str]) -> dict | None:
     return h if sorted(h["workers_running"]) == workers else None
 
 
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def covers(spans: list[dict], n: int) -> list[int]:
     """The per-token versions the spans describe; they must tile 0..n without a gap."""
     out: list[int] = []
@@ -234,6 +229,96 @@ def test_models_health_and_metrics(gw):
     assert "rose_gateway_requests_total" in text and "rose_gateway_turn_seconds_count" in text
 
 
+def sse(url: str, path: str, body: dict) -> list[tuple[float, dict]]:
+    """A streamed request's events, each with the seconds since the request began."""
+    t0 = time.monotonic()
+    out = []
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}) as sr:
+            assert sr.status_code == 200
+            for line in sr.iter_lines():
+                if line.startswith("data: {"):
+                    out.append((time.monotonic() - t0, orjson.loads(line[6:])))
+    return out
+
+
+def streamed_ids(events: list[tuple[float, dict]]) -> tuple[list[int], list[int]]:
+    """(token ids, their indexes) of the token chunks, in arrival order."""
+    ids, idx = [], []
+    for _t, e in events:
+        ch = e["choices"][0]
+        if ch["finish_reason"] is None and ch.get("token_ids"):
+            ids += ch["token_ids"]
+            idx += [i for sp in ch["weight_versions"] for i in range(sp["start"], sp["end"])]
+    return ids, idx
+
+
+def test_a_streamed_turn_sends_tokens_as_they_are_made(gw, flags):
+    for f in flags.values():
+        f.set_share(0.25)  # a longer turn, so its first tokens come well before its end
+    try:
+        events = sse(gw.url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True})
+    finally:
+        for f in flags.values():
+            f.set_share(1.0)
+    ids, idx = streamed_ids(events)
+    assert idx == list(range(200)) and len(ids) == 200
+    first = next(t for t, e in events if e["choices"][0].get("token_ids"))
+    last = events[-1][0]
+    assert events[-1][1]["choices"][0]["finish_reason"] == "length"
+    assert first < last / 2, (first, last)  # the first token came with the first decode steps
+    assert len({round(t, 2) for t, e in events if e["choices"][0].get("token_ids")}) > 3  # in several batches
+
+
+def test_weights_agree_with_the_workers_heartbeats(gw, module_cfg, workers):
+    r = redis.Redis.from_url(module_cfg.redis.url)
+    try:
+        body = httpx.get(gw.url + "/v1/weights", headers={"Authorization": f"Bearer {KEY}"}).json()
+        hb = {w: int(float(r.hget(module_cfg.redis.key("workers", w), "version") or -1)) for w in workers}
+    finally:
+        r.close()
+    assert body["model"] == MODEL and body["job"] == JOB and body["latest_published"] is None  # none published
+    assert {d["worker"]: d["version"] for d in body["data"]} == hb == {w: 0 for w in workers}
+    assert all(d["state"] == "running" and d["heartbeat_age_s"] < 3 for d in body["data"])
+    assert httpx.get(gw.url + "/v1/weights").status_code == 401
+
+
+def test_min_weight_version_is_served_at_or_above_it_or_refused_naming_it(module_cfg, gw):
+    c = gw.client()
+    r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, extra_body={"min_weight_version": 0})
+    assert all(sp["version"] >= 0 for sp in r.choices[0].weight_versions) and len(r.choices[0].token_ids) == 6
+    # a worker below a task's min_version takes it but does not start the turn
+    rc = redis.Redis.from_url(module_cfg.redis.url)
+    q = TaskQueue(rc, module_cfg.redis, JOB)
+    task = Task(task_id=f"minv-{uuid.uuid4().hex}", prompt=PROMPT, max_turns=1, tokens_per_turn=4, min_version=1)
+    entry = q.submit(task)
+    try:
+        wait_for(lambda: rc.xpending(q.stream, "rollout")["pending"] >= 1, 5, "a worker holding the task")
+        time.sleep(0.5)
+        assert all(f[b"task_id"].decode() != task.task_id for _i, f in rc.xrange(q.results_stream))
+    finally:
+        q.cancel(q.stream, entry)
+        rc.close()
+    quick = serve(
+        dataclasses.replace(module_cfg, gateway=dataclasses.replace(module_cfg.gateway, pause_patience_s=0.5))
+    )
+    try:
+        for path, body in [
+            ("/v1/completions", {"prompt": PROMPT}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+        ]:
+            t0 = time.monotonic()
+            got = httpx.post(
+                quick.url + path,
+                json={"model": MODEL, "max_tokens": 4, "min_weight_version": 1, **body},
+                headers={"Authorization": f"Bearer {KEY}"},
+            )
+            assert got.status_code == 409 and got.json()["error"]["param"] == "min_weight_version", got.text
+            assert "min_weight_version" in got.json()["error"]["message"] and time.monotonic() - t0 >= 0.5
+    finally:
+        quick.stop()
+
+
 # -- refusals -------------------------------------------------------------------------------
 
 
@@ -309,6 +394,71 @@ def test_version_spans_are_contiguous_and_end_exclusive():
         {"version": 4, "start": 2, "end": 5},
         {"version": 5, "start": 5, "end": 6},
     ]
+
+
+class _Pipe:
+    def __init__(self, log: list):
+        self.log, self.ops = log, []
+
+    def xadd(self, key, fields, **kw):
+        self.ops.append((key, fields))
+
+    def expire(self, key, ttl):
+        pass
+
+    def execute(self):
+        self.log.append(self.ops)
+
+
+class _FakeRedis:
+    def __init__(self):
+        self.log: list = []
+
+    def pipeline(self, transaction=False):
+        return _Pipe(self.log)
+
+
+def test_the_token_streamer_batches_steps_and_sequences_into_few_round_trips():
+    fr = _FakeRedis()
+    st = TokenStreamer(fr, "w0", flush_ms=1000, flush_steps=4)
+    made: dict[str, list[int]] = {f"s{i}": [] for i in range(8)}
+    for step in range(40):
+        for seq, toks in made.items():
+            st.add(seq, f"k:{seq}", 0, len(toks), [step], [0], step * 0.001)
+            toks.append(step)
+        st.step(step * 0.001)
+    for seq in made:
+        st.finish(seq)
+    assert st.flushes == len(fr.log) <= 40 // 4 + 2  # the first chunk at once, then every 4 steps
+    assert len(fr.log[0]) == 8 and fr.log[0][0][1]["index"] == 0  # every sequence's first token, in one trip
+    for seq, toks in made.items():
+        chunks = [f for trip in fr.log for key, f in trip if key == f"k:{seq}"]
+        assert [t for f in chunks for t in orjson.loads(f["tokens"])] == toks
+        starts = [f["index"] for f in chunks]
+        assert starts == sorted(starts) and starts[0] == 0
+    slow = TokenStreamer(_FakeRedis(), "w0", flush_ms=5, flush_steps=100)
+    slow.add("a", "k", 0, 0, [1], [0], 0.0)
+    slow.step(0.0)  # the first chunk: sent at once
+    slow.add("a", "k", 0, 1, [2], [0], 0.001)
+    slow.step(0.001)
+    assert slow.flushes == 1
+    slow.step(0.007)  # the buffered token has waited flush_ms
+    assert slow.flushes == 2
+
+
+def test_task_stream_and_min_version_survive_the_queue_and_a_continuation():
+    t = Task(task_id="x", prompt=[1, 2], max_turns=1, tokens_per_turn=8, stream=True, min_version=3)
+    back = Task.from_dict(orjson.loads(orjson.dumps(t.to_dict())))
+    assert back.stream is True and back.min_version == 3
+    ep = Episode(back, "w0", "g", False, 0.0)
+    ep.on_token(5, 3, 0.0)
+    cont = Task.from_dict(ep.continuation().to_dict())
+    assert cont.stream is True and cont.min_version == 3 and cont.partial == [5]
+    old = Task.from_dict({"task_id": "y", "prompt": [1]})
+    assert old.stream is False and old.min_version == 0
+    for bad in ({"stream": "yes"}, {"min_version": -1}):
+        with pytest.raises(InvalidTask):
+            Task.from_dict({"task_id": "z", "prompt": [1], **bad})
 
 
 def test_the_gateway_section_loads_checks_and_hides_its_keys():
@@ -392,10 +542,11 @@ def test_a_turn_past_its_deadline_or_left_by_its_client_is_withdrawn(module_cfg)
 # -- last: it stops one of the module's workers ----------------------------------------------
 
 
-def test_a_turn_revoked_midway_is_answered_whole(gw, module_cfg, flags):
-    """The worker running a turn is stopped mid-turn (a revoke): it hands the tokens made so far
-    on as a continuation, the other worker finishes the turn, and the client gets one answer
-    with every token's version."""
+def test_a_streamed_turn_revoked_midway_is_answered_whole(gw, module_cfg, flags):
+    """The worker running a streamed turn is stopped mid-turn (a revoke): it hands the tokens
+    made so far on as a continuation, the other worker finishes the turn and streams on from the
+    next index, and the client gets one answer whose streamed ids are the turn's, in order, with
+    every token's version."""
     r = redis.Redis.from_url(module_cfg.redis.url)
 
     def hb(w: str) -> dict[str, str]:
@@ -404,8 +555,9 @@ def test_a_turn_revoked_midway_is_answered_whole(gw, module_cfg, flags):
     for f in flags.values():
         f.set_share(0.05)  # slow decoding down, so the stop lands mid-turn
     before = {w: int(hb(w).get("tokens", 0)) for w in flags}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "seed": 5, "stream": True}
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(gw.client().completions.create, model=MODEL, prompt=PROMPT, max_tokens=120, seed=5)
+        fut = pool.submit(sse, gw.url, "/v1/completions", body)
         held = wait_for(
             lambda: next((w for w in flags if int(hb(w).get("tokens", 0)) - before[w] >= 10), None),
             30,
@@ -414,9 +566,20 @@ def test_a_turn_revoked_midway_is_answered_whole(gw, module_cfg, flags):
         other = next(w for w in flags if w != held)
         flags[other].set_share(1.0)
         flags[held].set(STOP)
-        ch = fut.result(timeout=60).choices[0]
+        events = fut.result(timeout=60)
     stopped = wait_for(lambda: hb(held) if hb(held).get("state") == "stopped" else None, 30, "the stopped worker")
+    task_id = events[0][1]["id"].removeprefix("cmpl-")
+    traj = next(
+        orjson.loads(f[b"trajectory"])
+        for _i, f in r.xrange(module_cfg.redis.key("results", JOB))
+        if f[b"task_id"].decode() == task_id
+    )
     r.close()
-    assert len(ch.token_ids) == 120 and covers(ch.weight_versions, 120) == [0] * 120
-    assert ch.worker == other
+    ids, idx = streamed_ids(events)
+    last = events[-1][1]["choices"][0]
+    assert idx == list(range(120)) and ids == traj["turns"][0]["action"]  # contiguous, the final ids
+    at = [t for t, e in events if e["choices"][0]["finish_reason"] is None and e["choices"][0].get("token_ids")]
+    assert at[0] < events[-1][0] and len({round(t, 2) for t in at}) > 2  # streamed, not all at the end
+    assert last["finish_reason"] == "length" and covers(last["weight_versions"], 120) == [0] * 120
+    assert last["worker"] == other
     assert int(stopped["requeued"]) == 1 and int(stopped["tokens_carried"]) >= 10  # handed on, not redone

@@ -56,6 +56,8 @@ class TurnRequest(BaseModel):
     stop: str | list[str] | None = None
     user: str | None = None
     return_token_ids: bool | None = None  # vLLM's extension; token ids are always returned here
+    # served only by engines that have applied this policy version or a newer one (docs/gateway.md)
+    min_weight_version: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
     def check_supported(self) -> None:
         """Refuse what the engines do not do (yet), naming the field."""
@@ -199,40 +201,65 @@ def chat_completion(rid: str, model: str, r: TurnResult) -> dict[str, Any]:
     }
 
 
-def stream_chunks(rid: str, model: str, r: TurnResult, chat: bool) -> list[dict[str, Any]]:
-    """The turn as OpenAI stream chunks: one per output token (its id and version), then one with
-    the finish reason, the version spans, the worker and the usage."""
-    created = int(time.time())
-    obj = "chat.completion.chunk" if chat else "text_completion"
+class StreamShape:
+    """A turn as OpenAI stream chunks: `head` (chat: the role), one `piece` per output token (its
+    id and its version's span), then `tail` with the finish reason, all the version spans, the
+    worker and the usage. Pieces may be built from tokens as a worker publishes them, before the
+    turn ends."""
 
-    def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    def __init__(self, rid: str, model: str, prompt: list[int], chat: bool):
+        self.rid, self.model, self.prompt, self.chat = rid, model, prompt, chat
+        self.created = int(time.time())
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def _chunk(self, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
         body = {"index": 0, "logprobs": None, "finish_reason": None, **choice}
-        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [body], **extra}
+        return {
+            "id": self.rid,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [body],
+            **extra,
+        }
 
-    out = []
-    if chat:
-        out.append(chunk({"delta": {"role": "assistant", "content": ""}}, prompt_token_ids=r.prompt))
-    for i, (t, v) in enumerate(zip(r.token_ids, r.versions)):
-        piece: dict[str, Any] = {"token_ids": [t], "weight_versions": [{"version": v, "start": i, "end": i + 1}]}
-        if chat:
-            piece["delta"] = {"content": ""}
+    def head(self) -> list[dict[str, Any]]:
+        if not self.chat:
+            return []
+        return [self._chunk({"delta": {"role": "assistant", "content": ""}}, prompt_token_ids=self.prompt)]
+
+    def pieces(self, start: int, ids: list[int], versions: list[int]) -> list[dict[str, Any]]:
+        """Output tokens `start`.. (their ids and per-token versions), one chunk each."""
+        out = []
+        for i, (t, v) in enumerate(zip(ids, versions), start):
+            piece: dict[str, Any] = {"token_ids": [t], "weight_versions": [{"version": v, "start": i, "end": i + 1}]}
+            if self.chat:
+                piece["delta"] = {"content": ""}
+            else:
+                piece["text"] = ""
+                if i == 0:
+                    piece["prompt_token_ids"] = self.prompt
+            out.append(self._chunk(piece))
+        return out
+
+    def tail(self, r: TurnResult) -> dict[str, Any]:
+        last: dict[str, Any] = {
+            "finish_reason": "length",
+            "token_ids": [],
+            "weight_versions": version_spans(r.versions),
+            "worker": r.worker,
+        }
+        if self.chat:
+            last["delta"] = {}
         else:
-            piece["text"] = ""
-            if i == 0:
-                piece["prompt_token_ids"] = r.prompt
-        out.append(chunk(piece))
-    last: dict[str, Any] = {
-        "finish_reason": "length",
-        "token_ids": [],
-        "weight_versions": version_spans(r.versions),
-        "worker": r.worker,
-    }
-    if chat:
-        last["delta"] = {}
-    else:
-        last["text"] = ""
-    out.append(chunk(last, usage=_usage(r)))
-    return out
+            last["text"] = ""
+        return self._chunk(last, usage=_usage(r))
+
+
+def stream_chunks(rid: str, model: str, r: TurnResult, chat: bool) -> list[dict[str, Any]]:
+    """The whole finished turn as stream chunks (`StreamShape`)."""
+    shape = StreamShape(rid, model, r.prompt, chat)
+    return [*shape.head(), *shape.pieces(0, r.token_ids, r.versions), shape.tail(r)]
 
 
 def error(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:

@@ -2,12 +2,14 @@
 auth, admission, errors in OpenAI's shape, and `serve` (uvicorn) for `rose gateway`.
 
 Status codes: 400 a request the gateway refuses (the message and `param` name the field), 401
-a missing or wrong bearer token, 404 an unknown model, 429 overload or no running worker (with
-`Retry-After`), 504 a turn not finished by the request's deadline. docs/gateway.md."""
+a missing or wrong bearer token, 404 an unknown model, 409 no running worker at the request's
+`min_weight_version`, 429 overload or no running worker (with `Retry-After`), 504 a turn not
+finished by the request's deadline. docs/gateway.md."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import secrets
 import time
@@ -16,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
+import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -29,6 +32,8 @@ from rose.obs import metrics
 SESSION_HEADER = "x-rose-session"
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 KEEPALIVE_S = 5.0  # an SSE comment this often while a streamed turn runs (a gone client fails it)
+CHUNK_BLOCK_MS = 100  # a streamed turn's XREAD wait on its token stream
+VERSION_POLL_S = 0.1  # how often a request with min_weight_version looks for a worker at it
 TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 REQUESTS = metrics.counter("rose_gateway_requests_total", "Gateway requests by endpoint and status code.")
@@ -102,6 +107,8 @@ class Gateway:
                 kind="overloaded",
                 headers={"Retry-After": str(max(1, round(self.g.pause_patience_s)))},
             )
+        if req.min_weight_version is not None:
+            await self.await_version(req.min_weight_version)
         try:
             await self.admission.acquire(max(0.0, deadline - time.monotonic()))
         except Overloaded as e:
@@ -110,6 +117,22 @@ class Gateway:
             ) from None
         finally:
             self._gauges()
+
+    async def await_version(self, v: int) -> None:
+        """Until a running worker reports policy version `v` or newer; 409 naming
+        `min_weight_version` when none does within `gateway.pause_patience_s`."""
+        until = time.monotonic() + self.g.pause_patience_s
+        while not self.dispatcher.workers_at(v):
+            if time.monotonic() >= until:
+                raise GatewayError(
+                    409,
+                    f"min_weight_version: no running worker of job {self.dispatcher.job!r} has applied policy "
+                    f"version {v} or newer within {self.g.pause_patience_s:g}s (gateway.pause_patience_s); "
+                    "GET /v1/weights shows each worker's version",
+                    "min_weight_version",
+                    code="weight_version_unavailable",
+                )
+            await asyncio.sleep(VERSION_POLL_S)
 
     def release(self, turn: PendingTurn | None) -> None:
         self.admission.release()
@@ -123,7 +146,10 @@ class Gateway:
         session = request.headers.get(SESSION_HEADER) or req.user
         seed = req.seed if req.seed is not None else secrets.randbelow(api.MAX_SEED)
         try:
-            return await self.dispatcher.submit(prompt, req.tokens(), seed, session), deadline
+            turn = await self.dispatcher.submit(
+                prompt, req.tokens(), seed, session, stream=req.stream, min_version=req.min_weight_version or 0
+            )
+            return turn, deadline
         except BaseException:
             self.release(None)
             raise
@@ -163,16 +189,25 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _stream(gw: Gateway, turn: PendingTurn, deadline: float, rid: str, chat: bool) -> AsyncIterator[bytes]:
-    """The SSE body. A client that leaves cancels the generator (Starlette watches for it), or
-    makes the next keep-alive comment fail; either way the wait is cancelled and the turn withdrawn."""
+def _stream(gw: Gateway, turn: PendingTurn, deadline: float, shape: api.StreamShape) -> AsyncIterator[bytes]:
+    """The SSE body: each token as its worker publishes it (the turn's token stream, de-duplicated
+    by token index, so the ids stay contiguous across a revoke), then what the stream has not
+    brought, from the result, and the last chunk. A client that leaves cancels the generator
+    (Starlette watches for it), or makes the next keep-alive comment fail; either way the wait is
+    cancelled and the turn withdrawn."""
 
     async def gen() -> AsyncIterator[bytes]:
         waiting = asyncio.ensure_future(gw.wait(turn, deadline, None))
+        feed = _Feed(gw, turn.tokens_key)
         try:
+            for c in shape.head():
+                yield _sse(c)
             while not waiting.done():
-                await asyncio.wait({waiting}, timeout=KEEPALIVE_S)
-                if not waiting.done():
+                got = await feed.next(waiting)
+                for c in shape.pieces(*got) if got else []:
+                    yield _sse(c)
+                if feed.quiet_s() >= KEEPALIVE_S:
+                    feed.quiet = time.monotonic()
                     yield b": keep-alive\n\n"
             r = waiting.result()
         except GatewayError as e:
@@ -181,24 +216,63 @@ def _stream(gw: Gateway, turn: PendingTurn, deadline: float, rid: str, chat: boo
             return
         finally:
             waiting.cancel()  # a no-op once it is done
-        for chunk in api.stream_chunks(rid, gw.model, r, chat):
-            yield _sse(chunk)
+        for c in shape.pieces(feed.sent, r.token_ids[feed.sent :], r.versions[feed.sent :]):
+            yield _sse(c)
+        yield _sse(shape.tail(r))
         yield b"data: [DONE]\n\n"
+        if turn.tokens_key:
+            await gw.dispatcher.drop_chunks(turn.tokens_key)
 
     return gen()
+
+
+class _Feed:
+    """A streamed turn's tokens from its token stream: the next ones after `sent` (chunks that
+    repeat tokens already sent are cut, those past a gap wait for the result to fill it)."""
+
+    def __init__(self, gw: Gateway, key: str):
+        self.gw, self.key = gw, key
+        self.sent = 0
+        self.cursor = "0-0"
+        self.quiet = time.monotonic()
+
+    def quiet_s(self) -> float:
+        return time.monotonic() - self.quiet
+
+    async def next(self, waiting: asyncio.Future) -> tuple[int, list[int], list[int]] | None:
+        if not self.key:
+            await asyncio.wait({waiting}, timeout=KEEPALIVE_S)
+            return None
+        try:
+            chunks, self.cursor = await self.gw.dispatcher.chunks(self.key, self.cursor, CHUNK_BLOCK_MS)
+        except redis.RedisError:
+            self.key = ""  # the result still answers
+            return None
+        start, ids, vs = self.sent, [], []
+        for ch in chunks:
+            if ch.index <= self.sent < ch.index + len(ch.tokens):
+                k = self.sent - ch.index
+                ids += ch.tokens[k:]
+                vs += ch.versions[k:]
+                self.sent += len(ch.tokens) - k
+        if not ids:
+            return None
+        self.quiet = time.monotonic()
+        return start, ids, vs
 
 
 async def _turn(gw: Gateway, request: Request, req: api.TurnRequest, prompt: list[int], chat: bool) -> Response:
     turn, deadline = await gw.start_turn(request, req, prompt)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{turn.task_id}"
     if req.stream:
-        return StreamingResponse(_stream(gw, turn, deadline, rid, chat), media_type="text/event-stream")
+        shape = api.StreamShape(rid, gw.model, prompt, chat)
+        return StreamingResponse(_stream(gw, turn, deadline, shape), media_type="text/event-stream")
     r = await gw.wait(turn, deadline, request)
     body = api.chat_completion(rid, gw.model, r) if chat else api.completion(rid, gw.model, r)
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/weights", "/health", "/metrics"})
 
 
 class _Counted:
@@ -232,6 +306,7 @@ def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(gw.dispatcher.close)
+            await gw.dispatcher.ar.aclose()
 
     app = FastAPI(title="ROSE gateway", lifespan=lifespan)
     app.add_middleware(_Counted)
@@ -250,6 +325,17 @@ def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
         return {"object": "list", "data": [{"id": gw.model, "object": "model", "created": 0, "owned_by": "rose"}]}
+
+    @app.get("/v1/weights", dependencies=auth)
+    async def weights() -> dict:
+        ws, latest = await asyncio.to_thread(gw.dispatcher.weights)
+        return {
+            "object": "list",
+            "model": gw.model,
+            "job": gw.dispatcher.job,
+            "latest_published": latest,
+            "data": [dataclasses.asdict(w) for w in ws],
+        }
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -11,12 +11,17 @@ instead of waiting out its deadline.
 Session affinity: placement has no per-task key, so the dispatcher remembers the worker of a
 session's last turn and sends the next turn to that worker's directed stream while its heartbeat
 is fresh and it is running (any worker may still take it after the affinity grace). The same
-heartbeats tell how long no worker of the job has been running (`no_worker_running_s`).
+heartbeats tell how long no worker of the job has been running (`no_worker_running_s`) and
+which policy version each has applied (`GET /v1/weights`, `min_weight_version`).
+
+A streamed turn's task is flagged `stream`: its worker publishes the tokens as it makes them to
+the task's token stream (`rose.rollout.token_stream`), which `chunks` reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 import uuid
@@ -26,12 +31,14 @@ from typing import Any, cast
 
 import orjson
 import redis
+import redis.asyncio as aredis
 
 from rose.config import Config
 from rose.gateway.api import TurnResult
 from rose.obs.logs import get_logger
 from rose.rollout.episode import Task
 from rose.rollout.tasks import TaskQueue
+from rose.weights.stream import weight_keys
 
 HEARTBEAT_FRESH_S = 3.0  # a worker heartbeat older than this belongs to a worker that is gone
 READ_BLOCK_MS = 200  # the reader's XREAD wait; heartbeats are refreshed between reads
@@ -59,6 +66,25 @@ class PendingTurn:
     future: asyncio.Future
     session: str | None
     submitted: float = field(default_factory=time.monotonic)
+    tokens_key: str = ""  # the task's token stream, for a streamed turn
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens `index`.. of a streamed turn, as a worker published them."""
+
+    index: int
+    tokens: list[int]
+    versions: list[int]
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerWeights:
+    worker: str
+    state: str
+    version: int
+    heartbeat_age_s: float
 
 
 @dataclass
@@ -90,7 +116,9 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
         self._sessions: OrderedDict[str, str] = OrderedDict()
-        self._workers: dict[str, tuple[str, float]] = {}  # worker id -> (state, heartbeat ts)
+        self._workers: dict[str, tuple[str, float, int]] = {}  # worker id -> (state, heartbeat ts, version)
+        self.ar = aredis.Redis.from_url(cfg.redis.url)  # the token streams' reads, on the event loop
+        self.weights_meta = weight_keys(cfg.redis, cfg.executor.model).meta
         self._last_running = time.monotonic()  # start-up counts as running: patience starts here
         self.redis_ok = False
         self._stop = threading.Event()
@@ -116,8 +144,17 @@ class Dispatcher:
         return _s(last[0][0]) if last else "0-0"
 
     # -- turns -----------------------------------------------------------------------------
-    async def submit(self, prompt: list[int], max_tokens: int, seed: int, session: str | None) -> PendingTurn:
-        """Queue one turn (to the session's worker while it is live); its result resolves the future."""
+    async def submit(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        seed: int,
+        session: str | None,
+        stream: bool = False,
+        min_version: int = 0,
+    ) -> PendingTurn:
+        """Queue one turn (to the session's worker while it is live and has applied `min_version`,
+        else, with a `min_version`, to a running worker that has); its result resolves the future."""
         task = Task(
             task_id=f"{TASK_PREFIX}{uuid.uuid4().hex}",
             prompt=prompt,
@@ -126,19 +163,46 @@ class Dispatcher:
             obs_tokens=0,
             seed=seed,
             step=GATEWAY_STEP,
+            stream=stream,
+            min_version=min_version,
         )
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
             self._waiters[task.task_id] = _Waiter(loop, fut, session)
         to = self.session_worker(session)
+        if min_version > 0:
+            at = self.workers_at(min_version)
+            if to not in at:
+                to = random.choice(at) if at else None
         try:
             entry = await asyncio.to_thread(self.queue.submit, task, to)
         except BaseException:
             self.forget(task.task_id)
             raise
-        stream = self.queue.directed(to) if to else self.queue.stream
-        return PendingTurn(task.task_id, stream, entry, fut, session)
+        dst = self.queue.directed(to) if to else self.queue.stream
+        key = self.queue.token_stream(task.task_id) if task.stream else ""
+        return PendingTurn(task.task_id, dst, entry, fut, session, tokens_key=key)
+
+    async def chunks(self, key: str, cursor: str, block_ms: int) -> tuple[list[Chunk], str]:
+        """The chunks of token stream `key` after `cursor` (XREAD, waiting up to `block_ms`)."""
+        got = await self.ar.xread({key: cursor}, count=256, block=block_ms)
+        out = []
+        for _stream, entries in cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", got or []):
+            for eid, f in entries:
+                cursor = _s(eid)
+                if int(f.get(b"turn", 0)) != 0:
+                    continue
+                toks, vs = orjson.loads(f[b"tokens"]), orjson.loads(f[b"versions"])
+                out.append(Chunk(int(f[b"index"]), list(toks), list(vs), _s(f.get(b"worker", b""))))
+        return out, cursor
+
+    async def drop_chunks(self, key: str) -> None:
+        """The turn is answered: its token stream goes (it would expire anyway)."""
+        try:
+            await self.ar.delete(key)
+        except redis.RedisError as e:
+            self._log.warning("gateway.token_stream_not_deleted", key=key, error=str(e))
 
     def forget(self, task_id: str) -> None:
         with self._lock:
@@ -166,7 +230,7 @@ class Dispatcher:
             hb = self._workers.get(w) if w else None
         if w is None or hb is None:
             return None
-        state, ts = hb
+        state, ts, _v = hb
         return w if state == "running" and time.time() - ts < HEARTBEAT_FRESH_S else None
 
     def _remember(self, session: str, worker: str) -> None:
@@ -177,11 +241,30 @@ class Dispatcher:
                 self._sessions.popitem(last=False)
 
     def workers_running(self) -> list[str]:
+        return self.workers_at(0)
+
+    def workers_at(self, min_version: int) -> list[str]:
+        """Running workers (fresh heartbeat) that have applied policy version `min_version` or newer."""
         now = time.time()
         with self._lock:
             return sorted(
-                w for w, (st, ts) in self._workers.items() if st == "running" and now - ts < HEARTBEAT_FRESH_S
+                w
+                for w, (st, ts, v) in self._workers.items()
+                if st == "running" and now - ts < HEARTBEAT_FRESH_S and v >= min_version
             )
+
+    def weights(self) -> tuple[list[WorkerWeights], int | None]:
+        """Each worker's applied version, as its last heartbeat says (workers whose heartbeat
+        is fresh), and the newest version published on the model's weight stream (None: none)."""
+        now = time.time()
+        with self._lock:
+            ws = [
+                WorkerWeights(w, st, v, round(now - ts, 3))
+                for w, (st, ts, v) in sorted(self._workers.items())
+                if now - ts < HEARTBEAT_FRESH_S
+            ]
+        latest = self.r.hget(self.weights_meta, "version")
+        return ws, None if latest is None else int(cast(bytes, latest))
 
     def no_worker_running_s(self) -> float:
         """Seconds since a worker of the job last ran (0 while one does)."""
@@ -191,12 +274,12 @@ class Dispatcher:
         ids = sorted(_s(w) for w in cast("set[bytes]", self.r.smembers(self.queue.workers_key)))
         pipe = self.r.pipeline(transaction=False)
         for w in ids:
-            pipe.hmget(self.cfg.redis.key("workers", w), "state", "ts")
+            pipe.hmget(self.cfg.redis.key("workers", w), "state", "ts", "version")
         seen = {}
-        for w, (st, ts) in zip(ids, pipe.execute()):
+        for w, (st, ts, v) in zip(ids, pipe.execute()):
             if st is not None:
                 try:
-                    seen[w] = (_s(st), float(ts or 0))
+                    seen[w] = (_s(st), float(ts or 0), int(float(v or 0)))
                 except ValueError:
                     continue
         with self._lock:

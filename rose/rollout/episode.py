@@ -122,6 +122,10 @@ class Task:
     # the policy version of each; the next worker prefills them and samples on from there
     partial: list[int] = field(default_factory=list)
     partial_versions: list[int] = field(default_factory=list)
+    # publish each turn's tokens as they are made, to the task's token stream (docs/rollout.md)
+    stream: bool = False
+    # the turn runs only on a policy of at least this version (the worker waits to apply it)
+    min_version: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -168,6 +172,8 @@ class Task:
             ],
             moves=_int(d, "moves", 0, 1 << 31, 0),
             partial=_tokens(d, "partial") if "partial" in d else [],
+            stream=_flag(d, "stream"),
+            min_version=_int(d, "min_version", 0, (1 << 63) - 1, 0),
         )
         if t.partial:
             t.partial_versions = _versions(d, "partial_versions", len(t.partial))
@@ -178,6 +184,13 @@ class Task:
         if len(t.turns) > t.max_turns:
             raise InvalidTask("turns", f"{len(t.turns)} turns > max_turns {t.max_turns}")
         return t
+
+
+def _flag(d: dict, key: str) -> bool:
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise InvalidTask(key, f"expected true or false, got {v!r}")
+    return v
 
 
 def _bad_turn(i: int):

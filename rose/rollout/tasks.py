@@ -115,6 +115,10 @@ class TaskQueue:
     def directed(self, worker_id: str) -> str:
         return self.rcfg.key("tasks", self.job, "to", worker_id)
 
+    def token_stream(self, task_id: str) -> str:
+        """Where a streaming task's tokens are published as they are made (`rose.rollout.token_stream`)."""
+        return self.rcfg.key("tasks", self.job, "tokens", task_id)
+
     # set up ----------------------------------------------------------------------------
     def ensure_group(self, stream: str | None = None) -> None:
         stream = stream or self.stream

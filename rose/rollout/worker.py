@@ -60,6 +60,9 @@ class Worker:
     VIEW_S = 0.25
     WEIGHTS_S = 0.05
     STEP_WINDOW = 512  # decode steps the heartbeat's step_ms_p50/p99 cover
+    # a task whose min_version this worker has not applied waits this long for it, then goes back
+    # to the shared stream for another worker (docs/rollout.md, the task queue's `min_version`)
+    MIN_VERSION_WAIT_S = 5.0
 
     def __init__(self, config: WorkerConfig, r, queue, engine, weights, flag: PauseFlag | None):
         from rose.rollout.placement import PlacementConfig
@@ -90,6 +93,10 @@ class Worker:
         # wall time of the last decode steps that produced tokens: a pause waits for the step in
         # flight and a resume's first token takes one, so this bounds both (heartbeat step_ms_*)
         self._step_ms: deque[float] = deque(maxlen=self.STEP_WINDOW)
+        from rose.rollout.token_stream import TokenStreamer
+
+        self.streamer = TokenStreamer(r, config.worker_id)
+        self._version_wait: dict[str, float] = {}  # seq id -> when it started waiting for its min_version
 
     # helpers -----------------------------------------------------------------------------
     def _due(self, name: str, now: float, every: float) -> bool:
@@ -299,6 +306,8 @@ class Worker:
                     got += self._steal(free - len(got))
             for c in got:
                 self._admit(c, now)
+        if self._version_wait:
+            self._overdue_versions(now)
 
     def _steal(self, n: int) -> list[Claimed]:
         g = self.config.affinity_grace_ms
@@ -333,7 +342,10 @@ class Worker:
                 self.stats["moved"] += 1
                 self.stats["carried"] += ep.decoded
             return
-        self.active[c.stream + "/" + c.entry_id] = (c, ep)
+        key = c.stream + "/" + c.entry_id
+        self.active[key] = (c, ep)
+        if c.task.min_version > self.engine.version:
+            self._version_wait[key] = now
 
     def _tools(self, now: float) -> bool:
         worked = False
@@ -344,6 +356,7 @@ class Worker:
             ep.finish_tool()
             d = self._decide(ep, now)
             if d.move:  # route the next turn elsewhere (per-turn placement)
+                self.streamer.finish(key)
                 self.engine.release(key)
                 del self.active[key]
                 if self.q.requeue(c, self.config.worker_id, ep.continuation(), to=d.to):
@@ -356,7 +369,8 @@ class Worker:
         from rose.rollout.episode import GENERATE
 
         self._finish_done()
-        ready = [(k, c, ep) for k, (c, ep) in self.active.items() if ep.state == GENERATE]
+        v = self.engine.version
+        ready = [(k, c, ep) for k, (c, ep) in self.active.items() if ep.state == GENERATE and ep.task.min_version <= v]
         if not ready:
             return False
         reqs = [GenRequest(k, ep.to_feed(), ep.sampler_seed()) for k, _c, ep in ready]
@@ -371,14 +385,32 @@ class Worker:
                 self._tokened = True
         v = self.engine.version
         t = time.monotonic()
-        for (_k, _c, ep), toks in zip(ready, out):
+        for (k, c, ep), toks in zip(ready, out):
             turns_before = len(ep.turns)
+            key = self.q.token_stream(c.task.task_id) if ep.task.stream else ""
             for tok in toks:
+                if key:
+                    self.streamer.add(k, key, len(ep.turns), len(ep.action), [tok], [v], t)
                 ep.on_token(tok, v, t)
             self.stats["tokens"] += len(toks)
             self.stats["turns"] += len(ep.turns) - turns_before
+        self.streamer.step(t)
         self._finish_done()
         return True
+
+    def _overdue_versions(self, now: float) -> None:
+        """Tasks that waited `MIN_VERSION_WAIT_S` for a policy version this worker has not
+        applied go back, unchanged, to the shared stream; those it has applied start."""
+        for key, since in list(self._version_wait.items()):
+            entry = self.active.get(key)
+            if entry is None or entry[1].task.min_version <= self.engine.version:
+                del self._version_wait[key]
+            elif now - since >= self.MIN_VERSION_WAIT_S:
+                del self._version_wait[key]
+                del self.active[key]
+                self.engine.release(key)
+                if self.q.requeue(entry[0], self.config.worker_id, entry[0].task) is None:
+                    self.stats["lost"] += 1
 
     def _finish_done(self) -> None:
         """Complete every finished episode. One whose completion failed (Redis went away
@@ -388,6 +420,7 @@ class Worker:
 
         for k, (c, ep) in list(self.active.items()):
             if ep.state == DONE:
+                self.streamer.finish(k)
                 self._complete(c, ep)
                 self.engine.release(k)
                 del self.active[k]
@@ -402,13 +435,16 @@ class Worker:
     def _drop(self, c, why: str) -> None:
         key = c.stream + "/" + c.entry_id
         self.active.pop(key, None)
+        self.streamer.finish(key)
         self.engine.release(key)
         self.stats[why] += 1
 
     def drain(self) -> None:
         """Push every unfinished episode back as a continuation (acked atomically)."""
         self.publish("draining")
+        self.streamer.flush()
         for key, (c, ep) in list(self.active.items()):
+            self.streamer.finish(key)
             if self.q.requeue(c, self.config.worker_id, ep.continuation()):
                 self.stats["requeued"] += 1
                 self.stats["carried"] += ep.decoded
