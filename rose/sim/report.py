@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from rose.sim.traces import Trace
 
 SLO_TOLERANCE = 0.005  # ROSE's attainment counts as equal to static's within this
+GAP_TOLERANCE = 1e-6  # |residual| of rose_vs_share_all.gap: ROSE's part and the causes make up share-all's
 VALID_STATIC_SLO = 0.95  # a run whose static baseline meets its SLO less often is not a valid comparison
 PLOTS = ("serving_p99_vs_slo.png", "throughput.png", "leased_gpus.png")
 COLORS = {"static": "tab:gray", "elastic": "tab:blue", "share-all": "tab:red", "rose": "tab:green"}
@@ -129,7 +130,7 @@ def result_of(
     }
     out.update(validity(pol))
     if "rose" in pol and "share-all" in pol:
-        out["rose_vs_share_all"] = rose_vs_share_all([pol])
+        out["rose_vs_share_all"] = rose_vs_share_all([pol], [share_all_gap(runs["rose"], runs["share-all"])])
     if cfg.record_series:
         out["series"] = {p: run.series for p, run in runs.items()}
     return out
@@ -148,11 +149,68 @@ def harvest_per_serving_gpu(run: Run, ctx: RunContext) -> float:
     return round(max(0.0, run.ledger.produced - own) / (per_gpu * seconds * ctx.G), 6)
 
 
-def rose_vs_share_all(per_seed: list[dict[str, dict]]) -> dict:
+def share_all_gap(rose: Run, share_all: Run) -> dict:
+    """Where ROSE harvests less than share-all in one run (docs/simulator.md "Where ROSE
+    harvests less than share-all"): share-all's rollout work on serving GPUs (episodes
+    produced, `share_all_harvested_episodes`) split into ROSE's own part (`rose`) and the work
+    share-all does on a GPU-window that ROSE does not, by cause, each a fraction of it;
+    ``rose + no_lease + lease_start + paused + share_cap - above_share_all + residual = 1``.
+    `unfinished`: work ROSE produced but did not complete beyond share-all's (in flight, parked,
+    recomputed), so that the causes, `unfinished` and `residual` add up to the episode gap
+    (share-all's completed minus ROSE's) over share-all's harvest."""
+    from rose.sim.runs import GAP_CAUSES, NO_LEASE_WHY
+
+    sa = share_all.harvested
+    rg, by = getattr(rose, "gap", {}), getattr(rose, "no_lease_gap", {})
+    if sa <= 0:  # nothing to split: every part 0
+        zero = dict.fromkeys(("rose", *GAP_CAUSES), 0.0)
+        return {
+            "share_all_harvested_episodes": 0.0,
+            **zero,
+            "no_lease_by_reason": dict.fromkeys(NO_LEASE_WHY, 0.0),
+            "paused_by": {"guard": 0.0, "throttle": 0.0},
+            "residual": 0.0,
+            "tolerance": GAP_TOLERANCE,
+            "unfinished": 0.0,
+        }
+    parts = {k: rg.get(k, 0.0) / sa for k in GAP_CAUSES}
+    mine = rose.harvested / sa
+    unfinished = (
+        rose.ledger.produced - rose.ledger.completed - (share_all.ledger.produced - share_all.ledger.completed)
+    ) / sa
+    residual = 1.0 - mine - sum(parts.values()) + 2.0 * parts["above_share_all"]
+    return {
+        "share_all_harvested_episodes": round(sa, 4),
+        "rose": round(mine, 6),
+        **{k: round(v, 6) for k, v in parts.items()},
+        "no_lease_by_reason": {k: round(v / sa, 6) for k, v in by.items()},
+        "paused_by": {k: round(v / sa, 6) for k, v in getattr(rose, "paused_gap", {}).items()},
+        "residual": round(residual, 9),
+        "tolerance": GAP_TOLERANCE,
+        "unfinished": round(unfinished, 6),
+    }
+
+
+def mean_gap(gaps: list[dict]) -> dict:
+    """Seeds' `share_all_gap` results as one: each figure's mean, and every seed's (`per_seed`)."""
+    first = gaps[0]
+    out: dict = {}
+    for k, v in first.items():
+        if isinstance(v, dict):
+            out[k] = {j: round(statistics.fmean(g[k][j] for g in gaps), 6) for j in v}
+        elif all(k in g for g in gaps):
+            out[k] = round(statistics.fmean(g[k] for g in gaps), 9 if k == "residual" else 6)
+    if len(gaps) > 1:
+        out["per_seed"] = gaps
+    return out
+
+
+def rose_vs_share_all(per_seed: list[dict[str, dict]], gaps: list[dict] | None = None) -> dict:
     """ROSE beside share-all, from each seed's policy results: `throughput_ratio` (ROSE's
     episodes over share-all's, the mean of the seeds' ratios), its 95 % Student t interval over
-    the seeds (`throughput_ratio_ci95`, None with one seed), and `slo_difference` (ROSE's SLO
-    attainment minus share-all's, mean over the seeds)."""
+    the seeds (`throughput_ratio_ci95`, None with one seed), `slo_difference` (ROSE's SLO
+    attainment minus share-all's, mean over the seeds) and, given each seed's `share_all_gap`,
+    `gap`: their mean (rose.sim.report.mean_gap)."""
     ratios, diffs = [], []
     for pol in per_seed:
         r, s = pol["rose"], pol["share-all"]
@@ -165,6 +223,7 @@ def rose_vs_share_all(per_seed: list[dict[str, dict]]) -> dict:
         "throughput_ratio_ci95": None if ci is None else [round(ci[0], 6), round(ci[1], 6)],
         "ci_basis": "seeds (Student t over the per-seed ratios)",
         "slo_difference": round(statistics.fmean(diffs), 6),
+        **({"gap": mean_gap(gaps)} if gaps else {}),
     }
 
 
@@ -271,7 +330,10 @@ def across_seeds(results: list[dict]) -> dict:
         for r in results
     ]
     if all("rose_vs_share_all" in r for r in results):
-        out["rose_vs_share_all"] = rose_vs_share_all([r["policies"] for r in results])
+        gaps = [r["rose_vs_share_all"].get("gap") for r in results]
+        out["rose_vs_share_all"] = rose_vs_share_all(
+            [r["policies"] for r in results], [g for g in gaps if g] if all(gaps) else None
+        )
     if any("valid" in r for r in results):
         bad = [r for r in results if r.get("valid") is False]
         out["valid"] = not bad and all(r.get("valid") for r in results)

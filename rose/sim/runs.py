@@ -35,6 +35,12 @@ ELASTIC_PROVISION_S = 180.0  # request -> usable external GPU (VM/pod start, ima
 # arrays (its docstring says so); its annotation names the one-GPU case.
 fleet_tripped_next = cast(Callable[[np.ndarray, np.ndarray, float, float], np.ndarray], tripped_next)
 
+# Causes of the rollout work share-all does on a serving GPU-window that ROSE does not (one per
+# GPU-window; docs/simulator.md "Where ROSE harvests less than share-all"), and why the policy's
+# view held no lease (its last decision's reason)
+GAP_CAUSES = ("no_lease", "lease_start", "paused", "share_cap", "above_share_all")
+NO_LEASE_WHY = ("below_threshold", "cooldown", "memory", "other")
+
 ELASTIC_CAP_FRAC = 0.25  # cost cap: external GPUs at once, as a fraction of the static pool
 # elastic adds GPUs while a step would take longer than static's / (1 + cap frac): the step its cap allows
 
@@ -84,6 +90,7 @@ class Run:
         self.lease_gpu_s = self.lease_share_s = self.ext_gpu_s = 0.0
         self.last_steps = 0
         self.lease_start_s: float | None = None  # when rollout first ran on a serving GPU
+        self.harvested = 0.0  # rollout work done on serving GPUs (leases, shares), episodes
         self.min_free_bytes = 1 << 62
         self.series: dict[str, list] = {
             k: []
@@ -201,7 +208,9 @@ class ShareAllRun(Run):
 
     def extra(self, w, t1, st):
         c = self.ctx
-        self.ledger.progress(self.w, self.batch / 2.0, c.rollout_rate(self.mem, SHARE_ALL_SHARE) * c.dt)
+        gain = c.rollout_rate(self.mem, SHARE_ALL_SHARE) * c.dt
+        self.ledger.progress(self.w, self.batch / 2.0, gain)
+        self.harvested += float(gain.sum())
         if self.lease_start_s is None:
             self.lease_start_s = t1 - c.dt
         self.lease_gpu_s += c.G * c.dt
@@ -244,6 +253,14 @@ class RoseRun(Run):
         self.grant_room: dict[int, int] = {}  # GPU -> free memory after margin at its grant (checks)
         self._ended = np.zeros(G, dtype=bool)  # leases ended in the current apply
         self._granted: list[int] = []
+        # beside share-all: its per-GPU rate (its memory, SHARE_ALL_SHARE, the same profile), the
+        # work it would do that ROSE does not, by cause (episodes), and ROSE's own on serving GPUs
+        sa_mem = np.full(G, int((ctx.gpu.mem_bytes - sim.static_bytes) * SHARE_ALL_MEM_FRAC), dtype=np.int64)
+        self.share_all_rate = ctx.rollout_rate(sa_mem, SHARE_ALL_SHARE) if ctx.profile is not None else np.zeros(G)
+        self.gap = dict.fromkeys(GAP_CAUSES, 0.0)
+        self.no_lease_gap = dict.fromkeys(NO_LEASE_WHY, 0.0)
+        self.paused_gap = {"guard": 0.0, "throttle": 0.0}
+        self.why_none = np.full(G, NO_LEASE_WHY.index("other"), dtype=np.int64)  # index into NO_LEASE_WHY
 
     def synced(self, steps: int) -> None:
         self.version[self.leased & (self.batch > 0)] = steps
@@ -263,9 +280,9 @@ class RoseRun(Run):
     def extra(self, w, t1, st):
         c, pc = self.ctx, self.ctx.policy
         run_mask = self.running()
-        self.ledger.progress(
-            self.w, self.batch / 2.0, np.where(run_mask, c.rollout_rate(self.mem, self.share), 0.0) * c.dt
-        )
+        rate = np.where(run_mask, c.rollout_rate(self.mem, self.share), 0.0)
+        self.ledger.progress(self.w, self.batch / 2.0, rate * c.dt)
+        self.account_gap(rate * c.dt, self.share_all_rate * c.dt)
         self.lease_gpu_s += float(self.leased.sum()) * c.dt
         self.lease_share_s += float(self.share[run_mask].sum()) * c.dt
         if self.lease_start_s is None and run_mask.any():
@@ -287,6 +304,30 @@ class RoseRun(Run):
         self.acc_ttft[:] = 0.0
         self.acc_tpot[:] = 0.0
         self.apply(commands, t1)
+
+    def account_gap(self, mine: np.ndarray, share_all: np.ndarray) -> None:
+        """One window's rollout work on each serving GPU, ROSE's (`mine`) beside share-all's
+        (`share_all`), episodes: what share-all does that ROSE does not, under one cause per GPU."""
+        self.harvested += float(mine.sum())
+        gap, leased = self.gap, self.leased
+        none = ~leased
+        if none.any():
+            per = np.bincount(self.why_none[none], weights=share_all[none], minlength=len(NO_LEASE_WHY))
+            for k, v in zip(NO_LEASE_WHY, per.tolist()):
+                self.no_lease_gap[k] += v
+            gap["no_lease"] += float(per.sum())
+        gap["lease_start"] += float(share_all[leased & ~self.worker].sum())
+        live = leased & self.worker
+        guard = float(share_all[live & self.worker_paused].sum())
+        throttle = float(share_all[live & ~self.worker_paused & (self.share <= 0.0)].sum())  # to share 0
+        self.paused_gap["guard"] += guard
+        self.paused_gap["throttle"] += throttle
+        gap["paused"] += guard + throttle
+        paused = self.worker_paused | (self.share <= 0.0)
+        # a live worker (one too small for an episode runs nothing): share-all's rate minus its own
+        diff = np.where(live & ~paused, share_all - mine, 0.0)
+        gap["share_cap"] += float(diff[diff > 0].sum())
+        gap["above_share_all"] -= float(diff[diff < 0].sum())
 
     def decide_all(self, w: int, ts: float, st) -> list:
         c, pc, slo = self.ctx, self.ctx.policy, self.ctx.slo
@@ -311,6 +352,7 @@ class RoseRun(Run):
                     pend[i][k][defer] = pend[i - 1][k][defer]
                 pend[0][k][defer] = v[defer] if isinstance(v, np.ndarray) else v
             self.held[defer] = np.minimum(self.held[defer] + 1, DEFERRED_KEPT)
+            self.why_none[defer] = 0  # held back: headroom below the grant threshold
         call = np.flatnonzero(~defer)
         held = self.held[call].tolist()
         self.held[call] = 0
@@ -361,6 +403,8 @@ class RoseRun(Run):
             )
             calls += 1
             view_lease[g] = d.view.lease_id is not None
+            if not view_lease[g]:
+                self.why_none[g] = no_lease_why(d.explain.reason)
             for other in d.others:  # a gang's other members
                 self.view_lease[_index(other.gpu)] = other.lease_id is not None
             for cmd in d.commands:
@@ -457,6 +501,19 @@ POLICIES = tuple(RUNS)
 def min_headroom(ttft_ms: np.ndarray, tpot_ms: np.ndarray, slo: Latency) -> np.ndarray:
     """Per GPU, the smallest headroom over the SLO metrics, `1 - p99 / slo`."""
     return np.minimum(1.0 - ttft_ms / slo.ttft_p99, 1.0 - tpot_ms / slo.tpot_p99)
+
+
+def no_lease_why(reason: str) -> int:
+    """The index in NO_LEASE_WHY of a decision's reason for holding no lease: the grant rule's
+    latency conditions (headroom, its streak, a rising trend, a load that leaves no share), the
+    cooldown after a revoke, memory (free memory, KV growth), or anything else."""
+    if "cooldown until" in reason:
+        return 1
+    if "_p99" in reason or "headroom" in reason or "serving load" in reason:
+        return 0
+    if "memory" in reason or "KV growth" in reason:
+        return 2
+    return 3
 
 
 def _index(gpu: str) -> int:
