@@ -87,6 +87,11 @@ def gateway_cfg(base: Config, prefix: str, **gateway) -> Config:
 
 @pytest.fixture(scope="module")
 def module_cfg(stack, base_cfg) -> Iterator[Config]:
+    yield from prefixed_gateway_cfg(stack, base_cfg)
+
+
+def prefixed_gateway_cfg(stack, base_cfg) -> Iterator[Config]:
+    """A gateway config on the stack's Redis under a key prefix of its own, whose keys go after."""
     prefix = f"t{uuid.uuid4().hex[:10]}:"
     c = gateway_cfg(
         dataclasses.replace(base_cfg, redis=dataclasses.replace(base_cfg.redis, url=stack.redis_url)), prefix
@@ -102,33 +107,41 @@ def module_cfg(stack, base_cfg) -> Iterator[Config]:
 @pytest.fixture(scope="module")
 def flags() -> Iterator[dict[str, PauseFlag]]:
     """Each worker's pause flag, as its executor would hold it (the revoke test stops one)."""
-    out = {w: PauseFlag(f"rose-gw-{uuid.uuid4().hex[:8]}", create=True) for w in ("w0", "w1")}
+    yield from pause_flags("rose-gw")
+
+
+def pause_flags(tag: str) -> Iterator[dict[str, PauseFlag]]:
+    out = {w: PauseFlag(f"{tag}-{uuid.uuid4().hex[:8]}", create=True) for w in ("w0", "w1")}
     yield out
     for f in out.values():
         f.close()
         f.unlink()
 
 
-@pytest.fixture(scope="module")
-def workers(module_cfg, flags) -> Iterator[list[str]]:
-    procs = {
+def launch_workers(cfg: Config, flags: dict[str, PauseFlag], per_worker=lambda w: {}, env=None) -> dict:
+    """One reference-engine worker per pause flag, as an executor would start it."""
+    return {
         w: launch(
             WorkerConfig(
                 gpu=f"sim/{w}",
                 worker_id=w,
-                redis=module_cfg.redis,
+                redis=cfg.redis,
                 job=JOB,
                 model=MODEL,
                 model_spec=SMALL,
                 max_batch=8,
                 pause_flag=f.name,
+                **per_worker(w),
             ),
+            env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         for w, f in flags.items()
     }
-    yield sorted(procs)
+
+
+def stop_workers(procs: dict) -> None:
     for p in procs.values():
         p.terminate()
     for p in procs.values():
@@ -136,6 +149,13 @@ def workers(module_cfg, flags) -> Iterator[list[str]]:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+@pytest.fixture(scope="module")
+def workers(module_cfg, flags) -> Iterator[list[str]]:
+    procs = launch_workers(module_cfg, flags)
+    yield sorted(procs)
+    stop_workers(procs)
 
 
 @pytest.fixture(scope="module")

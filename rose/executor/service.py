@@ -56,7 +56,7 @@ from rose.kafka.consumer import (
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
 from rose.obs import metrics
 from rose.obs.logs import get_logger
-from rose.obs.tracing import inject_headers, process_span, send_span, tracer
+from rose.obs.tracing import carried_traceparent, inject_headers, process_span, send_span, tracer
 from rose.rollout.launcher import WorkerConfig
 from rose.rollout.pause_flag import PAUSE, RUN
 from rose.shutdown import Shutdown
@@ -126,6 +126,9 @@ class Executor:
         # lease workers over their grant's memory are stopped and their lease revoked (CPU)
         self.mem_watch = MemoryWatchdog.from_config(cfg.executor, device, self.log)
         self._tracer = tracer("rose.executor")
+        # per GPU, the lease id and W3C traceparent of the last grant command: a worker started
+        # for that lease (now or on a restart) links its spans to the decision (WorkerConfig)
+        self._grants: dict[str, tuple[str, str]] = {}
         self._hmac = cfg.security.command_hmac_key or None
         self._stopping = False
         self._flag_seq = 0
@@ -311,6 +314,8 @@ class Executor:
         if key is not None and key != cmd.gpu:
             return self._dlq(m, f"gpu: {cmd.gpu!r} does not match the message key {key!r}", "gpu")
         COMMANDS_IN.inc(kind=cmd.kind)
+        if cmd.kind == "grant":
+            self._grants[cmd.gpu] = (cmd.lease_id, carried_traceparent(m.headers()))
         ts_type, ts_ms = m.timestamp()
         age = max(0.0, time.time() - ts_ms / 1000.0) if ts_ms and ts_ms > 0 else 0.0
         self._apply(cmd.gpu, lm.Received(cmd, age_s=age), None)  # a child of the `process` span
@@ -422,7 +427,7 @@ class Executor:
         name, seed = self._next_flag_name()
         wc = None
         if self.cfg.executor.worker != "placeholder":
-            wc = self.worker_config(self.cfg, a, name, self.device, seed)
+            wc = self._with_lease(self.worker_config(self.cfg, a, name, self.device, seed), a)
             warm = self.pool.ready_for(wc)
             if warm is not None:
                 h = self.workers[a.gpu] = self.pool.hand_lease(warm, a, wc)
@@ -432,6 +437,11 @@ class Executor:
         self.mem_watch.watch(a.gpu, h.proc, a.mem_bytes)
         STARTS.inc(how="cold")
         log_started(self.log, a, h.proc.pid, warm=False)
+
+    def _with_lease(self, wc: WorkerConfig, a: lm.Start) -> WorkerConfig:
+        """`wc` told its lease: the id, and the grant command's trace context when it is known."""
+        lease_id, tp = self._grants.get(a.gpu, ("", ""))
+        return replace(wc, lease_id=a.lease_id, lease_traceparent=tp if lease_id == a.lease_id else "")
 
     def _new_warm_worker(self) -> tuple[str, WorkerConfig]:
         """A warm worker's pause flag name and config: the stock config of this executor's

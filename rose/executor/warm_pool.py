@@ -127,6 +127,7 @@ class WarmPool:
             epoch=a.epoch,
             mem_bytes=wc.mem_bytes,
             compute_share=wc.compute_share,
+            lease_traceparent=wc.lease_traceparent,
         )
         rec.write(w.config.lease_file)
         flag.set(PAUSE if a.paused else RUN)

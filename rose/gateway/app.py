@@ -4,7 +4,12 @@ auth, admission, errors in OpenAI's shape, and `serve` (uvicorn) for `rose gatew
 Status codes: 400 a request the gateway refuses (the message and `param` name the field), 401
 a missing or wrong bearer token, 404 an unknown model, 409 no running worker at the request's
 `min_weight_version`, 429 overload or no running worker (with `Retry-After`), 504 a turn not
-finished by the request's deadline. docs/gateway.md."""
+finished by the request's deadline.
+
+Each turn request is a `POST {path}` span (kind SERVER; a child of the request's own W3C
+`traceparent` header when it has one) with the request's model, max_tokens, stream, session
+and task id and the answer's tokens and worker; the task carries the context of its `send`
+span, a child of it (rose.gateway.dispatch), to the workers. docs/gateway.md."""
 
 from __future__ import annotations
 
@@ -22,12 +27,16 @@ import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from rose.config import Config
 from rose.gateway import api
 from rose.gateway.admission import Admission, Overloaded
 from rose.gateway.dispatch import Dispatcher, PendingTurn, TurnFailed
 from rose.obs import metrics
+from rose.obs.tracing import tracer
 
 SESSION_HEADER = "x-rose-session"
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -144,6 +153,8 @@ class Gateway:
         deadline = time.monotonic() + self.g.request_timeout_s
         await self.admit(req, deadline)
         session = request.headers.get(SESSION_HEADER) or req.user
+        if session:
+            trace.get_current_span().set_attribute("rose.session", session)
         seed = req.seed if req.seed is not None else secrets.randbelow(api.MAX_SEED)
         try:
             turn = await self.dispatcher.submit(
@@ -189,7 +200,9 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _stream(gw: Gateway, turn: PendingTurn, deadline: float, shape: api.StreamShape) -> AsyncIterator[bytes]:
+def _stream(
+    gw: Gateway, turn: PendingTurn, deadline: float, shape: api.StreamShape, span: Span
+) -> AsyncIterator[bytes]:
     """The SSE body: each token as its worker publishes it (the turn's token stream, de-duplicated
     by token index, so the ids stay contiguous across a revoke), then what the stream has not
     brought, from the result, and the last chunk. A client that leaves cancels the generator
@@ -211,11 +224,13 @@ def _stream(gw: Gateway, turn: PendingTurn, deadline: float, shape: api.StreamSh
                     yield b": keep-alive\n\n"
             r = waiting.result()
         except GatewayError as e:
+            span.set_attribute("error.type", str(e.status))
             yield _sse(api.error(str(e), e.param, e.kind, e.code))
             yield b"data: [DONE]\n\n"
             return
         finally:
             waiting.cancel()  # a no-op once it is done
+        _answered(span, r)
         for c in shape.pieces(feed.sent, r.token_ids[feed.sent :], r.versions[feed.sent :]):
             yield _sse(c)
         yield _sse(shape.tail(r))
@@ -261,13 +276,45 @@ class _Feed:
         return start, ids, vs
 
 
+def _requested(span: Span, req: api.TurnRequest, prompt: list[int], chat: bool) -> None:
+    """The request's attributes on its SERVER span (OpenTelemetry's gen_ai conventions)."""
+    span.set_attributes(
+        {
+            "gen_ai.operation.name": "chat" if chat else "text_completion",
+            "gen_ai.request.model": req.model,
+            "gen_ai.request.max_tokens": req.tokens(),
+            "gen_ai.usage.input_tokens": len(prompt),
+            "rose.stream": bool(req.stream),
+        }
+    )
+    if req.seed is not None:
+        span.set_attribute("gen_ai.request.seed", req.seed)
+    if req.min_weight_version is not None:
+        span.set_attribute("rose.min_weight_version", req.min_weight_version)
+
+
+def _answered(span: Span, r: api.TurnResult) -> None:
+    span.set_attributes(
+        {
+            "gen_ai.usage.output_tokens": len(r.token_ids),
+            "rose.worker": r.worker,
+            "rose.moves": r.moves,
+            "rose.policy_versions": sorted(set(r.versions)),
+        }
+    )
+
+
 async def _turn(gw: Gateway, request: Request, req: api.TurnRequest, prompt: list[int], chat: bool) -> Response:
+    span = trace.get_current_span()
+    _requested(span, req, prompt, chat)
     turn, deadline = await gw.start_turn(request, req, prompt)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{turn.task_id}"
+    span.set_attributes({"rose.task_id": turn.task_id, "gen_ai.response.id": rid})
     if req.stream:
         shape = api.StreamShape(rid, gw.model, prompt, chat)
-        return StreamingResponse(_stream(gw, turn, deadline, shape), media_type="text/event-stream")
+        return StreamingResponse(_stream(gw, turn, deadline, shape, span), media_type="text/event-stream")
     r = await gw.wait(turn, deadline, request)
+    _answered(span, r)
     body = api.chat_completion(rid, gw.model, r) if chat else api.completion(rid, gw.model, r)
     return Response(orjson.dumps(body), media_type="application/json")
 
@@ -296,6 +343,39 @@ class _Counted:
         await self.app(scope, receive, counted)
 
 
+TRACED = frozenset({"/v1/completions", "/v1/chat/completions"})
+_propagator = TraceContextTextMapPropagator()
+
+
+class _Traced:
+    """A SERVER span `POST {path}` over each turn request, until its last byte is sent (a
+    streamed answer included); a child of the request's `traceparent` header when it has one."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.tracer = tracer("rose.gateway")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in TRACED or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        attrs = {"http.request.method": "POST", "http.route": scope["path"], "url.path": scope["path"]}
+        name = f"POST {scope['path']}"
+        with self.tracer.start_as_current_span(
+            name, context=_propagator.extract(headers), kind=SpanKind.SERVER, attributes=attrs
+        ) as span:
+
+            async def traced(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                    if message["status"] >= 500:
+                        span.set_status(Status(StatusCode.ERROR))
+                await send(message)
+
+            await self.app(scope, receive, traced)
+
+
 def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
     gw = Gateway(cfg, dispatcher)
 
@@ -310,6 +390,7 @@ def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
 
     app = FastAPI(title="ROSE gateway", lifespan=lifespan)
     app.add_middleware(_Counted)
+    app.add_middleware(_Traced)
     app.state.gateway = gw
     _errors(app)
     auth = [Depends(gw.authorize)]
@@ -370,8 +451,12 @@ def _errors(app: FastAPI) -> None:
 
 
 def serve(cfg: Config, host: str | None = None, port: int | None = None, log_level: str = "warning") -> None:
-    """Run the gateway with uvicorn until SIGINT/SIGTERM."""
+    """Run the gateway with uvicorn until SIGINT/SIGTERM, exporting its spans as `cfg.tracing` says."""
     import uvicorn
+
+    from rose.obs.tracing import setup_tracing
+
+    setup_tracing(cfg.tracing, service="rose-gateway")
 
     uvicorn.run(
         create_app(cfg),

@@ -14,6 +14,9 @@ is fresh and it is running (any worker may still take it after the affinity grac
 heartbeats tell how long no worker of the job has been running (`no_worker_running_s`) and
 which policy version each has applied (`GET /v1/weights`, `min_weight_version`).
 
+Each submit is a `send {stream}` span (kind PRODUCER) whose W3C context the task carries
+(`Task.traceparent`), so the worker's `process {stream}` span joins the request's trace.
+
 A streamed turn's task is flagged `stream`: its worker publishes the tokens as it makes them to
 the task's token stream (`rose.rollout.token_stream`), which `chunks` reads.
 """
@@ -36,6 +39,7 @@ import redis.asyncio as aredis
 from rose.config import Config
 from rose.gateway.api import TurnResult
 from rose.obs.logs import get_logger
+from rose.obs.tracing import queue_send_span, traceparent, tracer
 from rose.rollout.episode import Task
 from rose.rollout.tasks import TaskQueue
 from rose.weights.stream import weight_keys
@@ -124,6 +128,7 @@ class Dispatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._log = get_logger("rose.gateway", job=self.job)
+        self._tracer = tracer("rose.gateway")
 
     # -- life ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,12 +180,15 @@ class Dispatcher:
             at = self.workers_at(min_version)
             if to not in at:
                 to = random.choice(at) if at else None
-        try:
-            entry = await asyncio.to_thread(self.queue.submit, task, to)
-        except BaseException:
-            self.forget(task.task_id)
-            raise
         dst = self.queue.directed(to) if to else self.queue.stream
+        with queue_send_span(self._tracer, dst, {"rose.task_id": task.task_id}) as span:
+            task.traceparent = traceparent()  # the task carries this span's context
+            try:
+                entry = await asyncio.to_thread(self.queue.submit, task, to)
+            except BaseException:
+                self.forget(task.task_id)
+                raise
+            span.set_attribute("messaging.message.id", entry)
         key = self.queue.token_stream(task.task_id) if task.stream else ""
         return PendingTurn(task.task_id, dst, entry, fut, session, tokens_key=key)
 

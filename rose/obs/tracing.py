@@ -289,3 +289,66 @@ def trace_ids() -> dict[str, str]:
     if not sc.is_valid:
         return {}
     return {"trace_id": format(sc.trace_id, "032x"), "span_id": format(sc.span_id, "016x")}
+
+
+# ---- W3C trace context as a string, and the task queue's spans ---------------------------------
+def traceparent(ctx: otel_context.Context | None = None) -> str:
+    """The W3C `traceparent` of the current (or given) span context; "" when there is none."""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=ctx)
+    return carrier.get("traceparent", "")
+
+
+def context_of(tp: str) -> otel_context.Context:
+    """The context a `traceparent` string carries (empty when it is "" or malformed)."""
+    return _propagator.extract({"traceparent": tp} if tp else {})
+
+
+def span_context_of(tp: str) -> trace.SpanContext:
+    """The span context a `traceparent` string names (not `is_valid` when it is "" or malformed)."""
+    return trace.get_current_span(context_of(tp)).get_span_context()
+
+
+def carried_traceparent(headers) -> str:
+    """The `traceparent` a Kafka message's headers carry, checked and rewritten ("" if none)."""
+    return traceparent(extract_context(headers))
+
+
+def _queue_attrs(operation: str, stream: str) -> dict:
+    return {
+        "messaging.system": "redis",
+        "messaging.operation.type": operation,
+        "messaging.operation.name": operation,
+        "messaging.destination.name": stream,
+    }
+
+
+def queue_send_span(tr: trace.Tracer, stream: str, attributes: dict | None = None):
+    """`send {stream}` (kind PRODUCER) around putting one task on a Redis stream of the task
+    queue; `traceparent()` inside it is the context the task carries."""
+    return tr.start_as_current_span(
+        f"send {stream}", kind=SpanKind.PRODUCER, attributes={**_queue_attrs("send", stream), **(attributes or {})}
+    )
+
+
+def queue_process_span(
+    tr: trace.Tracer, stream: str, group: str, carried: str, links: Sequence[Link] = (), attributes: dict | None = None
+) -> trace.Span | None:
+    """`process {stream}` (kind CONSUMER) for one task taken from a task-queue stream: started,
+    not made current (the caller ends it), a child of and linked to the context the task carries
+    (`carried`, a `traceparent`), plus `links`. None when the task carries no context."""
+    parent = context_of(carried)
+    sc = trace.get_current_span(parent).get_span_context()
+    if not sc.is_valid:
+        return None
+    attrs = {**_queue_attrs("process", stream), "messaging.consumer.group.name": group, **(attributes or {})}
+    return tr.start_span(
+        f"process {stream}", context=parent, kind=SpanKind.CONSUMER, links=[Link(sc), *links], attributes=attrs
+    )
+
+
+def flush_tracing(timeout_ms: int = 5000) -> None:
+    """Export the spans still buffered (before a process leaves with os._exit)."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.force_flush(timeout_ms)

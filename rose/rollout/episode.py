@@ -126,6 +126,9 @@ class Task:
     stream: bool = False
     # the turn runs only on a policy of at least this version (the worker waits to apply it)
     min_version: int = 0
+    # W3C trace context of whoever queued the task (a gateway request's `send` span); kept by a
+    # continuation, so every worker that runs a part of it records its span in that one trace
+    traceparent: str = ""
 
     @property
     def total_tokens(self) -> int:
@@ -174,6 +177,7 @@ class Task:
             partial=_tokens(d, "partial") if "partial" in d else [],
             stream=_flag(d, "stream"),
             min_version=_int(d, "min_version", 0, (1 << 63) - 1, 0),
+            traceparent=_traceparent(d),
         )
         if t.partial:
             t.partial_versions = _versions(d, "partial_versions", len(t.partial))
@@ -190,6 +194,13 @@ def _flag(d: dict, key: str) -> bool:
     v = d.get(key, False)
     if not isinstance(v, bool):
         raise InvalidTask(key, f"expected true or false, got {v!r}")
+    return v
+
+
+def _traceparent(d: dict) -> str:
+    v = d.get("traceparent", "")
+    if not isinstance(v, str) or len(v) > 256:
+        raise InvalidTask("traceparent", "expected a W3C traceparent string")
     return v
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rose.config import Config, GiB, RedisConfig
+from rose.config import Config, GiB, RedisConfig, TracingConfig
 
 WORKER_MODULE = "rose.rollout.worker_process"
 MAX_CONFIG_BYTES = 1 << 20
@@ -89,6 +89,12 @@ class WorkerConfig:
     threads: int = 1
     step_tokens: int = 0  # tokens one engine step may batch; 0 = the engine's default
     verify_weights: bool = False  # check each applied version bit-exact (engine.weights_match)
+    # the worker's spans (`process {stream}` per task carrying trace context): its exporter, and
+    # the lease it runs in: the id and the W3C traceparent of the grant command that decided it
+    # (each span links to that context; "" for a dedicated worker, which has no lease)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    lease_id: str = ""
+    lease_traceparent: str = ""
 
     @classmethod
     def from_config(cls, cfg: Config, **fields) -> WorkerConfig:
@@ -108,6 +114,7 @@ class WorkerConfig:
             "threads": cfg.rollout.threads,
             "step_tokens": cfg.rollout.step_tokens,
             "verify_weights": bool(cfg.rollout.verify_weights),
+            "tracing": cfg.tracing,
         }
         return cls(**{**base, **fields})
 
@@ -158,6 +165,8 @@ _PER_WORKER_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "warm": False,
     "lease_file": "",
+    "lease_id": "",
+    "lease_traceparent": "",
 }
 
 
@@ -175,6 +184,7 @@ class LeaseRecord:
     epoch: int
     mem_bytes: int
     compute_share: float
+    lease_traceparent: str = ""  # the grant command's trace context (WorkerConfig.lease_traceparent)
 
     def write(self, path: str) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -206,6 +216,8 @@ class LeaseRecord:
             worker_id=self.worker_id,
             mem_bytes=self.mem_bytes,
             compute_share=self.compute_share,
+            lease_id=self.lease_id,
+            lease_traceparent=self.lease_traceparent,
             warm=False,
         )
 
@@ -217,6 +229,9 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "bool": bool,
     "dict": dict,
 }
+
+
+_NESTED: dict[str, type] = {"RedisConfig": RedisConfig, "TracingConfig": TracingConfig}
 
 
 def _json_object(text: str | bytes, what: str) -> dict:
@@ -232,7 +247,7 @@ def _json_object(text: str | bytes, what: str) -> dict:
 
 def _typed_fields(cls, d: dict, where: str = "") -> dict:
     """`d`'s values checked against `cls`'s field types (str, int, float, bool, dict,
-    tuple[int, ...], a nested dataclass such as RedisConfig); unknown and missing fields refused."""
+    tuple[int, ...], a nested RedisConfig or TracingConfig); unknown and missing fields refused."""
     known = {f.name: f for f in dataclasses.fields(cls)}
     for k in d:
         if k not in known:
@@ -245,10 +260,10 @@ def _typed_fields(cls, d: dict, where: str = "") -> dict:
                 raise ValueError(f"{name}: missing required field")
             continue
         v = d[f.name]
-        if f.type == "RedisConfig":
+        if f.type in _NESTED:
             if not isinstance(v, dict):
                 raise ValueError(f"{name}: expected an object, got {v!r}")
-            out[f.name] = RedisConfig(**_typed_fields(RedisConfig, v, name + "."))
+            out[f.name] = _NESTED[f.type](**_typed_fields(_NESTED[f.type], v, name + "."))
         elif f.type == "tuple[int, ...]":
             if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in v):
                 raise ValueError(f"{name}: expected a list of integers, got {v!r}")

@@ -89,6 +89,9 @@ class Worker:
         self._views: list = []
         d = engine.describe()
         self._engine_fields = {"engine": d["name"], "engine_library": d["version"], "device": d["device"]}
+        from rose.rollout.turn_spans import TurnSpans
+
+        self.spans = TurnSpans(config, d["name"], getattr(queue, "group", "rollout"))
         self._progress: dict[int, tuple[float, float]] = {}
         # wall time of the last decode steps that produced tokens: a pause waits for the step in
         # flight and a resume's first token takes one, so this bounds both (heartbeat step_ms_*)
@@ -329,10 +332,13 @@ class Worker:
             why = f"task: {c.task.total_tokens} tokens > max_seq {self.engine.max_seq}"
         elif max(c.task.prompt) >= self.engine.vocab_size:
             why = f"prompt: token {max(c.task.prompt)} outside the engine's vocabulary of {self.engine.vocab_size}"
+        key = c.stream + "/" + c.entry_id
+        ep = Episode(c.task, s.worker_id, s.gpu, s.dedicated, now)
+        self.spans.start(key, c, ep)
         if why is not None:
             self.q.dead_letter(c.stream, c.entry_id, json.dumps(c.task.to_dict()).encode(), why)
+            self.spans.end(key, ep, "dead", why)
             return
-        ep = Episode(c.task, s.worker_id, s.gpu, s.dedicated, now)
         if ep.state == DONE:
             self._complete(c, ep)
             return
@@ -341,8 +347,8 @@ class Worker:
             if self.q.requeue(c, s.worker_id, ep.continuation(), to=d.to):
                 self.stats["moved"] += 1
                 self.stats["carried"] += ep.decoded
+            self.spans.end(key, ep, "moved")
             return
-        key = c.stream + "/" + c.entry_id
         self.active[key] = (c, ep)
         if c.task.min_version > self.engine.version:
             self._version_wait[key] = now
@@ -362,6 +368,7 @@ class Worker:
                 if self.q.requeue(c, self.config.worker_id, ep.continuation(), to=d.to):
                     self.stats["moved"] += 1
                     self.stats["carried"] += ep.decoded
+                self.spans.end(key, ep, "moved")
         return worked
 
     def _decode_step(self, now: float) -> bool:
@@ -411,6 +418,7 @@ class Worker:
                 self.engine.release(key)
                 if self.q.requeue(entry[0], self.config.worker_id, entry[0].task) is None:
                     self.stats["lost"] += 1
+                self.spans.end(key, entry[1], "returned")
 
     def _finish_done(self) -> None:
         """Complete every finished episode. One whose completion failed (Redis went away
@@ -429,12 +437,15 @@ class Worker:
         if self.q.complete(c, ep.trajectory()):
             self.stats["episodes"] += 1
             self.stats["carried"] += ep.decoded
+            self.spans.end(c.stream + "/" + c.entry_id, ep, "completed")
         else:
             self.stats["duplicates"] += 1
+            self.spans.end(c.stream + "/" + c.entry_id, ep, "duplicate")
 
     def _drop(self, c, why: str) -> None:
         key = c.stream + "/" + c.entry_id
-        self.active.pop(key, None)
+        entry = self.active.pop(key, None)
+        self.spans.end(key, entry[1] if entry else None, why)
         self.streamer.finish(key)
         self.engine.release(key)
         self.stats[why] += 1
@@ -448,8 +459,10 @@ class Worker:
             if self.q.requeue(c, self.config.worker_id, ep.continuation()):
                 self.stats["requeued"] += 1
                 self.stats["carried"] += ep.decoded
+                self.spans.end(key, ep, "requeued")
             else:
                 self.stats["lost"] += 1  # another worker already holds it
+                self.spans.end(key, ep, "lost")
             self.engine.release(key)
             del self.active[key]
         self.q.retire_worker(self.config.worker_id)

@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         config = read_config(a.config_fd)
     except ValueError as e:
         return _fail(str(e), EXIT_BAD_CONFIG)
+    _tracing(config)
     if config.warm:
         return _warm_main(config)
     if config.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
@@ -202,7 +203,22 @@ def _redis_and_weights(config: WorkerConfig):
         return _fail(str(e), EXIT_UNAVAILABLE)
 
 
+def _tracing(config: WorkerConfig) -> None:
+    """Export the worker's spans as its config's tracing section says (none: no provider, and
+    every span the worker opens is a no-op)."""
+    if config.tracing.exporter == "none":
+        return
+    from rose.obs.tracing import setup_tracing
+
+    try:
+        setup_tracing(config.tracing, service="rose-worker")
+    except Exception as e:  # noqa: BLE001 - a worker runs without traces rather than not at all
+        print(f"rose-worker: tracing not set up ({e})", file=sys.stderr, flush=True)
+
+
 def _run_and_exit(w: Worker, flag: PauseFlag | None, r) -> int:
+    from rose.obs.tracing import flush_tracing
+
     inject_memory_fault()
     try:
         code = w.run()
@@ -210,6 +226,7 @@ def _run_and_exit(w: Worker, flag: PauseFlag | None, r) -> int:
         if flag is not None:
             flag.close()
         r.close()
+        flush_tracing(2000)  # os._exit below skips the exporter's own flush
     # Everything is drained and acknowledged in Redis: leave without the interpreter's and
     # torch's teardown, which takes seconds for a low-priority process on a busy host and
     # would hold the lease's memory past the revoke.
