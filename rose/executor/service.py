@@ -46,6 +46,7 @@ from rose.kafka.consumer import (
     OFFSET_END,
     Consumer,
     KafkaError,
+    KafkaException,
     Message,
     TopicPartition,
     consume_batch,
@@ -54,6 +55,7 @@ from rose.kafka.consumer import (
     read_partitions,
 )
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
+from rose.kafka.transactional import bounded
 from rose.obs import metrics
 from rose.obs.logs import get_logger
 from rose.obs.tracing import carried_traceparent, inject_headers, process_span, send_span, tracer
@@ -64,6 +66,7 @@ from rose.shutdown import Shutdown
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue
 
+SHUTDOWN_KAFKA_S = 1.5  # each Kafka call of a shutdown (flush, commit, close): with the revoke deadline + 1 s, within rose.shutdown's grace (8 s)
 COMMANDS_IN = metrics.counter("rose_executor_commands_total", "Commands for this node's GPUs, by kind")
 TRANSITIONS = metrics.counter("rose_executor_transitions_total", "Lease states published, by state")
 DLQ = metrics.counter("rose_executor_dlq_total", "Commands sent to the dead-letter topic")
@@ -248,7 +251,10 @@ class Executor:
             self.producer.poll(0)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
-        """Revoke every lease (drain workers; kill at the deadline), publish the final states, flush."""
+        """Revoke every lease (drain workers; kill at the deadline), publish the final states, flush.
+        Each Kafka call is bounded (`SHUTDOWN_KAFKA_S`): after a broker restart librdkafka's
+        commit and close can wedge on the group coordinator, and the process must still be
+        gone within rose.shutdown's grace (a restarted executor rebuilds from the lease states)."""
         if self._stopping:
             return
         self._stopping = True
@@ -256,7 +262,7 @@ class Executor:
         self.pool.stop_all()  # nothing to drain: STOP and SIGTERM end a warm worker at once
         for gpu in self.gpus:
             self._apply(gpu, lm.Shutdown(), None)
-        deadline = time.monotonic() + (timeout_s or self.params.revoke_deadline_s + 5.0)
+        deadline = time.monotonic() + (timeout_s or self.params.revoke_deadline_s + 1.0)
         while (self.workers or self.pool.workers) and time.monotonic() < deadline:
             self._housekeeping()
             time.sleep(self.cfg.executor.tick_s)
@@ -267,13 +273,17 @@ class Executor:
         self.pool.kill_all()
         if self.guard is not None:
             self.guard.stop()
+        left = 0
         if self.producer is not None:
-            self.producer.flush(10)
+            left = self.producer.flush(SHUTDOWN_KAFKA_S)
         if self.consumer is not None:
-            self._commit(asynchronous=False)
-            self.consumer.close()
-            self.consumer = None
-        self.log.info("executor.stopped")
+            c, self.consumer = self.consumer, None
+            for what, call in (("consumer.commit", lambda: c.commit(asynchronous=False)), ("consumer.close", c.close)):
+                try:
+                    bounded(what, call, SHUTDOWN_KAFKA_S, RuntimeError)
+                except (KafkaException, RuntimeError) as e:  # nothing consumed yet, or the broker is away
+                    self.log.warning("executor.stop_incomplete", call=what, error=str(e))
+        self.log.info("executor.stopped", unsent=left)
 
     def _commit(self, asynchronous: bool = True) -> None:
         try:
