@@ -169,36 +169,29 @@ def _rose_fields(r: TurnResult) -> dict[str, Any]:
     return {"token_ids": r.token_ids, "weight_versions": version_spans(r.versions), "worker": r.worker}
 
 
-def completion(rid: str, model: str, r: TurnResult) -> dict[str, Any]:
-    choice = {"index": 0, "text": "", "finish_reason": "length", "logprobs": None, **_rose_fields(r)}
-    choice["prompt_token_ids"] = r.prompt
+def _answer(rid: str, obj: str, model: str, choice: dict[str, Any], r: TurnResult, **extra: Any) -> dict[str, Any]:
+    """OpenAI's envelope around one choice (ROSE's fields in it), with the turn's usage."""
+    choice = {"index": 0, **choice, "finish_reason": "length", "logprobs": None, **_rose_fields(r)}
     return {
         "id": rid,
-        "object": "text_completion",
+        "object": obj,
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
+        **extra,
         "usage": _usage(r),
     }
+
+
+def completion(rid: str, model: str, r: TurnResult) -> dict[str, Any]:
+    out = _answer(rid, "text_completion", model, {"text": ""}, r)
+    out["choices"][0]["prompt_token_ids"] = r.prompt
+    return out
 
 
 def chat_completion(rid: str, model: str, r: TurnResult) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": ""},
-        "finish_reason": "length",
-        "logprobs": None,
-        **_rose_fields(r),
-    }
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "prompt_token_ids": r.prompt,
-        "usage": _usage(r),
-    }
+    message = {"message": {"role": "assistant", "content": ""}}
+    return _answer(rid, "chat.completion", model, message, r, prompt_token_ids=r.prompt)
 
 
 class StreamShape:
