@@ -391,13 +391,22 @@ def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_pat
         "### The elastic",
     ):
         assert heading in text, heading
-    assert "alpha 3.157 (CPU-measured, pessimistic)" in text and "alpha 0.3 (default)" in text
+    # the main runs on the measured default profile; the sweep: each measured mechanism, then the
+    # linear model's alphas as labelled rows
+    assert "Interference profile: `separate_process` (measured), source: docs/measured/h200" in text
+    assert "| separate_process (measured, main runs) |" in text and "| same_process_priority (measured) |" in text
+    assert "| linear alpha 3.157 (model, not measured) |" in text
+    assert "| linear alpha 0.1 (model, not measured) |" in text
     gpu_alpha = orjson.loads((REPO / "docs" / "measured" / "h200" / "interference.json").read_bytes())
-    assert f"alpha {round(gpu_alpha['alpha_per_share'], 4):g} (GPU-measured: NVIDIA H200" in text
+    assert f"| linear alpha {round(gpu_alpha['alpha_per_share'], 4):g} (model, not measured) |" in text
+    assert "a GPU bench's fit, NVIDIA H200" in text
     assert "| azure_llm2023_conv | 7B@H200/tp2 |" in text  # a model cell on another GPU, at its own tp
     rec = orjson.loads((tmp_path / "pc.json").read_bytes())
     kinds = {r["kind"] for r in rec["runs"]}
-    assert kinds == {"main", "alpha", "gm", "cap"}
+    assert kinds == {"main", "profile", "gm", "cap"}
+    assert {r["result"]["interference_profile"]["mechanism"] for r in rec["runs"] if r["kind"] != "profile"} == {
+        "separate_process"
+    }
     assert sum(r["kind"] == "main" for r in rec["runs"]) == 2 * 2 * 2  # traces × model cells × seeds
     cells = {(r["model"], r["result"]["fleet"]["gpu"], r["result"]["fleet"]["tensor_parallel"]) for r in rec["runs"]}
     assert cells == {("7B", "H100", 1), ("7B@H200/tp2", "H200", 2)}

@@ -194,12 +194,20 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         trace_names: str = typer.Option(
             "", "--trace-names", help="Trace files in --traces, comma list (default: Azure code, Azure conv, BurstGPT)."
         ),
-        alphas: str = typer.Option("0.1,0.3,1.0", "--alphas", help="Interference constants swept (comma list)."),
+        interference_profile: Path = typer.Option(
+            None,
+            "--interference-profile",
+            help="The main runs' rose.interference_profile.v1 file; each mechanism it holds is swept "
+            "(default: docs/measured/h200/interference-profile.json).",
+        ),
+        alphas: str = typer.Option(
+            "0.1,0.3,1.0", "--alphas", help="Linear-model alphas swept beside the measured profiles (comma list)."
+        ),
         gpu_alpha_bench: Path = typer.Option(
             None,
             "--gpu-alpha-bench",
-            help="A GPU's interference.json (deploy/gpu-check.sh): its alpha is one labelled column of the sweep "
-            "(default: docs/measured/h200/interference.json when present).",
+            help="A GPU's interference.json (deploy/gpu-check.sh): its alpha fit is one labelled linear row of the "
+            "profile sweep (default: docs/measured/h200/interference.json when present).",
         ),
         gm_sweep: str = typer.Option("1,2,4,8", "--gm-sweep", help="G/M values swept (comma list)."),
         caps: str = typer.Option("0.25,0.5,1.0", "--elastic-caps", help="Elastic cost caps swept, × M (comma list)."),
@@ -254,9 +262,17 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
                 "gpu_alpha_source": f"{raw.get('gpu_name', 'a GPU')}, priority streams, "
                 f"{bench.relative_to(repo) if bench.is_relative_to(repo) else bench}",
             }
+        if interference_profile is not None:
+            from rose.sim.interference import read_profile
+
+            try:
+                read_profile(interference_profile)
+            except ValueError as e:
+                fail(f"--interference-profile: {e}")
         try:
             cc = CheckConfig(
                 **gpu_alpha,
+                profile_file=str(interference_profile or ""),
                 traces=names,
                 models=tuple(m.strip() for m in models.split(",") if m.strip()),
                 gpus=gpus,
@@ -277,9 +293,9 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         def progress(job, r) -> None:
             ro = r["policies"].get("rose")
             what = f"ROSE ×{ro['gain_vs_static']:.3f}, SLO {ro['slo_attainment']:.5f}" if ro else "elastic"
+            value = job.value if isinstance(job.value, str) else f"{job.value:g}"
             typer.echo(
-                f"{job.kind} {job.trace} {job.model} {job.value:g} seed {job.seed}: {what}, {r['wall_s']:.0f} s",
-                err=True,
+                f"{job.kind} {job.trace} {job.model} {value} seed {job.seed}: {what}, {r['wall_s']:.0f} s", err=True
             )
 
         try:
