@@ -190,7 +190,11 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         duration: float = typer.Option(3600.0, "--duration", help="Seconds of trace time per run."),
         seeds: int = typer.Option(3, "--seeds", help="Seeds of every main run (mean and 95 % interval)."),
         gpu: str = typer.Option("H100", "--gpu", help="H100 | H200."),
-        models: str = typer.Option("8B,70B,70B@H200/tp4", "--models", help="Model cells SIZE[@GPU][/tpN], comma list."),
+        models: str = typer.Option(
+            "8B,70B,70B@H200/tp4",
+            "--models",
+            help="Model cells SIZE\\[@GPU]\\[/tpN], comma list (e.g. 8B,70B@H200/tp4).",
+        ),
         trace_names: str = typer.Option(
             "", "--trace-names", help="Trace files in --traces, comma list (default: Azure code, Azure conv, BurstGPT)."
         ),
