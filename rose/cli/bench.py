@@ -17,6 +17,9 @@ def register(app: typer.Typer) -> None:
         ),
         model: str = typer.Option("", "--model", help="The engine's Hugging Face checkpoint directory."),
         cycles: int = typer.Option(0, "--cycles", help="coelastic: warm grants to measure (0: the bench's default)."),
+        turns: int = typer.Option(0, "--turns", help="gateway: turns measured on each side (0: the bench's default)."),
+        max_tokens: int = typer.Option(0, "--max-tokens", help="gateway: tokens per turn (0: the bench's default)."),
+        concurrency: int = typer.Option(8, "--concurrency", help="gateway: streams at once on each side."),
     ) -> None:
         """Run a benchmark; figures are measured in this run, goals shown beside them."""
         from rose import bench as benches
@@ -34,6 +37,13 @@ def register(app: typer.Typer) -> None:
 
         setup_logging("WARNING")  # stdout carries only the JSON
         cfg = cli_config()
+        if name == "gateway":
+            extra = _gateway_args(mod, engine, model, (turns, max_tokens, concurrency), cfg.rollout.python)
+            model = engine = ""
+        elif turns or max_tokens or concurrency != 8:
+            fail(f"--turns/--max-tokens/--concurrency: bench {name!r} does not take them (gateway does)")
+        else:
+            extra = {"cycles": cycles} if cycles and name == "coelastic" else {}
         if engine or model:
             import dataclasses
             from pathlib import Path
@@ -49,9 +59,40 @@ def register(app: typer.Typer) -> None:
             cfg = dataclasses.replace(
                 cfg, rollout=dataclasses.replace(cfg.rollout, engine=engine, model=str(Path(model).resolve()))
             )
-        result = mod.run(cfg, quick=quick, **({"cycles": cycles} if cycles and name == "coelastic" else {}))
+        result = mod.run(cfg, quick=quick, **extra)
         if json_out:
             typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())
         else:
             for k, v in result.items():
                 typer.echo(f"{k}: {v}")
+
+
+def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int], python: str) -> dict:
+    """`rose bench gateway`'s options, checked (one line and exit 2 for a bad one); `load`: turns,
+    max_tokens, concurrency; `python`: the engines' interpreter (`rollout.python`; "" = this one)."""
+    import importlib.util
+    from pathlib import Path
+
+    from rose.cli import fail
+
+    turns, max_tokens, concurrency = load
+    if engine not in ("", "vllm"):
+        fail(f"--engine {engine!r}: bench gateway runs vLLM (its own server beside the gateway's workers)")
+    if model and not (Path(model) / "config.json").is_file():
+        fail(
+            f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init`"
+        )
+    if turns < 0:
+        fail(f"--turns {turns}: expected a positive number (0: the default)")
+    if not 0 <= max_tokens <= mod.MAX_MODEL_LEN - mod.PROMPT_TOKENS:
+        fail(f"--max-tokens {max_tokens}: expected 1..{mod.MAX_MODEL_LEN - mod.PROMPT_TOKENS} (0: the default)")
+    if concurrency < 1:
+        fail(f"--concurrency {concurrency}: expected at least 1")
+    if not python and importlib.util.find_spec("vllm") is None:
+        fail("bench gateway: vLLM is not installed in this environment (docs/engines.md)")
+    return {
+        "model": str(Path(model).resolve()) if model else "",
+        "turns": turns,
+        "max_tokens": max_tokens,
+        "concurrency": concurrency,
+    }

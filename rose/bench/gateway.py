@@ -1,0 +1,532 @@
+"""Gateway overhead: streamed turns through the gateway beside vLLM's own OpenAI server on the same engine; a revoke mid-turn.
+
+Both sides get the same load from the `openai` client in this process: `turns` streamed completions
+of `max_tokens` tokens (token-id prompts of `PROMPT_TOKENS` ids, seeded; `ignore_eos`), `concurrency`
+at a time, after one unmeasured warm-up round. Time to first token is request sent → first chunk
+carrying a token id; turns/s is turns over the wall time from the first send to the last answer.
+The two sides run one after the other, never together:
+
+- direct: vLLM's OpenAI server (`rose.demo.vllm_server`) on the checkpoint, stopped before the other side starts;
+- gateway: the gateway (uvicorn, in this process) over two vLLM rollout workers on the same checkpoint,
+  each leased with a pause flag; the second is held at PAUSE while the load runs, so one engine
+  serves it, as on the direct side. Both sides: one OMP thread per engine, the same KV space
+  (1 GiB), max_model_len, batch slots (`concurrency`) and niceness 0.
+
+Beside them, per side: time per output token, last token to the stream's end, the CPU seconds each
+process used during the measured load and the machine's load average; and the gateway workers' own
+engine-step times (their heartbeats).
+
+The revoke: the load's first turn, `max(max_tokens, REVOKE_MIN_TOKENS)` tokens long, streamed
+`UNREVOKED_RUNS` times on the first worker alone, then once more with that worker set to STOP when
+the client has a quarter of its tokens, the second worker let run at that moment: the first hands
+its tokens on and the second finishes the turn. The streamed ids are compared with the turn's final
+ids (from the job's results) and with the un-revoked run's ids (vLLM's seeded sampling repeats, so
+the tokens handed on must be the same): `tokens_lost` are answer tokens the client did not get as
+they are in the answer, `tokens_repeated` tokens streamed more than once per index.
+`added_latency_ms` is the revoked turn's time minus the median un-revoked one's;
+`stop_to_next_worker_token_ms` the STOP to the client's first token made by the second worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rose.bench._stack import percentiles_ms
+
+GOAL_RATIO = 0.9  # turns/s through the gateway over turns/s direct
+TURNS, MAX_TOKENS, CONCURRENCY = 64, 64, 8
+QUICK_TURNS, QUICK_MAX_TOKENS = 16, 16
+PROMPT_TOKENS = 16
+MAX_MODEL_LEN = 512
+THREADS = 1  # OMP threads per engine, both sides
+REVOKE_MIN_TOKENS = 64  # the revoked turn is at least this long, so the stop lands mid-turn
+UNREVOKED_RUNS = 3  # the un-revoked turn's time is the median of this many runs
+JOB, MODEL = "bench-gateway", "bench-gateway"
+ENGINE_START_S = 900.0  # a vLLM engine's import and start on a busy 2-core machine
+
+
+# -- the pure part: samples to the report ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class Side:
+    """One side's measured load: each turn's time to first token and token count, and the wall time."""
+
+    ttft_ns: list[int]
+    tokens: list[int]
+    wall_s: float
+    tpot_ns: list[int] = dataclasses.field(default_factory=list)  # each turn's mean time between tokens
+    tail_ns: list[int] = dataclasses.field(default_factory=list)  # each turn's last token id to the response's end
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # CPU seconds of each process while it ran
+    load_average_1m: float | None = None  # the machine's, when the load ended (others' jobs count too)
+
+    @property
+    def turns_per_s(self) -> float | None:
+        return round(len(self.ttft_ns) / self.wall_s, 3) if self.wall_s > 0 and self.ttft_ns else None
+
+    def report(self, max_tokens: int) -> dict:
+        p, tp, tl = percentiles_ms(self.ttft_ns), percentiles_ms(self.tpot_ns), percentiles_ms(self.tail_ns)
+        return {
+            "turns_per_s": self.turns_per_s,
+            "n": len(self.ttft_ns),
+            "wall_s": round(self.wall_s, 3),
+            "turns_short": sum(1 for k in self.tokens if k != max_tokens),
+            "ttft_ms": {"p50_ms": p["p50_ms"], "p99_ms": p["p99_ms"], "n": p["n"]},
+            "tpot_ms": {"p50_ms": tp["p50_ms"], "p99_ms": tp["p99_ms"], "n": tp["n"]},
+            "last_token_to_end_ms": {"p50_ms": tl["p50_ms"], "p99_ms": tl["p99_ms"], "n": tl["n"]},
+            "cpu_s": {k: round(v, 3) for k, v in self.cpu_s.items()},
+            "load_average_1m": self.load_average_1m,
+        }
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """num/den rounded to 3 digits; None unless both are positive finite numbers."""
+    if num is None or den is None or not (math.isfinite(num) and math.isfinite(den)) or num <= 0 or den <= 0:
+        return None
+    return round(num / den, 3)
+
+
+def revoke_accounting(
+    streamed: list[tuple[int, int]], final: list[int], unrevoked: list[int], max_tokens: int, carried: int = 0
+) -> dict:
+    """A revoked turn's tokens as the client saw them. `streamed`: (index, id) in arrival order;
+    `final`: the answer's ids; `unrevoked`: the same turn's ids without a revoke; `carried`: tokens
+    the revoked worker handed on (they must equal the un-revoked run's). Lost: an answer index the
+    client never got, got with another id, or a carried token that differs from the un-revoked run;
+    repeated: a second token at an index, or a token at an index past the answer."""
+    got: dict[int, int] = {}
+    order: list[int] = []
+    repeated = 0
+    for i, t in streamed:
+        if i in got or i >= len(final) or i < 0:
+            repeated += 1
+            continue
+        got[i] = t
+        order.append(i)
+    lost = sum(1 for i, t in enumerate(final) if got.get(i) != t)
+    lost += sum(1 for i in range(min(carried, len(final), len(unrevoked))) if final[i] != unrevoked[i])
+    lost += max(0, carried - len(final))
+    kept = next((i for i, (a, b) in enumerate(zip(final, unrevoked)) if a != b), min(len(final), len(unrevoked)))
+    return {
+        "complete": len(final) == max_tokens and order == list(range(max_tokens)) and lost == 0 and repeated == 0,
+        "tokens_lost": lost,
+        "tokens_repeated": repeated,
+        "tokens_carried": carried,
+        "same_as_unrevoked_tokens": kept,
+        "max_tokens": max_tokens,
+    }
+
+
+def report(engine: dict, direct: Side, gateway: Side, revoke: dict, params: dict, steps: dict | None = None) -> dict:
+    """The bench's JSON (CONTRACT §6): `engine`, the ratio, `ttft_ms` of both sides, `revoke_mid_turn`;
+    `steps`: the gateway side's workers' engine-step times (`rose.bench._stack.step_report`)."""
+    mt = params["max_tokens"]
+    d, g = direct.report(mt), gateway.report(mt)
+    r = ratio(gateway.turns_per_s, direct.turns_per_s)
+    return {
+        "engine": engine,
+        **params,
+        "threads_per_engine": THREADS,
+        "engines_serving_load": {"direct": 1, "gateway": 1},
+        "direct": d,
+        "gateway": g,
+        "turns_per_s_ratio_gateway_over_direct": r,
+        "goal_turns_per_s_ratio": GOAL_RATIO,
+        "ratio_over_goal": round(r / GOAL_RATIO, 3) if r is not None else None,
+        "ttft_ms": {"gateway": g["ttft_ms"], "direct": d["ttft_ms"]},
+        "ttft_p50_ratio_gateway_over_direct": ratio(g["ttft_ms"]["p50_ms"], d["ttft_ms"]["p50_ms"]),
+        "ttft_p99_ratio_gateway_over_direct": ratio(g["ttft_ms"]["p99_ms"], d["ttft_ms"]["p99_ms"]),
+        "tpot_p50_ratio_gateway_over_direct": ratio(g["tpot_ms"]["p50_ms"], d["tpot_ms"]["p50_ms"]),
+        "gateway_worker_engine_step_ms": steps or {},
+        "revoke_mid_turn": revoke,
+        "note": "same load on both sides, one after the other (never together): streamed completions from the "
+        "openai client in the bench's process; direct = vLLM's own OpenAI server, gateway = the gateway in the "
+        "bench's process over vLLM rollout workers (one serving the load); ttft = request sent to the first "
+        "chunk carrying a token id, tpot = a turn's mean time between token ids after the first, "
+        "last_token_to_end = the last token id to the stream's end; cpu_s = CPU seconds each process used "
+        "during the measured load; "
+        "gateway_worker_engine_step_ms = the workers' own timing of their engine steps (heartbeats)",
+    }
+
+
+def load(vocab: int, turns: int, seed0: int = 0) -> list[tuple[list[int], int]]:
+    """`turns` (prompt, seed) pairs: `PROMPT_TOKENS` ids below `vocab`, seeded by the turn's number."""
+    out = []
+    for i in range(seed0, seed0 + turns):
+        g = random.Random(i)
+        out.append(([g.randrange(1, vocab) for _ in range(PROMPT_TOKENS)], i))
+    return out
+
+
+# -- the shell: the two sides and the revoke ------------------------------------------------
+
+
+def _say(t0: float, msg: str) -> None:
+    print(f"[bench gateway {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _turn(client: Any, model: str, prompt: list[int], seed: int, max_tokens: int) -> tuple[int, int, int, int]:
+    """One streamed completion: (ns to the first token id, token ids received, mean ns between
+    token ids after the first (0 for fewer than two), ns from the last token id to the stream's end)."""
+    t0 = time.monotonic_ns()
+    first, last, n = 0, 0, 0
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        seed=seed,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    for chunk in stream:
+        for ch in chunk.choices:
+            k = len(getattr(ch, "token_ids", None) or ())
+            if k:
+                last = time.monotonic_ns() - t0
+                first = first or last
+            n += k
+    return first, n, (last - first) // (n - 1) if n > 1 else 0, time.monotonic_ns() - t0 - last
+
+
+def drive(
+    client: Any, model: str, work: list[tuple[list[int], int]], max_tokens: int, concurrency: int, pids: dict
+) -> Side:
+    """`work` as streamed turns, `concurrency` at a time; with the CPU time each of `pids` (name:
+    pid; its children count too) used meanwhile."""
+    import os
+
+    pids = {"bench_process": os.getpid(), **pids}
+    cpu0 = _cpu(pids)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        got = list(pool.map(lambda w: _turn(client, model, w[0], w[1], max_tokens), work))
+    wall = time.monotonic() - t0
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in _cpu(pids).items()}
+    return Side(
+        ttft_ns=[g[0] for g in got],
+        tokens=[g[1] for g in got],
+        wall_s=wall,
+        tpot_ns=[g[2] for g in got if g[1] > 1],
+        tail_ns=[g[3] for g in got],
+        cpu_s=cpu,
+        load_average_1m=round(os.getloadavg()[0], 2),
+    )
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    """User and system CPU seconds so far of each process and its children."""
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        try:
+            p = psutil.Process(pid)
+            out[name] = sum(sum(x.cpu_times()[:2]) for x in (p, *p.children(recursive=True)))
+        except psutil.Error:
+            out[name] = 0.0
+    return out
+
+
+def _client(url: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def run_direct(cfg: Any, model: str, log: Path, work: list, warm: list, max_tokens: int, concurrency: int) -> Side:
+    """The direct side: vLLM's OpenAI server on `model`, in the engines' interpreter (`rollout.python`)."""
+    from rose.demo.vllm_server import start_server, stop_server
+
+    srv = start_server(
+        model, log, max_model_len=MAX_MODEL_LEN, threads=THREADS, python=cfg.rollout.python, timeout_s=ENGINE_START_S
+    )
+    try:
+        client = _client(srv.url)
+        pids = {"vllm_server": srv.proc.pid} if srv.proc is not None else {}
+        drive(client, srv.model, warm, max_tokens, concurrency, pids)
+        return drive(client, srv.model, work, max_tokens, concurrency, pids)
+    finally:
+        stop_server(srv)
+
+
+class _Served:
+    """The gateway app served by uvicorn in a thread of this process."""
+
+    def __init__(self, cfg: Any):
+        import threading
+
+        import uvicorn
+
+        from rose.demo.vllm_server import free_port
+        from rose.gateway.app import create_app
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="bench-gateway")
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("bench gateway: the gateway did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@dataclasses.dataclass
+class _Pool:
+    """The gateway side's workers: their pause flags, processes and heartbeats."""
+
+    cfg: Any
+    flags: dict
+    procs: dict
+    r: Any
+
+    def hb(self, w: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.r.hgetall(self.cfg.redis.key("workers", w)).items()}
+
+    def wait_states(self, want: dict[str, str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(self.hb(w).get("state") != s for w, s in want.items()):
+            dead = [w for w, p in self.procs.items() if p.poll() is not None and want.get(w) != "stopped"]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"bench gateway: workers {dead or sorted(want)} not {want} in time (their logs: worker-*.log)"
+                )
+            time.sleep(0.05)
+
+    def only(self, w: str) -> None:
+        """`w` runs, the others are held at PAUSE."""
+        from rose.rollout.pause_flag import PAUSE, RUN
+
+        for k, f in self.flags.items():
+            f.set(RUN if k == w else PAUSE)
+        self.wait_states({k: "running" if k == w else "paused" for k in self.flags}, 60)
+
+
+@dataclasses.dataclass
+class _Streamed:
+    pairs: list[tuple[int, int]]
+    elapsed_s: float
+    task_id: str
+    worker: str
+    at: list[float]  # each pair's arrival (time.monotonic())
+
+    def largest_gap_ms(self) -> float:
+        return round(max((b - a for a, b in zip(self.at, self.at[1:])), default=0.0) * 1e3, 3)
+
+
+def stream_turn(url: str, body: dict, on_token: Callable[[int], None] = lambda k: None) -> _Streamed:
+    """A streamed gateway turn read as raw server-sent events: its (index, id) pairs in arrival
+    order (the index from each chunk's version span), its time, task and finishing worker."""
+    import httpx
+    import orjson
+
+    t0 = time.monotonic()
+    pairs: list[tuple[int, int]] = []
+    at: list[float] = []
+    task_id, worker = "", ""
+    with httpx.Client(timeout=300) as h, h.stream("POST", url + "/v1/completions", json=body) as sr:
+        sr.raise_for_status()
+        for line in sr.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            e = orjson.loads(line[6:])
+            task_id = e.get("id", "").removeprefix("cmpl-")
+            ch = e["choices"][0]
+            if ch.get("finish_reason") is not None:
+                worker = ch.get("worker", "")
+                continue
+            idx = [i for sp in ch.get("weight_versions") or () for i in range(sp["start"], sp["end"])]
+            for i, t in zip(idx, ch.get("token_ids") or ()):
+                pairs.append((i, t))
+                at.append(time.monotonic())
+                on_token(len(pairs))
+    return _Streamed(pairs, time.monotonic() - t0, task_id, worker, at)
+
+
+def final_ids(pool: _Pool, task_id: str) -> list[int]:
+    import orjson
+
+    for _i, f in pool.r.xrange(pool.cfg.redis.key("results", JOB)):
+        if f[b"task_id"].decode() == task_id:
+            return list(orjson.loads(f[b"trajectory"])["turns"][0]["action"])
+    return []
+
+
+def run_revoke(pool: _Pool, url: str, prompt: list[int], seed: int, max_tokens: int) -> dict:
+    """The turn un-revoked on w0 `UNREVOKED_RUNS` times, then again with w0 stopped once the client
+    has `max_tokens // 4` of its tokens (w1 let run at that moment)."""
+    from rose.rollout.pause_flag import RUN, STOP
+    from rose.rollout.worker import Worker
+
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True}
+    pool.only("w0")
+    base = [stream_turn(url, body) for _ in range(UNREVOKED_RUNS)]
+    base_ids = [final_ids(pool, b.task_id) for b in base]
+    base_ms = sorted(round(b.elapsed_s * 1e3, 3) for b in base)
+    time.sleep(3 * Worker.HEARTBEAT_S)  # a heartbeat that counts the last un-revoked turn
+    before = pool.hb("w0")
+    at = max(1, max_tokens // 4)
+    stop_t: list[float] = []
+
+    def revoke_at(k: int) -> None:
+        if k == at:
+            stop_t.append(time.monotonic())
+            pool.flags["w1"].set(RUN)
+            pool.flags["w0"].set(STOP)
+
+    rev = stream_turn(url, body, revoke_at)
+    pool.wait_states({"w0": "stopped"}, 60)
+    after = pool.hb("w0")
+    carried = int(after.get("tokens_carried", 0)) - int(before.get("tokens_carried", 0))
+    acc = revoke_accounting(rev.pairs, final_ids(pool, rev.task_id), base_ids[0], max_tokens, carried)
+    turn_ms, median = round(rev.elapsed_s * 1e3, 3), base_ms[len(base_ms) // 2]
+    handoff = carried if 0 < carried <= max_tokens else acc["same_as_unrevoked_tokens"]
+    resumed = next((t for (i, _), t in zip(rev.pairs, rev.at) if i >= handoff), None)
+    return {
+        **acc,
+        "revoked_mid_turn": rev.worker == "w1" and int(after.get("requeued", 0)) > int(before.get("requeued", 0)),
+        "unrevoked_runs_identical": all(b == base_ids[0] for b in base_ids),
+        "stop_after_streamed_tokens": at,
+        "finished_by": rev.worker,
+        "turn_ms": turn_ms,
+        "unrevoked_turn_ms": median,
+        "unrevoked_turns_ms": base_ms,
+        "added_latency_ms": round(turn_ms - median, 3),
+        "stop_to_next_worker_token_ms": round((resumed - stop_t[0]) * 1e3, 3) if resumed and stop_t else None,
+        "largest_token_gap_ms": rev.largest_gap_ms(),
+        "largest_token_gap_ms_unrevoked": max(b.largest_gap_ms() for b in base),
+    }
+
+
+@dataclasses.dataclass
+class _Figures:
+    side: Side
+    revoke: dict
+    beats: list
+
+
+def run_gateway(cfg: Any, model: str, logs: Path, work: list, warm: list, max_tokens: int, concurrency: int):
+    """The gateway side (load and revoke): workers started, load driven, workers and gateway stopped."""
+    import redis
+
+    from rose.bench._stack import last_heartbeat, private_stack
+
+    with private_stack(cfg, "gateway", kafka=False) as c:
+        c = _gateway_cfg(c)
+        r = redis.Redis.from_url(c.redis.url)
+        try:
+            with _workers(c, r, model, logs, concurrency) as pool:
+                pool.wait_states({"w0": "running", "w1": "paused"}, ENGINE_START_S)
+                gw = _Served(c)
+                try:
+                    client = _client(gw.url)
+                    pids = {f"worker_{w}" + (" (paused)" if w == "w1" else ""): p.pid for w, p in pool.procs.items()}
+                    for w in ("w1", "w0"):  # each engine's first steps, unmeasured
+                        pool.only(w)
+                        drive(client, MODEL, warm, max_tokens, concurrency, {})
+                    side = drive(client, MODEL, work, max_tokens, concurrency, pids)
+                    revoke = run_revoke(pool, gw.url, work[0][0], work[0][1], max(max_tokens, REVOKE_MIN_TOKENS))
+                    beats = [last_heartbeat(r, c, w) for w in ("w0", "w1")]
+                finally:
+                    gw.stop()
+        finally:
+            r.close()
+    return _Figures(side, revoke, beats)
+
+
+def _gateway_cfg(c: Any) -> Any:
+    from rose.config import GatewayConfig
+
+    return dataclasses.replace(
+        c,
+        executor=dataclasses.replace(c.executor, job=JOB, model=MODEL),
+        gateway=GatewayConfig(request_timeout_s=600.0, pause_patience_s=600.0),
+    )
+
+
+@contextlib.contextmanager
+def _workers(c: Any, r: Any, model: str, logs: Path, concurrency: int) -> Iterator[_Pool]:
+    """Two vLLM rollout workers on `model`, each leased with a pause flag (w1 starts at PAUSE);
+    STOP and reaped after."""
+    import subprocess
+    import uuid
+
+    from rose.bench._stack import ENGINE_LEASE_BYTES
+    from rose.rollout.launcher import WorkerConfig, launch
+    from rose.rollout.pause_flag import PAUSE, STOP, PauseFlag
+
+    tag = uuid.uuid4().hex[:8]
+    flags = {w: PauseFlag(f"rose-bench-gw-{tag}-{w}", create=True) for w in ("w0", "w1")}
+    flags["w1"].set(PAUSE)
+    procs: dict = {}
+    try:
+        for w, f in flags.items():
+            wc = WorkerConfig.from_config(
+                c,
+                **{"gpu": f"cpu/{w}", "worker_id": w, "engine": "vllm", "checkpoint": model, "nice": 0},
+                **{"max_batch": concurrency, "max_model_len": MAX_MODEL_LEN, "threads": THREADS},
+                **{"mem_bytes": ENGINE_LEASE_BYTES, "pause_flag": f.name},
+            )
+            with open(logs / f"worker-{w}.log", "wb") as out:
+                procs[w] = launch(wc, stdout=subprocess.DEVNULL, stderr=out)
+        yield _Pool(c, flags, procs, r)
+    finally:
+        for f in flags.values():
+            f.set(STOP)
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for f in flags.values():
+            f.close()
+            f.unlink()
+
+
+def run(
+    cfg: Any, quick: bool, *, model: str = "", turns: int = 0, max_tokens: int = 0, concurrency: int = CONCURRENCY
+) -> dict:
+    import tempfile
+
+    from rose.bench._stack import engine_report, step_report
+
+    t0 = time.monotonic()
+    turns = turns or (QUICK_TURNS if quick else TURNS)
+    max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else MAX_TOKENS)
+    logs = Path(tempfile.mkdtemp(prefix="rose-bench-gateway-"))  # the engines' logs, kept should the run fail
+    _say(t0, f"engine logs in {logs} (removed when the run succeeds)")
+    with tempfile.TemporaryDirectory(prefix="rose-bench-gateway-model-") as tmp:
+        if not model:
+            from rose.model.random_init import init_checkpoint
+
+            model = str(init_checkpoint(Path(tmp) / "tiny-qwen2"))
+            _say(t0, f"made a tiny checkpoint at {model}")
+        vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+        work, warm = load(vocab, turns), load(vocab, concurrency, seed0=1_000_000)
+        _say(t0, f"direct: starting vLLM's OpenAI server ({turns} turns of {max_tokens} tokens, {concurrency} at once)")
+        direct = run_direct(cfg, model, logs / "vllm-server.log", work, warm, max_tokens, concurrency)
+        _say(t0, f"direct: {direct.turns_per_s} turns/s; gateway: starting two vLLM rollout workers")
+        g = run_gateway(cfg, model, logs, work, warm, max_tokens, concurrency)
+        _say(t0, f"gateway: {g.side.turns_per_s} turns/s; revoke added {g.revoke['added_latency_ms']} ms")
+    shutil.rmtree(logs, ignore_errors=True)
+    engine = engine_report(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm")), g.beats)
+    params = {"turns": turns, "max_tokens": max_tokens, "concurrency": concurrency, "prompt_tokens": PROMPT_TOKENS}
+    params["max_model_len"] = MAX_MODEL_LEN
+    return report(engine["engine"], direct, g.side, g.revoke, params, step_report(g.beats))
