@@ -44,8 +44,8 @@ stack-down:
 # docs/architecture.md (every import down the floors, no import cycle, the names the docs give exist)
 # and the 80-line limit on functions of the policy, the scheduler and the executor.
 lint: install
-	ruff check rose tests consumers producers
-	ruff format --check rose tests consumers producers
+	ruff check rose tests consumers producers examples
+	ruff format --check rose tests consumers producers examples
 	mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_function_length.py
 

@@ -22,11 +22,13 @@ needs the base install alone.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as _field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,6 +39,7 @@ from rose.config import Config, load_config
 from rose.obs.logs import get_logger
 from rose.rollout.episode import InvalidTask, Task
 from rose.rollout.tasks import TaskQueue
+from rose.weights.inputs import tensors
 
 if TYPE_CHECKING:
     import torch
@@ -49,10 +52,6 @@ __all__ = ["RoseClient", "Trajectory", "TrajectoryTurn", "WorkerStatus"]
 # to a worker that is gone or hung (the same bound rollout placement uses for a live peer).
 HEARTBEAT_FRESH_S = 3.0
 LIVE_STATES = frozenset({"running", "paused"})
-# the dtypes `publish_weights` casts to, and the only ones it casts from (fp8, int and bool
-# tensors are published as they are)
-CAST_DTYPES = ("bfloat16", "float16", "float32")
-_FLOATS = frozenset({"bfloat16", "float16", "float32", "float64"})
 _READ_COUNT = 1000  # results entries per XREAD
 _BLOCK_SLICE_MS = 1000  # a blocking read waits at most this long per call (Ctrl-C stays prompt)
 # Task fields as the trainer's argument names
@@ -72,6 +71,9 @@ class TrajectoryTurn:
     gpu: str
     dedicated: bool
     tool_s: float  # the tool step's latency
+    # per action token, its log-probability under the distribution it was sampled from (logits
+    # over the sampling temperature); [] when the engine did not report them (older data)
+    logprobs: list[float] = _field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class Trajectory:
     """A finished episode, as a rollout worker appended it to the results stream.
 
     `tokens` is the whole sequence: `prompt`, then per turn its action and observation.
-    `action_mask` and `token_versions` are aligned with `tokens`."""
+    `action_mask`, `token_versions` and `token_logprobs` are aligned with `tokens`."""
 
     task_id: str
     step: int
@@ -111,6 +113,16 @@ class Trajectory:
         return out
 
     @property
+    def token_logprobs(self) -> list[float]:
+        """Per token of `tokens`: the log-probability the sampling policy gave it, 0.0 for prompt
+        and observation tokens (mask them with `action_mask`), NaN for the action tokens of a turn
+        whose logprobs were not reported."""
+        out = [0.0] * len(self.prompt)
+        for t in self.turns:
+            out += (t.logprobs or [math.nan] * len(t.action)) + [0.0] * len(t.observation)
+        return out
+
+    @property
     def min_version(self) -> int:
         """The oldest policy version behind any of its action tokens (-1 when it has none)."""
         return min((v for t in self.turns for v in t.token_versions), default=-1)
@@ -123,6 +135,7 @@ class Trajectory:
             field = "turns"
             turns = []
             raw_tv = d.get("token_versions")
+            raw_lp = d.get("token_logprobs")
             for i, t in enumerate(d["turns"]):
                 field = f"turns[{i}]"
                 action = _ints(t["action"])
@@ -134,6 +147,9 @@ class Trajectory:
                 tv = _ints(tv)
                 if len(tv) != len(action):
                     raise ValueError(f"{len(tv)} token versions for {len(action)} action tokens")
+                lp = [float(x) for x in t.get("logprobs") or (raw_lp[i] if raw_lp else None) or []]
+                if lp and len(lp) != len(action):
+                    raise ValueError(f"{len(lp)} token logprobs for {len(action)} action tokens")
                 turns.append(
                     TrajectoryTurn(
                         action=action,
@@ -145,6 +161,7 @@ class Trajectory:
                         gpu=str(t.get("gpu", "")),
                         dedicated=bool(t.get("dedicated", False)),
                         tool_s=float(t.get("tool_s", 0.0)),
+                        logprobs=lp,
                     )
                 )
             field = "trajectory"
@@ -224,19 +241,6 @@ def _token_ids(name: str, v: Any) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"{name}: expected token ids (ints >= 0), got {t!r} at index {i}")
     return out
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    """'bfloat16' for torch.bfloat16 or 'bfloat16' (or 'bf16'/'fp16'/'fp32'); None keeps each tensor's dtype."""
-    if dtype is None:
-        return None
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
-        name, name
-    )
-    if name not in CAST_DTYPES:
-        raise ValueError(f"dtype: expected one of torch.{', torch.'.join(CAST_DTYPES)} or None, got {dtype!r}")
-    return name
 
 
 class RoseClient:
@@ -469,15 +473,7 @@ class RoseClient:
         first and every `keyframe_every` versions) and returns once the version is committed."""
         if version is not None:
             _int_arg("version", version, 1)
-        target = _dtype_name(dtype)
-        if isinstance(weights, str | os.PathLike):
-            specs, arrays = _checkpoint_tensors(Path(weights), target)
-        elif isinstance(weights, Mapping):
-            specs, arrays = _state_dict_tensors(weights, target)
-        else:
-            raise ValueError(
-                f"weights: expected a state dict or a path to a safetensors checkpoint, got {type(weights).__name__}"
-            )
+        specs, arrays = tensors(weights, dtype)
         stats = self._weights_publisher().publish_raw(specs, arrays, version=version)
         self.last_publish = stats
         return stats.version
@@ -551,93 +547,3 @@ class RoseClient:
         if not ws:
             said += f"; no worker has registered with the job's task queue ({self.queue.workers_key})"
         return said
-
-
-# -- weights in, raw bytes out ------------------------------------------------------------
-
-
-def _state_dict_tensors(state: Mapping[str, Any], target: str | None) -> tuple[dict, dict]:
-    """(specs, arrays) for the publisher: each floating-point tensor cast to `target`."""
-    import numpy as np
-    import torch
-
-    from rose.weights.checkpoint import CheckpointError, from_state_dict
-
-    if not state:
-        raise ValueError("weights: the state dict is empty")
-    out: dict[str, Any] = {}
-    for name, v in state.items():
-        if not isinstance(name, str):
-            raise ValueError(f"weights: tensor names must be strings, got {name!r}")
-        if isinstance(v, np.ndarray) and target is not None and v.dtype.name in _FLOATS:
-            v = torch.from_numpy(v)
-        if isinstance(v, torch.Tensor):
-            v = v.detach()
-            if target is not None and str(v.dtype).removeprefix("torch.") in _FLOATS:
-                v = v.to(getattr(torch, target))
-        out[name] = v
-    try:
-        return from_state_dict(out)
-    except CheckpointError as e:
-        raise ValueError(f"weights: {e}") from None
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    """The .safetensors files of a checkpoint: the file itself, or a directory's (by its
-    `*.safetensors.index.json` when there is one)."""
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise ValueError(f"weights: {path} is not a .safetensors file")
-        return [path]
-    if not path.is_dir():
-        raise ValueError(f"weights: {path}: no such file or directory")
-    indexes = sorted(path.glob("*.safetensors.index.json"))
-    if len(indexes) > 1:
-        raise ValueError(f"weights: {path} holds {len(indexes)} safetensors index files; name one checkpoint file")
-    if indexes:
-        try:
-            weight_map = orjson.loads(indexes[0].read_bytes())["weight_map"]
-            names = list(dict.fromkeys(str(f) for f in weight_map.values()))
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"weights: {indexes[0]}: not a safetensors index ({e})") from None
-        files = [path / n for n in names]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"weights: {indexes[0]} names missing files: {', '.join(missing)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"weights: no .safetensors file in {path}")
-    return files
-
-
-def _checkpoint_tensors(path: Path, target: str | None) -> tuple[dict, dict]:
-    """(specs, arrays) of a safetensors checkpoint, its floating-point tensors cast to `target`
-    (the others, and those already in `target`, as the file's bytes)."""
-    from rose.weights.checkpoint import CheckpointError, load, tensor_bytes
-
-    specs: dict[str, tuple] = {}
-    arrays: dict[str, Any] = {}
-    for f in _safetensors_files(path):
-        try:
-            ck = load(f)
-        except CheckpointError as e:
-            raise ValueError(f"weights: {e}") from None
-        for name, (dt, shape) in ck.specs.items():
-            if name in specs:
-                raise ValueError(f"weights: tensor {name!r} is in more than one file of {path}")
-            raw = ck.arrays[name]
-            if target is not None and dt in _FLOATS and dt != target:
-                dt, shape, raw = tensor_bytes(_cast(raw, dt, shape, target))
-            specs[name], arrays[name] = (dt, tuple(shape)), raw
-    if not specs:
-        raise ValueError(f"weights: {path} holds no tensors")
-    return specs, arrays
-
-
-def _cast(raw: Any, dtype: str, shape: tuple, target: str) -> torch.Tensor:
-    import numpy as np
-    import torch
-
-    buf = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # off the read-only map, aligned
-    return buf.view(getattr(torch, dtype)).reshape(shape).to(getattr(torch, target))

@@ -119,19 +119,22 @@ def pause_flags(tag: str) -> Iterator[dict[str, PauseFlag]]:
 
 
 def launch_workers(cfg: Config, flags: dict[str, PauseFlag], per_worker=lambda w: {}, env=None) -> dict:
-    """One reference-engine worker per pause flag, as an executor would start it."""
+    """One worker per pause flag, as an executor would start it (the reference engine unless
+    `per_worker` says otherwise)."""
     return {
         w: launch(
             WorkerConfig(
-                gpu=f"sim/{w}",
-                worker_id=w,
-                redis=cfg.redis,
-                job=JOB,
-                model=MODEL,
-                model_spec=SMALL,
-                max_batch=8,
-                pause_flag=f.name,
-                **per_worker(w),
+                **{
+                    "gpu": f"sim/{w}",
+                    "worker_id": w,
+                    "redis": cfg.redis,
+                    "job": JOB,
+                    "model": MODEL,
+                    "model_spec": SMALL,
+                    "max_batch": 8,
+                    "pause_flag": f.name,
+                    **per_worker(w),
+                }
             ),
             env=env,
             stdout=subprocess.DEVNULL,
@@ -249,12 +252,14 @@ def test_models_health_and_metrics(gw):
     assert "rose_gateway_requests_total" in text and "rose_gateway_turn_seconds_count" in text
 
 
-def sse(url: str, path: str, body: dict) -> list[tuple[float, dict]]:
+def sse(url: str, path: str, body: dict, headers: dict | None = None) -> list[tuple[float, dict]]:
     """A streamed request's events, each with the seconds since the request began."""
     t0 = time.monotonic()
     out = []
     with httpx.Client(timeout=60) as h:
-        with h.stream("POST", url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}) as sr:
+        with h.stream(
+            "POST", url + path, json=body, headers={"Authorization": f"Bearer {KEY}", **(headers or {})}
+        ) as sr:
             assert sr.status_code == 200
             for line in sr.iter_lines():
                 if line.startswith("data: {"):
@@ -380,27 +385,31 @@ def test_a_body_that_is_not_json_is_400_naming_the_body(gw):
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
 
 
-def test_overload_is_429_with_retry_after_never_5xx(module_cfg, gw):
-    tight = serve(
-        dataclasses.replace(module_cfg, gateway=dataclasses.replace(module_cfg.gateway, max_inflight=1, max_queue=0))
-    )
+def overload(cfg: Config, n: int, max_tokens: int, **gateway) -> list[int | str]:
+    """`n` requests at once through a gateway with these admission limits: 200, "429 <Retry-After>"
+    or another status for each."""
+    tight = serve(dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, **gateway)))
     try:
         c = tight.client()
 
         def one(i: int) -> int | str:
             try:
-                c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48, seed=i)
+                c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, seed=i)
                 return 200
             except openai.RateLimitError as e:
-                return f"429 retry-after {e.response.headers.get('retry-after')}"
+                return f"429 {e.response.headers.get('retry-after')}"
             except openai.APIStatusError as e:
                 return e.status_code
 
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(one, range(8)))
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(one, range(n)))
     finally:
         tight.stop()
-    assert 200 in got and any(str(x).startswith("429 retry-after ") for x in got), got
+
+
+def test_overload_is_429_with_retry_after_never_5xx(module_cfg, gw):
+    got = overload(module_cfg, 8, 48, max_inflight=1, max_queue=0)
+    assert 200 in got and any(str(x).startswith("429 ") for x in got), got
     assert all(x == 200 or (isinstance(x, str) and x.split()[-1].isdigit()) for x in got), got
 
 
@@ -467,16 +476,16 @@ def test_the_token_streamer_batches_steps_and_sequences_into_few_round_trips():
 
 
 def test_task_stream_and_min_version_survive_the_queue_and_a_continuation():
-    t = Task(task_id="x", prompt=[1, 2], max_turns=1, tokens_per_turn=8, stream=True, min_version=3)
+    t = Task(task_id="x", prompt=[1, 2], max_turns=1, tokens_per_turn=8, stream=True, min_version=3, in_step=False)
     back = Task.from_dict(orjson.loads(orjson.dumps(t.to_dict())))
-    assert back.stream is True and back.min_version == 3
+    assert back.stream is True and back.min_version == 3 and back.in_step is False
     ep = Episode(back, "w0", "g", False, 0.0)
     ep.on_token(5, 3, 0.0)
     cont = Task.from_dict(ep.continuation().to_dict())
-    assert cont.stream is True and cont.min_version == 3 and cont.partial == [5]
+    assert cont.stream is True and cont.min_version == 3 and cont.partial == [5] and cont.in_step is False
     old = Task.from_dict({"task_id": "y", "prompt": [1]})
-    assert old.stream is False and old.min_version == 0
-    for bad in ({"stream": "yes"}, {"min_version": -1}):
+    assert old.stream is False and old.min_version == 0 and old.in_step is True
+    for bad in ({"stream": "yes"}, {"min_version": -1}, {"in_step": 0}):
         with pytest.raises(InvalidTask):
             Task.from_dict({"task_id": "z", "prompt": [1], **bad})
 

@@ -463,3 +463,27 @@ def test_worker_survives_a_redis_restart(cfg, redis_client, queue, stack):
     got = ids(queue)
     print(f"\n[redis-restart] results={sum(got.values())} unique={len(got)}")
     assert got == collections.Counter({f"rr{i}": 1 for i in range(8)})
+
+
+def test_a_follower_runs_the_checkpoint_as_version_0_until_the_first_version_commits():
+    """Before the trainer's first version a following worker's policy is version 0, as a static
+    one is, so a task's default `min_version` 0 starts (at -1 no such task ever started)."""
+    from rose.rollout.weight_source import FollowedWeights
+
+    class Follower:
+        v: int | None = None
+
+        def current(self):
+            return self.v, {"w": self.v}
+
+        def poll(self):
+            return self.v
+
+        def newest(self):
+            return self.v
+
+    f = Follower()
+    weights = FollowedWeights(f, {})
+    assert weights.current() == (0, {}) and Task(task_id="t", prompt=[1]).min_version <= weights.current()[0]
+    f.v = 1
+    assert weights.current() == (1, {"w": 1})

@@ -5,12 +5,13 @@ Token ids in and out: a prompt (or a chat message's content) is a list of token 
 choice carries the generated `token_ids`, the policy version of each as contiguous spans
 (`weight_versions`: `{version, start, end}` over output-token indexes, end exclusive) and the
 `worker` that finished the turn. Text is not produced: the gateway has no tokenizer (`text` and
-`content` are "")."""
+`content` are ""). Asked for, a choice's `logprobs` carries the sampled tokens' log-probabilities
+in OpenAI's shapes, each token named by its id as a string (`token_logprobs`)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -71,6 +72,10 @@ class TurnRequest(BaseModel):
     def tokens(self) -> int:
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
+    def wants_logprobs(self) -> bool:
+        """Whether the answer carries the sampled tokens' log-probabilities."""
+        return False
+
 
 class CompletionRequest(TurnRequest):
     prompt: Any
@@ -84,10 +89,13 @@ class CompletionRequest(TurnRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise Unsupported("logprobs", "the rollout engines do not return log-probabilities")
+        if self.logprobs is not None and self.logprobs not in (0, 1):
+            raise Unsupported("logprobs", "0 or 1: only the sampled token's log-probability is known, no alternatives")
         if self.echo:
             raise Unsupported("echo", "not supported")
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 class ChatMessage(BaseModel):
@@ -110,8 +118,11 @@ class ChatRequest(TurnRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise Unsupported("logprobs", "the rollout engines do not return log-probabilities")
+        if self.top_logprobs:
+            raise Unsupported("top_logprobs", "0 or absent: only the sampled token's log-probability is known")
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
     def tokens(self) -> int:
         return self.max_completion_tokens or super().tokens()
@@ -119,6 +130,18 @@ class ChatRequest(TurnRequest):
     def prompt(self) -> list[int]:
         """The messages' token ids, in order (no chat template: the caller's ids are the prompt)."""
         return [t for m in self.messages for t in m.content]
+
+
+class WeightsRequest(BaseModel):
+    """`POST /v1/weights`: publish the safetensors checkpoint at `checkpoint` (a path the gateway
+    reads: a .safetensors file or an HF checkpoint directory) as the served model's next weight
+    version (or as `version`), floating-point tensors cast to `dtype` (None: as stored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(min_length=1)
+    version: int | None = Field(default=None, ge=1, le=MAX_SEED)
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,12 +155,14 @@ class TurnResult:
     worker: str
     gpu: str
     moves: int
+    logprobs: list[float] = field(default_factory=list)  # per output token; empty when not known
 
     @classmethod
     def from_trajectory(cls, traj: dict) -> TurnResult:
         turn = traj["turns"][0]
         ids = list(turn["action"])
         versions = list(turn.get("versions") or [turn["version"]] * len(ids))
+        logprobs = [float(x) for x in turn.get("logprobs") or []]
         return cls(
             task_id=str(traj["task_id"]),
             prompt=list(traj["prompt"]),
@@ -146,6 +171,7 @@ class TurnResult:
             worker=str(turn.get("worker") or traj.get("worker", "")),
             gpu=str(turn.get("gpu") or traj.get("gpu", "")),
             moves=int(traj.get("moves", 0)),
+            logprobs=logprobs if len(logprobs) == len(ids) else [],
         )
 
 
@@ -160,6 +186,25 @@ def version_spans(versions: list[int]) -> list[dict[str, int]]:
     return spans
 
 
+def logprobs_field(ids: list[int], logprobs: list[float], chat: bool) -> dict[str, Any] | None:
+    """A choice's `logprobs` in OpenAI's shape (tokens named by their ids as strings; text
+    offsets are 0, the text being empty); None when the tokens' logprobs are not known."""
+    if len(logprobs) != len(ids) or not ids:
+        return None
+    if chat:
+        return {
+            "content": [
+                {"token": str(t), "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(ids, logprobs)
+            ]
+        }
+    return {
+        "tokens": [str(t) for t in ids],
+        "token_logprobs": logprobs,
+        "top_logprobs": None,
+        "text_offset": [0] * len(ids),
+    }
+
+
 def _usage(r: TurnResult) -> dict[str, int]:
     n, p = len(r.token_ids), len(r.prompt)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
@@ -169,9 +214,12 @@ def _rose_fields(r: TurnResult) -> dict[str, Any]:
     return {"token_ids": r.token_ids, "weight_versions": version_spans(r.versions), "worker": r.worker}
 
 
-def _answer(rid: str, obj: str, model: str, choice: dict[str, Any], r: TurnResult, **extra: Any) -> dict[str, Any]:
+def _answer(
+    rid: str, obj: str, model: str, choice: dict[str, Any], r: TurnResult, logprobs: bool = False, **extra: Any
+) -> dict[str, Any]:
     """OpenAI's envelope around one choice (ROSE's fields in it), with the turn's usage."""
-    choice = {"index": 0, **choice, "finish_reason": "length", "logprobs": None, **_rose_fields(r)}
+    lp = logprobs_field(r.token_ids, r.logprobs, obj == "chat.completion") if logprobs else None
+    choice = {"index": 0, **choice, "finish_reason": "length", "logprobs": lp, **_rose_fields(r)}
     return {
         "id": rid,
         "object": obj,
@@ -183,25 +231,27 @@ def _answer(rid: str, obj: str, model: str, choice: dict[str, Any], r: TurnResul
     }
 
 
-def completion(rid: str, model: str, r: TurnResult) -> dict[str, Any]:
-    out = _answer(rid, "text_completion", model, {"text": ""}, r)
+def completion(rid: str, model: str, r: TurnResult, logprobs: bool = False) -> dict[str, Any]:
+    out = _answer(rid, "text_completion", model, {"text": ""}, r, logprobs)
     out["choices"][0]["prompt_token_ids"] = r.prompt
     return out
 
 
-def chat_completion(rid: str, model: str, r: TurnResult) -> dict[str, Any]:
+def chat_completion(rid: str, model: str, r: TurnResult, logprobs: bool = False) -> dict[str, Any]:
     message = {"message": {"role": "assistant", "content": ""}}
-    return _answer(rid, "chat.completion", model, message, r, prompt_token_ids=r.prompt)
+    return _answer(rid, "chat.completion", model, message, r, logprobs, prompt_token_ids=r.prompt)
 
 
 class StreamShape:
     """A turn as OpenAI stream chunks: `head` (chat: the role), one `piece` per output token (its
     id and its version's span), then `tail` with the finish reason, all the version spans, the
     worker and the usage. Pieces may be built from tokens as a worker publishes them, before the
-    turn ends."""
+    turn ends. With `logprobs`, each piece carries its token's log-probability when it is known
+    (the token stream carries them beside the ids)."""
 
-    def __init__(self, rid: str, model: str, prompt: list[int], chat: bool):
+    def __init__(self, rid: str, model: str, prompt: list[int], chat: bool, logprobs: bool = False):
         self.rid, self.model, self.prompt, self.chat = rid, model, prompt, chat
+        self.logprobs = logprobs
         self.created = int(time.time())
         self.obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -221,11 +271,17 @@ class StreamShape:
             return []
         return [self._chunk({"delta": {"role": "assistant", "content": ""}}, prompt_token_ids=self.prompt)]
 
-    def pieces(self, start: int, ids: list[int], versions: list[int]) -> list[dict[str, Any]]:
-        """Output tokens `start`.. (their ids and per-token versions), one chunk each."""
+    def pieces(
+        self, start: int, ids: list[int], versions: list[int], logprobs: list[float] | None = None
+    ) -> list[dict[str, Any]]:
+        """Output tokens `start`.. (their ids and per-token versions, and logprobs when known),
+        one chunk each."""
         out = []
+        lps = logprobs if self.logprobs and logprobs is not None and len(logprobs) == len(ids) else None
         for i, (t, v) in enumerate(zip(ids, versions), start):
             piece: dict[str, Any] = {"token_ids": [t], "weight_versions": [{"version": v, "start": i, "end": i + 1}]}
+            if lps is not None:
+                piece["logprobs"] = logprobs_field([t], [lps[i - start]], self.chat)
             if self.chat:
                 piece["delta"] = {"content": ""}
             else:
@@ -249,10 +305,10 @@ class StreamShape:
         return self._chunk(last, usage=_usage(r))
 
 
-def stream_chunks(rid: str, model: str, r: TurnResult, chat: bool) -> list[dict[str, Any]]:
+def stream_chunks(rid: str, model: str, r: TurnResult, chat: bool, logprobs: bool = False) -> list[dict[str, Any]]:
     """The whole finished turn as stream chunks (`StreamShape`)."""
-    shape = StreamShape(rid, model, r.prompt, chat)
-    return [*shape.head(), *shape.pieces(0, r.token_ids, r.versions), shape.tail(r)]
+    shape = StreamShape(rid, model, r.prompt, chat, logprobs)
+    return [*shape.head(), *shape.pieces(0, r.token_ids, r.versions, r.logprobs), shape.tail(r)]
 
 
 def error(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:

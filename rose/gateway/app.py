@@ -3,8 +3,12 @@ auth, admission, errors in OpenAI's shape, and `serve` (uvicorn) for `rose gatew
 
 Status codes: 400 a request the gateway refuses (the message and `param` name the field), 401
 a missing or wrong bearer token, 404 an unknown model, 409 no running worker at the request's
-`min_weight_version`, 429 overload or no running worker (with `Retry-After`), 504 a turn not
-finished by the request's deadline.
+`min_weight_version`, 429 overload or no running worker (with `Retry-After`), 503 Redis
+unreachable while publishing weights, 504 a turn not finished by the request's deadline.
+
+`POST /v1/weights` publishes a safetensors checkpoint the gateway can read as the model's next
+weight version, through the path `RoseClient.publish_weights` takes (`rose.weights.inputs`,
+then `WeightPublisher.publish_raw`), one publish at a time.
 
 Each turn request is a `POST {path}` span (kind SERVER; a child of the request's own W3C
 `traceparent` header when it has one) with the request's model, max_tokens, stream, session
@@ -17,10 +21,12 @@ import asyncio
 import dataclasses
 import hmac
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
@@ -37,6 +43,9 @@ from rose.gateway.admission import Admission, Overloaded
 from rose.gateway.dispatch import Dispatcher, PendingTurn, TurnFailed
 from rose.obs import metrics
 from rose.obs.tracing import tracer
+
+if TYPE_CHECKING:
+    from rose.weights.stream import WeightPublisher
 
 SESSION_HEADER = "x-rose-session"
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -81,6 +90,9 @@ class Gateway:
         self.model = cfg.executor.model
         self.dispatcher = dispatcher or Dispatcher(cfg)
         self.admission = Admission(self.g.max_inflight, self.g.max_queue)
+        self._publish_lock = threading.Lock()  # one publish at a time: the publisher holds the receivers' view
+        self._publisher: WeightPublisher | None = None
+        self._weights_redis: Any = None
 
     def authorize(self, request: Request) -> None:
         keys = self.g.keys
@@ -142,6 +154,47 @@ class Gateway:
                     code="weight_version_unavailable",
                 )
             await asyncio.sleep(VERSION_POLL_S)
+
+    def publish(self, req: api.WeightsRequest) -> dict:
+        """`POST /v1/weights`, on a worker thread: the checkpoint's tensors (`rose.weights.inputs`,
+        as `RoseClient.publish_weights` reads them) published as the model's next version, or
+        `req.version`. GatewayError: 400 naming `checkpoint` or `version`, 503 Redis away."""
+        from rose.weights.inputs import tensors
+
+        try:
+            specs, arrays = tensors(Path(req.checkpoint), req.dtype)
+        except ValueError as e:
+            raise GatewayError(400, f"checkpoint: {str(e).removeprefix('weights: ')}", "checkpoint") from None
+        with self._publish_lock:
+            try:
+                stats = self._weights_publisher().publish_raw(specs, arrays, version=req.version)
+            except ValueError as e:
+                if req.version is not None and str(e).startswith(f"version {req.version} "):
+                    raise GatewayError(400, f"version: {e}", "version") from None
+                raise GatewayError(400, f"checkpoint: {e}", "checkpoint") from None
+            except redis.RedisError as e:
+                raise GatewayError(503, f"weights not published: Redis: {e}", kind="service_unavailable") from None
+        return {
+            "version": stats.version,
+            "model": self.model,
+            "keyframe": stats.keyframe,
+            "bytes_sent": stats.bytes_sent,
+        }
+
+    def _weights_publisher(self) -> WeightPublisher:
+        if self._publisher is None:
+            from rose.weights.stream import WeightPublisher, weights_client
+
+            self._weights_redis = weights_client(self.cfg.redis, self.dispatcher.r)
+            self._publisher = WeightPublisher(
+                self._weights_redis, self.cfg.redis, self.model, hmac_key=self.cfg.security.weights_hmac_key
+            )
+        return self._publisher
+
+    def close_publisher(self) -> None:
+        if self._weights_redis is not None and self._weights_redis is not self.dispatcher.r:
+            self._weights_redis.close()
+        self._weights_redis = self._publisher = None
 
     def release(self, turn: PendingTurn | None) -> None:
         self.admission.release()
@@ -231,7 +284,7 @@ def _stream(
         finally:
             waiting.cancel()  # a no-op once it is done
         _answered(span, r)
-        for c in shape.pieces(feed.sent, r.token_ids[feed.sent :], r.versions[feed.sent :]):
+        for c in shape.pieces(feed.sent, r.token_ids[feed.sent :], r.versions[feed.sent :], r.logprobs[feed.sent :]):
             yield _sse(c)
         yield _sse(shape.tail(r))
         yield b"data: [DONE]\n\n"
@@ -254,7 +307,7 @@ class _Feed:
     def quiet_s(self) -> float:
         return time.monotonic() - self.quiet
 
-    async def next(self, waiting: asyncio.Future) -> tuple[int, list[int], list[int]] | None:
+    async def next(self, waiting: asyncio.Future) -> tuple[int, list[int], list[int], list[float] | None] | None:
         if not self.key:
             await asyncio.wait({waiting}, timeout=KEEPALIVE_S)
             return None
@@ -263,17 +316,18 @@ class _Feed:
         except redis.RedisError:
             self.key = ""  # the result still answers
             return None
-        start, ids, vs = self.sent, [], []
+        start, ids, vs, lps = self.sent, [], [], []
         for ch in chunks:
             if ch.index <= self.sent < ch.index + len(ch.tokens):
                 k = self.sent - ch.index
                 ids += ch.tokens[k:]
                 vs += ch.versions[k:]
+                lps += ch.logprobs[k:] if len(ch.logprobs) == len(ch.tokens) else []
                 self.sent += len(ch.tokens) - k
         if not ids:
             return None
         self.quiet = time.monotonic()
-        return start, ids, vs
+        return start, ids, vs, lps if len(lps) == len(ids) else None
 
 
 def _requested(span: Span, req: api.TurnRequest, prompt: list[int], chat: bool) -> None:
@@ -311,11 +365,12 @@ async def _turn(gw: Gateway, request: Request, req: api.TurnRequest, prompt: lis
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{turn.task_id}"
     span.set_attributes({"rose.task_id": turn.task_id, "gen_ai.response.id": rid})
     if req.stream:
-        shape = api.StreamShape(rid, gw.model, prompt, chat)
+        shape = api.StreamShape(rid, gw.model, prompt, chat, req.wants_logprobs())
         return StreamingResponse(_stream(gw, turn, deadline, shape, span), media_type="text/event-stream")
     r = await gw.wait(turn, deadline, request)
     _answered(span, r)
-    body = api.chat_completion(rid, gw.model, r) if chat else api.completion(rid, gw.model, r)
+    lp = req.wants_logprobs()
+    body = api.chat_completion(rid, gw.model, r, lp) if chat else api.completion(rid, gw.model, r, lp)
     return Response(orjson.dumps(body), media_type="application/json")
 
 
@@ -387,6 +442,7 @@ def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(gw.dispatcher.close)
             await gw.dispatcher.ar.aclose()
+            gw.close_publisher()
 
     app = FastAPI(title="ROSE gateway", lifespan=lifespan)
     app.add_middleware(_Counted)
@@ -417,6 +473,10 @@ def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
             "latest_published": latest,
             "data": [dataclasses.asdict(w) for w in ws],
         }
+
+    @app.post("/v1/weights", dependencies=auth)
+    async def publish(req: api.WeightsRequest) -> dict:
+        return await asyncio.to_thread(gw.publish, req)
 
     @app.get("/health")
     async def health() -> JSONResponse:

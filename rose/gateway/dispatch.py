@@ -81,6 +81,7 @@ class Chunk:
     tokens: list[int]
     versions: list[int]
     worker: str
+    logprobs: list[float] = field(default_factory=list)  # per token; empty when not published
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class Dispatcher:
             obs_tokens=0,
             seed=seed,
             step=GATEWAY_STEP,
+            in_step=False,  # no RL step waits on it: the straggler rule does not send it to dedicated
             stream=stream,
             min_version=min_version,
         )
@@ -202,7 +204,8 @@ class Dispatcher:
                 if int(f.get(b"turn", 0)) != 0:
                     continue
                 toks, vs = orjson.loads(f[b"tokens"]), orjson.loads(f[b"versions"])
-                out.append(Chunk(int(f[b"index"]), list(toks), list(vs), _s(f.get(b"worker", b""))))
+                lps = orjson.loads(f.get(b"logprobs", b"[]"))
+                out.append(Chunk(int(f[b"index"]), list(toks), list(vs), _s(f.get(b"worker", b"")), list(lps)))
         return out, cursor
 
     async def drop_chunks(self, key: str) -> None:
@@ -249,6 +252,8 @@ class Dispatcher:
                 self._sessions.popitem(last=False)
 
     def workers_running(self) -> list[str]:
+        """Running workers (fresh heartbeat) at any policy version (a follower runs its
+        checkpoint as version 0 until the trainer's first version)."""
         return self.workers_at(0)
 
     def workers_at(self, min_version: int) -> list[str]:

@@ -43,11 +43,17 @@ class RolloutEngine(Protocol):
     - `n_slots` sequences at most, each up to `max_seq` tokens of ids below `vocab_size`;
       `interrupted_tokens` counts decode work a pause threw away; `describe()` says
       `{name, version, device}` (the library's version, not the policy's).
+    - `last_logprobs`: after each `generate` call, parallel to what it returned, the
+      log-probability of each sampled token under the distribution it was sampled from (the
+      logits divided by the temperature; at temperature 0, greedy, the untempered logits), as a
+      float. An attribute beside the returned tokens rather than a new return type, so every
+      caller of `generate` that needs only the ids keeps working unchanged.
     """
 
     version: int
     n_slots: int
     interrupted_tokens: int
+    last_logprobs: list[list[float]]
 
     @property
     def max_seq(self) -> int: ...
@@ -171,6 +177,7 @@ class TorchEngine:
         self.steps = 0
         self.interrupted_tokens = 0  # tokens of decode steps cut short by a pause (recomputed later)
         self.peak_activation_bytes = 0
+        self.last_logprobs: list[list[float]] = []  # of the tokens the last `generate` returned
 
     def assign(self, budget: MemoryBudget, device: str | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Size a warm engine to its lease: move the model to `device` (when given), then
@@ -241,13 +248,14 @@ class TorchEngine:
         seqs = [self._seq(r) for r in requests]
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             # paused before a step, or between prefill chunks: the rest stays pending
-            return decode_tokens(
+            out, self.last_logprobs = decode_tokens(
                 seqs,
                 max_new_tokens,
                 lambda: None if pause_check() else self._step(seqs, pause_check),
                 self.temperature,
                 self._count_step,
             )
+            return out
 
     def _count_step(self) -> None:
         self.steps += 1
@@ -324,35 +332,49 @@ def decode_tokens(
     step: Callable[[], list[torch.Tensor] | None],
     temperature: float,
     on_step: Callable[[], None],
-) -> list[list[int]]:
+) -> tuple[list[list[int]], list[list[float]]]:
     """The decode loop of the torch engines: up to `max_new_tokens` times, `step()` feeds every
     sequence's pending tokens and gives each one's last logits (None once paused: stop), one
     token per sequence is sampled from its own generator, to be fed at the next step, and
-    `on_step()` counts the step (a pause check may read the count). Each sequence's new tokens."""
+    `on_step()` counts the step (a pause check may read the count). Each sequence's new tokens,
+    and the log-probability of each (`sample_tokens`)."""
     gens: list[torch.Generator] = []
     for s in seqs:
         assert s.gen is not None  # every engine seeds a sequence's generator when it admits it
         gens.append(s.gen)
     out: list[list[int]] = [[] for _ in seqs]
+    lps: list[list[float]] = [[] for _ in seqs]
     for _ in range(max_new_tokens):
         logits = step()
         if logits is None:
             break
-        for i, (s, tok) in enumerate(zip(seqs, sample_tokens(logits, gens, temperature))):
+        toks, logprobs = sample_tokens(logits, gens, temperature)
+        for i, (s, tok, lp) in enumerate(zip(seqs, toks, logprobs)):
             s.pending.append(tok)
             out[i].append(tok)
+            lps[i].append(lp)
         on_step()
-    return out
+    return out, lps
 
 
-def sample_tokens(logits: list[torch.Tensor], gens: list[torch.Generator], temperature: float) -> list[int]:
+def sample_tokens(
+    logits: list[torch.Tensor], gens: list[torch.Generator], temperature: float
+) -> tuple[list[int], list[float]]:
     """One token per sequence, each from its own generator (so a sequence's draws do not depend
-    on what it is batched with); the softmax runs once for the batch; temperature 0 is greedy."""
+    on what it is batched with); the softmax runs once for the batch; temperature 0 is greedy.
+    With each token its log-probability under the distribution it was drawn from: float32
+    log_softmax of logits / temperature at the token (greedy: of the logits as they are)."""
     lg = torch.stack(logits).float()
     if temperature <= 0:
-        return lg.argmax(-1).tolist()
-    probs = torch.softmax(lg / temperature, dim=-1).cpu()
-    return [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
+        ids = lg.argmax(-1).tolist()
+        logp = torch.log_softmax(lg, dim=-1)
+    else:
+        scaled = lg / temperature
+        probs = torch.softmax(scaled, dim=-1).cpu()
+        ids = [int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, gens)]
+        logp = torch.log_softmax(scaled, dim=-1)
+    picked = logp.gather(-1, torch.tensor(ids, device=logp.device).unsqueeze(-1)).squeeze(-1)
+    return ids, picked.cpu().tolist()
 
 
 def tensors_match(params: dict, state_dict: dict) -> list[str]:

@@ -10,6 +10,7 @@ would have drawn. No I/O and no torch: the worker owns the clock and the engine.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,8 @@ class Turn:
     dedicated: bool
     tool_s: float = 0.0
     versions: list[int] = field(default_factory=list)  # per action token (v1.1); empty in older data
+    # per action token, its log-probability under the distribution it was sampled from; empty in older data
+    logprobs: list[float] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict, path: str) -> Turn:
@@ -67,9 +70,12 @@ class Turn:
                 dedicated=bool(d.get("dedicated", False)),
                 tool_s=float(d.get("tool_s", 0.0)),
                 versions=_versions(d, "versions", len(d["action"]), path) if "versions" in d else [],
+                logprobs=_logprobs(d, "logprobs", len(d["action"]), path) if d.get("logprobs") else [],
             )
         except KeyError as e:
             raise InvalidTask(f"{path}{e.args[0]}", "missing required field") from None
+        except InvalidTask:
+            raise  # names the turn's field at fault
         except (TypeError, ValueError):
             raise InvalidTask(path.rstrip("."), "malformed turn") from None
 
@@ -97,6 +103,18 @@ def _versions(d: dict, key: str, n: int, path: str = "") -> list[int]:
     return v
 
 
+def _logprobs(d: dict, key: str, n: int, path: str = "") -> list[float]:
+    """Per-token log-probabilities: one finite number <= 0 per token."""
+    v = d.get(key)
+    if (
+        not isinstance(v, list)
+        or len(v) != n
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and -math.inf < x <= 0 for x in v)
+    ):
+        raise InvalidTask(path + key, f"expected {n} log-probabilities (finite numbers <= 0), one per token")
+    return [float(x) for x in v]
+
+
 def _int(d: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
     v = d.get(key, default)
     if v is None:
@@ -122,10 +140,14 @@ class Task:
     # the policy version of each; the next worker prefills them and samples on from there
     partial: list[int] = field(default_factory=list)
     partial_versions: list[int] = field(default_factory=list)
+    partial_logprobs: list[float] = field(default_factory=list)  # empty when not known (older data)
     # publish each turn's tokens as they are made, to the task's token stream (docs/rollout.md)
     stream: bool = False
     # the turn runs only on a policy of at least this version (the worker waits to apply it)
     min_version: int = 0
+    # part of an RL step that ends with its last episode (the straggler rule moves such episodes
+    # to dedicated workers as the step nears its end); a gateway turn belongs to no such step
+    in_step: bool = True
     # W3C trace context of whoever queued the task (a gateway request's `send` span); kept by a
     # continuation, so every worker that runs a part of it records its span in that one trace
     traceparent: str = ""
@@ -176,11 +198,14 @@ class Task:
             moves=_int(d, "moves", 0, 1 << 31, 0),
             partial=_tokens(d, "partial") if "partial" in d else [],
             stream=_flag(d, "stream"),
+            in_step=_flag(d, "in_step", True),
             min_version=_int(d, "min_version", 0, (1 << 63) - 1, 0),
             traceparent=_traceparent(d),
         )
         if t.partial:
             t.partial_versions = _versions(d, "partial_versions", len(t.partial))
+            if d.get("partial_logprobs"):
+                t.partial_logprobs = _logprobs(d, "partial_logprobs", len(t.partial))
             if len(t.partial) >= t.tokens_per_turn:
                 raise InvalidTask("partial", f"{len(t.partial)} tokens >= tokens_per_turn {t.tokens_per_turn}")
         if not t.prompt:
@@ -190,8 +215,8 @@ class Task:
         return t
 
 
-def _flag(d: dict, key: str) -> bool:
-    v = d.get(key, False)
+def _flag(d: dict, key: str, default: bool = False) -> bool:
+    v = d.get(key, default)
     if not isinstance(v, bool):
         raise InvalidTask(key, f"expected true or false, got {v!r}")
     return v
@@ -233,6 +258,7 @@ class Episode:
         self.worker, self.gpu, self.dedicated = worker, gpu, dedicated
         self.action: list[int] = []
         self.action_versions: list[int] = []
+        self.action_logprobs: list[float] = []
         self.version_first = -1
         self.fed = 0  # context tokens the engine already holds (sampled tokens included)
         self.new_turn = True
@@ -249,6 +275,7 @@ class Episode:
             if task.partial:  # resumed mid-action: keep its tokens, prefill them, sample on
                 self.action = list(task.partial)
                 self.action_versions = list(task.partial_versions)
+                self.action_logprobs = list(task.partial_logprobs)
                 self.version_first = self.action_versions[0]
         self.resumed_tokens = len(self.action)
 
@@ -282,9 +309,13 @@ class Episode:
             return seed if not self.action else turn_seed(seed, len(self.action))  # resumed mid-action
         return None
 
-    def on_token(self, tok: int, version: int, now: float) -> None:
+    def on_token(self, tok: int, version: int, now: float, logprob: float | None = None) -> None:
+        """A sampled token, the policy version that sampled it and its log-probability (None:
+        not known; a turn keeps logprobs only when every token of its action has one)."""
         if not self.action:
             self.version_first = version
+        if logprob is not None and len(self.action_logprobs) == len(self.action):
+            self.action_logprobs.append(logprob)
         self.action.append(tok)
         self.action_versions.append(version)
         self.fed += 1
@@ -300,10 +331,12 @@ class Episode:
                     gpu=self.gpu,
                     dedicated=self.dedicated,
                     versions=self.action_versions,
+                    logprobs=self.action_logprobs if len(self.action_logprobs) == len(self.action) else [],
                 )
             )
             self.action = []
             self.action_versions = []
+            self.action_logprobs = []
             self.new_turn = True
             if len(self.turns) >= self.task.max_turns:
                 self.state = DONE
@@ -337,6 +370,7 @@ class Episode:
                 "moves": self.task.moves + 1,
                 "partial": list(self.action),
                 "partial_versions": list(self.action_versions),
+                "partial_logprobs": list(self.action_logprobs) if len(self.action_logprobs) == len(self.action) else [],
             }
         )
 
@@ -351,6 +385,8 @@ class Episode:
             "versions": [t.version for t in self.turns],
             # per action token, so the trainer can mask or correct tokens of a stale policy
             "token_versions": [t.versions or [t.version] * len(t.action) for t in self.turns],
+            # per action token, its log-probability under the sampling policy (empty for a turn without them)
+            "token_logprobs": [t.logprobs for t in self.turns],
             "worker": self.worker,
             "gpu": self.gpu,
             "dedicated": self.dedicated,

@@ -1,6 +1,7 @@
 """Tokens of a streaming task published as they are made: the worker appends chunks
-`{turn, index, tokens, versions, worker}` (index: the first token's position in the turn's
-action; tokens and versions JSON lists) to the task's token stream (`TaskQueue.token_stream`),
+`{turn, index, tokens, versions, logprobs, worker}` (index: the first token's position in the
+turn's action; tokens, versions and the sampled tokens' log-probabilities JSON lists, logprobs
+empty when the engine did not give one for every token of the chunk) to the task's token stream (`TaskQueue.token_stream`),
 a reader (the gateway) follows it with XREAD.
 
 Batched: a sequence's tokens are buffered and flushed, for all sequences in one pipeline, when
@@ -29,6 +30,7 @@ class _Pending:
     index: int
     tokens: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
     since: float = 0.0
 
 
@@ -45,9 +47,18 @@ class TokenStreamer:
         self.chunks = 0  # chunks appended
 
     def add(
-        self, seq: str, key: str, turn: int, index: int, tokens: list[int], versions: list[int], now: float
+        self,
+        seq: str,
+        key: str,
+        turn: int,
+        index: int,
+        tokens: list[int],
+        versions: list[int],
+        now: float,
+        logprob: float | None = None,
     ) -> None:
-        """Tokens `index`.. of turn `turn` of sequence `seq`, to go to stream `key`."""
+        """Tokens `index`.. of turn `turn` of sequence `seq`, to go to stream `key`; `logprob`:
+        the log-probability of a single token (None: not known)."""
         if not tokens:
             return
         p = self._pending.get(seq)
@@ -58,6 +69,7 @@ class TokenStreamer:
             p = self._pending[seq] = _Pending(key, turn, index, since=now)
         p.tokens += tokens
         p.versions += versions
+        p.logprobs += [logprob] if len(tokens) == 1 else [None] * len(tokens)
 
     def step(self, now: float) -> None:
         """A decode step ended: flush what is due."""
@@ -87,6 +99,7 @@ class TokenStreamer:
                     "index": p.index,
                     "tokens": orjson.dumps(p.tokens),
                     "versions": orjson.dumps(p.versions),
+                    "logprobs": orjson.dumps(p.logprobs if None not in p.logprobs else []),
                     "worker": self.worker,
                 },
                 maxlen=MAX_CHUNKS,

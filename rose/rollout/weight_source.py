@@ -5,8 +5,9 @@ satisfies this protocol; a version it returns is complete (all shards committed)
 worker loads it between two decode steps, so no step runs on a half-updated policy.
 `StaticWeights` is a fixed policy (version 0): the seeded reference policy, or a checkpoint's
 own weights (an empty state dict: the engine keeps what it loaded); `FollowedWeights` wraps the
-follower, starting from that policy until the trainer's first version commits. `current()` may
-build a full state dict, so the worker calls it only when `poll()` reports a new version.
+follower, starting from that policy, as version 0 too, until the trainer's first version (the
+publisher numbers from 1) commits: a task's default `min_version` 0 is met before it. `current()`
+may build a full state dict, so the worker calls it only when `poll()` reports a new version.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class StaticWeights:
 
 
 class FollowedWeights:
-    """The weight engine's `WeightFollower`, starting from `initial` (version -1) until the
-    trainer's first version commits."""
+    """The weight engine's `WeightFollower`, starting from `initial` (version 0, as a static
+    policy is) until the trainer's first version commits."""
 
     def __init__(self, follower, initial: dict):
         self.follower = follower
@@ -63,7 +64,7 @@ class FollowedWeights:
 
     def current(self) -> tuple[int, dict]:
         v, sd = self.follower.current()
-        return (-1, self._initial) if v is None else (v, sd)
+        return (0, self._initial) if v is None else (v, sd)
 
     def newest(self) -> int | None:
         return self.follower.newest()

@@ -205,7 +205,7 @@ class Worker:
             ep.task.moves,
             self._here(),
             self._views_now(now),
-            self._step_done_frac(ep.task.step, now),
+            self._step_done_frac(ep.task.step, now) if ep.task.in_step else 0.0,
             self.pcfg,
         )
 
@@ -392,13 +392,17 @@ class Worker:
                 self._tokened = True
         v = self.engine.version
         t = time.monotonic()
-        for (k, c, ep), toks in zip(ready, out):
+        logprobs = self.engine.last_logprobs
+        for i, ((k, c, ep), toks) in enumerate(zip(ready, out)):
             turns_before = len(ep.turns)
             key = self.q.token_stream(c.task.task_id) if ep.task.stream else ""
-            for tok in toks:
+            lps: list[float | None] = [None] * len(toks)
+            if i < len(logprobs) and len(logprobs[i]) == len(toks):
+                lps = list(logprobs[i])
+            for tok, lp in zip(toks, lps):
                 if key:
-                    self.streamer.add(k, key, len(ep.turns), len(ep.action), [tok], [v], t)
-                ep.on_token(tok, v, t)
+                    self.streamer.add(k, key, len(ep.turns), len(ep.action), [tok], [v], t, lp)
+                ep.on_token(tok, v, t, lp)
             self.stats["tokens"] += len(toks)
             self.stats["turns"] += len(ep.turns) - turns_before
         self.streamer.step(t)

@@ -18,6 +18,8 @@ stays 0.
 
 Sampling is per sequence: a CPU `torch.Generator` reseeded from `GenRequest.seed`, so a
 sequence's draws depend only on its seed and its logits, never on what it is batched with.
+`last_logprobs` holds, for the tokens the last `generate` returned, each one's float32
+log_softmax of logits / temperature at the sampled id.
 `load_weights` takes a state dict keyed by the checkpoint's tensor names and copies it into the
 model in place (strict; tied embeddings stay tied); `weights_match` says which published tensors
 the engine does not hold bit-exactly.
@@ -125,6 +127,7 @@ class HFEngine:
         self._seqs: dict[str, _HFSeq] = {}
         self.steps = 0
         self.interrupted_tokens = 0  # a forward is never cut short (see the module docstring)
+        self.last_logprobs: list[list[float]] = []  # of the tokens the last `generate` returned
 
     # description -----------------------------------------------------------------------
     def describe(self) -> dict:
@@ -206,9 +209,10 @@ class HFEngine:
         seqs = self._admit(requests)
         with self._on_stream(), torch.inference_mode():
             # paused before a forward: the rest stays pending
-            return decode_tokens(
+            out, self.last_logprobs = decode_tokens(
                 seqs, max_new_tokens, lambda: self._step(seqs, pause_check), self.temperature, self._count_step
             )
+            return out
 
     def _count_step(self) -> None:
         self.steps += 1

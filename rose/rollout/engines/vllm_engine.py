@@ -63,6 +63,15 @@ def check_step_tokens(device: str, step_tokens: int, max_model_len: int) -> None
         )
 
 
+def logprobs_mode(temperature: float) -> str:
+    """vLLM's `logprobs_mode` that gives the sampled tokens' logprobs after temperature, as the
+    torch engines report them. At temperature 1 and greedy (0) the raw logprobs are those
+    already, and the raw mode keeps vLLM's fastest sampler (on CUDA, asking for processed
+    logprobs swaps FlashInfer's sampler for the native one); other temperatures need them
+    processed."""
+    return "raw_logprobs" if temperature in (0.0, 1.0) else "processed_logprobs"
+
+
 @dataclass
 class _Seq:
     context: list[int] = field(default_factory=list)
@@ -110,6 +119,7 @@ class VllmEngine:
             enforce_eager=device == "cpu",
             enable_prefix_caching=True,
             seed=seed,
+            logprobs_mode=cast(Any, logprobs_mode(temperature)),
             **kwargs,
         )
         self.llm = LLMEngine.from_engine_args(args)
@@ -122,6 +132,7 @@ class VllmEngine:
         self.version = -1
         self.interrupted_tokens = 0  # a step is never cut short: a pause waits for it
         self.steps = 0
+        self.last_logprobs: list[list[float]] = []  # of the tokens the last `generate` returned
         self._seqs: dict[str, _Seq] = {}
         self._by_request: dict[str, str] = {}
         self._requests = 0
@@ -176,6 +187,7 @@ class VllmEngine:
             max_tokens=left,
             temperature=self.temperature,
             seed=s.seed,
+            logprobs=0,  # the sampled token's logprob only
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -188,8 +200,8 @@ class VllmEngine:
         self, requests: Sequence[GenRequest], max_new_tokens: int, pause_check: Callable[[], bool] = lambda: False
     ) -> list[list[int]]:
         """Up to `max_new_tokens` engine steps over every running request; each request's new
-        tokens. A sequence left out of the call is not generating (its turn ended): its request
-        is aborted so the engine spends no step on it."""
+        tokens (their logprobs in `last_logprobs`). A sequence left out of the call is not
+        generating (its turn ended): its request is aborted so the engine spends no step on it."""
         index: dict[str, int] = {}
         for i, r in enumerate(requests):
             s = self._seqs.get(r.seq_id)
@@ -212,6 +224,8 @@ class VllmEngine:
             elif s.stale or s.request is None:
                 self._start(seq_id, s)
         out: list[list[int]] = [[] for _ in requests]
+        lps: list[list[float]] = [[] for _ in requests]
+        self.last_logprobs = lps
         for _ in range(max_new_tokens):
             if pause_check() or not self.llm.has_unfinished_requests():
                 break
@@ -224,11 +238,23 @@ class VllmEngine:
                 s.context.extend(toks)
                 if seq_id in index:
                     out[index[seq_id]].extend(toks)
+                    if toks:
+                        lps[index[seq_id]].extend(_sampled_logprobs(o.outputs[0].logprobs, toks))
                 if o.finished:  # max_tokens reached: the next call starts a request again
                     self._by_request.pop(o.request_id, None)
                     s.request = None
             self.steps += 1
         return out
+
+
+def _sampled_logprobs(logprobs: Any, toks: list[int]) -> list[float]:
+    """The sampled tokens' logprobs from a `CompletionOutput.logprobs` delta: one position per
+    token, each a {token id: Logprob} dict that holds the sampled token (`logprobs=0`)."""
+    if logprobs is None or len(logprobs) != len(toks):
+        raise RuntimeError(
+            f"vLLM returned logprobs for {0 if logprobs is None else len(logprobs)} of {len(toks)} tokens"
+        )
+    return [float(pos[t].logprob) for pos, t in zip(logprobs, toks)]
 
 
 def _reload(worker, items: list) -> None:
