@@ -8,10 +8,14 @@ because every ROSE process is built to survive a SIGKILL (open Kafka transaction
 expire, the weight stream is resumed from its applied seq). A second signal ends it at once.
 Supervisors (systemd, Kubernetes) send SIGKILL after their own grace period, 30 s by default;
 this bound is well inside it, so a rolling restart never waits on a wedged client.
+
+`kill -USR1 <pid>` prints every thread's stack to stderr (faulthandler), so a process that
+stops making progress can be read without stopping it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -47,6 +51,7 @@ class Shutdown:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, s._on_signal)
             signal.signal(signal.SIGINT, s._on_signal)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         return s
 
     @property

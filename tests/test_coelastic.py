@@ -34,9 +34,9 @@ class Feeder:
         "memory": (Latency(200.0, 20.0), 78 * GiB),
     }
 
-    def __init__(self, cfg, gpus: tuple[str, ...] = (GPU,)):
+    def __init__(self, cfg, gpus: tuple[str, ...] = (GPU,), modes: dict[str, str] | None = None):
         self.cfg, self.gpus, self.mode, self.sent = cfg, gpus, "calm", []  # sent: (event_id, mode)
-        self.modes: dict[str, str] = {}
+        self.modes: dict[str, str] = dict(modes or {})  # set before the first event is sent
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

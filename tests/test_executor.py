@@ -62,7 +62,8 @@ class ExecutorProc:
             stderr=subprocess.PIPE,
         )
         self.lines: list[dict] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         self.wait_log("executor.ready", 60)
 
     def _read(self):
@@ -81,7 +82,24 @@ class ExecutorProc:
             if self.proc.poll() is not None and event != "executor.stopped":
                 raise AssertionError(f"executor exited {self.proc.returncode}: {self.lines[-5:]}")
             time.sleep(0.05)
-        raise AssertionError(f"no {event} {match} within {timeout}s; last lines: {self.lines[-5:]}")
+        raise AssertionError(f"no {event} {match} within {timeout}s; last lines: {self.lines[-5:]}{self.stuck()}")
+
+    def stuck(self) -> str:
+        """What a wait that timed out needs to be read: whether the log reader is alive, the
+        executor's process state, and every thread's stack (`kill -USR1`, rose.shutdown)."""
+        n = len(self.lines)
+        try:
+            p = psutil.Process(self.proc.pid)
+            state = f"status={p.status()} cpu={p.cpu_times()}"
+            p.send_signal(signal.SIGUSR1)
+        except psutil.Error as e:
+            return f"; executor: {e}"
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and len(self.lines) == n:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the rest of the dump
+        stacks = "\n".join(str(ln.get("event", ln)) for ln in self.lines[n : n + 80])
+        return f"\nlog reader alive={self.reader.is_alive()}, executor {state}; its threads:\n{stacks}"
 
     def stop(self):
         if self.proc.poll() is None:
@@ -97,11 +115,11 @@ class LeaseStates:
         self.c.subscribe([cfg.kafka.lease_state_topic])
         self.seen: list[tuple[LeaseState, list]] = []
 
-    def wait(self, state: str, epoch: int, timeout: float = 30) -> tuple[LeaseState, list]:
+    def wait(self, state: str, epoch: int, timeout: float = 30, gpu: str | None = None) -> tuple[LeaseState, list]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for ls, hs in self.seen:
-                if ls.state == state and ls.epoch == epoch:
+                if ls.state == state and ls.epoch == epoch and gpu in (None, ls.gpu):
                     return ls, hs
             for m in self.c.consume(100, timeout=0.2):
                 if not m.error():

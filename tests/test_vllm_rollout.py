@@ -105,9 +105,8 @@ def test_vllm_lease_pauses_in_place_applies_weights_bit_exact_and_revoke_moves_p
     feed = None
     try:
         ex.wait_log("worker.warm_ready", ENGINE_START_S)
-        feed = Feeder(cfg, gpus=("sim/0", "sim/1"))
-        feed.modes["sim/1"] = "memory"  # no lease there yet: it is the spare's
-        active, _ = states.wait("active", 1, timeout=60)
+        feed = Feeder(cfg, gpus=("sim/0", "sim/1"), modes={"sim/1": "memory"})  # no lease there yet: the spare's
+        active, _ = states.wait("active", 1, timeout=60, gpu="sim/0")
         started = ex.wait_log("worker.started", 60, gpu="sim/0")
         assert started["warm"] is True, "the lease did not go to the warm vLLM engine"
         pid = started["pid"]
@@ -119,7 +118,7 @@ def test_vllm_lease_pauses_in_place_applies_weights_bit_exact_and_revoke_moves_p
         # throttle to 0: frozen in place, nothing aborted, no token after the worker saw it
         in_flight = int(hb["active"])
         feed.modes["sim/0"] = "spike"
-        paused, _ = states.wait("paused", 1, timeout=30)
+        paused, _ = states.wait("paused", 1, timeout=30, gpu="sim/0")
         assert paused.lease_id == active.lease_id and paused.epoch == active.epoch
         wait_until(lambda: _of(r, cfg, "sim/0").get("state") == "paused", 10, "the worker did not report paused")
         at_pause = _of(r, cfg, "sim/0")
@@ -153,7 +152,7 @@ def test_vllm_lease_pauses_in_place_applies_weights_bit_exact_and_revoke_moves_p
 
         # memory pressure revokes sim/0, calm on sim/1 grants the spare
         feed.modes["sim/0"] = "memory"
-        states.wait("revoked", 1, timeout=60)
+        states.wait("revoked", 1, timeout=60, gpu="sim/0")
         assert any(c["kind"] == "revoke" and c["gpu"] == "sim/0" for c in commands(cfg))
         feed.modes["sim/1"] = "calm"
         spare = ex.wait_log("worker.started", 60, gpu="sim/1")

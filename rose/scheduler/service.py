@@ -15,7 +15,6 @@ both, why the fold matters after a fault, rebalances and zombies: docs/scheduler
 from __future__ import annotations
 
 import functools
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -533,9 +532,6 @@ def run_scheduler(
     the process up, reporting unhealthy on /healthz until a client works again.
     `max_failures` bounds consecutive failed clients (none of whose transactions committed).
     `shutdown`: the process's SIGTERM handling, when the caller installed it already."""
-    import faulthandler
-
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     current: list[Scheduler] = []
     shutdown = shutdown or Shutdown.install(name="rose-scheduler")
 
