@@ -173,6 +173,10 @@ class Scheduler:
         ps = [tp.partition for tp in parts]
         self.log.info("partitions.assigned", partitions=ps)
         if ps:  # a cooperative rebalance hands members that only keep their partitions an empty list
+            # the committed offsets first: a read_committed fetch waits while the last owner's
+            # transaction holding offsets for these partitions is open (KIP-447), so the changelog
+            # read after it holds that transaction's views whenever the offsets skip its telemetry
+            parts = retrying(lambda: consumer.committed(parts, timeout=10))
             retrying(lambda: self._rebuild(ps))
         consumer.incremental_assign(parts)
         if self._hold and parts:
