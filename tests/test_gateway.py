@@ -11,12 +11,13 @@ import asyncio
 import dataclasses
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -227,18 +228,26 @@ def test_chat_with_token_id_messages_streamed_and_not(gw):
     assert ids == ch.token_ids and chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_a_session_keeps_its_turns_on_one_worker(gw, workers):
+def session_workers(gw: Served, sessions: Iterable[str], turns: int) -> dict[str, set[str]]:
+    """The workers that answered each session's `turns` turns (its id in `X-Rose-Session`)."""
     c = gw.client()
-    for session in ("s-1", "s-2"):
-        seen = {
+    return {
+        s: {
             c.completions.create(
-                model=MODEL, prompt=PROMPT + [i], max_tokens=4, seed=i, extra_headers={"X-Rose-Session": session}
+                model=MODEL, prompt=PROMPT + [i], max_tokens=4, seed=i, extra_headers={"X-Rose-Session": s}
             )
             .choices[0]
             .worker
-            for i in range(5)
+            for i in range(turns)
         }
-        assert len(seen) == 1 and seen <= set(workers), seen
+        for s in sessions
+    }
+
+
+def test_a_session_keeps_its_turns_on_one_worker(gw, workers):
+    seen = session_workers(gw, ("s-1", "s-2"), 5)
+    assert all(len(w) == 1 and w <= set(workers) for w in seen.values()), seen
+    c = gw.client()
     by_user = {
         c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, user="u-1").choices[0].worker for _ in range(4)
     }
@@ -293,6 +302,29 @@ def test_a_streamed_turn_sends_tokens_as_they_are_made(gw, flags):
     assert events[-1][1]["choices"][0]["finish_reason"] == "length"
     assert first < last / 2, (first, last)  # the first token came with the first decode steps
     assert len({round(t, 2) for t, e in events if e["choices"][0].get("token_ids")}) > 3  # in several batches
+
+
+def stream_end_after_last_token_s(url: str, body: dict) -> float:
+    """Seconds from the arrival of a streamed turn's last token chunk to the end of its response."""
+    last = None
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as sr:
+            assert sr.status_code == 200
+            for line in sr.iter_lines():
+                ch = orjson.loads(line[6:])["choices"][0] if line.startswith("data: {") else {}
+                if ch.get("token_ids") and ch["finish_reason"] is None:
+                    last = time.monotonic()
+        end = time.monotonic()
+    assert last is not None
+    return end - last
+
+
+def test_a_streamed_turn_ends_as_soon_as_its_last_token_is_sent(gw):
+    """The response ends when the turn's result comes, not at the next poll of its token stream
+    (CHUNK_BLOCK_MS, 100 ms): the median of 20 turns' last-token-to-end times stays well under it."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "stream": True}
+    gaps = [stream_end_after_last_token_s(gw.url, {**body, "seed": i}) for i in range(20)]
+    assert statistics.median(gaps) < 0.05, sorted(round(g * 1000, 1) for g in gaps)
 
 
 def test_weights_agree_with_the_workers_heartbeats(gw, module_cfg, workers):

@@ -34,6 +34,7 @@ from tests.test_gateway import (
     pause_flags,
     prefixed_gateway_cfg,
     serve,
+    session_workers,
     sse,
     stop_workers,
     streamed_ids,
@@ -149,17 +150,8 @@ def test_the_engines_logprobs_are_the_checkpoints_own(gw, tiny_checkpoint):
 
 
 def test_a_session_keeps_its_turns_on_one_engine(gw, workers):
-    c = gw.client()
-    for session in ("s-1", "s-2", "s-3"):
-        seen = {
-            c.completions.create(
-                model=MODEL, prompt=PROMPT + [i], max_tokens=4, seed=i, extra_headers={"X-Rose-Session": session}
-            )
-            .choices[0]
-            .worker
-            for i in range(4)
-        }
-        assert len(seen) == 1 and seen <= set(workers), seen
+    seen = session_workers(gw, ("s-1", "s-2", "s-3"), 4)
+    assert all(len(w) == 1 and w <= set(workers) for w in seen.values()), seen
 
 
 def test_bad_requests_are_400_naming_the_field_and_a_wrong_token_401(gw):

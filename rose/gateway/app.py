@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 SESSION_HEADER = "x-rose-session"
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 KEEPALIVE_S = 5.0  # an SSE comment this often while a streamed turn runs (a gone client fails it)
-CHUNK_BLOCK_MS = 100  # a streamed turn's XREAD wait on its token stream
+CHUNK_BLOCK_MS = 100  # a streamed turn's XREAD wait on its token stream (its result cuts it short)
 VERSION_POLL_S = 0.1  # how often a request with min_weight_version looks for a worker at it
 TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -160,6 +160,7 @@ class Gateway:
         as `RoseClient.publish_weights` reads them) published as the model's next version, or
         `req.version`. GatewayError: 400 naming `checkpoint` or `version`, 503 Redis away."""
         from rose.weights.inputs import tensors
+        from rose.weights.stream import VersionConflict
 
         try:
             specs, arrays = tensors(Path(req.checkpoint), req.dtype)
@@ -168,9 +169,9 @@ class Gateway:
         with self._publish_lock:
             try:
                 stats = self._weights_publisher().publish_raw(specs, arrays, version=req.version)
+            except VersionConflict as e:
+                raise GatewayError(400, f"{e.field}: {e}", e.field) from None
             except ValueError as e:
-                if req.version is not None and str(e).startswith(f"version {req.version} "):
-                    raise GatewayError(400, f"version: {e}", "version") from None
                 raise GatewayError(400, f"checkpoint: {e}", "checkpoint") from None
             except redis.RedisError as e:
                 raise GatewayError(503, f"weights not published: Redis: {e}", kind="service_unavailable") from None
@@ -311,8 +312,16 @@ class _Feed:
         if not self.key:
             await asyncio.wait({waiting}, timeout=KEEPALIVE_S)
             return None
+        read = asyncio.ensure_future(self.gw.dispatcher.chunks(self.key, self.cursor, CHUNK_BLOCK_MS))
         try:
-            chunks, self.cursor = await self.gw.dispatcher.chunks(self.key, self.cursor, CHUNK_BLOCK_MS)
+            done, _ = await asyncio.wait({read, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not read.done():
+                read.cancel()  # the result came first and brings the rest (its Redis connection is dropped)
+        if read not in done:
+            return None
+        try:
+            chunks, self.cursor = read.result()
         except redis.RedisError:
             self.key = ""  # the result still answers
             return None

@@ -66,6 +66,13 @@ class ClusterUnavailable(RuntimeError):
     """The configured Redis Cluster cannot be used; the message names the nodes and why."""
 
 
+class VersionConflict(ValueError):
+    """A publish asked for a version at or below the last published one; `field` names the
+    argument at fault."""
+
+    field = "version"
+
+
 @dataclass(frozen=True)
 class WeightKeys:
     """A model's weight-stream keys. `stream` is what followers XREAD: every entry with one
@@ -308,7 +315,7 @@ class WeightPublisher:
         encode_s = time.perf_counter() - t0
         version = self._version + 1 if version is None else version
         if version <= self._version:
-            raise ValueError(f"version {version} is not above the last published version {self._version}")
+            raise VersionConflict(f"version {version} is not above the last published version {self._version}")
         t1 = time.perf_counter()
         send = self._send_sharded if self.keys.shard_streams else self._send
         try:
