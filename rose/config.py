@@ -67,6 +67,12 @@ class RedisConfig:
     # shards spread over N shard streams, hash-tagged onto different cluster slots, and a
     # version made visible by one commit entry (docs/weights.md, "Redis Cluster")
     shard_streams: int = 0
+    # weights only: a publisher's writes count once this many replicas hold them (WAIT on each
+    # shard stream's node before the commit entry, then on the commit's; on a cluster, with
+    # shard_streams > 0); 0 = no WAIT (a single Redis without replicas). A WAIT short of it
+    # after wait_timeout_ms fails the publish (docs/weights.md, "Failover and WAIT")
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
 
     def key(self, *parts: str) -> str:
         return self.key_prefix + ":".join(parts)

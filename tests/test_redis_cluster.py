@@ -1,16 +1,23 @@
-"""Weights on a real three-node Redis Cluster (`rose stack up --redis-cluster`, Debian's
-redis-server): a model's shard streams spread over the nodes, a follower on a RedisCluster
-client applies every version once and bit-exact, a publisher dying between its shard writes and
-its commit leaves followers on the previous version until the next publish, and a wrongly
-signed commit is refused. The cluster runs on ports of its own, so the normal stack is untouched."""
+"""Weights on a real Redis Cluster of three masters and their three replicas (`rose stack up
+--redis-cluster`, Debian's redis-server): a model's shard streams spread over the masters, a
+follower on a RedisCluster client applies every version once and bit-exact, a publisher dying
+between its shard writes and its commit leaves followers on the previous version until the next
+publish, and a wrongly signed commit is refused. Failover while the trainer publishes (CLUSTER
+FAILOVER on a replica, SIGKILL of a master) loses no committed version; a version its master
+acknowledged but never replicated is lost in a takeover unless the publisher WAITs for a replica
+(redis.wait_replicas), and a publish whose WAIT times out commits nothing. The cluster runs on
+ports of its own, so the normal stack is untouched."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -22,10 +29,18 @@ import redis
 from rose.config import RedisConfig, StackConfig
 from rose.stack import LocalStack, free_port
 from rose.stack.ports import listening
+from rose.stack.redis_cluster import CLUSTER_SIZE, MASTERS, NODE_TIMEOUT_MS
 from rose.weights.entries import to_fields
 from rose.weights.follower import FileStateStore, WeightFollower
 from rose.weights.layout import flatten, make_layout
-from rose.weights.stream import ClusterUnavailable, WeightPublisher, redis_client, weight_keys
+from rose.weights.stream import (
+    ClusterUnavailable,
+    ReplicationTimeout,
+    WeightPublisher,
+    redis_client,
+    unavailable_errors,
+    weight_keys,
+)
 
 SHARD = 16 << 10
 SPECS = {"w": ("bfloat16", (40_000,)), "b": ("float32", (3_000,)), "step": ("int64", ())}
@@ -48,18 +63,18 @@ def _versions(n: int, seed: int = 0) -> list[tuple[dict, np.ndarray]]:
 
 
 def _free_base() -> int:
-    """A Redis port whose three next ports and their cluster bus ports (+10000) are free."""
+    """A Redis port whose six next ports and their cluster bus ports (+10000) are free."""
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(12000, 22000)  # all below the ephemeral range (32768-)
-        if not any(listening(p) or listening(p + 10000) for p in range(base + 1, base + 4)):
+        if not any(listening(p) or listening(p + 10000) for p in range(base + 1, base + 1 + CLUSTER_SIZE)):
             return base
     raise RuntimeError("no free ports for a Redis Cluster")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A three-node Redis Cluster started by the code behind `rose stack up --redis-cluster`."""
+    """A Redis Cluster (3 masters, 3 replicas) started by the code behind `rose stack up --redis-cluster`."""
     root = tmp_path_factory.mktemp("redis-cluster") / ".rose-stack"
     scfg = dataclasses.replace(StackConfig(), data_dir=str(root), redis_port=_free_base(), kafka_port=free_port())
     st = LocalStack(scfg, f"127.0.0.1:{scfg.kafka_port}", f"redis://127.0.0.1:{scfg.redis_port}/0")
@@ -340,26 +355,29 @@ def _wait(what: str, cond, timeout_s: float = 60.0) -> None:
 @pytest.mark.stack
 def test_rose_weights_follow_on_the_cluster_outlives_a_node_down(rc, rcfg, cluster, tmp_path):
     """The CLI follower, given the cluster by ROSE_REDIS__CLUSTER_NODES and
-    ROSE_REDIS__SHARD_STREAMS, applies a WeightPublisher's versions; a node holding one of the
-    shard streams stops (the other masters answer CLUSTERDOWN once they mark it failed) and comes
-    back; the follower waits, says so, and ends at the last version, bit-exact, each applied once."""
+    ROSE_REDIS__SHARD_STREAMS, applies a WeightPublisher's versions; the master holding one of
+    the shard streams and its replica stop (the other masters answer CLUSTERDOWN once they mark
+    it failed) and come back; the follower waits, says so, and ends at the last version,
+    bit-exact, each applied once."""
     vs = _versions(4, seed=7)
     key = "cluster-key"
     pub = _publisher(rc, rcfg, keyframe_every=100, hmac_key=key)
     for arrays, _ in vs[:2]:
         _publish(pub, arrays)
     keys = weight_keys(rcfg, "m")
-    down = cluster.redis_cluster_ports[1]  # holds shard stream 1 only
-    assert rc.get_node_from_key(keys.shard_stream(1)).port == down
+    down = _master_of(rc, keys.shard_stream(1))  # holds shard stream 1 only
     # not the commit stream's node, nor redis-py's default node (COMMAND GETKEYS for every XREAD):
     # the follower's reads reach the other masters, which answer CLUSTERDOWN
     assert rc.get_node_from_key(keys.stream).port != down and rc.get_default_node().port != down
+    # the master and its replica: no failover, the slots stay uncovered until they come back
+    stopped = [down, *cluster.redis_cluster_topology()[down]]
     out = tmp_path / "w"
     p = _follow_cli(rcfg, out, until=4, hmac_key=key)
     log = tmp_path / "follow.log"
     try:
         _wait("version 2 on disk", lambda: (got := FileStateStore(out).load()) is not None and got[0].version == 2)
-        assert cluster._stop("redis-cluster-1", 10.0)
+        for port in stopped:
+            assert cluster._stop(cluster.redis_cluster_node_name(port), 10.0)
         try:
             _wait("the follower to say the cluster is down", lambda: b"ClusterDownError" in log.read_bytes(), 40)
             assert p.poll() is None, log.read_text()  # waiting, not dead
@@ -424,3 +442,379 @@ def test_a_worker_config_carries_the_cluster_to_the_worker(rc, rcfg):
         assert np.array_equal(ws.follower.receiver.visible().flat, flat)
     finally:
         ws.follower.redis.close()
+
+
+# -- failover ---------------------------------------------------------------------------------
+
+
+def _node(port: int) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
+
+
+def _role(port: int) -> str:
+    r = _node(port)
+    try:
+        return r.execute_command("ROLE")[0].decode()
+    except (redis.RedisError, OSError):
+        return "down"
+    finally:
+        r.close()
+
+
+def _master_of(rc, key: str) -> int:
+    """The port of the master serving `key`'s slot now (the client's slot map refreshed first)."""
+    rc.nodes_manager.initialize()
+    return rc.get_node_from_key(key).port
+
+
+def _retry(what: str, fn, timeout_s: float = 30.0):
+    """fn(), again while the cluster is away (a node down, a failover under way)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fn()
+        except unavailable_errors():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.1)
+
+
+def _kill(cluster, port: int) -> None:
+    """SIGKILL the node on `port` (a child of this process: reaped here)."""
+    pid = int(cluster._pidfile(cluster.redis_cluster_node_name(port)).read_text())
+    os.kill(pid, signal.SIGKILL)
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+class _Paused:
+    """CLIENT PAUSE WRITE on a replica: what its master sends it waits, unapplied, while paused
+    (and is dropped with the link if the master dies meanwhile); its master's WAIT counts it not."""
+
+    def __init__(self, port: int):
+        self.r = _node(port)
+
+    def __enter__(self):
+        self.r.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+        return self
+
+    def __exit__(self, *exc):
+        self.r.execute_command("CLIENT", "UNPAUSE")
+        self.r.close()
+
+
+def _lose_unreplicated(cluster, master: int, act) -> int:
+    """With `master`'s replica paused, `act()`; then SIGKILL `master` and make the replica take
+    over without it (CLUSTER FAILOVER TAKEOVER): what `act` wrote to `master` alone is gone. The
+    new master's port."""
+    [replica] = cluster.redis_cluster_topology()[master]
+    with _Paused(replica) as paused:
+        act()
+        _kill(cluster, master)
+        paused.r.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        _wait("the replica to take over", lambda: _role(replica) == "master", 10)
+    return replica
+
+
+def _committed_on(port: int, keys) -> tuple[int, int]:
+    """(version, seq) of the last commit entry in the commit stream on the node on `port`."""
+    r = _node(port)
+    try:
+        [(_, fields)] = r.xrevrange(keys.stream, count=1)
+        return int(fields[b"version"]), int(fields[b"seq"])
+    finally:
+        r.close()
+
+
+@pytest.mark.stack
+def test_the_cluster_is_three_masters_each_with_a_replica(cluster):
+    topology = cluster.redis_cluster_topology()
+    ports = cluster.redis_cluster_ports
+    assert len(ports) == CLUSTER_SIZE == 6 and ports == list(range(cluster.scfg.redis_port + 1, ports[0] + 6))
+    assert len(topology) == MASTERS and all(len(r) == 1 for r in topology.values())
+    assert sorted(p for m, r in topology.items() for p in (m, *r)) == ports
+    for port in ports:
+        r = _node(port)
+        assert r.config_get("cluster-node-timeout") == {"cluster-node-timeout": str(NODE_TIMEOUT_MS)}
+        r.close()
+    assert cluster.redis_cluster_nodes == ",".join(f"127.0.0.1:{p}" for p in ports)
+    print(f"cluster-node-timeout {NODE_TIMEOUT_MS} ms; masters and their replicas {topology}")
+
+
+def _digest(flat: np.ndarray) -> bytes:
+    return hashlib.blake2b(flat.tobytes(), digest_size=16).digest()
+
+
+class _Recording(WeightFollower):
+    """A follower noting each version it makes visible, with its bytes' digest."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen: list[tuple[int, bytes]] = []
+        self.unblocked: list[str] = []  # the errors `follow` waited out
+
+    def _offer_commit(self, fields):
+        v = super()._offer_commit(fields)
+        if v is not None:
+            self.seen.append((v, _digest(self.receiver.visible().flat)))
+        return v
+
+    def _say_unavailable(self, e: BaseException) -> None:
+        self.unblocked.append(f"{type(e).__name__}: {e}")
+        super()._say_unavailable(e)
+
+
+class _Trainer(threading.Thread):
+    """Publishes `states` in turn, `pace_s` apart, on a client of its own until `stop`, and
+    publishes a state again when its publish raised (a node away, a WAIT short):
+    `published` {version: digest} of each publish that returned, `errors` what raised."""
+
+    def __init__(self, rcfg: RedisConfig, states, pace_s: float = 0.05):
+        super().__init__(daemon=True)
+        self.rcfg, self.states, self.pace_s = rcfg, states, pace_s
+        self.stop = threading.Event()
+        self.published: dict[int, bytes] = {}
+        self.errors: list[BaseException] = []
+        self.rc = redis_client(rcfg)
+
+    def run(self) -> None:
+        pub = _publisher(self.rc, self.rcfg, keyframe_every=4)
+        i = 0
+        while i < len(self.states) and not self.stop.is_set():
+            arrays, flat = self.states[i]
+            try:
+                s = _publish(pub, arrays)
+            except (ReplicationTimeout, redis.ResponseError, *unavailable_errors()) as e:
+                self.errors.append(e)
+                self.stop.wait(0.1)
+                continue
+            self.published[s.version] = _digest(flat)
+            i += 1
+            self.stop.wait(self.pace_s)
+        self.rc.close()
+
+
+def _follow(f: _Recording, stop: threading.Event) -> None:
+    """f.follow until `stop`: a node away, or a master turned replica ending a blocked XREAD
+    (UNBLOCKED: NodeFailedOver), is waited out inside `follow` and noted in f.unblocked."""
+    f.follow(block_ms=100, stop=stop)
+
+
+def _publish_through(cluster, rcfg, fail_over, tmp_path) -> tuple[_Trainer, _Recording]:
+    """A trainer publishing and a follower following (each on a thread of its own) while
+    `fail_over()` runs, until five versions after it; the follower then catches up."""
+    trainer = _Trainer(rcfg, _versions(400, seed=21))
+    f = _Recording(redis_client(rcfg), rcfg, "m", FileStateStore(tmp_path))
+    stop = threading.Event()
+    follower = threading.Thread(target=_follow, args=(f, stop), daemon=True)
+    trainer.start()
+    follower.start()
+    try:
+        _wait("three versions published", lambda: len(trainer.published) >= 3, 30)
+        fail_over()
+        n = len(trainer.published)
+        _wait("five versions after the failover", lambda: len(trainer.published) >= n + 5, 60)
+    finally:
+        trainer.stop.set()
+        trainer.join(30)
+    final = max(trainer.published)
+    try:
+        _wait(
+            "the follower at the last version", lambda: (s := f.receiver.visible()) is not None and s.version >= final
+        )
+    finally:
+        stop.set()
+        follower.join(30)
+        f.redis.close()
+    return trainer, f
+
+
+def _every_version_once(trainer: _Trainer, f: _Recording) -> None:
+    versions = [v for v, _ in f.seen]
+    assert versions == sorted(set(versions)), versions  # each once, in order
+    seen = dict(f.seen)
+    assert {v: seen.get(v) for v in trainer.published} == trainer.published  # none missed, bit-exact
+    sent = {_digest(flat) for _, flat in trainer.states}
+    assert all(d in sent for d in seen.values())  # nothing half-applied
+    assert f.stats.duplicates == 0 and f.stats.checksum_errors == 0 and f.stats.refused == 0
+
+
+@pytest.mark.stack
+def test_a_manual_failover_while_publishing_loses_no_version(rc, rcfg, cluster, tmp_path):
+    """CLUSTER FAILOVER on the replica of the commit stream's master (the master pauses its
+    clients until the replica has everything, then hands over): without WAIT, no version lost."""
+    keys = weight_keys(rcfg, "m")
+    took: dict[str, float] = {}
+
+    def fail_over() -> None:
+        master = _master_of(rc, keys.stream)
+        [replica] = cluster.redis_cluster_topology()[master]
+        t0 = time.monotonic()
+        assert _node(replica).execute_command("CLUSTER", "FAILOVER") == b"OK"
+        _wait("the replica to be master", lambda: _role(replica) == "master", 20)
+        took["promoted"] = time.monotonic() - t0
+        _wait("the old master to replicate it", lambda: _role(master) == "slave", 20)
+        took["swapped"] = time.monotonic() - t0
+
+    trainer, f = _publish_through(cluster, rcfg, fail_over, tmp_path)
+    print(
+        f"CLUSTER FAILOVER: replica master after {took['promoted']:.2f}s, old master its replica after "
+        f"{took['swapped']:.2f}s; {len(trainer.published)} versions, errors {trainer.errors}, follower unblocked {f.unblocked}"
+    )
+    _every_version_once(trainer, f)
+    _wait("the cluster alive", cluster.redis_cluster_alive, 30)
+
+
+@pytest.mark.stack
+def test_a_killed_master_fails_over_while_publishing_with_wait(rc, rcfg, cluster, tmp_path):
+    """SIGKILL of a master holding a shard stream while the trainer publishes with WAIT for one
+    replica: publishes raise until its replica is elected (and, WAIT wanting a replica, the
+    killed node is back as the new master's replica); the trainer publishes again; the follower
+    sees every version a publish returned, once, bit-exact."""
+    wcfg = dataclasses.replace(rcfg, wait_replicas=1, wait_timeout_ms=500)
+    keys = weight_keys(wcfg, "m")
+    took: dict[str, float] = {}
+
+    def fail_over() -> None:
+        master = _master_of(rc, keys.shard_stream(1))
+        assert master != _master_of(rc, keys.stream)  # not the commit's: WAIT before it covers all it lists
+        [replica] = cluster.redis_cluster_topology()[master]
+        t0 = time.monotonic()
+        _kill(cluster, master)
+        _wait("the replica to be elected", lambda: _role(replica) == "master", 30)
+        took["elected"] = time.monotonic() - t0
+        cluster.redis_cluster_up()  # the killed node back, as the new master's replica
+        took["replicated"] = time.monotonic() - t0
+        assert cluster.redis_cluster_topology()[replica] == [master]
+
+    trainer, f = _publish_through(cluster, wcfg, fail_over, tmp_path)
+    print(
+        f"SIGKILL of a master (cluster-node-timeout {NODE_TIMEOUT_MS} ms): replica elected after "
+        f"{took['elected']:.2f}s, killed node its replica after {took['replicated']:.2f}s; "
+        f"{len(trainer.published)} versions; {len(trainer.errors)} publishes raised: "
+        f"{sorted({type(e).__name__ for e in trainer.errors})}"
+    )
+    _every_version_once(trainer, f)
+
+
+def _on_version_1(rc, rcfg: RedisConfig, seed: int):
+    """Three states, the weight keys, a publisher that published the first, a follower on it,
+    and that version's commit seq."""
+    vs = _versions(3, seed=seed)
+    pub = _publisher(rc, rcfg, keyframe_every=100)
+    f = WeightFollower(rc, rcfg, "m")
+    _publish(pub, vs[0][0])
+    assert f.poll(0) == 1
+    keys = weight_keys(rcfg, "m")
+    return vs, keys, pub, f, int(rc.hget(keys.meta, "last_seq"))
+
+
+@pytest.mark.stack
+def test_without_wait_a_takeover_loses_an_acknowledged_version(rc, rcfg, cluster):
+    """The hole WAIT closes: version 2 acknowledged by the commit stream's master, read from it
+    by a follower, never replicated; the master dies and its replica takes over without it.
+    The new master's last commit is version 1: a new follower ends there, while the one that
+    read version 2 holds a version the cluster no longer has."""
+    vs, keys, pub, early, committed_v1 = _on_version_1(rc, rcfg, seed=11)
+
+    def act() -> None:
+        assert _publish(pub, vs[1][0]).version == 2  # acknowledged
+        assert early.poll(0) == 2  # and read
+        assert _committed_on(master, keys)[0] == 2
+
+    master = _master_of(rc, keys.stream)
+    try:
+        new = _lose_unreplicated(cluster, master, act)
+        assert _committed_on(new, keys) == (1, committed_v1)  # version 2's commit is gone
+        assert _node(new).hget(keys.meta, "version") == b"1"
+        late = WeightFollower(rc, rcfg, "m")
+        assert _retry("a late follower", lambda: late.poll(0)) == 1
+        assert np.array_equal(late.receiver.visible().flat, vs[0][1])
+        assert early.receiver.visible().version == 2 and np.array_equal(early.receiver.visible().flat, vs[1][1])
+        assert _retry("a follower reading on", lambda: early.poll(0)) is None
+        assert early.newest() == 1  # behind what it shows
+    finally:
+        cluster.redis_cluster_up()
+
+
+@pytest.mark.stack
+def test_with_wait_a_takeover_leaves_followers_on_a_version_the_new_master_holds(rc, rcfg, cluster):
+    """The same takeover with redis.wait_replicas 1: the publish of version 2 raises (its shard
+    entries not replicated) and writes no commit, so no follower ever sees it; after the takeover
+    followers are on version 1, the new master's last commit; the trainer publishes again."""
+    wcfg = dataclasses.replace(rcfg, wait_replicas=1, wait_timeout_ms=300)
+    vs, keys, pub, f, committed_v1 = _on_version_1(rc, wcfg, seed=12)
+    master = _master_of(rc, keys.stream)
+
+    def act() -> None:
+        with pytest.raises(ReplicationTimeout, match=r"version 2: 0 of 1 replicas") as e:
+            _publish(pub, vs[1][0])
+        assert (e.value.committed, e.value.reached, e.value.node) == (False, 0, f"127.0.0.1:{master}")
+        assert f.poll(0) is None and _committed_on(master, keys) == (1, committed_v1)
+
+    try:
+        new = _lose_unreplicated(cluster, master, act)
+        assert _committed_on(new, keys) == (1, committed_v1) and _node(new).hget(keys.meta, "version") == b"1"
+        assert _retry("the follower reading on", lambda: f.poll(0)) is None
+        assert f.receiver.visible().version == 1 and np.array_equal(f.receiver.visible().flat, vs[0][1])
+        late = WeightFollower(rc, wcfg, "m")
+        assert _retry("a late follower", lambda: late.poll(0)) == 1
+    finally:
+        cluster.redis_cluster_up()  # the killed master back as the new one's replica: WAIT can be met
+    s = _retry("the trainer publishing again", lambda: _publish(pub, vs[1][0]))
+    assert (s.version, s.keyframe) == (2, True)
+    assert f.poll(0) == 2 and np.array_equal(f.receiver.visible().flat, vs[1][1])
+    assert f.stats.applied_versions == [1, 2] and late.poll(0) == 2
+
+
+@pytest.mark.stack
+def test_a_publish_whose_wait_times_out_raises_and_commits_nothing(rc, rcfg, cluster):
+    wcfg = dataclasses.replace(rcfg, wait_replicas=1, wait_timeout_ms=200)
+    vs, keys, pub, f, _ = _on_version_1(rc, wcfg, seed=13)
+    master = _master_of(rc, keys.shard_stream(2))
+    [replica] = cluster.redis_cluster_topology()[master]
+    with _Paused(replica):
+        t0 = time.monotonic()
+        with pytest.raises(ReplicationTimeout, match=r"0 of 1 replicas .*no commit entry written.*200 ms") as e:
+            _publish(pub, vs[1][0])
+        assert time.monotonic() - t0 >= 0.2 and not e.value.committed
+    last_commit = int(rc.hget(keys.meta, "last_seq"))
+    assert rc.hget(keys.meta, "version") == b"1" and _committed_on(_master_of(rc, keys.stream), keys)[0] == 1
+    tails = [int(rc.xinfo_stream(keys.shard_stream(i))["last-generated-id"].split(b"-")[1]) for i in range(3)]
+    assert max(tails) > last_commit  # its shard entries are there, no commit lists them
+    assert f.poll(0) is None and np.array_equal(f.receiver.visible().flat, vs[0][1])
+    s = _publish(pub, vs[1][0])  # the trainer publishes again, the replica answering
+    assert (s.version, s.keyframe) == (2, True) and s.seq_first > max(tails)
+    assert f.poll(0) == 2 and np.array_equal(f.receiver.visible().flat, vs[1][1])
+    # more replicas wanted than there are: the count reached is said
+    with pytest.raises(ReplicationTimeout, match=r"version 3: 1 of 2 replicas"):
+        _publish(_publisher(rc, dataclasses.replace(wcfg, wait_replicas=2)), vs[2][0])
+    assert f.poll(0) is None and f.stats.applied_versions == [1, 2]
+
+
+@pytest.mark.stack
+def test_wait_on_a_single_redis_without_a_replica(cluster):
+    """One stream on a single Redis: the commit goes with its shards, WAIT after it; with no
+    replica to count, the publish raises once the version is committed (followers see it) and
+    says so; wait_replicas 0 publishes on. Negative settings are refused."""
+    cluster.redis_up()
+    try:
+        cfg = RedisConfig(url=cluster.redis_url, key_prefix=f"t{uuid.uuid4().hex[:10]}:")
+        r = redis_client(cfg)
+        vs = _versions(2, seed=14)
+        waiting = _publisher(r, dataclasses.replace(cfg, wait_replicas=1, wait_timeout_ms=100))
+        with pytest.raises(ReplicationTimeout, match=r"version 1: 0 of 1 replicas .*its commit entry") as e:
+            _publish(waiting, vs[0][0])
+        assert e.value.committed and e.value.node == cfg.safe_url
+        f = WeightFollower(r, cfg, "m")
+        assert f.poll(0) == 1 and np.array_equal(f.receiver.visible().flat, vs[0][1]) and f.newest() == 1
+        assert _publish(_publisher(r, cfg), vs[1][0]).version == 2 and f.poll(0) == 2
+        with pytest.raises(ValueError, match="redis.wait_replicas -1"):
+            _publisher(r, dataclasses.replace(cfg, wait_replicas=-1))
+        one_stream = dataclasses.replace(cfg, cluster_nodes="127.0.0.1:1", wait_replicas=1)
+        with pytest.raises(ValueError, match=r"on a Redis Cluster needs redis.shard_streams > 0"):
+            _publisher(r, one_stream)
+        r.close()
+    finally:
+        cluster.redis_down()

@@ -31,8 +31,8 @@ class StackLayout:
     def _ports(self, name: str) -> list[int]:
         """The TCP ports a service of this stack listens on, its client port first."""
         s = self.scfg
-        if name == "redis-cluster":  # `up --redis-cluster`: its three nodes' client ports
-            return [s.redis_port + 1 + i for i in range(3)]
+        if name == "redis-cluster":  # `up --redis-cluster`: its six nodes' client ports (3 masters, 3 replicas)
+            return [s.redis_port + 1 + i for i in range(6)]
         if name.startswith("redis-cluster-"):  # node i: its client port, then its cluster bus
             port = s.redis_port + 1 + int(name.rsplit("-", 1)[1])
             return [port, port + 10000]

@@ -17,8 +17,8 @@ def free_port() -> int:
 PORT_ENV = {
     "kafka": ["KAFKA_PORT", "CONTROLLER_PORT", "SASL_PORT", "TLS_PORT"],
     "redis": ["REDIS_PORT"],
-    "redis-cluster": ["REDIS_PORT"],  # `up --redis-cluster`: the three ports after it
-    **{f"redis-cluster-{i}": ["REDIS_PORT"] for i in range(3)},
+    "redis-cluster": ["REDIS_PORT"],  # `up --redis-cluster`: the six ports after it
+    **{f"redis-cluster-{i}": ["REDIS_PORT"] for i in range(6)},
     "jaeger": ["JAEGER_QUERY_PORT", "JAEGER_OTLP_GRPC_PORT", "JAEGER_OTLP_HTTP_PORT"],
 }
 

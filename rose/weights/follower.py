@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import redis
 
 from rose.config import RedisConfig
 from rose.obs import metrics
@@ -64,6 +65,12 @@ class ReceiverStats:
     unsupported: int = 0  # entries of an unknown wire format (another release of the publisher)
     resyncs: int = 0
     applied_versions: list[int] = field(default_factory=list)  # versions made visible, in order
+
+
+class NodeFailedOver(redis.ConnectionError):
+    """A blocked XREAD its node ended on turning replica (UNBLOCKED ... master -> replica): a
+    failover in progress, waited out like a node that is away (a ConnectionError, so every
+    loop that retries `unavailable_errors` retries it)."""
 
 
 class _Diverged(Exception):
@@ -355,7 +362,12 @@ class WeightFollower:
         block = block_ms or None  # Redis reads BLOCK 0 as "forever"; 0 here means "do not wait"
         reseeked = False
         while True:
-            reply = self.redis.xread({self.stream: self._cursor}, count=self.batch, block=block)
+            try:
+                reply = self.redis.xread({self.stream: self._cursor}, count=self.batch, block=block)
+            except redis.ResponseError as e:
+                if str(e).startswith("UNBLOCKED"):
+                    raise NodeFailedOver(str(e)) from e
+                raise
             block = None  # wait only for the first batch
             if not reply:
                 break
@@ -475,10 +487,11 @@ class WeightFollower:
                 if type(e) is not said[0] or time.monotonic() - said[1] >= 30:
                     said = (type(e), time.monotonic())
                     self._say_unavailable(e)
+                pause = 0.0 if isinstance(e, NodeFailedOver) else 0.5  # a new master answers at once
                 if stop is not None:
-                    stop.wait(0.5)
+                    stop.wait(pause)
                 else:
-                    time.sleep(0.5)
+                    time.sleep(pause)
                 continue
             snap = self.receiver.visible()
             if v is not None:

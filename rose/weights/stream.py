@@ -13,6 +13,9 @@ shard entries go to N shard streams whose hash tags put them on different slots 
 over the cluster's nodes), and the `commit` entry, written only after every shard entry is
 acknowledged, goes alone to the commit stream `{prefix}weights:{model}`; it lists the seq range
 each shard stream holds of the version. `weight_keys` names the keys (docs/weights.md).
+With `redis.wait_replicas` n > 0 a version's writes count only once n replicas hold them
+(WAIT on each shard stream's node before the commit, then on the commit's); a WAIT short of n
+raises ReplicationTimeout (docs/weights.md, "Failover and WAIT").
 """
 
 from __future__ import annotations
@@ -71,6 +74,24 @@ class VersionConflict(ValueError):
     argument at fault."""
 
     field = "version"
+
+
+class ReplicationTimeout(RuntimeError):
+    """A publish whose writes fewer than `redis.wait_replicas` replicas acknowledged within
+    `redis.wait_timeout_ms` (WAIT on the node holding them). `committed` False: shard entries
+    were not replicated, so no commit entry was written; followers stay on the previous version
+    and the trainer publishes again (the next version is a keyframe). `committed` True: the
+    commit entry (and the meta hash) are written on `node` but not yet replicated; the version
+    is visible, and lost if `node` fails before its replica has it."""
+
+    def __init__(self, node: str, wanted: int, reached: int, timeout_ms: int, version: int, committed: bool):
+        self.node, self.wanted, self.reached, self.timeout_ms = node, wanted, reached, timeout_ms
+        self.version, self.committed = version, committed
+        what = "its commit entry" if committed else "its shard entries (no commit entry written)"
+        super().__init__(
+            f"weights version {version}: {reached} of {wanted} replicas (redis.wait_replicas) acknowledged "
+            f"{what} on {node} within {timeout_ms} ms (redis.wait_timeout_ms)"
+        )
 
 
 @dataclass(frozen=True)
@@ -239,6 +260,16 @@ class WeightPublisher:
         self.compress = compress
         self.workers = workers
         self.keep_keyframes = max(1, keep_keyframes)
+        if rcfg.wait_replicas < 0 or rcfg.wait_timeout_ms < 0:
+            raise ValueError(
+                f"redis.wait_replicas {rcfg.wait_replicas}, redis.wait_timeout_ms {rcfg.wait_timeout_ms}: "
+                "neither may be negative"
+            )
+        if rcfg.wait_replicas and rcfg.cluster_nodes.strip() and not self.keys.shard_streams:
+            # one stream and its meta hash hash to two slots: no one connection to WAIT on
+            raise ValueError("redis.wait_replicas on a Redis Cluster needs redis.shard_streams > 0")
+        self.wait_replicas, self.wait_timeout_ms = rcfg.wait_replicas, rcfg.wait_timeout_ms
+        self.where = rcfg.cluster_nodes if rcfg.cluster_nodes.strip() else rcfg.safe_url
         self.log = get_logger("rose.weights.publisher", model=model)
         self._layout: Layout | None = None
         self._view: np.ndarray | None = None  # the receivers' bytes
@@ -404,24 +435,71 @@ class WeightPublisher:
         """The commit entry's fields as written (a test hook: a publisher dying before its commit)."""
         return to_fields(commit, self.key)
 
-    def _xadd_all(self, entries, stream_of, on_entry=None) -> tuple[int, int]:
+    def _xadd_all(self, entries, stream_of, on_entry=None, wait: bool = False) -> tuple[int, int]:
         """XADD each entry to `stream_of(entry)`, pipelined `_PIPELINE_BYTES` at a time, all
-        stored on return; (payload bytes, entries)."""
-        pipe = self.redis.pipeline(transaction=False)
+        stored on return, and with `wait` replicated (`_flush`: ReplicationTimeout, not
+        committed, if not); (payload bytes, entries)."""
+        pipes: dict[str, Any] = {}
         pending = sent = n = 0
+        version = 0
         for entry in entries:
-            pipe.xadd(stream_of(entry), to_fields(entry, self.key), id=entry.stream_id)
+            key = stream_of(entry)
+            self._pipe(pipes, key, wait).xadd(key, to_fields(entry, self.key), id=entry.stream_id)
             if on_entry is not None:
                 on_entry(entry)
             pending += len(entry.payload)
             sent += len(entry.payload)
             n += 1
+            version = entry.version
             if pending >= _PIPELINE_BYTES:
-                pipe.execute()
+                self._raise_short(self._flush(pipes, wait), version, committed=False)
                 pending = 0
             self._seq = entry.seq
-        pipe.execute()
+        self._raise_short(self._flush(pipes, wait), version, committed=False)
         return sent, n
+
+    def _pipe(self, pipes: dict[str, Any], key: str, wait: bool) -> Any:
+        """The pipeline writing `key`: the client's own, or with `wait` on a Redis Cluster one on
+        the connection of the node holding `key`, where WAIT counts the replicas holding what
+        that connection wrote (and, the replication stream being one, all written before)."""
+        node = self.redis.get_node_from_key(key) if wait and hasattr(self.redis, "get_node_from_key") else None
+        where = node.name if node is not None else ""
+        if where not in pipes:
+            pipes[where] = (self.redis if node is None else node.redis_connection).pipeline(transaction=False)
+        return pipes[where]
+
+    def _flush(self, pipes: dict[str, Any], wait: bool) -> list[tuple[str, int]]:
+        """Execute each pipeline holding commands, with `wait` ending in WAIT wait_replicas
+        wait_timeout_ms; the (node, replicas reached) of each WAIT short of wait_replicas. A
+        node's error (MOVED after a failover, a refused connection) refreshes the cluster
+        client's slot map before it is raised, so the next publish writes to the new master."""
+        short = []
+        for where, pipe in pipes.items():
+            if not len(pipe):
+                continue
+            if wait:
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            try:
+                replies = pipe.execute()
+            except Exception:
+                self._refresh_slots()
+                raise
+            if wait and int(replies[-1]) < self.wait_replicas:
+                short.append((where or self.where, int(replies[-1])))
+        return short
+
+    def _refresh_slots(self) -> None:
+        manager = getattr(self.redis, "nodes_manager", None)
+        if manager is not None:
+            try:
+                manager.initialize()
+            except Exception:  # the cluster is away: the next command finds it again
+                pass
+
+    def _raise_short(self, short: list[tuple[str, int]], version: int, committed: bool) -> None:
+        if short:
+            node, reached = short[0]
+            raise ReplicationTimeout(node, self.wait_replicas, reached, self.wait_timeout_ms, version, committed)
 
     def _send(self, layout: Layout, version: int, patches, keyframe: bool) -> tuple[int, int, int, int]:
         first = self._seq + 1
@@ -436,7 +514,10 @@ class WeightPublisher:
             pipe.xtrim(self.stream, minid=f"0-{kept[0][0]}", approximate=False)
         else:
             pipe.hset(self.meta, mapping=meta)
-        pipe.execute()
+        # one stream (a single Redis): the commit is in the same writes as its shards; WAIT
+        # after the meta hash, on its connection, counts replicas holding all of them
+        wait = self.wait_replicas > 0
+        self._raise_short(self._flush({"": pipe}, wait), version, committed=True)
         return first, self._seq, n, sent
 
     def _send_sharded(self, layout: Layout, version: int, patches, keyframe: bool) -> tuple[int, int, int, int]:
@@ -452,11 +533,13 @@ class WeightPublisher:
             r = ranges.setdefault(entry.shard % n, [entry.seq, entry.seq, 0])
             r[1], r[2] = entry.seq, r[2] + 1
 
-        # every shard entry is stored before the commit names it
+        # every shard entry is stored (with wait_replicas, replicated) before the commit names it
+        wait = self.wait_replicas > 0
         sent, count = self._xadd_all(
             self._shard_entries(layout, version, patches, keyframe),
             lambda e: self.keys.shard_stream(e.shard % n),
             track,
+            wait,
         )
         streams = [[i, *ranges[i]] for i in sorted(ranges)]
         commit = self._commit_entry(layout, version, patches, keyframe, first, self._seq + 1, streams)
@@ -468,7 +551,9 @@ class WeightPublisher:
             kept = orjson.loads(self.redis.hget(self.meta, "keyframes") or b"[]")
             kept = (kept + [[first, version]])[-self.keep_keyframes :]
             meta.update(keyframes=orjson.dumps(kept), keyframe_seq=first, keyframe_version=version)
-        self.redis.xadd(self.stream, fields, id=commit.stream_id)  # the version is visible now
+        pipes: dict[str, Any] = {}
+        self._pipe(pipes, self.stream, wait).xadd(self.stream, fields, id=commit.stream_id)
+        short = self._flush(pipes, wait)  # the version is visible now
         self._seq = commit.seq
         self.redis.hset(self.meta, mapping=meta)  # only after a stored commit (same hash tag, same node)
         if keyframe:
@@ -476,4 +561,5 @@ class WeightPublisher:
             for key in [self.stream] + [self.keys.shard_stream(i) for i in range(n)]:
                 pipe.xtrim(key, minid=f"0-{kept[0][0]}", approximate=False)
             pipe.execute()
+        self._raise_short(short, version, committed=True)
         return first, self._seq, count + 1, sent
