@@ -33,6 +33,9 @@ class KafkaConfig:
     topic_prefix: str = "rose."
     partitions: int = 8
     replication: int = 1
+    # the topics' min.insync.replicas (0 = the broker's default): with acks=all a write needs this
+    # many in-sync replicas; 2 with replication 3 on the three-node cluster (`rose stack up --brokers 3`)
+    min_insync_replicas: int = 0
     librdkafka: Mapping[str, str] = field(default_factory=dict)
 
     def topic(self, name: str) -> str:
@@ -225,6 +228,10 @@ class StackConfig:
     tls_port: int = 9095  # SSL listener (throw-away local CA under data_dir/tls)
     redis_port: int = 6379
     kafka_heap: str = "512m"
+    # `up --brokers 3`: three KRaft nodes (broker+controller each), node i on PLAINTEXT
+    # kafka_cluster_port + i and CONTROLLER kafka_cluster_port + 100 + i (9192-9194, 9292-9294)
+    kafka_cluster_port: int = 9192
+    kafka_cluster_heap: str = "384m"  # per node
     jaeger_version: str = "v1.76.0"  # Go module version of github.com/jaegertracing/jaeger (`up --jaeger`)
     jaeger_otlp_grpc_port: int = 4317
     jaeger_otlp_http_port: int = 4318

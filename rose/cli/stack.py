@@ -5,6 +5,21 @@ from __future__ import annotations
 import typer
 
 
+def _echo_kafka_cluster(s, brokers: int) -> None:
+    """`up --brokers 3`: the cluster's bootstrap and the settings that put the contract on it."""
+    if brokers == 3:
+        typer.echo(
+            f"kafka cluster:   {s.kafka_cluster_bootstrap}; ROSE_KAFKA_BOOTSTRAP={s.kafka_cluster_bootstrap} "
+            "ROSE_KAFKA__REPLICATION=3 ROSE_KAFKA__MIN_INSYNC_REPLICAS=2"
+        )
+
+
+def _kafka_cluster_note(s, service: str, required: set[str]) -> str:
+    if service != "kafka-cluster":
+        return ""
+    return f" ({s.kafka_cluster_bootstrap})" if service in required else " (not started; rose stack up --brokers 3)"
+
+
 def register(app: typer.Typer) -> None:
     stack = typer.Typer(
         help="The local Apache Kafka (KRaft) + Redis (+ Jaeger) stack on loopback.", no_args_is_help=True
@@ -30,7 +45,13 @@ def register(app: typer.Typer) -> None:
         redis_cluster: bool = typer.Option(
             False,
             "--redis-cluster",
-            help="Also run a 3-node Redis Cluster (the three ports after Redis's) for sharded weight streams.",
+            help="Also run a Redis Cluster, 3 masters + 3 replicas (the six ports after Redis's), for sharded weight streams.",
+        ),
+        brokers: int = typer.Option(
+            1,
+            "--brokers",
+            help="3: also run a 3-node KRaft Kafka cluster (RF 3, min ISR 2) on ports 9192-9194 "
+            "(controllers 9292-9294; stack.kafka_cluster_port moves them).",
         ),
     ) -> None:
         """Start Kafka and Redis (idempotent); wait until both answer. Says whose stack it uses
@@ -40,7 +61,7 @@ def register(app: typer.Typer) -> None:
 
         s = _stack()
         try:
-            s.up(jaeger=jaeger, own=own, redis_cluster=redis_cluster)
+            s.up(jaeger=jaeger, own=own, redis_cluster=redis_cluster, brokers=brokers)
         except StackError as e:
             fail(str(e), code=1)
         typer.echo(f"kafka bootstrap: {s.kafka_bootstrap}")
@@ -50,6 +71,7 @@ def register(app: typer.Typer) -> None:
                 f"redis cluster:   {s.redis_cluster_nodes}; ROSE_REDIS__CLUSTER_NODES={s.redis_cluster_nodes} "
                 "ROSE_REDIS__SHARD_STREAMS=3"
             )
+        _echo_kafka_cluster(s, brokers)
         if jaeger:
             typer.echo(f"jaeger ui:       {s.jaeger_query_url}")
             typer.echo(
@@ -66,14 +88,16 @@ def register(app: typer.Typer) -> None:
     @stack.command("status")
     def status() -> None:
         """Exit 0 only when both Kafka and Redis answer (and Jaeger, if `up --jaeger` started it;
-        the Redis Cluster, cluster_state ok, if `up --redis-cluster` did). Names the other
+        the Redis Cluster, cluster_state ok, if `up --redis-cluster` did; the Kafka cluster,
+        three brokers and every partition led, if `up --brokers 3` did). Names the other
         stack when one answers on this stack's ports."""
         s = _stack()
-        st = s.status(jaeger=True, redis_cluster=True)
+        st = s.status(jaeger=True, redis_cluster=True, kafka_cluster=True)
         required = (
             {"kafka", "redis"}
             | ({"jaeger"} if s.jaeger_started() else set())
             | ({"redis-cluster"} if s.redis_cluster_started() else set())
+            | ({"kafka-cluster"} if s.kafka_cluster_started() else set())
         )
         theirs = {h.service: h for h in s.foreign(list(st))}
         for k, v in st.items():
@@ -88,6 +112,7 @@ def register(app: typer.Typer) -> None:
                     if k in required
                     else " (not started; rose stack up --redis-cluster)"
                 )
+            note = note or _kafka_cluster_note(s, k, required)
             typer.echo(f"{k}: {'up' if v else 'down'}{note}")
         raise typer.Exit(0 if all(st[k] for k in required) else 1)
 

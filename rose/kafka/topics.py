@@ -15,13 +15,15 @@ LARGE = {"max.message.bytes": str(MAX_RECORD_BYTES)}
 
 
 def topic_specs(kcfg: KafkaConfig) -> dict[str, dict[str, str]]:
-    """Topic name -> topic config, for every topic ROSE uses."""
+    """Topic name -> topic config, for every topic ROSE uses; with `kafka.min_insync_replicas`
+    set, each topic's min.insync.replicas (otherwise the broker's default applies)."""
+    isr = {"min.insync.replicas": str(kcfg.min_insync_replicas)} if kcfg.min_insync_replicas > 0 else {}
     return {
-        kcfg.telemetry_topic: {"retention.ms": str(24 * 3600 * 1000), **LARGE},
-        kcfg.commands_topic: {"retention.ms": str(7 * 24 * 3600 * 1000), **LARGE},
-        kcfg.lease_state_topic: {**COMPACTED, **LARGE},
-        kcfg.topic("scheduler-state"): {**COMPACTED, **LARGE},
-        kcfg.dlq_topic: {"retention.ms": str(14 * 24 * 3600 * 1000), **LARGE},
+        kcfg.telemetry_topic: {"retention.ms": str(24 * 3600 * 1000), **LARGE, **isr},
+        kcfg.commands_topic: {"retention.ms": str(7 * 24 * 3600 * 1000), **LARGE, **isr},
+        kcfg.lease_state_topic: {**COMPACTED, **LARGE, **isr},
+        kcfg.topic("scheduler-state"): {**COMPACTED, **LARGE, **isr},
+        kcfg.dlq_topic: {"retention.ms": str(14 * 24 * 3600 * 1000), **LARGE, **isr},
     }
 
 
@@ -60,7 +62,8 @@ def report_missing_topics(kcfg: KafkaConfig, missing: list[str], log, service: s
 
 
 def create_topics(kcfg: KafkaConfig, timeout_s: float = 30.0) -> dict[str, str]:
-    """Create every topic; returns name -> 'created' | 'exists'. Raises on other errors."""
+    """Create every topic with `kafka.partitions` partitions of `kafka.replication` replicas (and
+    `kafka.min_insync_replicas`); returns name -> 'created' | 'exists'. Raises on other errors."""
     admin = make_admin(kcfg)
     new = [
         NewTopic(name, num_partitions=kcfg.partitions, replication_factor=kcfg.replication, config=conf)

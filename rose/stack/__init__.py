@@ -11,10 +11,15 @@ with in-memory storage, every listener on loopback) for looking at the OpenTelem
 Each stack writes root/stack.json (where its `up` ran): a stack finding another one on its
 ports says whose it is, and `up --own` (used by `make test`) refuses to run on it.
 
-`up --redis-cluster` adds a three-node Redis Cluster (the three ports after Redis's; for the
-weights' shard streams, `redis.cluster_nodes`).
+`up --redis-cluster` adds a Redis Cluster of three masters and their three replicas (the six
+ports after Redis's; for the weights' shard streams, `redis.cluster_nodes`).
+
+`up --brokers 3` adds a three-node Kafka cluster (KRaft, each node broker and controller, on
+`kafka_cluster_port` + i and controllers on + 100 + i: 9192-9194 and 9292-9294; replication 3,
+min.insync.replicas 2, lowered failure-detection timeouts; docs/stack.md).
 
 Modules: `local` (LocalStack: up, down, status), `kafka` (the broker; `tls` its certificate),
+`kafka_cluster` (the three-node cluster),
 `redis`, `redis_cluster`, `jaeger`, `ownership` (whose stack holds these ports), `processes` (stopping what this
 stack started), `layout` (state dir and ports), `ports`, `errors`.
 """

@@ -22,6 +22,21 @@ from rose.stack.tls import ensure_local_tls
 
 POM = REPO_ROOT / "deploy" / "kafka" / "pom.xml"
 
+# server.properties every node of the stack has (the single broker and the cluster's nodes)
+NODE_DEFAULTS = {
+    "num.partitions": "1",
+    "offsets.topic.num.partitions": "8",
+    "transaction.state.log.num.partitions": "8",
+    "group.initial.rebalance.delay.ms": "0",
+    "auto.create.topics.enable": "false",
+    # hostile-input tests produce 10 MB values; they must reach the broker to reach the dlq
+    "message.max.bytes": str(16 << 20),
+    "replica.fetch.max.bytes": str(16 << 20),
+    "log.segment.bytes": str(64 << 20),
+    "log.cleaner.dedupe.buffer.size": str(16 << 20),
+    "log.retention.hours": "24",
+}
+
 
 def kafka_cluster_id() -> str:
     """A random KRaft cluster id as Kafka makes one (`Uuid.randomUuid`): url-safe base64 of 16
@@ -100,22 +115,12 @@ class KafkaBroker(StackProcesses):
             "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required;",
             "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required;",
             "log.dirs": str(self.root / "kafka-data"),
-            "num.partitions": "1",
             "offsets.topic.replication.factor": "1",
-            "offsets.topic.num.partitions": "8",
             "transaction.state.log.replication.factor": "1",
             "transaction.state.log.min.isr": "1",
-            "transaction.state.log.num.partitions": "8",
             "share.coordinator.state.topic.replication.factor": "1",
             "share.coordinator.state.topic.min.isr": "1",
-            "group.initial.rebalance.delay.ms": "0",
-            "auto.create.topics.enable": "false",
-            # hostile-input tests produce 10 MB values; they must reach the broker to reach the dlq
-            "message.max.bytes": str(16 << 20),
-            "replica.fetch.max.bytes": str(16 << 20),
-            "log.segment.bytes": str(64 << 20),
-            "log.cleaner.dedupe.buffer.size": str(16 << 20),
-            "log.retention.hours": "24",
+            **NODE_DEFAULTS,
         }
         if tls:
             props["listeners"] += f",SSL://127.0.0.1:{s.tls_port}"
@@ -128,19 +133,8 @@ class KafkaBroker(StackProcesses):
 
     def _write_config(self) -> Path:
         props = self.root / "server.properties"
-        props.write_text("".join(f"{k}={v}\n" for k, v in self.server_properties().items()))
-        (self.root / "log4j2.properties").write_text(
-            "rootLogger.level=INFO\nrootLogger.appenderRef.file.ref=file\n"
-            "appender.file.type=RollingFile\nappender.file.name=file\n"
-            f"appender.file.fileName={self.root}/kafka-server.log\n"
-            f"appender.file.filePattern={self.root}/kafka-server.log.%i\n"
-            "appender.file.layout.type=PatternLayout\n"
-            "appender.file.layout.pattern=[%d] %p %m (%c)%n\n"
-            "appender.file.policies.type=Policies\n"
-            "appender.file.policies.size.type=SizeBasedTriggeringPolicy\n"
-            "appender.file.policies.size.size=20MB\n"
-            "appender.file.strategy.type=DefaultRolloverStrategy\nappender.file.strategy.max=2\n"
-        )
+        write_properties(props, self.server_properties())
+        write_log4j(self.root)
         return props
 
     def _java(self) -> str:
@@ -154,91 +148,114 @@ class KafkaBroker(StackProcesses):
             return
         self.root.mkdir(parents=True, exist_ok=True)
         self.fetch_kafka()
-        java = self._java()
         props = self._write_config()
-        cp = f"{self.libs}/*"
-        data = self.root / "kafka-data"
-        if not (data / "meta.properties").exists():
-            cluster_id = kafka_cluster_id()
-            r = subprocess.run(
+        if not (self.root / "kafka-data" / "meta.properties").exists():
+            self._format_storage(props, kafka_cluster_id(), "--standalone")
+        self._mark()
+        proc = self._start_kafka(props, self.root, self.scfg.kafka_heap)
+        self._pidfile("kafka").write_text(str(proc.pid))
+        self._wait_kafka(proc, self.kafka_bootstrap, self.root, timeout_s)
+
+    def _format_storage(self, props: Path, cluster_id: str, *flags: str) -> None:
+        """`kafka-storage format` of the log dirs `props` names, as cluster `cluster_id`."""
+        cmd = [self._java(), "-cp", f"{self.libs}/*", "kafka.tools.StorageTool", "format", *flags]
+        r = subprocess.run([*cmd, "-t", cluster_id, "-c", str(props)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise StackError(f"kafka storage format failed: {r.stdout[-1500:]}{r.stderr[-1500:]}")
+
+    def _start_kafka(self, props: Path, logs: Path, heap: str) -> subprocess.Popen:
+        """A Kafka node on `props` (its log4j2.properties, kafka.out and server log in `logs`),
+        in a session of its own, with a bounded heap."""
+        with open(logs / "kafka.out", "ab") as out:
+            return subprocess.Popen(
                 [
-                    java,
+                    self._java(),
+                    f"-Xmx{heap}",
+                    f"-Xms{heap}",
+                    # the pause goals of Kafka's own bin/kafka-run-class.sh (KAFKA_JVM_PERFORMANCE_OPTS):
+                    # with G1's default 200 ms goal, young collections on a 2-core machine paused the
+                    # broker 77 ms on average, and each pause lands in every decision it delays
+                    "-XX:+UseG1GC",
+                    "-XX:MaxGCPauseMillis=20",
+                    "-XX:InitiatingHeapOccupancyPercent=35",
+                    "-XX:+ExplicitGCInvokesConcurrent",
+                    "-XX:TieredStopAtLevel=1",
+                    "-Djava.awt.headless=true",
+                    f"-Dlog4j2.configurationFile={logs}/log4j2.properties",
+                    f"-Dkafka.logs.dir={logs}",
                     "-cp",
-                    cp,
-                    "kafka.tools.StorageTool",
-                    "format",
-                    "--standalone",
-                    "-t",
-                    cluster_id,
-                    "-c",
+                    f"{self.libs}/*",
+                    "kafka.Kafka",
                     str(props),
                 ],
-                capture_output=True,
-                text=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-            if r.returncode != 0:
-                raise StackError(f"kafka storage format failed: {r.stdout[-1500:]}{r.stderr[-1500:]}")
-        self._mark()
-        out = open(self.root / "kafka.out", "ab")
-        proc = subprocess.Popen(
-            [
-                java,
-                f"-Xmx{self.scfg.kafka_heap}",
-                f"-Xms{self.scfg.kafka_heap}",
-                # the pause goals of Kafka's own bin/kafka-run-class.sh (KAFKA_JVM_PERFORMANCE_OPTS):
-                # with G1's default 200 ms goal, young collections on a 2-core machine paused the
-                # broker 77 ms on average, and each pause lands in every decision it delays
-                "-XX:+UseG1GC",
-                "-XX:MaxGCPauseMillis=20",
-                "-XX:InitiatingHeapOccupancyPercent=35",
-                "-XX:+ExplicitGCInvokesConcurrent",
-                "-XX:TieredStopAtLevel=1",
-                "-Djava.awt.headless=true",
-                f"-Dlog4j2.configurationFile={self.root}/log4j2.properties",
-                f"-Dkafka.logs.dir={self.root}",
-                "-cp",
-                cp,
-                "kafka.Kafka",
-                str(props),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self._pidfile("kafka").write_text(str(proc.pid))
+
+    def _wait_kafka(
+        self, proc: subprocess.Popen, bootstrap: str, logs: Path, timeout_s: float, brokers: int = 1
+    ) -> None:
+        """Until `bootstrap` answers with `brokers` brokers and every partition led; StackError
+        when `proc` exits first or `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                tail = (self.root / "kafka.out").read_text(errors="replace")[-2000:]
-                raise StackError(f"Kafka exited with code {proc.returncode}; see {self.root}/kafka-server.log\n{tail}")
-            if self.kafka_alive() and self._partitions_led():
+                tail = (logs / "kafka.out").read_text(errors="replace")[-2000:]
+                raise StackError(f"Kafka exited with code {proc.returncode}; see {logs}/kafka-server.log\n{tail}")
+            if kafka_ready(bootstrap, brokers):
                 return
             time.sleep(0.3)
-        raise StackError(
-            f"Kafka did not answer on {self.kafka_bootstrap} within {timeout_s}s; see {self.root}/kafka-server.log"
-        )
+        raise StackError(f"Kafka did not answer on {bootstrap} within {timeout_s}s; see {logs}/kafka-server.log")
 
     def kafka_alive(self, timeout_s: float = 2.0) -> bool:
-        from rose.kafka.admin import AdminClient, KafkaException
-
-        try:
-            md = AdminClient(
-                {"bootstrap.servers": self.kafka_bootstrap, "socket.timeout.ms": 1000, "log_level": 0}
-            ).list_topics(timeout=timeout_s)
-            return bool(md.brokers)
-        except KafkaException:
-            return False
-
-    def _partitions_led(self) -> bool:
-        """After a restart the broker answers before it leads its partitions again; clients
-        see NOT_LEADER until then. Ready means every partition has a leader."""
-        from rose.kafka.admin import AdminClient, KafkaException
-
-        try:
-            md = AdminClient({"bootstrap.servers": self.kafka_bootstrap, "log_level": 0}).list_topics(timeout=5)
-        except KafkaException:
-            return False
-        return all(p.leader >= 0 and p.error is None for t in md.topics.values() for p in t.partitions.values())
+        return len(kafka_brokers(self.kafka_bootstrap, timeout_s)) > 0
 
     def kafka_down(self, timeout_s: float = 30.0) -> bool:
         return self._stop("kafka", timeout_s)
+
+
+def kafka_brokers(bootstrap: str, timeout_s: float = 2.0) -> set[int]:
+    """The node ids of the brokers in the metadata `bootstrap` answers with (empty when nothing answers)."""
+    from rose.kafka.admin import AdminClient, KafkaException
+
+    try:
+        md = AdminClient({"bootstrap.servers": bootstrap, "socket.timeout.ms": 1000, "log_level": 0}).list_topics(
+            timeout=timeout_s
+        )
+    except KafkaException:
+        return set()
+    return set(md.brokers)
+
+
+def kafka_ready(bootstrap: str, brokers: int = 1, timeout_s: float = 5.0) -> bool:
+    """At least `brokers` brokers in the metadata, and every partition led. After a restart a
+    broker answers before it leads its partitions again (clients see NOT_LEADER until then)."""
+    from rose.kafka.admin import AdminClient, KafkaException
+
+    try:
+        md = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}).list_topics(timeout=timeout_s)
+    except KafkaException:
+        return False
+    led = all(p.leader >= 0 and p.error is None for t in md.topics.values() for p in t.partitions.values())
+    return len(md.brokers) >= brokers and led
+
+
+def write_properties(path: Path, props: dict[str, str]) -> None:
+    path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+
+
+def write_log4j(logs: Path) -> None:
+    """log4j2.properties in `logs`: the server log, logs/kafka-server.log, rolled at 20 MB."""
+    (logs / "log4j2.properties").write_text(
+        "rootLogger.level=INFO\nrootLogger.appenderRef.file.ref=file\n"
+        "appender.file.type=RollingFile\nappender.file.name=file\n"
+        f"appender.file.fileName={logs}/kafka-server.log\n"
+        f"appender.file.filePattern={logs}/kafka-server.log.%i\n"
+        "appender.file.layout.type=PatternLayout\n"
+        "appender.file.layout.pattern=[%d] %p %m (%c)%n\n"
+        "appender.file.policies.type=Policies\n"
+        "appender.file.policies.size.type=SizeBasedTriggeringPolicy\n"
+        "appender.file.policies.size.size=20MB\n"
+        "appender.file.strategy.type=DefaultRolloverStrategy\nappender.file.strategy.max=2\n"
+    )

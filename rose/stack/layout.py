@@ -36,6 +36,11 @@ class StackLayout:
         if name.startswith("redis-cluster-"):  # node i: its client port, then its cluster bus
             port = s.redis_port + 1 + int(name.rsplit("-", 1)[1])
             return [port, port + 10000]
+        if name == "kafka-cluster":  # `up --brokers 3`: its three nodes' PLAINTEXT ports
+            return [s.kafka_cluster_port + i for i in range(3)]
+        if name.startswith("kafka-cluster-"):  # node i: PLAINTEXT, then CONTROLLER
+            port = s.kafka_cluster_port + int(name.rsplit("-", 1)[1])
+            return [port, port + 100]
         return {
             "kafka": [s.kafka_port, s.controller_port, s.sasl_port, s.tls_port],
             "redis": [s.redis_port],

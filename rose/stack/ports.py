@@ -19,6 +19,8 @@ PORT_ENV = {
     "redis": ["REDIS_PORT"],
     "redis-cluster": ["REDIS_PORT"],  # `up --redis-cluster`: the six ports after it
     **{f"redis-cluster-{i}": ["REDIS_PORT"] for i in range(6)},
+    "kafka-cluster": ["KAFKA_CLUSTER_PORT"],  # `up --brokers 3`: node i on it + i, controller + 100 + i
+    **{f"kafka-cluster-{i}": ["KAFKA_CLUSTER_PORT"] for i in range(3)},
     "jaeger": ["JAEGER_QUERY_PORT", "JAEGER_OTLP_GRPC_PORT", "JAEGER_OTLP_HTTP_PORT"],
 }
 
