@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import redis
 
 from rose.config import RedisConfig
 from rose.obs import metrics
@@ -32,7 +31,7 @@ from rose.obs.logs import get_logger
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json
-from rose.weights.stream import MAX_SHARD_STREAMS, unavailable_errors, weight_keys
+from rose.weights.stream import MAX_SHARD_STREAMS, node_failed_over, unavailable_errors, weight_keys
 
 REJECTED = metrics.counter(
     "rose_weights_entries_rejected_total",
@@ -65,12 +64,6 @@ class ReceiverStats:
     unsupported: int = 0  # entries of an unknown wire format (another release of the publisher)
     resyncs: int = 0
     applied_versions: list[int] = field(default_factory=list)  # versions made visible, in order
-
-
-class NodeFailedOver(redis.ConnectionError):
-    """A blocked XREAD its node ended on turning replica (UNBLOCKED ... master -> replica): a
-    failover in progress, waited out like a node that is away (a ConnectionError, so every
-    loop that retries `unavailable_errors` retries it)."""
 
 
 class _Diverged(Exception):
@@ -364,9 +357,9 @@ class WeightFollower:
         while True:
             try:
                 reply = self.redis.xread({self.stream: self._cursor}, count=self.batch, block=block)
-            except redis.ResponseError as e:
-                if str(e).startswith("UNBLOCKED"):
-                    raise NodeFailedOver(str(e)) from e
+            except Exception as e:
+                if type(e).__name__ == "ResponseError" and str(e).startswith("UNBLOCKED"):
+                    raise node_failed_over()(str(e)) from e
                 raise
             block = None  # wait only for the first batch
             if not reply:
@@ -487,7 +480,7 @@ class WeightFollower:
                 if type(e) is not said[0] or time.monotonic() - said[1] >= 30:
                     said = (type(e), time.monotonic())
                     self._say_unavailable(e)
-                pause = 0.0 if isinstance(e, NodeFailedOver) else 0.5  # a new master answers at once
+                pause = 0.0 if isinstance(e, node_failed_over()) else 0.5  # a new master answers at once
                 if stop is not None:
                     stop.wait(pause)
                 else:

@@ -228,6 +228,17 @@ def unavailable_errors() -> tuple[type[BaseException], ...]:
     return (redis.ConnectionError, redis.TimeoutError, ClusterError, TryAgainError, RedisClusterException)
 
 
+@functools.cache
+def node_failed_over() -> type[Exception]:
+    """NodeFailedOver: a blocked XREAD its node ended on turning replica (UNBLOCKED ... master ->
+    replica), raised by the follower in place of redis-py's ResponseError. A failover in
+    progress, waited out like a node that is away: a ConnectionError, so every loop that
+    retries `unavailable_errors` retries it. Made on first use: redis is imported lazily here."""
+    import redis
+
+    return type("NodeFailedOver", (redis.ConnectionError,), {"__doc__": node_failed_over.__doc__})
+
+
 class WeightPublisher:
     """`publish(state_dict)` after each optimizer step; the Python API behind `rose weights publish`."""
 

@@ -14,7 +14,7 @@ naming what is wrong, and returns what it counted.
   through. Only a GPU whose executor ended a lease at or before its first unexplained command
   may fall back to the structural rules (unique ids, epochs strictly increasing from grant to
   grant, renew/revoke carrying the epoch of their lease, no renew after a revoke); every GPU
-  gets those, and at least `min_exact` GPUs must be exact (the full-system tests: every GPU).
+  gets those, and at least `min_exact` GPUs must be exact.
 - transactions: what read_uncommitted sees beyond read_committed in `commands` and
   `scheduler-state` is output of aborted transactions (`audit_aborted`); every record of a
   transaction open when the scheduler was killed must be one of them.
