@@ -238,6 +238,7 @@ def test_leader_killed_transactions_go_on_and_the_node_rejoins(cluster, kcfg):
 
 # ---- 2. the whole system on the cluster, through node faults ---------------------------------
 KILLS = 5
+GPUS = 4  # simulated GPUs of the system under node faults, every one audited exact
 DURATION_S = 170.0  # the load outlasts the seven faults (done by 109-126 s in the runs measured; a node took up to 36 s to rejoin)
 # a passing run's figures go here when ROSE_WRITE_MEASURED is set (docs/measured/cpu/kafka-cluster-faults.json)
 MEASURED = Path(__file__).resolve().parents[1] / "docs" / "measured" / "cpu" / "kafka-cluster-faults.json"
@@ -331,7 +332,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def test_system_under_node_faults(cluster, kcfg, stack, base_cfg, tmp_path, monkeypatch):
+def test_system_under_node_faults(cluster, kcfg, stack, base_cfg, tmp_path):
     """Fault: the whole system (scheduler, executor with 4 simulated GPUs and its leased
     workers, a dedicated worker, trainer, follower, telemetry feeder) runs on the cluster while
     the leader of a telemetry or commands partition is SIGKILLed 5 times (restarted each time),
@@ -340,12 +341,11 @@ def test_system_under_node_faults(cluster, kcfg, stack, base_cfg, tmp_path, monk
     exact against the pure policy outside the fault windows (injection to the first decision
     committed after the node is back in every ISR, plus lease TTL and revoke deadline).
     Measured: seconds from each kill to the next committed decision (n, p50, max)."""
-    monkeypatch.setattr(system, "N_GPUS", 4)
     redis = dataclasses.replace(base_cfg.redis, url=stack.redis_url, key_prefix=f"{kcfg.topic_prefix[:-1]}:")
     cfg = dataclasses.replace(base_cfg, kafka=kcfg, redis=redis)
     rng, seed = system.fault_rng("kafka-cluster")
     boot, ttl = kcfg.bootstrap, cfg.policy.ttl_s
-    sysm = system.System(cfg, tmp_path, duration_s=DURATION_S, seed=7)
+    sysm = system.System(cfg, tmp_path, duration_s=DURATION_S, seed=7, gpus=GPUS)
     dec = Decisions(kcfg)
     faults: list[dict] = []
     try:
@@ -358,7 +358,7 @@ def test_system_under_node_faults(cluster, kcfg, stack, base_cfg, tmp_path, monk
         faults.append(node_fault(cluster, dec, "stop", leader_of(boot, kcfg.commands_topic, 0), ttl))
         faults_end = time.time() - sysm.t0
         codes = sysm.finish(drain_s=120)
-        counts = sysm.audit(rebuilds=[f["window"] for f in faults], min_exact=system.N_GPUS)
+        counts = sysm.audit(rebuilds=[f["window"] for f in faults], min_exact=GPUS)
     except BaseException:
         sysm.print_log_tails()
         raise
@@ -384,7 +384,7 @@ def report_faults(faults: list[dict], counts: dict, seed: int, faults_end: float
         "sigstop_to_next_committed_decision_s": [f["decision_s"] for f in faults if f["kind"] == "stop"],
         "recovered_s": {f["kind"] + f"@{i}": f["recovered_s"] for i, f in enumerate(faults)},
         "timeouts": FAILURE_DETECTION,
-        "gpus": system.N_GPUS,
+        "gpus": GPUS,
         "seed": seed,
         "faults_done_at_s": round(faults_end, 1),
         "audit": counts,

@@ -151,8 +151,10 @@ class System:
         versions: int = 6,
         tasks_per_wave: int = 12,
         seed: int = 1,
+        gpus: int = N_GPUS,
     ):
         self.cfg, self.tmp, self.duration_s, self.versions = cfg, tmp_path, duration_s, versions
+        self.gpus = gpus  # simulated GPUs: the executor's, the agent's and the feeder's
         self.tasks_per_wave = tasks_per_wave
         self.logs = tmp_path / "logs"
         self.logs.mkdir()
@@ -172,7 +174,7 @@ class System:
         rose = [sys.executable, "-m", "rose"]
         self.procs = {
             "scheduler": Proc("scheduler", rose + ["scheduler", "--instance", "fs"], self.env, self.logs),
-            "executor": Proc("executor", rose + ["executor", "--simulate", str(N_GPUS)], self.env, self.logs),
+            "executor": Proc("executor", rose + ["executor", "--simulate", str(gpus)], self.env, self.logs),
             "follower": Proc(
                 "follower",
                 rose
@@ -195,7 +197,7 @@ class System:
         if agent_trace is not None:
             self.procs["agent"] = Proc(
                 "agent",
-                rose + ["agent", "--simulate", str(agent_trace), "--gpus", str(N_GPUS), "--speed", "4"],
+                rose + ["agent", "--simulate", str(agent_trace), "--gpus", str(gpus), "--speed", "4"],
                 self.env,
                 self.logs,
             )
@@ -211,6 +213,10 @@ class System:
         self.t0 = time.time()
         self._stop = threading.Event()
         self._stopping = threading.Event()
+        # the trainer publishes its last version once this is set: the follower exits at that
+        # version, so a test killing the follower holds it until its kills have landed
+        self.last_version_gate = threading.Event()
+        self.last_version_gate.set()
         self.worker_restarts = 0
         self._threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
@@ -274,10 +280,10 @@ class System:
         self._threads.append(t)
 
     def _feed(self) -> None:
-        """Calm/spiky telemetry (rose.telemetry_workload) for sim/0..1, each event produced
+        """Calm/spiky telemetry (rose.telemetry_workload) for sim/0 .. sim/{gpus-1}, each event produced
         at its own timestamp, so leases are granted, renewed and revoked in real time."""
         n = int(self.duration_s / 0.5)
-        events = workload(N_GPUS, n, seed=self.seed, t0=time.time() + 0.5, prefix="sim")
+        events = workload(self.gpus, n, seed=self.seed, t0=time.time() + 0.5, prefix="sim")
         # buffers and retries through a broker outage (without a log line per reconnect attempt)
         p = make_producer(self.cfg.kafka, logger=QUIET)
         for ev in events:
@@ -300,6 +306,8 @@ class System:
         for v, state in enumerate(trainer_states(self.seed, self.versions), 1):
             if self._stop.wait(every if v > 1 else 2.0):
                 return
+            if v == self.versions:
+                self.last_version_gate.wait(self.duration_s + 120)
             deadline = time.monotonic() + 60
             while True:
                 try:

@@ -82,6 +82,8 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
     executor_kills: list[float] = []
     orphans_exit_s: list[float] = []
     open_at_kills: list[dict] = []
+    if target == "follower":  # the follower exits at the last version: it comes after the kills
+        sysm.last_version_gate.clear()
     try:
         sysm.start()
         sysm.wait_loaded()
@@ -127,6 +129,7 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
             else:
                 p.start()
             fault["restarted"] += 1
+        sysm.last_version_gate.set()
         if sysm.extra_waves:
             fault["extra_waves"] = sysm.extra_waves
         if target == "executor":
@@ -144,6 +147,7 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
         sysm.print_log_tails()
         raise
     finally:
+        sysm.last_version_gate.set()
         sysm.stop_all()
     counts["trainer"] = {"versions": sysm.published, "redis_retries": sysm.trainer_retries}
     report(f"sigkill-{target}", fault, counts, codes, sysm.stop_s)
