@@ -4,7 +4,10 @@ on vLLM (both sides, the revoke) on the local stack (slow: vLLM starts three tim
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import socket
 import subprocess
 import sys
 
@@ -53,7 +56,7 @@ def test_the_report_keeps_the_contract_fields():
     d = gb.Side([10_000_000] * 8, [16] * 8, 2.0)
     g = gb.Side([20_000_000] * 8, [16] * 8, 4.0)
     revoke = gb.revoke_accounting([(i, i) for i in range(4)], [0, 1, 2, 3], [0, 1, 2, 3], 4)
-    out = gb.report({"name": "vllm", "version": "x", "device": "cpu"}, d, g, revoke, {"max_tokens": 16})
+    out = gb.report({"name": "vllm", "version": "x", "device": "cpu"}, [d], [g], revoke, {"max_tokens": 16})
     assert out["engine"] == {"name": "vllm", "version": "x", "device": "cpu"}
     assert out["turns_per_s_ratio_gateway_over_direct"] == 0.5 and out["ratio_over_goal"] == round(0.5 / 0.9, 3)
     assert out["ttft_ms"] == {
@@ -62,6 +65,30 @@ def test_the_report_keeps_the_contract_fields():
     }
     assert out["direct"]["turns_per_s"] == 4.0 and out["gateway"]["turns_per_s"] == 2.0
     assert {"complete", "tokens_lost", "tokens_repeated"} <= set(out["revoke_mid_turn"])
+
+
+def test_rounds_pool_into_one_side_per_side_and_each_round_keeps_its_ratio():
+    d = [gb.Side([10_000_000] * 8, [16] * 8, 2.0, cpu_s={"p": 1.0}), gb.Side([30_000_000] * 8, [16] * 8, 4.0)]
+    g = [gb.Side([20_000_000] * 8, [16] * 8, 2.0, cpu_s={"p": 2.0}), gb.Side([20_000_000] * 8, [16] * 8, 2.0)]
+    out = gb.report({}, d, g, {}, {"max_tokens": 16}, first=["direct", "gateway"])
+    assert out["rounds"] == 2 and out["first_in_round"] == ["direct", "gateway"]
+    assert out["direct"]["n"] == 16 and out["direct"]["turns_per_s"] == round(16 / 6.0, 3)
+    assert out["gateway"]["turns_per_s"] == 4.0 and out["gateway"]["cpu_s"] == {"p": 2.0}
+    assert out["turns_per_s_ratio_gateway_over_direct"] == 1.5  # 6 s of direct against 4 s of gateway
+    rr = out["turns_per_s_ratio_rounds"]
+    assert rr["by_round"] == [1.0, 2.0] and (rr["min"], rr["median"], rr["max"]) == (1.0, 1.5, 2.0)
+    assert out["ttft_ms"]["direct"]["p99_ms"] == 30.0
+
+
+@given(st.lists(st.tuples(st.floats(0.01, 100.0), st.floats(0.01, 100.0)), min_size=1, max_size=12))
+def test_the_pooled_ratio_lies_within_the_rounds_ratios(walls):
+    """Equal turns per round on both sides: the pooled ratio (a mediant of the rounds') is within their range."""
+    d = [gb.Side([1] * 8, [1] * 8, wd) for wd, _ in walls]
+    g = [gb.Side([1] * 8, [1] * 8, wg) for _, wg in walls]
+    out = gb.report({}, d, g, {}, {"max_tokens": 1})
+    rr, r = out["turns_per_s_ratio_rounds"], out["turns_per_s_ratio_gateway_over_direct"]
+    assert len(rr["by_round"]) == len(walls) and rr["min"] <= rr["median"] <= rr["max"]
+    assert rr["min"] - 0.002 <= r <= rr["max"] + 0.002  # each figure rounded to 3 digits
 
 
 def test_the_load_is_the_same_for_the_same_turns_and_below_the_vocabulary():
@@ -140,12 +167,20 @@ def test_dropped_and_doubled_indexes_are_counted(final, drop, double):
 # -- the command line -------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def socket_on_free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
 @pytest.mark.parametrize(
     "args,says",
     [
         (["--turns", "-1"], "--turns -1"),
         (["--max-tokens", "100000"], "--max-tokens 100000"),
         (["--concurrency", "0"], "--concurrency 0"),
+        (["--rounds", "-2"], "--rounds -2"),
         (["--model", "/nowhere"], "--model '/nowhere'"),
         (["--engine", "hf"], "--engine 'hf'"),
     ],
@@ -156,6 +191,20 @@ def test_bad_arguments_get_one_line_and_exit_2(args, says):
     )
     assert p.returncode == 2 and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and says in p.stderr
+
+
+def test_redis_away_gets_one_line_naming_it_and_exit_2(tmp_path):
+    pytest.importorskip("vllm", reason="the bench refuses to start without vLLM first")
+    with socket_on_free_port() as port:  # bound, never listening: refused
+        p = subprocess.run(
+            [sys.executable, "-m", "rose", "bench", "gateway", "--json", "--quick"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "ROSE_REDIS_URL": f"redis://127.0.0.1:{port}/0"},
+        )
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert p.stderr.count("\n") == 1 and f"Redis at redis://127.0.0.1:{port}/0 is unreachable" in p.stderr
 
 
 def test_other_benches_refuse_the_gateway_options():
@@ -173,15 +222,17 @@ def test_other_benches_refuse_the_gateway_options():
 @pytest.mark.timeout(900)
 def test_a_small_run_reports_the_ratio_ttft_and_a_complete_revoke(cfg, tiny_checkpoint):
     pytest.importorskip("vllm", reason="the vLLM environment is installed by `make test` (docs/engines.md)")
-    out = gb.run(cfg, quick=True, model=str(tiny_checkpoint), turns=16, max_tokens=16)
+    out = gb.run(cfg, quick=True, model=str(tiny_checkpoint), turns=16, max_tokens=16, rounds=2)
     orjson.dumps(out)  # JSON as it is
     assert out["engine"]["name"] == "vllm" and out["engine"]["device"] == "cpu" and out["engine"]["version"]
     r = out["turns_per_s_ratio_gateway_over_direct"]
     assert isinstance(r, float) and math.isfinite(r) and r > 0
+    assert out["rounds"] == 2 and out["first_in_round"] == ["direct", "gateway"]
+    assert all(x is not None and x > 0 for x in out["turns_per_s_ratio_rounds"]["by_round"])
     for side in ("gateway", "direct"):
         t = out["ttft_ms"][side]
-        assert t["n"] == 16 and 0 < t["p50_ms"] <= t["p99_ms"]
-        assert out[side]["n"] == 16 and out[side]["turns_per_s"] > 0 and out[side]["turns_short"] == 0
+        assert t["n"] == 32 and 0 < t["p50_ms"] <= t["p99_ms"]
+        assert out[side]["n"] == 32 and out[side]["turns_per_s"] > 0 and out[side]["turns_short"] == 0
     rv = out["revoke_mid_turn"]
     assert rv["complete"] is True and rv["tokens_lost"] == 0 and rv["tokens_repeated"] == 0, rv
     assert rv["revoked_mid_turn"] is True and isinstance(rv["added_latency_ms"], float), rv

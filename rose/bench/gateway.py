@@ -4,19 +4,26 @@ Both sides get the same load from the `openai` client in this process: `turns` s
 of `max_tokens` tokens (token-id prompts of `PROMPT_TOKENS` ids, seeded; `ignore_eos`), `concurrency`
 at a time, after one unmeasured warm-up round. Time to first token is request sent → first chunk
 carrying a token id; turns/s is turns over the wall time from the first send to the last answer.
-The two sides run one after the other, never together:
+Both sides' processes run from the first round to the last, and the load alternates between them
+in `rounds` rounds (the side that goes first alternates too; a round's turns are new prompts and
+seeds, the same on both sides), so a drift of the machine falls on both sides alike; one side's
+load never runs with the other's:
 
-- direct: vLLM's OpenAI server (`rose.demo.vllm_server`) on the checkpoint, stopped before the other side starts;
+- direct: vLLM's OpenAI server (`rose.demo.vllm_server`) on the checkpoint;
 - gateway: the gateway (uvicorn, in this process) over two vLLM rollout workers on the same checkpoint,
   each leased with a pause flag; the second is held at PAUSE while the load runs, so one engine
-  serves it, as on the direct side. Both sides: one OMP thread per engine, the same KV space
-  (1 GiB), max_model_len, batch slots (`concurrency`) and niceness 0.
+  serves it, as on the direct side. Both sides: one OMP thread per engine, unbound (vLLM's CPU
+  build binds its OMP threads to cores unless told `nobind`, and the workers are told so), the
+  same KV space (1 GiB), max_model_len, batch slots (`concurrency`) and niceness 0.
+
+The headline ratio is the pooled one (all rounds' turns over all rounds' wall time, per side),
+beside each round's ratio and their range; the pooled ratio lies within that range.
 
 Beside them, per side: time per output token, last token to the stream's end, the CPU seconds each
 process used during the measured load and the machine's load average; and the gateway workers' own
 engine-step times (their heartbeats).
 
-The revoke: the load's first turn, `max(max_tokens, REVOKE_MIN_TOKENS)` tokens long, streamed
+The revoke, after the rounds, with vLLM's server stopped: the load's first turn, `max(max_tokens, REVOKE_MIN_TOKENS)` tokens long, streamed
 `UNREVOKED_RUNS` times on the first worker alone, then once more with that worker set to STOP when
 the client has a quarter of its tokens, the second worker let run at that moment: the first hands
 its tokens on and the second finishes the turn. The streamed ids are compared with the turn's final
@@ -45,8 +52,8 @@ from typing import Any
 from rose.bench._stack import percentiles_ms
 
 GOAL_RATIO = 0.9  # turns/s through the gateway over turns/s direct
-TURNS, MAX_TOKENS, CONCURRENCY = 64, 64, 8
-QUICK_TURNS, QUICK_MAX_TOKENS = 16, 16
+TURNS, MAX_TOKENS, CONCURRENCY, ROUNDS = 64, 64, 8, 6
+QUICK_TURNS, QUICK_MAX_TOKENS, QUICK_ROUNDS = 16, 16, 2
 PROMPT_TOKENS = 16
 MAX_MODEL_LEN = 512
 THREADS = 1  # OMP threads per engine, both sides
@@ -54,6 +61,7 @@ REVOKE_MIN_TOKENS = 64  # the revoked turn is at least this long, so the stop la
 UNREVOKED_RUNS = 3  # the un-revoked turn's time is the median of this many runs
 JOB, MODEL = "bench-gateway", "bench-gateway"
 ENGINE_START_S = 900.0  # a vLLM engine's import and start on a busy 2-core machine
+UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # as the workers run (rose.rollout.engines.vllm_engine)
 
 
 # -- the pure part: samples to the report ---------------------------------------------------
@@ -128,20 +136,68 @@ def revoke_accounting(
     }
 
 
-def report(engine: dict, direct: Side, gateway: Side, revoke: dict, params: dict, steps: dict | None = None) -> dict:
-    """The bench's JSON (CONTRACT §6): `engine`, the ratio, `ttft_ms` of both sides, `revoke_mid_turn`;
-    `steps`: the gateway side's workers' engine-step times (`rose.bench._stack.step_report`)."""
+def pooled(sides: list[Side]) -> Side:
+    """Rounds of one side as one: their samples together, wall times and CPU seconds summed, the
+    highest load average."""
+    cpu: dict[str, float] = {}
+    for s in sides:
+        for k, v in s.cpu_s.items():
+            cpu[k] = cpu.get(k, 0.0) + v
+    loads = [s.load_average_1m for s in sides if s.load_average_1m is not None]
+    return Side(
+        ttft_ns=[x for s in sides for x in s.ttft_ns],
+        tokens=[x for s in sides for x in s.tokens],
+        wall_s=sum(s.wall_s for s in sides),
+        tpot_ns=[x for s in sides for x in s.tpot_ns],
+        tail_ns=[x for s in sides for x in s.tail_ns],
+        cpu_s=cpu,
+        load_average_1m=max(loads) if loads else None,
+    )
+
+
+def round_ratios(direct: list[Side], gateway: list[Side]) -> dict:
+    """Each round's turns/s ratio (gateway over direct) and their min, median and max."""
+    rs = [ratio(g.turns_per_s, d.turns_per_s) for d, g in zip(direct, gateway)]
+    known = sorted(r for r in rs if r is not None)
+    mid = len(known) // 2
+    median = None if not known else known[mid] if len(known) % 2 else round((known[mid - 1] + known[mid]) / 2, 3)
+    return {
+        "by_round": rs,
+        "min": known[0] if known else None,
+        "median": median,
+        "max": known[-1] if known else None,
+        "direct_turns_per_s_by_round": [d.turns_per_s for d in direct],
+        "gateway_turns_per_s_by_round": [g.turns_per_s for g in gateway],
+    }
+
+
+def report(
+    engine: dict,
+    direct: list[Side],
+    gateway: list[Side],
+    revoke: dict,
+    params: dict,
+    steps: dict | None = None,
+    first: list[str] | None = None,
+) -> dict:
+    """The bench's JSON (CONTRACT §6): `engine`, the pooled ratio beside each round's, `ttft_ms`
+    of both sides, `revoke_mid_turn`; `direct`/`gateway`: each side's rounds in order; `first`:
+    the side that went first in each round; `steps`: the gateway side's workers' engine-step
+    times (`rose.bench._stack.step_report`)."""
     mt = params["max_tokens"]
-    d, g = direct.report(mt), gateway.report(mt)
-    r = ratio(gateway.turns_per_s, direct.turns_per_s)
+    d, g = pooled(direct).report(mt), pooled(gateway).report(mt)
+    r = ratio(g["turns_per_s"], d["turns_per_s"])
     return {
         "engine": engine,
         **params,
+        "rounds": len(direct),
+        "first_in_round": first or [],
         "threads_per_engine": THREADS,
         "engines_serving_load": {"direct": 1, "gateway": 1},
         "direct": d,
         "gateway": g,
         "turns_per_s_ratio_gateway_over_direct": r,
+        "turns_per_s_ratio_rounds": round_ratios(direct, gateway),
         "goal_turns_per_s_ratio": GOAL_RATIO,
         "ratio_over_goal": round(r / GOAL_RATIO, 3) if r is not None else None,
         "ttft_ms": {"gateway": g["ttft_ms"], "direct": d["ttft_ms"]},
@@ -150,12 +206,14 @@ def report(engine: dict, direct: Side, gateway: Side, revoke: dict, params: dict
         "tpot_p50_ratio_gateway_over_direct": ratio(g["tpot_ms"]["p50_ms"], d["tpot_ms"]["p50_ms"]),
         "gateway_worker_engine_step_ms": steps or {},
         "revoke_mid_turn": revoke,
-        "note": "same load on both sides, one after the other (never together): streamed completions from the "
-        "openai client in the bench's process; direct = vLLM's own OpenAI server, gateway = the gateway in the "
-        "bench's process over vLLM rollout workers (one serving the load); ttft = request sent to the first "
-        "chunk carrying a token id, tpot = a turn's mean time between token ids after the first, "
-        "last_token_to_end = the last token id to the stream's end; cpu_s = CPU seconds each process used "
-        "during the measured load; "
+        "note": "same load on both sides, in alternating rounds (never together; both sides' processes up "
+        "throughout, the side going first alternating): streamed completions from the openai client in the "
+        "bench's process; direct = vLLM's own OpenAI server, gateway = the gateway in the bench's process over "
+        "vLLM rollout workers (one serving the load); the headline ratio and each side's figures pool every "
+        "round (turns over summed wall time), turns_per_s_ratio_rounds gives each round's; ttft = request "
+        "sent to the first chunk carrying a token id, tpot = a turn's mean time between token ids after the "
+        "first, last_token_to_end = the last token id to the stream's end; cpu_s = CPU seconds each process "
+        "(both sides') used during that side's load; "
         "gateway_worker_engine_step_ms = the workers' own timing of their engine steps (heartbeats)",
     }
 
@@ -242,22 +300,6 @@ def _client(url: str) -> Any:
     import openai
 
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-
-def run_direct(cfg: Any, model: str, log: Path, work: list, warm: list, max_tokens: int, concurrency: int) -> Side:
-    """The direct side: vLLM's OpenAI server on `model`, in the engines' interpreter (`rollout.python`)."""
-    from rose.demo.vllm_server import start_server, stop_server
-
-    srv = start_server(
-        model, log, max_model_len=MAX_MODEL_LEN, threads=THREADS, python=cfg.rollout.python, timeout_s=ENGINE_START_S
-    )
-    try:
-        client = _client(srv.url)
-        pids = {"vllm_server": srv.proc.pid} if srv.proc is not None else {}
-        drive(client, srv.model, warm, max_tokens, concurrency, pids)
-        return drive(client, srv.model, work, max_tokens, concurrency, pids)
-    finally:
-        stop_server(srv)
 
 
 class _Served:
@@ -416,38 +458,96 @@ def run_revoke(pool: _Pool, url: str, prompt: list[int], seed: int, max_tokens: 
 
 @dataclasses.dataclass
 class _Figures:
-    side: Side
+    direct: list[Side]
+    gateway: list[Side]
+    first: list[str]
     revoke: dict
     beats: list
 
 
-def run_gateway(cfg: Any, model: str, logs: Path, work: list, warm: list, max_tokens: int, concurrency: int):
-    """The gateway side (load and revoke): workers started, load driven, workers and gateway stopped."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The load: `rounds` rounds of `turns` turns of `max_tokens` tokens, `concurrency` at once."""
+
+    vocab: int
+    turns: int
+    max_tokens: int
+    concurrency: int
+    rounds: int
+
+
+def run_rounds(
+    plan: Plan, direct: tuple[Any, str], gateway: tuple[Any, str], pids: dict, say: Callable[[str], None]
+) -> tuple[list[Side], list[Side], list[str]]:
+    """The load on both sides, round by round; `direct`/`gateway`: (client, model name). Round k
+    runs the turns seeded from k × turns on each side, the first side alternating."""
+    sides: dict[str, list[Side]] = {"direct": [], "gateway": []}
+    clients = {"direct": direct, "gateway": gateway}
+    first = []
+    for k in range(plan.rounds):
+        work = load(plan.vocab, plan.turns, seed0=k * plan.turns)
+        order = ("direct", "gateway") if k % 2 == 0 else ("gateway", "direct")
+        first.append(order[0])
+        for name in order:
+            client, model = clients[name]
+            sides[name].append(drive(client, model, work, plan.max_tokens, plan.concurrency, pids))
+        say(
+            f"round {k + 1}/{plan.rounds}: direct {sides['direct'][-1].turns_per_s} turns/s, "
+            f"gateway {sides['gateway'][-1].turns_per_s} turns/s"
+        )
+    return sides["direct"], sides["gateway"], first
+
+
+def run_sides(cfg: Any, model: str, logs: Path, plan: Plan, say: Callable[[str], None]) -> _Figures:
+    """Both sides up together (vLLM's server; the gateway over two workers), warmed, the rounds
+    run; then the server stopped and the revoke run on the gateway side."""
     import redis
 
     from rose.bench._stack import last_heartbeat, private_stack
+    from rose.demo.vllm_server import start_server, stop_server
 
+    warm = load(plan.vocab, plan.concurrency, seed0=1_000_000)
     with private_stack(cfg, "gateway", kafka=False) as c:
         c = _gateway_cfg(c)
         r = redis.Redis.from_url(c.redis.url)
         try:
-            with _workers(c, r, model, logs, concurrency) as pool:
-                pool.wait_states({"w0": "running", "w1": "paused"}, ENGINE_START_S)
-                gw = _Served(c)
+            with _workers(c, r, model, logs, plan.concurrency) as pool:
+                srv = start_server(
+                    model,
+                    logs / "vllm-server.log",
+                    max_model_len=MAX_MODEL_LEN,
+                    threads=THREADS,
+                    python=cfg.rollout.python,
+                    timeout_s=ENGINE_START_S,
+                    env=UNBOUND,
+                )
                 try:
-                    client = _client(gw.url)
-                    pids = {f"worker_{w}" + (" (paused)" if w == "w1" else ""): p.pid for w, p in pool.procs.items()}
-                    for w in ("w1", "w0"):  # each engine's first steps, unmeasured
-                        pool.only(w)
-                        drive(client, MODEL, warm, max_tokens, concurrency, {})
-                    side = drive(client, MODEL, work, max_tokens, concurrency, pids)
-                    revoke = run_revoke(pool, gw.url, work[0][0], work[0][1], max(max_tokens, REVOKE_MIN_TOKENS))
-                    beats = [last_heartbeat(r, c, w) for w in ("w0", "w1")]
+                    pool.wait_states({"w0": "running", "w1": "paused"}, ENGINE_START_S)
+                    gw = _Served(c)
+                    try:
+                        direct, gateway = (_client(srv.url), srv.model), (_client(gw.url), MODEL)
+                        say("both sides up; warming each engine (unmeasured)")
+                        drive(*direct, warm, plan.max_tokens, plan.concurrency, {})
+                        for w in ("w1", "w0"):  # each worker engine's first steps
+                            pool.only(w)
+                            drive(*gateway, warm, plan.max_tokens, plan.concurrency, {})
+                        pids = {"vllm_server": srv.proc.pid} if srv.proc is not None else {}
+                        pids |= {
+                            f"worker_{w}" + (" (paused)" if w == "w1" else ""): p.pid for w, p in pool.procs.items()
+                        }
+                        d_rounds, g_rounds, first = run_rounds(plan, direct, gateway, pids, say)
+                        stop_server(srv)
+                        first_turn = load(plan.vocab, 1)[0]
+                        revoke_tokens = max(plan.max_tokens, REVOKE_MIN_TOKENS)
+                        revoke = run_revoke(pool, gw.url, first_turn[0], first_turn[1], revoke_tokens)
+                        beats = [last_heartbeat(r, c, w) for w in ("w0", "w1")]
+                    finally:
+                        gw.stop()
                 finally:
-                    gw.stop()
+                    stop_server(srv)
         finally:
             r.close()
-    return _Figures(side, revoke, beats)
+    return _Figures(d_rounds, g_rounds, first, revoke, beats)
 
 
 def _gateway_cfg(c: Any) -> Any:
@@ -501,15 +601,27 @@ def _workers(c: Any, r: Any, model: str, logs: Path, concurrency: int) -> Iterat
 
 
 def run(
-    cfg: Any, quick: bool, *, model: str = "", turns: int = 0, max_tokens: int = 0, concurrency: int = CONCURRENCY
+    cfg: Any,
+    quick: bool,
+    *,
+    model: str = "",
+    turns: int = 0,
+    max_tokens: int = 0,
+    concurrency: int = CONCURRENCY,
+    rounds: int = 0,
 ) -> dict:
     import tempfile
 
+    import redis
+
     from rose.bench._stack import engine_report, step_report
 
+    with contextlib.closing(redis.Redis.from_url(cfg.redis.url)) as r:
+        r.ping()  # Redis away: say so before making a checkpoint or starting an engine
     t0 = time.monotonic()
     turns = turns or (QUICK_TURNS if quick else TURNS)
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else MAX_TOKENS)
+    rounds = rounds or (QUICK_ROUNDS if quick else ROUNDS)
     logs = Path(tempfile.mkdtemp(prefix="rose-bench-gateway-"))  # the engines' logs, kept should the run fail
     _say(t0, f"engine logs in {logs} (removed when the run succeeds)")
     with tempfile.TemporaryDirectory(prefix="rose-bench-gateway-model-") as tmp:
@@ -519,14 +631,16 @@ def run(
             model = str(init_checkpoint(Path(tmp) / "tiny-qwen2"))
             _say(t0, f"made a tiny checkpoint at {model}")
         vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
-        work, warm = load(vocab, turns), load(vocab, concurrency, seed0=1_000_000)
-        _say(t0, f"direct: starting vLLM's OpenAI server ({turns} turns of {max_tokens} tokens, {concurrency} at once)")
-        direct = run_direct(cfg, model, logs / "vllm-server.log", work, warm, max_tokens, concurrency)
-        _say(t0, f"direct: {direct.turns_per_s} turns/s; gateway: starting two vLLM rollout workers")
-        g = run_gateway(cfg, model, logs, work, warm, max_tokens, concurrency)
-        _say(t0, f"gateway: {g.side.turns_per_s} turns/s; revoke added {g.revoke['added_latency_ms']} ms")
+        plan = Plan(vocab, turns, max_tokens, concurrency, rounds)
+        _say(
+            t0,
+            f"starting vLLM's OpenAI server and two vLLM rollout workers; then {rounds} rounds of "
+            f"{turns} turns of {max_tokens} tokens, {concurrency} at once, on each side",
+        )
+        g = run_sides(cfg, model, logs, plan, lambda m: _say(t0, m))
+        _say(t0, f"revoke added {g.revoke['added_latency_ms']} ms")
     shutil.rmtree(logs, ignore_errors=True)
     engine = engine_report(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm")), g.beats)
     params = {"turns": turns, "max_tokens": max_tokens, "concurrency": concurrency, "prompt_tokens": PROMPT_TOKENS}
     params["max_model_len"] = MAX_MODEL_LEN
-    return report(engine["engine"], direct, g.side, g.revoke, params, step_report(g.beats))
+    return report(engine["engine"], g.direct, g.gateway, g.revoke, params, step_report(g.beats), g.first)

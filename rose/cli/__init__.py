@@ -58,3 +58,26 @@ def main() -> None:
     except (ConfigError, InvalidEvent) as e:
         typer.echo(f"rose: {e}", err=True)
         sys.exit(2)
+    except Exception as e:
+        if not _redis_unreachable(e):
+            raise
+        typer.echo(
+            f"rose: {_redis_where()} is unreachable ({e}): start it (`rose stack up`) or set redis.url", err=True
+        )
+        sys.exit(2)
+
+
+def _redis_unreachable(e: BaseException) -> bool:
+    """A command that reached for Redis and found no server; checked without importing redis,
+    which only commands that use it import."""
+    r = sys.modules.get("redis")
+    return r is not None and isinstance(e, (r.ConnectionError, r.TimeoutError))
+
+
+def _redis_where() -> str:
+    try:
+        cfg = cli_config()
+    except ConfigError:
+        return "Redis"
+    nodes = cfg.redis.cluster_nodes.strip()
+    return f"Redis Cluster at {nodes}" if nodes else f"Redis at {cfg.redis.safe_url}"

@@ -20,6 +20,9 @@ def register(app: typer.Typer) -> None:
         turns: int = typer.Option(0, "--turns", help="gateway: turns measured on each side (0: the bench's default)."),
         max_tokens: int = typer.Option(0, "--max-tokens", help="gateway: tokens per turn (0: the bench's default)."),
         concurrency: int = typer.Option(8, "--concurrency", help="gateway: streams at once on each side."),
+        rounds: int = typer.Option(
+            0, "--rounds", help="gateway: rounds alternating the sides (0: the bench's default)."
+        ),
     ) -> None:
         """Run a benchmark; figures are measured in this run, goals shown beside them."""
         from rose import bench as benches
@@ -38,10 +41,10 @@ def register(app: typer.Typer) -> None:
         setup_logging("WARNING")  # stdout carries only the JSON
         cfg = cli_config()
         if name == "gateway":
-            extra = _gateway_args(mod, engine, model, (turns, max_tokens, concurrency), cfg.rollout.python)
+            extra = _gateway_args(mod, engine, model, (turns, max_tokens, concurrency, rounds), cfg.rollout.python)
             model = engine = ""
-        elif turns or max_tokens or concurrency != 8:
-            fail(f"--turns/--max-tokens/--concurrency: bench {name!r} does not take them (gateway does)")
+        elif turns or max_tokens or concurrency != 8 or rounds:
+            fail(f"--turns/--max-tokens/--concurrency/--rounds: bench {name!r} does not take them (gateway does)")
         else:
             extra = {"cycles": cycles} if cycles and name == "coelastic" else {}
         if engine or model:
@@ -67,15 +70,15 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"{k}: {v}")
 
 
-def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int], python: str) -> dict:
+def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int, int], python: str) -> dict:
     """`rose bench gateway`'s options, checked (one line and exit 2 for a bad one); `load`: turns,
-    max_tokens, concurrency; `python`: the engines' interpreter (`rollout.python`; "" = this one)."""
+    max_tokens, concurrency, rounds; `python`: the engines' interpreter (`rollout.python`; "" = this one)."""
     import importlib.util
     from pathlib import Path
 
     from rose.cli import fail
 
-    turns, max_tokens, concurrency = load
+    turns, max_tokens, concurrency, rounds = load
     if engine not in ("", "vllm"):
         fail(f"--engine {engine!r}: bench gateway runs vLLM (its own server beside the gateway's workers)")
     if model and not (Path(model) / "config.json").is_file():
@@ -88,6 +91,8 @@ def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int], pyth
         fail(f"--max-tokens {max_tokens}: expected 1..{mod.MAX_MODEL_LEN - mod.PROMPT_TOKENS} (0: the default)")
     if concurrency < 1:
         fail(f"--concurrency {concurrency}: expected at least 1")
+    if rounds < 0:
+        fail(f"--rounds {rounds}: expected a positive number (0: the default)")
     if not python and importlib.util.find_spec("vllm") is None:
         fail("bench gateway: vLLM is not installed in this environment (docs/engines.md)")
     return {
@@ -95,4 +100,5 @@ def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int], pyth
         "turns": turns,
         "max_tokens": max_tokens,
         "concurrency": concurrency,
+        "rounds": rounds,
     }
