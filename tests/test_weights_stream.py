@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import pytest
 from rose.weights.checkpoint import from_state_dict
 from rose.weights.follower import REJECTED, FileStateStore, Receiver, WeightFollower
 from rose.weights.layout import flatten, make_layout
-from rose.weights.stream import WeightPublisher
+from rose.weights.stream import ReplicationTimeout, VersionConflict, WeightPublisher, weight_keys
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.stack
@@ -231,3 +233,112 @@ def test_follow_waits_while_redis_loads_its_data(redis_client, cfg):
     f = WeightFollower(Loading(redis_client), cfg.redis, "m")
     f.follow(until_version=2, block_ms=100)
     assert f.receiver.visible().version == 2 and np.array_equal(f.receiver.visible().flat, vs[-1][1])
+
+
+def _flat(state) -> np.ndarray:
+    specs, arrays = from_state_dict(state)
+    return flatten(make_layout(specs, SHARD), arrays)
+
+
+def test_publishers_taking_turns_continue_one_stream(redis_client, cfg):
+    """Two publishers of one model (a trainer's client and the gateway, say) taking turns: each
+    publish after the other's is a keyframe on the stream's lineage, the versions run 1..n with
+    none reused, and a follower applies every version once, in order, bit-exact."""
+    rng = np.random.default_rng(8)
+    pubs = [_publisher(redis_client, cfg, keyframe_every=100, keep_keyframes=100) for _ in range(2)]
+    f = WeightFollower(redis_client, cfg.redis, "m")
+    w = rng.standard_normal(12_000, dtype=np.float32)
+    h = rng.standard_normal(30_000, dtype=np.float32)
+    turns = [0, 0, 1, 0, 1, 1, 1, 0, 0, 1]  # which publisher publishes each version
+    for i, who in enumerate(turns):
+        w = w + (rng.random(w.size) < 0.05) * rng.standard_normal(w.size, dtype=np.float32) * np.float32(1e-3)
+        h = h + rng.standard_normal(h.size, dtype=np.float32) * np.float32(1e-3)
+        state = {"w": torch.from_numpy(w.copy()), "h": torch.from_numpy(h).to(torch.bfloat16)}
+        s = pubs[who].publish(state)
+        assert s.version == i + 1
+        assert s.keyframe == (i == 0 or who != turns[i - 1]), f"version {s.version}"
+        assert f.poll(0) == i + 1 and np.array_equal(f.receiver.visible().flat, _flat(state))
+    n = len(turns)
+    assert f.stats.applied_versions == list(range(1, n + 1))
+    assert (f.stats.duplicates, f.stats.gaps, f.stats.resyncs) == (0, 0, 0)  # one lineage, seq without holes
+    entries = redis_client.xrange(pubs[0].stream)
+    assert [int(e[b"version"]) for _, e in entries if e[b"kind"] == b"commit"] == list(range(1, n + 1))
+
+
+def test_a_version_at_or_below_the_other_publishers_is_refused(redis_client, cfg):
+    vs = _versions(3, seed=12)
+    a, b = _publisher(redis_client, cfg), _publisher(redis_client, cfg)
+    assert a.publish(vs[0][0]).version == 1
+    assert b.publish(vs[1][0], version=5).version == 5
+    for version in (2, 5):  # above a's own last version, not above the stream's
+        with pytest.raises(VersionConflict, match=f"version {version} is not above the last published version 5"):
+            a.publish(vs[2][0], version=version)
+    s = a.publish(vs[2][0], version=6)
+    assert (s.version, s.keyframe) == (6, True)
+    f = WeightFollower(redis_client, cfg.redis, "m")
+    assert f.poll(0) == 6 and np.array_equal(f.receiver.visible().flat, vs[2][1])
+
+
+def test_importing_the_follower_imports_no_redis():
+    """A CUDA check imports the follower on machines without redis installed."""
+    code = "import sys, rose.weights.follower; assert 'redis' not in sys.modules, 'redis imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def _waits(r) -> int:
+    return int(r.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+
+def test_a_version_of_many_flushes_waits_once_per_node(redis_client, cfg, monkeypatch):
+    """With redis.wait_replicas the shard entries' WAIT goes once to each node that holds some,
+    in the last of the version's pipeline flushes, however many there are. Three shard streams
+    on the single Redis, each reached through a client of its own as a cluster node's would be;
+    with no replica to count, the WAITs are short and the publish raises before the commit. One
+    stream: one WAIT, after the commit."""
+    import redis
+
+    from rose.weights import stream
+
+    if redis_client.info("replication").get("connected_slaves"):
+        pytest.skip("the stack's Redis has a replica: WAIT would be met")
+    monkeypatch.setattr(stream, "_PIPELINE_BYTES", 1)  # a flush after every entry
+    rcfg = dataclasses.replace(cfg.redis, shard_streams=3, wait_replicas=1, wait_timeout_ms=20)
+    keys = weight_keys(rcfg, "m")
+    names = [f"{cfg.redis.key_prefix.rstrip(':')}-node{i}" for i in range(3)]
+    nodes = [
+        SimpleNamespace(name=name, redis_connection=redis.Redis.from_url(cfg.redis.url, client_name=name))
+        for name in names
+    ]
+    node_of = {keys.shard_stream(i): nodes[i] for i in range(3)}
+
+    class ThreeNodes:
+        """The single Redis as a cluster client holding shard stream i on node i."""
+
+        def __getattr__(self, name):
+            return getattr(redis_client, name)
+
+        def get_node_from_key(self, key):
+            return node_of.get(key, nodes[0])
+
+    vs = _versions(1, seed=13)
+    pub = WeightPublisher(ThreeNodes(), rcfg, "m", shard_bytes=SHARD, chunk_bytes=4096)
+    before = _waits(redis_client)
+    with pytest.raises(ReplicationTimeout, match=r"version 1: 0 of 1 replicas .*no commit entry written") as e:
+        pub.publish(vs[0][0])
+    assert not e.value.committed and _waits(redis_client) - before == 3
+    assert all(redis_client.xlen(keys.shard_stream(i)) > 3 for i in range(3))  # several flushes to each
+    last = {c["name"]: c["cmd"] for c in redis_client.client_list() if c["name"] in names}
+    assert last == dict.fromkeys(names, "wait")  # each node's WAIT came after its entries
+    assert redis_client.hget(keys.meta, "version") is None
+    for node in nodes:
+        node.redis_connection.close()
+
+    one = _publisher(
+        redis_client,
+        dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, wait_replicas=1, wait_timeout_ms=20)),
+    )
+    before = _waits(redis_client)
+    with pytest.raises(ReplicationTimeout, match=r"version 1: 0 of 1 replicas .*its commit entry") as e:
+        one.publish(vs[0][0])
+    assert e.value.committed and _waits(redis_client) - before == 1

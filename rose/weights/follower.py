@@ -31,7 +31,7 @@ from rose.obs.logs import get_logger
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json
-from rose.weights.stream import MAX_SHARD_STREAMS, node_failed_over, unavailable_errors, weight_keys
+from rose.weights.stream import MAX_SHARD_STREAMS, failed_over, node_failed_over, unavailable_errors, weight_keys
 
 REJECTED = metrics.counter(
     "rose_weights_entries_rejected_total",
@@ -358,7 +358,7 @@ class WeightFollower:
             try:
                 reply = self.redis.xread({self.stream: self._cursor}, count=self.batch, block=block)
             except Exception as e:
-                if type(e).__name__ == "ResponseError" and str(e).startswith("UNBLOCKED"):
+                if failed_over(e):
                     raise node_failed_over()(str(e)) from e
                 raise
             block = None  # wait only for the first batch

@@ -6,7 +6,8 @@ at most `chunk_bytes`), then a `commit` entry listing the version's shards and c
 `{stream}:meta` (a hash) holds the epoch, the last version and seq, and the recent
 keyframes; after each keyframe the stream is trimmed to the oldest keyframe kept, so
 everything since the last keyframe is always there. If the meta hash vanishes (Redis lost
-its data) or the layout changes, the next version is a keyframe.
+its data), another publisher of the model wrote since, or the layout changes, the next version
+is a keyframe.
 
 With `redis.shard_streams` = N > 0 (for a Redis Cluster, `redis.cluster_nodes`) a model's
 shard entries go to N shard streams whose hash tags put them on different slots (and so, spread
@@ -14,7 +15,7 @@ over the cluster's nodes), and the `commit` entry, written only after every shar
 acknowledged, goes alone to the commit stream `{prefix}weights:{model}`; it lists the seq range
 each shard stream holds of the version. `weight_keys` names the keys (docs/weights.md).
 With `redis.wait_replicas` n > 0 a version's writes count only once n replicas hold them
-(WAIT on each shard stream's node before the commit, then on the commit's); a WAIT short of n
+(WAIT once on each shard stream's node before the commit, then on the commit's); a WAIT short of n
 raises ReplicationTimeout (docs/weights.md, "Failover and WAIT").
 """
 
@@ -228,19 +229,38 @@ def unavailable_errors() -> tuple[type[BaseException], ...]:
     return (redis.ConnectionError, redis.TimeoutError, ClusterError, TryAgainError, RedisClusterException)
 
 
-@functools.cache
-def node_failed_over() -> type[Exception]:
-    """NodeFailedOver: a blocked XREAD its node ended on turning replica (UNBLOCKED ... master ->
-    replica), raised by the follower in place of redis-py's ResponseError. A failover in
-    progress, waited out like a node that is away: a ConnectionError, so every loop that
-    retries `unavailable_errors` retries it. Made on first use: redis is imported lazily here."""
+def failed_over(e: BaseException) -> bool:
+    """Whether `e` ended a blocked command because its node turned replica (redis-py's
+    ResponseError `UNBLOCKED ... (master -> replica?)`). redis is imported here, when asked, so
+    that importing the follower does not import it."""
     import redis
 
-    return type("NodeFailedOver", (redis.ConnectionError,), {"__doc__": node_failed_over.__doc__})
+    return isinstance(e, redis.ResponseError) and str(e).startswith("UNBLOCKED")
+
+
+@functools.cache
+def node_failed_over() -> type[Exception]:
+    """NodeFailedOver, made on first use (redis is imported here, not with this module)."""
+    import redis
+
+    class NodeFailedOver(redis.ConnectionError):
+        """A blocked XREAD its node ended on turning replica (`failed_over`), raised by the
+        follower in place of redis-py's ResponseError. A failover in progress, waited out like a
+        node that is away: a ConnectionError, so every loop that retries `unavailable_errors`
+        retries it."""
+
+    return NodeFailedOver
 
 
 class WeightPublisher:
-    """`publish(state_dict)` after each optimizer step; the Python API behind `rose weights publish`."""
+    """`publish(state_dict)` after each optimizer step; the Python API behind `rose weights publish`.
+
+    Each publish starts by reading the meta hash (one HMGET): when another publisher of the model
+    (a trainer's `RoseClient` and `rose gateway`'s `POST /v1/weights`, say) wrote since this one's
+    last version, it takes the stream's epoch, version and seq and sends a keyframe, the receivers'
+    view being unknown. So publishers may take turns; two publishing at the very same moment are
+    not supported: entry ids are the seq, so Redis refuses the colliding XADD of one of them, and
+    that publish raises."""
 
     def __init__(
         self,
@@ -288,22 +308,50 @@ class WeightPublisher:
         self._epoch: str | None = None
         self._version = 0
         self._seq = 0
+        self._written: tuple[str, int, int] | None = None  # the meta hash as this publisher left it
         self._pending = 0  # shard entries of the version being written
         self._since_keyframe = 0
         self._keyframe_next = True
 
     # -- recovery ------------------------------------------------------------------------
 
+    def _read_meta(self) -> tuple[str, int, int] | None:
+        """The meta hash's (epoch, version, last_seq), in one round trip; None when it is gone."""
+        epoch, version, last_seq = self.redis.hmget(self.meta, ["epoch", "version", "last_seq"])
+        if not epoch:
+            return None
+        return (epoch.decode() if isinstance(epoch, bytes) else epoch, int(version or 0), int(last_seq or 0))
+
     def _recover(self) -> None:
         """Continue the stream's lineage if there is one (publisher restart), else start one."""
-        meta = self.redis.hgetall(self.meta)
-        meta = {k.decode() if isinstance(k, bytes) else k: v for k, v in meta.items()}
-        if meta.get("epoch"):
-            self._epoch = meta["epoch"].decode() if isinstance(meta["epoch"], bytes) else meta["epoch"]
-            self._version = int(meta.get("version", 0))
-            self._seq = int(meta.get("last_seq", 0))
-        else:
+        meta = self._read_meta()
+        if meta is None:
             self._epoch = uuid.uuid4().hex[:16]
+        self._adopt(meta)
+
+    def _check_meta(self) -> None:
+        """Before a publish: the meta hash gone (Redis lost the stream) or written by another
+        publisher since this one's last version (the receivers' view unknown) calls for a keyframe,
+        the latter on the stream's lineage."""
+        meta = self._read_meta()
+        if meta is None:
+            self.log.warning("weights_meta_missing", reason="redis lost the stream; sending a keyframe")
+            self._keyframe_next = True
+        elif meta != self._written:
+            self.log.info(
+                "weights_published_elsewhere",
+                reason="another publisher wrote the stream since; sending a keyframe",
+                version=meta[1],
+            )
+            self._adopt(meta)
+
+    def _adopt(self, meta: tuple[str, int, int] | None) -> None:
+        """Take the stream's epoch, version and seq (`meta`, when there is one) and send a
+        keyframe next."""
+        if meta is not None:
+            self._epoch, self._version, self._seq = meta
+        self._written = meta
+        self._view = None
         # every stream written to: a publisher that died between shard writes and the commit
         # left entries beyond the last commit, and Redis refuses ids at or below a stream's top
         for key in [self.stream] + [self.keys.shard_stream(i) for i in range(self.keys.shard_streams)]:
@@ -333,9 +381,8 @@ class WeightPublisher:
         """`publish` of tensors given as {name: (dtype, shape)} and {name: raw uint8 bytes}."""
         if self._epoch is None:
             self._recover()
-        elif self.redis.hget(self.meta, "epoch") is None:
-            self.log.warning("weights_meta_missing", reason="redis lost the stream; sending a keyframe")
-            self._keyframe_next = True
+        else:
+            self._check_meta()
         t0 = time.perf_counter()
         layout = make_layout(specs, self.shard_bytes)
         if self._layout is None or layout.digest != self._layout.digest:
@@ -368,6 +415,8 @@ class WeightPublisher:
             raise
         self._view = new_view
         self._version = version
+        assert self._epoch is not None  # _recover set it
+        self._written = (self._epoch, version, self._seq)  # the meta hash's fields as just written
         self._since_keyframe = 0 if keyframe else self._since_keyframe + 1
         self._keyframe_next = False
         return PublishStats(
@@ -449,13 +498,21 @@ class WeightPublisher:
     def _xadd_all(self, entries, stream_of, on_entry=None, wait: bool = False) -> tuple[int, int]:
         """XADD each entry to `stream_of(entry)`, pipelined `_PIPELINE_BYTES` at a time, all
         stored on return, and with `wait` replicated (`_flush`: ReplicationTimeout, not
-        committed, if not); (payload bytes, entries)."""
+        committed, if not); (payload bytes, entries). Only the last flush WAITs, once per node:
+        WAIT counts the replicas that have the replication stream up to its connection's last
+        write, which that stream orders after all the node got before. So each node's newest
+        entry is held back for the next flush, and the last one writes on every node written,
+        on the connection its WAIT goes on (a pool may lend each flush another)."""
         pipes: dict[str, Any] = {}
+        held: dict[int, tuple[Any, str, Entry]] = {}  # per pipeline: its newest entry, not yet queued
         pending = sent = n = 0
         version = 0
         for entry in entries:
             key = stream_of(entry)
-            self._pipe(pipes, key, wait).xadd(key, to_fields(entry, self.key), id=entry.stream_id)
+            pipe = self._pipe(pipes, key, wait)
+            if id(pipe) in held:
+                self._queue(*held[id(pipe)])
+            held[id(pipe)] = (pipe, key, entry)
             if on_entry is not None:
                 on_entry(entry)
             pending += len(entry.payload)
@@ -463,11 +520,16 @@ class WeightPublisher:
             n += 1
             version = entry.version
             if pending >= _PIPELINE_BYTES:
-                self._raise_short(self._flush(pipes, wait), version, committed=False)
+                self._flush(pipes, False)
                 pending = 0
             self._seq = entry.seq
+        for pipe, key, entry in held.values():
+            self._queue(pipe, key, entry)
         self._raise_short(self._flush(pipes, wait), version, committed=False)
         return sent, n
+
+    def _queue(self, pipe: Any, key: str, entry: Entry) -> None:
+        pipe.xadd(key, to_fields(entry, self.key), id=entry.stream_id)
 
     def _pipe(self, pipes: dict[str, Any], key: str, wait: bool) -> Any:
         """The pipeline writing `key`: the client's own, or with `wait` on a Redis Cluster one on
