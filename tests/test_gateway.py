@@ -31,6 +31,7 @@ from rose.config import Config, ConfigError, GatewayConfig, load_config
 from rose.gateway.admission import Admission, Overloaded
 from rose.gateway.api import version_spans
 from rose.gateway.app import create_app
+from rose.gateway.dispatch import END_TTL_S, Dispatcher, _Waiter
 from rose.rollout.episode import Episode, InvalidTask, Task
 from rose.rollout.launcher import WorkerConfig, launch
 from rose.rollout.pause_flag import STOP, PauseFlag
@@ -598,6 +599,71 @@ def test_a_turn_past_its_deadline_or_left_by_its_client_is_withdrawn(module_cfg)
     finally:
         r.close()
         s.stop()
+
+
+def test_streamed_turns_do_not_open_a_redis_connection_each(gw, module_cfg):
+    """A streamed turn ends without cancelling its pending token-stream read (a cancelled read
+    drops its Redis connection): 10 streamed turns, one after another, open fewer than 5
+    connections to Redis in all; each turn's streamed ids are its final ids, and its token
+    stream is gone once it is answered (the end marker does not keep it)."""
+    n = 10
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "stream": True}
+    r = redis.Redis.from_url(module_cfg.redis.url)
+    try:
+        sse(gw.url, "/v1/completions", {**body, "seed": 100})  # the gateway's pools hold their connections
+        before = int(r.info("stats")["total_connections_received"])
+        runs = [sse(gw.url, "/v1/completions", {**body, "seed": i}) for i in range(n)]
+        opened = int(r.info("stats")["total_connections_received"]) - before
+        tids = [events[0][1]["id"].removeprefix("cmpl-") for events in runs]
+        finals = {
+            f[b"task_id"].decode(): orjson.loads(f[b"trajectory"])["turns"][0]["action"]
+            for _i, f in r.xrange(module_cfg.redis.key("results", JOB))
+            if f[b"task_id"].decode() in tids
+        }
+        keys = [module_cfg.redis.key("tasks", JOB, "tokens", t) for t in tids]
+        wait_for(lambda: r.exists(*keys) == 0, 5, "the answered turns' token streams deleted")
+    finally:
+        r.close()
+    assert opened < n // 2, f"{n} streamed turns opened {opened} Redis connections"
+    for tid, events in zip(tids, runs):
+        ids, idx = streamed_ids(events)
+        assert ids == finals[tid] and idx == list(range(16)), tid
+
+
+def test_the_end_marker_ends_a_pending_read_is_no_chunk_and_expires(module_cfg):
+    """The dispatcher marks a streamed turn's token stream ended before it resolves the turn: a
+    read pending on the stream returns at once with no chunk and says the stream ended, and the
+    marker gives the stream a short expiry, also when the stream is already gone."""
+    d = Dispatcher(module_cfg)
+    key = d.queue.token_stream(f"gw-{uuid.uuid4().hex}")
+    chunk = {"turn": 0, "index": 0, "tokens": "[7, 8]", "versions": "[0, 0]", "logprobs": "[]", "worker": "w0"}
+
+    async def run() -> None:
+        d.r.xadd(key, chunk)
+        got, cursor, ended = await d.chunks(key, "0-0", 100)
+        assert [(c.index, c.tokens, c.worker) for c in got] == [(0, [7, 8], "w0")] and not ended
+        read = asyncio.ensure_future(d.chunks(key, cursor, 10_000))
+        await asyncio.sleep(0.1)
+        fut = asyncio.get_running_loop().create_future()
+        t0 = time.monotonic()
+        await asyncio.to_thread(d._answer, [(_Waiter(asyncio.get_running_loop(), fut, None, key), "answer")])
+        assert await asyncio.wait_for(fut, 1) == "answer" and d.r.xlen(key) == 2  # marked before resolved
+        got, _cursor, ended = await asyncio.wait_for(read, 1)
+        assert got == [] and ended and time.monotonic() - t0 < 0.5
+        assert 0 < d.r.ttl(key) <= END_TTL_S
+        d.r.delete(key)
+        d._mark_ends([key])  # the answer deleted the stream already
+        assert 0 < d.r.ttl(key) <= END_TTL_S
+
+    async def once() -> None:
+        try:
+            await run()
+        finally:
+            d.r.delete(key)
+            await d.ar.aclose()
+            d.close()
+
+    asyncio.run(once())
 
 
 # -- last: it stops one of the module's workers ----------------------------------------------

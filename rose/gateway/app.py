@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 SESSION_HEADER = "x-rose-session"
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 KEEPALIVE_S = 5.0  # an SSE comment this often while a streamed turn runs (a gone client fails it)
-CHUNK_BLOCK_MS = 100  # a streamed turn's XREAD wait on its token stream (its result cuts it short)
+CHUNK_BLOCK_MS = 100  # a streamed turn's XREAD wait on its token stream (its end marker cuts it short)
+END_WAIT_S = 1.0  # how long a read pending when the result comes may take to return, before it is cancelled
 VERSION_POLL_S = 0.1  # how often a request with min_weight_version looks for a worker at it
 TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -297,7 +298,12 @@ def _stream(
 
 class _Feed:
     """A streamed turn's tokens from its token stream: the next ones after `sent` (chunks that
-    repeat tokens already sent are cut, those past a gap wait for the result to fill it)."""
+    repeat tokens already sent are cut, those past a gap wait for the result to fill it).
+
+    A read is not cancelled when the result comes first: the dispatcher appends the stream's end
+    marker before it resolves the result, which ends the pending read within milliseconds, and
+    the feed waits for that (cancelling would drop the read's Redis connection, one reconnect a
+    turn). Once the marker is read the feed stops reading and waits for the result alone."""
 
     def __init__(self, gw: Gateway, key: str):
         self.gw, self.key = gw, key
@@ -314,17 +320,22 @@ class _Feed:
             return None
         read = asyncio.ensure_future(self.gw.dispatcher.chunks(self.key, self.cursor, CHUNK_BLOCK_MS))
         try:
-            done, _ = await asyncio.wait({read, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({read, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():  # the result came first: the end marker written before it ends the read
+                await asyncio.wait({read}, timeout=END_WAIT_S)
         finally:
             if not read.done():
-                read.cancel()  # the result came first and brings the rest (its Redis connection is dropped)
-        if read not in done:
+                read.cancel()  # Redis did not answer in time, or the client left (its connection is dropped)
+        if read.cancelled() or not read.done():
+            self.key = ""  # the result brings the rest
             return None
         try:
-            chunks, self.cursor = read.result()
+            chunks, self.cursor, ended = read.result()
         except redis.RedisError:
             self.key = ""  # the result still answers
             return None
+        if ended:
+            self.key = ""  # the turn is answered: its result brings what the stream did not
         start, ids, vs, lps = self.sent, [], [], []
         for ch in chunks:
             if ch.index <= self.sent < ch.index + len(ch.tokens):

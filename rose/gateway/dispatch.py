@@ -18,7 +18,10 @@ Each submit is a `send {stream}` span (kind PRODUCER) whose W3C context the task
 (`Task.traceparent`), so the worker's `process {stream}` span joins the request's trace.
 
 A streamed turn's task is flagged `stream`: its worker publishes the tokens as it makes them to
-the task's token stream (`rose.rollout.token_stream`), which `chunks` reads.
+the task's token stream (`rose.rollout.token_stream`), which `chunks` reads. When the turn is
+answered, the reader appends an end marker (`end`) to that stream before it resolves the turn's
+future, so the request's pending read of the stream returns at once and need not be cancelled
+(redis-py's asyncio client drops the connection of a cancelled read).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from rose.obs.logs import get_logger
 from rose.obs.tracing import queue_send_span, traceparent, tracer
 from rose.rollout.episode import Task
 from rose.rollout.tasks import TaskQueue
+from rose.rollout.token_stream import MAX_CHUNKS
 from rose.weights.stream import weight_keys
 
 HEARTBEAT_FRESH_S = 3.0  # a worker heartbeat older than this belongs to a worker that is gone
@@ -50,6 +54,8 @@ HEARTBEATS_S = 0.25
 MAX_SESSIONS = 100_000  # sessions remembered, least recently used dropped first
 TASK_PREFIX = "gw-"
 GATEWAY_STEP = 0  # the RL step gateway turns are counted under in the queue's stats
+END_FIELD = b"end"  # the field of a token stream's end marker; a worker's chunks never carry it
+END_TTL_S = 30  # a token stream expires this soon after its end marker (the answer deletes it before)
 
 
 class TurnFailed(Exception):
@@ -97,6 +103,7 @@ class _Waiter:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     session: str | None
+    tokens_key: str = ""  # where the end marker goes, for a streamed turn
 
 
 def _s(v: Any) -> str:
@@ -175,8 +182,9 @@ class Dispatcher:
         )
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        key = self.queue.token_stream(task.task_id) if task.stream else ""
         with self._lock:
-            self._waiters[task.task_id] = _Waiter(loop, fut, session)
+            self._waiters[task.task_id] = _Waiter(loop, fut, session, key)
         to = self.session_worker(session)
         if min_version > 0:
             at = self.workers_at(min_version)
@@ -191,22 +199,25 @@ class Dispatcher:
                 self.forget(task.task_id)
                 raise
             span.set_attribute("messaging.message.id", entry)
-        key = self.queue.token_stream(task.task_id) if task.stream else ""
         return PendingTurn(task.task_id, dst, entry, fut, session, tokens_key=key)
 
-    async def chunks(self, key: str, cursor: str, block_ms: int) -> tuple[list[Chunk], str]:
-        """The chunks of token stream `key` after `cursor` (XREAD, waiting up to `block_ms`)."""
+    async def chunks(self, key: str, cursor: str, block_ms: int) -> tuple[list[Chunk], str, bool]:
+        """The chunks of token stream `key` after `cursor` (XREAD, waiting up to `block_ms`), and
+        whether its end marker came (the turn is answered: nothing more is worth reading)."""
         got = await self.ar.xread({key: cursor}, count=256, block=block_ms)
-        out = []
+        out, ended = [], False
         for _stream, entries in cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", got or []):
             for eid, f in entries:
                 cursor = _s(eid)
+                if END_FIELD in f:
+                    ended = True
+                    continue
                 if int(f.get(b"turn", 0)) != 0:
                     continue
                 toks, vs = orjson.loads(f[b"tokens"]), orjson.loads(f[b"versions"])
                 lps = orjson.loads(f.get(b"logprobs", b"[]"))
                 out.append(Chunk(int(f[b"index"]), list(toks), list(vs), _s(f.get(b"worker", b"")), list(lps)))
-        return out, cursor
+        return out, cursor, ended
 
     async def drop_chunks(self, key: str) -> None:
         """The turn is answered: its token stream goes (it would expire anyway)."""
@@ -317,43 +328,66 @@ class Dispatcher:
                 self._log.warning("gateway.redis_unavailable", error=str(e), retry_s=backoff)
                 self._stop.wait(backoff)
                 continue
+            answered = []
             for stream, entries in cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", got or []):
                 name = _s(stream)
                 for eid, fields in entries:
                     cursors[name] = _s(eid)
-                    if name == self.queue.dead_stream:
-                        self._on_dead(fields)
-                    else:
-                        self._on_result(fields)
+                    one = self._on_dead(fields) if name == self.queue.dead_stream else self._on_result(fields)
+                    if one is not None:
+                        answered.append(one)
+            self._answer(answered)
 
     def _take(self, task_id: str) -> _Waiter | None:
         with self._lock:
             return self._waiters.pop(task_id, None)
 
-    def _on_result(self, fields: dict[bytes, bytes]) -> None:
+    def _answer(self, answered: list[tuple[_Waiter, Any]]) -> None:
+        """Resolve each answered turn's future, after the end marker of every streamed one (one
+        round trip for the batch): the request's pending read of the token stream then returns
+        within milliseconds instead of being cancelled."""
+        self._mark_ends([w.tokens_key for w, _v in answered if w.tokens_key])
+        for w, value in answered:
+            w.loop.call_soon_threadsafe(_resolve, w.future, value)
+
+    def _mark_ends(self, keys: list[str]) -> None:
+        """Append the end marker to each token stream, capped and with a short expiry in the same
+        transaction, so a stream already deleted or expired is not made again to live forever.
+        On failure the request cancels its read after `END_WAIT_S` instead (rose.gateway.app)."""
+        if not keys:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        for k in keys:
+            pipe.xadd(k, {END_FIELD: 1}, maxlen=MAX_CHUNKS, approximate=True)
+            pipe.expire(k, END_TTL_S)
+        try:
+            pipe.execute()
+        except redis.RedisError as e:
+            self._log.warning("gateway.token_stream_end_not_marked", streams=len(keys), error=str(e))
+
+    def _on_result(self, fields: dict[bytes, bytes]) -> tuple[_Waiter, Any] | None:
         task_id = _s(fields.get(b"task_id", b""))
         if not task_id.startswith(TASK_PREFIX):
-            return
+            return None
         w = self._take(task_id)
         if w is None:
-            return  # withdrawn, or another gateway's turn
+            return None  # withdrawn, or another gateway's turn
         try:
             value: Any = TurnResult.from_trajectory(orjson.loads(fields[b"trajectory"]))
         except (KeyError, IndexError, TypeError, ValueError) as e:
             value = TurnFailed("trajectory", f"the worker's result is unreadable: {e}")
         if isinstance(value, TurnResult) and w.session:
             self._remember(w.session, value.worker)
-        w.loop.call_soon_threadsafe(_resolve, w.future, value)
+        return w, value
 
-    def _on_dead(self, fields: dict[bytes, bytes]) -> None:
+    def _on_dead(self, fields: dict[bytes, bytes]) -> tuple[_Waiter, Any] | None:
         try:
             task_id = str(orjson.loads(fields.get(b"raw", b"")).get("task_id", ""))
         except (orjson.JSONDecodeError, AttributeError):
-            return
+            return None
         w = self._take(task_id) if task_id.startswith(TASK_PREFIX) else None
         if w is None:
-            return
+            return None
         reason = _s(fields.get(b"reason", b"refused by the worker"))
         cause = reason.partition(":")[0]
-        failed = TurnFailed("prompt" if cause == "prompt" else "max_tokens", reason)
-        w.loop.call_soon_threadsafe(_resolve, w.future, failed)
+        return w, TurnFailed("prompt" if cause == "prompt" else "max_tokens", reason)

@@ -10,7 +10,8 @@ at once for a sequence's first buffered chunk on this worker (so the first token
 back) and before the episode leaves the worker (finished, moved or requeued). A continuation
 keeps the task id, so the next worker appends to the same stream from the next index. Each
 stream is capped (`MAXLEN ~`) and expires `ttl_s` after its last append, so an abandoned one
-goes away.
+goes away. The gateway ends a stream with an entry holding only `end` when the task's result is
+in (rose.gateway.dispatch), which is no chunk.
 """
 
 from __future__ import annotations
