@@ -51,6 +51,23 @@ def env_for(cfg, tmp_path, **extra) -> dict:
     return env
 
 
+def parse_log_line(raw: bytes) -> list[dict]:
+    """A line of the executor's stderr as log records. Its workers share that stderr, and what
+    one writes without a newline (a progress bar) comes before the executor's next JSON line on
+    the same line: that text is one record, the JSON after it another."""
+    try:
+        return [orjson.loads(raw)]
+    except orjson.JSONDecodeError:
+        pass
+    at = raw.find(b'{"')
+    while at > 0:
+        try:
+            return [{"event": raw[:at].decode(errors="replace").strip()}, orjson.loads(raw[at:])]
+        except orjson.JSONDecodeError:
+            at = raw.find(b'{"', at + 1)
+    return [{"event": raw.decode(errors="replace").strip()}]
+
+
 class ExecutorProc:
     """`rose executor --simulate N` (GPUs sim/0 … sim/N-1) with its JSON log lines collected."""
 
@@ -68,10 +85,7 @@ class ExecutorProc:
 
     def _read(self):
         for raw in self.proc.stderr:
-            try:
-                self.lines.append(orjson.loads(raw))
-            except orjson.JSONDecodeError:
-                self.lines.append({"event": raw.decode(errors="replace").strip()})
+            self.lines.extend(parse_log_line(raw))
 
     def wait_log(self, event: str, timeout: float = 30, **match) -> dict:
         deadline = time.monotonic() + timeout
@@ -185,6 +199,15 @@ def wait_until(pred, timeout: float, what: str):
             return
         time.sleep(0.1)
     raise AssertionError(f"{what} within {timeout}s")
+
+
+def test_a_json_line_after_a_workers_partial_line_is_still_read():
+    bar = b"Loading weights:   0%|          | 0/26 [00:00<?, ?it/s]\rLoading weights: 100%|#####| 26/26"
+    rec = {"event": "worker.started", "gpu": "sim/0", "note": 'a {"brace'}
+    got = parse_log_line(bar + orjson.dumps(rec) + b"\n")
+    assert got[1] == rec and got[0]["event"].startswith("Loading weights")
+    assert parse_log_line(orjson.dumps(rec) + b"\n") == [rec]
+    assert parse_log_line(b'a warning, then {"half json\n') == [{"event": 'a warning, then {"half json'}]
 
 
 def test_murmur2_partition_matches_the_producer(cfg):

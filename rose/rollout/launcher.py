@@ -327,16 +327,24 @@ def _config_file(data: bytes) -> int:
     return fd
 
 
+# A worker writes its log lines to the stderr it shares with its executor; a progress bar
+# (tqdm's, transformers' and vLLM's weight loading) writes partial lines there, which a line
+# of the executor's can land inside, so that neither reads as a line any more.
+NO_PROGRESS_BARS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def launch(config: WorkerConfig, **popen) -> subprocess.Popen:
     """Start a rollout worker for `config` (see the module docstring); `popen` as for Popen
-    (stdin, stdout, stderr, env, start_new_session, ...)."""
+    (stdin, stdout, stderr, env, start_new_session, ...), its environment without progress bars."""
     fd = _config_file(config.to_json().encode())
+    env = {**(popen.pop("env", None) or os.environ), **NO_PROGRESS_BARS}
     try:
         return spawn(
             [config.python or sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)],
             cpus=config.cpus,
             nice=config.nice,  # cold or warm: imports and the model build already yield to serving
             pass_fds=(fd,),
+            env=env,
             **popen,
         )
     finally:
