@@ -679,6 +679,13 @@ def test_a_streamed_turn_revoked_midway_is_answered_whole(gw, module_cfg, flags)
     def hb(w: str) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in r.hgetall(module_cfg.redis.key("workers", w)).items()}
 
+    # no turn of an earlier test still decoding: the worker whose tokens grow is this turn's
+    since = time.time()
+    wait_for(
+        lambda: all(float(hb(w).get("ts", 0)) > since and hb(w).get("active") == "0" for w in flags),
+        60,
+        "both workers idle",
+    )
     for f in flags.values():
         f.set_share(0.05)  # slow decoding down, so the stop lands mid-turn
     before = {w: int(hb(w).get("tokens", 0)) for w in flags}
@@ -709,4 +716,4 @@ def test_a_streamed_turn_revoked_midway_is_answered_whole(gw, module_cfg, flags)
     assert at[0] < events[-1][0] and len({round(t, 2) for t in at}) > 2  # streamed, not all at the end
     assert last["finish_reason"] == "length" and covers(last["weight_versions"], 120) == [0] * 120
     assert last["worker"] == other
-    assert int(stopped["requeued"]) == 1 and int(stopped["tokens_carried"]) >= 10  # handed on, not redone
+    assert int(stopped["requeued"]) == 1 and int(stopped["tokens_carried"]) >= 10, stopped  # handed on, not redone
