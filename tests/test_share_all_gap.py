@@ -73,6 +73,56 @@ def test_a_grant_threshold_never_met_leaves_no_lease_dominant(traces_dir):
     assert g["no_lease_by_reason"]["below_threshold"] > 0.9 * g["no_lease"]
 
 
+def test_a_lease_start_costs_rose_and_share_all_what_its_windows_would_have_done(traces_dir):
+    """Starting rollout costs ROSE every lease and share-all once: with a 20 s start ROSE harvests
+    less than with the sourced wake-up (under a second) and the gap's `lease_start` part grows;
+    with a start longer than the run neither harvests anything. The gap still adds up."""
+    base = _run(traces_dir)
+    slow = _run(traces_dir, lease_start_s=20.0)
+    g0, g1 = _closes(base), _closes(slow)
+    assert 0 < base["config"]["costs"]["lease_start_s"] < 1.0 and slow["config"]["costs"]["lease_start_s"] == 20.0
+    for p in ("rose", "share-all"):
+        assert slow["policies"][p]["harvest_per_serving_gpu"] < base["policies"][p]["harvest_per_serving_gpu"]
+        assert slow["policies"][p]["lease_start_s"] >= 20.0
+    assert g1["lease_start"] > g0["lease_start"] + 0.01
+    never = _run(traces_dir, lease_start_s=400.0)
+    for p in ("rose", "share-all"):
+        assert never["policies"][p]["harvest_per_serving_gpu"] == 0.0 and never["policies"][p]["lease_start_s"] is None
+
+
+def test_the_default_lease_start_is_a_wake_up_of_the_weights_shard(traces_dir):
+    """The sourced default: vLLM's smallest level-1 wake-up plus the weight shard over the measured
+    host -> device copy rate; it grows with the model and shrinks with tensor parallelism."""
+    from rose.sim.models import WAKE_FLOOR_S, deployed, gpu_spec, model_size, wake_s
+
+    r = _run(traces_dir)
+    gpu = gpu_spec("H100")
+    shard = r["config"]["rollout"]["policy_weight_bytes_per_gpu"]
+    assert r["config"]["costs"]["lease_start_s"] == pytest.approx(WAKE_FLOOR_S + shard / gpu.h2d_bytes_per_s, abs=1e-4)
+    assert r["config"]["costs"]["lease_start_source"].startswith("0.1 s (vLLM sleep-mode blog")
+    big = deployed(model_size("70B"), gpu, 4, 0).weight_bytes_per_gpu
+    assert wake_s(shard, gpu) < wake_s(big, gpu) < wake_s(4 * big, gpu)
+
+
+def test_a_resume_cost_is_counted_as_paused(traces_dir):
+    """A resume after a throttle or a guard pause costs its worker `resume_s` of decoding, which
+    the gap books under `paused` (not under the lease's start)."""
+    quick, slow = _run(traces_dir, resume_s=0.0), _run(traces_dir, resume_s=5.0)
+    g0, g1 = _closes(quick), _closes(slow)
+    if quick["policies"]["rose"]["throttles"] + quick["policies"]["rose"]["guard_pauses"] == 0:
+        pytest.fail("the run resumed no lease: the test needs one that does")
+    assert g1["paused"] > g0["paused"]
+    assert slow["policies"]["rose"]["harvest_per_serving_gpu"] <= quick["policies"]["rose"]["harvest_per_serving_gpu"]
+
+
+def test_elastic_pays_its_provisioning_delay(traces_dir):
+    fast = _run(traces_dir, policies=("static", "elastic"), elastic_provision_s=10.0)
+    slow = _run(traces_dir, policies=("static", "elastic"), elastic_provision_s=600.0)
+    assert slow["policies"]["elastic"]["external_gpu_hours"] == 0.0  # none arrives within the run
+    assert fast["policies"]["elastic"]["external_gpu_hours"] > 0.0
+    assert slow["config"]["costs"]["elastic_provision_s"] == 600.0
+
+
 @pytest.mark.parametrize(
     ("reason", "why"),
     [

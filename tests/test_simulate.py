@@ -275,6 +275,9 @@ def test_done_when_cli_all_policies_rose_keeps_slo_share_all_does_not(traces_dir
         (["--tp", "3"], "tensor parallel 3"),
         (["--model-size", "70B", "--gpus", "6"], "replicas of tp=4"),
         (["--model-size", "7B", "--rollout-tp", "8"], "does not split"),
+        (["--lease-start-s", "-1"], "--lease-start-s"),
+        (["--resume-s", "nan"], "--resume-s"),
+        (["--elastic-provision-s", "-5"], "--elastic-provision-s"),
     ],
 )
 def test_cli_bad_input_is_one_line(traces_dir, args, msg):
@@ -403,7 +406,9 @@ def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_pat
     assert "| azure_llm2023_conv | 7B@H200/tp2 |" in text  # a model cell on another GPU, at its own tp
     rec = orjson.loads((tmp_path / "pc.json").read_bytes())
     kinds = {r["kind"] for r in rec["runs"]}
-    assert kinds == {"main", "profile", "gm", "cap"}
+    assert kinds == {"main", "profile", "gm", "cap", "provision"}
+    assert "### The elastic baseline's provisioning delay (an assumption)" in text
+    assert "| 60 s | 180 s | 600 s |" in text
     assert {r["result"]["interference_profile"]["mechanism"] for r in rec["runs"] if r["kind"] != "profile"} == {
         "separate_process"
     }

@@ -42,6 +42,7 @@ import json
 import math
 import random
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -158,14 +159,12 @@ def pooled(sides: list[Side]) -> Side:
 def round_ratios(direct: list[Side], gateway: list[Side]) -> dict:
     """Each round's turns/s ratio (gateway over direct) and their min, median and max."""
     rs = [ratio(g.turns_per_s, d.turns_per_s) for d, g in zip(direct, gateway)]
-    known = sorted(r for r in rs if r is not None)
-    mid = len(known) // 2
-    median = None if not known else known[mid] if len(known) % 2 else round((known[mid - 1] + known[mid]) / 2, 3)
+    known = [r for r in rs if r is not None]
     return {
         "by_round": rs,
-        "min": known[0] if known else None,
-        "median": median,
-        "max": known[-1] if known else None,
+        "min": min(known, default=None),
+        "median": round(statistics.median(known), 3) if known else None,
+        "max": max(known, default=None),
         "direct_turns_per_s_by_round": [d.turns_per_s for d in direct],
         "gateway_turns_per_s_by_round": [g.turns_per_s for g in gateway],
     }

@@ -55,6 +55,20 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         weights_bench: Path = typer.Option(
             None, "--weights-bench", help="`rose bench weights --json` output: the delta bytes ratio."
         ),
+        lease_start_s: float = typer.Option(
+            None,
+            "--lease-start-s",
+            help="Seconds from a lease's start to its worker decoding (default: a warm worker's "
+            "wake-up, its weight shard copied to the GPU; docs/simulator.md).",
+        ),
+        resume_s: float = typer.Option(
+            None,
+            "--resume-s",
+            help="Seconds from a paused lease's resume to its worker decoding (default 0.046, measured).",
+        ),
+        elastic_provision_s: float = typer.Option(
+            None, "--elastic-provision-s", help="Seconds from elastic's request to a usable GPU (default 180, assumed)."
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
         report: Path = typer.Option(None, "--report", help="Write report.json, report.md and PNG plots here."),
         series: bool = typer.Option(False, "--series", help="Include per-window series in --json output."),
@@ -64,7 +78,9 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
 
         from rose.cli import cli_config, fail
         from rose.sim.engine import POLICIES, SimConfig, calibration, simulate_seeds
+        from rose.sim.models import RESUME_S
         from rose.sim.report import with_ci
+        from rose.sim.runs import ELASTIC_PROVISION_S
         from rose.sim.traces import TraceError, load_trace
 
         names = POLICIES if policy.strip() == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
@@ -85,6 +101,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
             fail(f"--decide-every must be >= 0, got {decide_every}")
         if workers not in (0, 1, 2):
             fail(f"--workers must be 0, 1 or 2, got {workers}")
+        for flag, v in (("--lease-start-s", lease_start_s), ("--resume-s", resume_s),
+                        ("--elastic-provision-s", elastic_provision_s)):  # fmt: skip
+            if v is not None and not v >= 0:
+                fail(f"{flag} must be >= 0 seconds, got {v}")
         if tp < 0 or rollout_tp < 0:
             fail(f"--tp and --rollout-tp must be >= 0, got {tp} and {rollout_tp}")
         try:
@@ -142,6 +162,9 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
                 policies=names,
                 policy=cfg.policy,
                 record_series=bool(report) or series,
+                lease_start_s=lease_start_s,
+                resume_s=RESUME_S if resume_s is None else resume_s,
+                elastic_provision_s=ELASTIC_PROVISION_S if elastic_provision_s is None else elastic_provision_s,
                 **cal,
             )
             result = simulate_seeds(tr, sc, seeds)
@@ -215,6 +238,9 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         ),
         gm_sweep: str = typer.Option("1,2,4,8", "--gm-sweep", help="G/M values swept (comma list)."),
         caps: str = typer.Option("0.25,0.5,1.0", "--elastic-caps", help="Elastic cost caps swept, × M (comma list)."),
+        provision: str = typer.Option(
+            "60,180,600", "--elastic-provision", help="Elastic provisioning delays swept, s (comma list)."
+        ),
         sweep_seeds: int = typer.Option(1, "--sweep-seeds", help="Seeds of every sweep run."),
         jobs: int = typer.Option(1, "--jobs", help="Worker processes."),
         out: Path = typer.Option(None, "--out", help="Write the generated markdown here (default: stdout)."),
@@ -287,6 +313,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
                 alphas=floats("--alphas", alphas),
                 gm_sweep=tuple(int(x) for x in floats("--gm-sweep", gm_sweep)),
                 elastic_caps=floats("--elastic-caps", caps),
+                elastic_provision=floats("--elastic-provision", provision),
                 sweep_seeds=sweep_seeds,
                 policy=cli_config().policy,
             )

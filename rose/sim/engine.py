@@ -28,7 +28,7 @@ import numpy as np
 from rose.config import PolicyConfig
 from rose.sim.interference import ProfileError, from_bench
 from rose.sim.ledger import Ledger
-from rose.sim.models import deployed, gpu_spec, model_size
+from rose.sim.models import GpuSpec, deployed, gpu_spec, model_size, wake_s
 from rose.sim.report import across_seeds, result_of
 from rose.sim.requests import (
     LONG_TRACE_S,
@@ -107,6 +107,9 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         cfg.weight_delta_ratio,
         cfg.elastic_cap_frac,
         profile,
+        lease_start_s=start_cost_s(cfg, rollout, gpu),
+        resume_s=cfg.resume_s,
+        elastic_provision_s=cfg.elastic_provision_s,
     )
 
     want = [p for p in POLICIES if p in cfg.policies]
@@ -178,6 +181,12 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
     return out
 
 
+def start_cost_s(cfg: SimConfig, rollout: RolloutModel, gpu: GpuSpec) -> float:
+    """A lease's (or a share's) start, s: the configured one, else a warm worker's wake-up with the
+    rollout's weight shard on `gpu` (rose.sim.models.wake_s)."""
+    return cfg.lease_start_s if cfg.lease_start_s is not None else wake_s(rollout.weights, gpu)
+
+
 def check_config(cfg: SimConfig) -> None:
     """ValueError naming the first setting of `cfg` that no run can use."""
     for p in cfg.policies:
@@ -189,6 +198,10 @@ def check_config(cfg: SimConfig) -> None:
         raise ValueError(f"decide_every must be >= 0, got {cfg.decide_every}")
     if not cfg.elastic_cap_frac >= 0:
         raise ValueError(f"elastic_cap_frac must be >= 0, got {cfg.elastic_cap_frac}")
+    for name in ("lease_start_s", "resume_s", "elastic_provision_s"):
+        v = getattr(cfg, name)
+        if v is not None and not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
     if cfg.workers < 0:
         raise ValueError(f"workers must be >= 0, got {cfg.workers}")
 

@@ -104,6 +104,10 @@ class GpuSpec:
     prefill_mfu: float = 0.45
     decode_mfu: float = 0.45
     allreduce_s: float = 10e-6  # one small NVLink all-reduce (per layer, twice per iteration, tp > 1)
+    # pinned host -> device copy: `rose bench weights` in the H200's GPU check measured 55.3 GB/s
+    # (docs/measured/h200/weights.json; PCIe Gen5 x16, 64 GB/s a direction on the datasheet);
+    # the H100 SXM has the same link
+    h2d_bytes_per_s: float = 55.3e9
 
 
 # NVIDIA datasheets: H100 SXM5 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16 (1,979 with
@@ -113,6 +117,26 @@ GPUS: dict[str, GpuSpec] = {
     "H100": GpuSpec("H100", 81_559 * MiB, 3.35e12, 989e12),
     "H200": GpuSpec("H200", 143_771 * MiB, 4.8e12, 989e12),
 }
+
+
+# A lease's start: the executor hands it to a warm worker, whose model waits in host memory
+# (docs/executor.md "The warm pool"), as vLLM's sleep level 1 keeps it; starting is that wake-up,
+# the weights' copy to the GPU. vLLM measured level-1 wake-ups of 0.1-6 s from 0.6B to 235B
+# (blog.vllm.ai/2025/10/26/sleep-mode.html); 0.1 s, its smallest model's, is the part that does
+# not grow with the weights. A lease that finds no warm worker starts cold (30-100+ s, the same
+# source): not modelled.
+WAKE_FLOOR_S = 0.1
+WAKE_SOURCE = "0.1 s (vLLM sleep-mode blog, 2025-10-26: level-1 wake-ups 0.1-6 s) + weights per GPU / host->device copy rate (55.3 GB/s, docs/measured/h200/weights.json)"
+# A throttled lease resuming: `rose bench coelastic --engine hf` on the CPU measured throttle ->
+# resume -> next token at p99 46 ms (docs/measured/cpu/coelastic-hf.json); on the GPU the pause
+# flag's own path is sub-millisecond (docs/measured/h200/pause.json).
+RESUME_S = 0.046
+RESUME_SOURCE = "p99 throttle -> resume -> next token, rose bench coelastic --engine hf on CPU (docs/measured/cpu/coelastic-hf.json)"
+
+
+def wake_s(weight_bytes_per_gpu: int, gpu: GpuSpec) -> float:
+    """Seconds from a lease's grant to its worker decoding: a warm worker's weights copied to the GPU."""
+    return WAKE_FLOOR_S + weight_bytes_per_gpu / gpu.h2d_bytes_per_s
 
 
 @dataclass(frozen=True)

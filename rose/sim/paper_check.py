@@ -4,7 +4,8 @@ seeds, ROSE beside share-all (gain, SLO attainment, their throughput ratio with 
 where ROSE harvests less), the targets met or missed, and the sweeps that say which constant
 holds a missed one back: the interference profile (each mechanism measured on the device, and
 the former linear model's alphas as labelled rows), the fleet ratio G/M through the harvest
-identity, the elastic baseline's cost cap. What it runs and why: docs/paper-check.md.
+identity, the elastic baseline's cost cap and provisioning delay. What it runs and why:
+docs/paper-check.md.
 
 `plan()` lists the runs, `run_all()` runs them (in worker processes when asked), `tables()`
 writes the markdown that docs/paper-check.md carries between its generated-block markers.
@@ -32,7 +33,7 @@ from rose.sim.interference import (
     read_profile,
 )
 from rose.sim.report import VALID_STATIC_SLO, rose_vs_share_all
-from rose.sim.runs import ELASTIC_CAP_FRAC
+from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S
 from rose.sim.sim_config import SimConfig
 
 TRACES = ("azure_llm2023_code.csv", "azure_llm2023_conv.csv", "burstgpt1_first400.csv")
@@ -55,7 +56,7 @@ CAUSES = (
     ("no_lease_by_reason", "cooldown", "cooldown", "the cooldown after a revoke policy.cooldown_s"),
     ("no_lease_by_reason", "memory", "memory", "the memory margin policy.mem_margin_frac"),
     ("no_lease_by_reason", "other", "no lease, other", "the grant streak policy.grant_streak and policy.max_pause_s"),
-    ("", "lease_start", "lease start", "the worker's start"),
+    ("", "lease_start", "lease start", "the lease's start, a warm worker's wake-up (rose.sim.models.wake_s)"),
     ("paused_by", "throttle", "paused (throttle)", "the latency pause policy.revoke_headroom"),
     ("paused_by", "guard", "paused (guard)", "the executors' guard"),
     ("", "share_cap", "share cap", "the share cap policy.max_compute_share"),
@@ -86,10 +87,14 @@ class CheckConfig:
     gpu_alpha_source: str = ""
     gm_sweep: tuple[int, ...] = (1, 2, 4, 8)
     elastic_caps: tuple[float, ...] = (ELASTIC_CAP_FRAC, 0.5, 1.0)
+    # elastic's provisioning delay, an assumption (rose.sim.runs.ELASTIC_PROVISION_S): swept
+    elastic_provision: tuple[float, ...] = (60.0, ELASTIC_PROVISION_S, 600.0)
     sweep_seeds: int = 1
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     def __post_init__(self) -> None:
+        if any(not p >= 0 for p in self.elastic_provision):
+            raise ValueError(f"elastic_provision: every delay must be >= 0 s, got {self.elastic_provision}")
         if self.gpus < 1 or self.gm < 1 or self.seeds < 1 or self.sweep_seeds < 1:
             raise ValueError("gpus, gm, seeds and sweep_seeds must be >= 1")
         if self.gpus // self.gm < 1 or any(self.gpus // g < 1 for g in self.gm_sweep):
@@ -132,7 +137,7 @@ def model_cell(label: str, gpu: str) -> dict:
 class Job:
     """One `simulate` run of the check: which table it feeds and its SimConfig."""
 
-    kind: str  # main | profile | gm | cap
+    kind: str  # main | profile | gm | cap | provision
     trace: str
     model: str
     # the swept value: a profile's key (`sweep_profiles`), G/M, the cap; the main profile's key for kind main
@@ -198,6 +203,11 @@ def plan(cc: CheckConfig) -> list[Job]:
     for cap in cc.elastic_caps:
         if cap != ELASTIC_CAP_FRAC:  # elastic's rollout does not depend on the seed
             jobs += [Job("cap", t, m, cap, 0, sim(m, 0, elastic_cap_frac=cap, policies=("elastic",))) for t, m in cells]
+    for p in cc.elastic_provision:
+        if p != ELASTIC_PROVISION_S:
+            jobs += [
+                Job("provision", t, m, p, 0, sim(m, 0, elastic_provision_s=p, policies=("elastic",))) for t, m in cells
+            ]
     return jobs
 
 
@@ -305,9 +315,14 @@ class Results:
 
     def sweep(self, kind: str, t: str, m: str, v: float | str) -> list[dict]:
         """A sweep's runs of a cell; the main runs' first seeds at the main runs' own value."""
-        own = {"profile": self.profile["mechanism"], "gm": self.cc.gm, "cap": ELASTIC_CAP_FRAC}[kind]
+        own = {
+            "profile": self.profile["mechanism"],
+            "gm": self.cc.gm,
+            "cap": ELASTIC_CAP_FRAC,
+            "provision": ELASTIC_PROVISION_S,
+        }[kind]
         if v == own:
-            return self.main(t, m)[: self.cc.sweep_seeds if kind != "cap" else 1]
+            return self.main(t, m)[: self.cc.sweep_seeds if kind not in ("cap", "provision") else 1]
         return self.by.get((kind, t, m, v), [])
 
     def profile_keys(self) -> list[str]:
@@ -572,20 +587,21 @@ def _short(trace: str) -> str:
 # ---- tables ------------------------------------------------------------------------------
 
 VERSUS_HEAD = "ROSE gain | share-all gain | ROSE / share-all [95 %] | SLO static | SLO ROSE | SLO share-all"
-GAP_HEAD = "gap: below threshold / paused / share cap"
+GAP_HEAD = "gap: below threshold / lease start / paused / share cap"
 
 
 def _versus_cells(res: Results, t: str, m: str, rs: list[dict]) -> list[str]:
     """ROSE and share-all in runs `rs` of a cell: gains, the throughput ratio with its 95 %
     interval over the seeds, SLO attainments (static's from the main runs of the same seeds),
-    and the gap split's three main causes."""
+    and the gap split's four main causes."""
     if not _both(rs):
         return ["–"] * 7
     v = versus(rs)
     r, ci, g = v["throughput_ratio"], v["throughput_ratio_ci95"], v.get("gap") or {}
     ratio = "–" if r is None else f"{r:.3f}" if ci is None else f"{r:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
     below = (g.get("no_lease_by_reason") or {}).get("below_threshold", math.nan)
-    gap = f"{below:.3f} / {g.get('paused', math.nan):.3f} / {g.get('share_cap', math.nan):.3f}" if g else "–"
+    parts = (below, *(g.get(k, math.nan) for k in ("lease_start", "paused", "share_cap")))
+    gap = " / ".join(f"{x:.3f}" for x in parts) if g else "–"
     return [
         _fmt(_vals(rs, "rose", "gain_vs_static"), 3),
         _fmt(_vals(rs, "share-all", "gain_vs_static"), 3),
@@ -615,7 +631,15 @@ def tables(res: Results, command: str, wall_s: float) -> str:
         f"the mean of the seeds' ratios [its 95 % interval]). Paper's claim: {PAPER_CLAIM}. "
         f"Sweeps: {cc.sweep_seeds} seed(s). The SLO rule: a policy's attainment ≥ static's − {SLO_GAP:g}.",
     ]
-    lines = head + _targets_table(res) + _main_table(res) + _profile_table(res) + _gm_table(res) + _cap_table(res)
+    lines = (
+        head
+        + _targets_table(res)
+        + _main_table(res)
+        + _profile_table(res)
+        + _gm_table(res)
+        + _cap_table(res)
+        + _provision_table(res)
+    )
     return "\n".join([*lines, "", END]) + "\n"
 
 
@@ -657,7 +681,8 @@ def _main_table(res: Results) -> list[str]:
         "",
         "Gap: where ROSE harvests less than share-all, as fractions of share-all's rollout work on serving "
         "GPUs (`rose_vs_share_all.gap`, docs/simulator.md): no lease because the predicted p99 would not "
-        "leave the grant threshold, the lease paused, the share cap.",
+        "leave the grant threshold, the lease's worker starting (its wake-up), the lease paused (or resuming), "
+        "the share cap.",
     ]
     return lines
 
@@ -738,6 +763,26 @@ def _cap_table(res: Results) -> list[str]:
         return _versus_cells(res, t, m, res.main(t, m))[:6]
 
     return lines + _sweep_rows(res, "cap", caps, cap_cell, lead=lead)
+
+
+def _provision_table(res: Results) -> list[str]:
+    """Elastic's provisioning delay, an assumption: elastic gain / ROSE over elastic at each value."""
+    cc = res.cc
+    values = sorted(cc.elastic_provision)
+    lines = [
+        "",
+        "### The elastic baseline's provisioning delay (an assumption): elastic gain / ROSE over elastic",
+        "",
+        "| trace | model | " + " | ".join(f"{p:g} s" for p in values) + " |",
+        "|---|---|" + "---:|" * len(values),
+    ]
+
+    def cell(rs: list[dict], t: str, m: str, p: float | str) -> str:
+        rose = statistics.fmean(r["policies"]["rose"]["episodes"] for r in res.main(t, m))
+        el = rs[0]["policies"]["elastic"]
+        return f"{el['gain_vs_static']:.3f} / {rose / max(1, el['episodes']):.3f}"
+
+    return lines + _sweep_rows(res, "provision", values, cell)
 
 
 def _sweep_rows(

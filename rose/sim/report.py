@@ -116,6 +116,8 @@ def result_of(
             **load,
             "interference_alpha": cfg.alpha,  # the linear model's alpha, when given (a sweep or a bench's fit)
             "interference_alpha_source": cfg.alpha_source if cfg.alpha is not None else None,
+            # what starting rollout costs each policy (rose.sim.models: sources)
+            "costs": start_costs(cfg, ctx),
             "weight_delta_ratio": cfg.weight_delta_ratio,
             "weight_delta_ratio_source": cfg.weight_ratio_source,
             "episode": asdict(ep),
@@ -134,6 +136,23 @@ def result_of(
     if cfg.record_series:
         out["series"] = {p: run.series for p, run in runs.items()}
     return out
+
+
+def start_costs(cfg: SimConfig, ctx: RunContext) -> dict:
+    """The start costs the run used, each with its source."""
+    from rose.sim.models import RESUME_S, RESUME_SOURCE, WAKE_SOURCE
+    from rose.sim.runs import ELASTIC_PROVISION_S
+
+    return {
+        "lease_start_s": round(ctx.lease_start_s, 4),  # ROSE's every lease, share-all's workers once
+        "lease_start_source": WAKE_SOURCE if cfg.lease_start_s is None else "set (--lease-start-s)",
+        "resume_s": ctx.resume_s,
+        "resume_source": RESUME_SOURCE if cfg.resume_s == RESUME_S else "set (--resume-s)",
+        "elastic_provision_s": ctx.elastic_provision_s,
+        "elastic_provision_source": "assumption (no measurement); swept in the paper check"
+        if cfg.elastic_provision_s == ELASTIC_PROVISION_S
+        else "set (--elastic-provision-s)",
+    }
 
 
 def harvest_per_serving_gpu(run: Run, ctx: RunContext) -> float:

@@ -29,7 +29,9 @@ from rose.sim.serving_model import ServingSim
 
 SHARE_ALL_SHARE = 0.5  # = PolicyConfig.max_compute_share: the most ROSE would ever lend
 SHARE_ALL_MEM_FRAC = 0.5  # of the memory serving does not hold at start
-ELASTIC_PROVISION_S = 180.0  # request -> usable external GPU (VM/pod start, image, weights)
+# request -> usable external GPU (VM or pod start, image, weights): an assumption with no
+# measurement behind it; the paper check sweeps it (SimConfig.elastic_provision_s)
+ELASTIC_PROVISION_S = 180.0
 
 # The guard's hysteresis rule over a whole fleet at once: tripped_next is elementwise over numpy
 # arrays (its docstring says so); its annotation names the one-GPU case.
@@ -66,6 +68,9 @@ class RunContext:
     delta_ratio: float  # weight delta bytes / full, per RL step
     elastic_cap_frac: float = ELASTIC_CAP_FRAC  # elastic: external GPUs at once, × M
     profile: InterferenceProfile | None = None  # interference beside serving (rose.sim.interference)
+    lease_start_s: float = 0.0  # a lease's (or a share's) worker from its start to decoding, s
+    resume_s: float = 0.0  # a throttled or guard-paused worker from its resume to decoding, s
+    elastic_provision_s: float = ELASTIC_PROVISION_S
 
     def rollout_rate(self, mem_bytes, share) -> np.ndarray:
         """Episodes/s per GPU of rollout with `mem_bytes` at compute `share` beside serving: its
@@ -177,7 +182,7 @@ class ElasticRun(Run):
         want = min(self.cap, max(0, math.ceil(backlog / per_gpu) - c.M))
         more = want - n - len(self.requested)
         if more > 0:
-            self.requested += [t1 + ELASTIC_PROVISION_S] * more
+            self.requested += [t1 + c.elastic_provision_s] * more
 
 
 class ShareAllRun(Run):
@@ -208,11 +213,12 @@ class ShareAllRun(Run):
 
     def extra(self, w, t1, st):
         c = self.ctx
-        gain = c.rollout_rate(self.mem, SHARE_ALL_SHARE) * c.dt
+        ready = float(ready_fraction(t1, c.dt, np.float64(c.lease_start_s)))  # its workers start at 0
+        gain = c.rollout_rate(self.mem, SHARE_ALL_SHARE) * (c.dt * ready)
         self.ledger.progress(self.w, self.batch / 2.0, gain)
         self.harvested += float(gain.sum())
-        if self.lease_start_s is None:
-            self.lease_start_s = t1 - c.dt
+        if self.lease_start_s is None and ready > 0.0:
+            self.lease_start_s = t1 - c.dt * ready
         self.lease_gpu_s += c.G * c.dt
         self.lease_share_s += float(self.usable.sum()) * SHARE_ALL_SHARE * c.dt
 
@@ -242,6 +248,9 @@ class RoseRun(Run):
         self.batch = np.zeros(G)  # episodes per GPU the lease holds (0: too small to run rollout)
         self.worker = np.zeros(G, dtype=bool)  # the lease's rollout worker, started by the machine
         self.worker_paused = np.zeros(G, dtype=bool)
+        # when the worker decodes after its start (a wake-up) or resume, and whether that wait is a start's
+        self.ready_at = np.zeros(G)
+        self.starting = np.zeros(G, dtype=bool)
         self.tripped = np.zeros(G, dtype=bool)  # the executors' local guard, per serving GPU
         self.w = np.zeros(G)
         # telemetry held back (rose.policy.deferral), newest first; `held` of them per GPU
@@ -280,13 +289,16 @@ class RoseRun(Run):
     def extra(self, w, t1, st):
         c, pc = self.ctx, self.ctx.policy
         run_mask = self.running()
-        rate = np.where(run_mask, c.rollout_rate(self.mem, self.share), 0.0)
+        ready = ready_fraction(t1, c.dt, self.ready_at)  # 1 on GPUs whose worker is not waking or resuming
+        rate = np.where(run_mask, c.rollout_rate(self.mem, self.share), 0.0) * ready
         self.ledger.progress(self.w, self.batch / 2.0, rate * c.dt)
-        self.account_gap(rate * c.dt, self.share_all_rate * c.dt)
+        sa_ready = float(ready_fraction(t1, c.dt, np.float64(c.lease_start_s)))  # share-all's workers start at 0
+        self.account_gap(rate * c.dt, self.share_all_rate * (c.dt * sa_ready), ready)
+        self.starting &= self.ready_at > t1
         self.lease_gpu_s += float(self.leased.sum()) * c.dt
         self.lease_share_s += float(self.share[run_mask].sum()) * c.dt
-        if self.lease_start_s is None and run_mask.any():
-            self.lease_start_s = t1 - c.dt
+        if self.lease_start_s is None and (run_mask & (ready > 0.0)).any():
+            self.lease_start_s = t1 - c.dt * float(ready[run_mask].max())
         # the executors' local guard, on the window's latency sample
         tripped = fleet_tripped_next(
             self.tripped, min_headroom(st.ttft_p99_ms, st.tpot_p99_ms, c.slo), pc.revoke_headroom, pc.grant_headroom
@@ -305,9 +317,11 @@ class RoseRun(Run):
         self.acc_tpot[:] = 0.0
         self.apply(commands, t1)
 
-    def account_gap(self, mine: np.ndarray, share_all: np.ndarray) -> None:
+    def account_gap(self, mine: np.ndarray, share_all: np.ndarray, ready: np.ndarray) -> None:
         """One window's rollout work on each serving GPU, ROSE's (`mine`) beside share-all's
-        (`share_all`), episodes: what share-all does that ROSE does not, under one cause per GPU."""
+        (`share_all`), episodes: what share-all does that ROSE does not, under one cause per GPU;
+        a running worker's part of the window before it decodes (1 - `ready`) is its start's, or
+        its pause's when it resumed."""
         self.harvested += float(mine.sum())
         gap, leased = self.gap, self.leased
         none = ~leased
@@ -316,16 +330,18 @@ class RoseRun(Run):
             for k, v in zip(NO_LEASE_WHY, per.tolist()):
                 self.no_lease_gap[k] += v
             gap["no_lease"] += float(per.sum())
-        gap["lease_start"] += float(share_all[leased & ~self.worker].sum())
         live = leased & self.worker
+        paused = self.worker_paused | (self.share <= 0.0)
+        waiting = np.where(live & ~paused, share_all * (1.0 - ready), 0.0)  # waking up or resuming
+        gap["lease_start"] += float(share_all[leased & ~self.worker].sum()) + float(waiting[self.starting].sum())
         guard = float(share_all[live & self.worker_paused].sum())
         throttle = float(share_all[live & ~self.worker_paused & (self.share <= 0.0)].sum())  # to share 0
+        resuming = float(waiting[~self.starting].sum())
         self.paused_gap["guard"] += guard
-        self.paused_gap["throttle"] += throttle
-        gap["paused"] += guard + throttle
-        paused = self.worker_paused | (self.share <= 0.0)
+        self.paused_gap["throttle"] += throttle + resuming
+        gap["paused"] += guard + throttle + resuming
         # a live worker (one too small for an episode runs nothing): share-all's rate minus its own
-        diff = np.where(live & ~paused, share_all - mine, 0.0)
+        diff = np.where(live & ~paused, share_all * ready - mine, 0.0)
         gap["share_cap"] += float(diff[diff > 0].sum())
         gap["above_share_all"] -= float(diff[diff < 0].sum())
 
@@ -456,8 +472,9 @@ class RoseRun(Run):
 
     def _step(self, g: int, inp, now: float) -> None:
         """One input to GPU g's lease machine, and its actions carried out: the modelled worker
-        starts, pauses and resumes at once and exits as soon as it is stopped; every lease
-        state published is folded into the scheduling core."""
+        decodes `lease_start_s` after its start and `resume_s` after a resume, pauses at once and
+        exits as soon as it is stopped; every lease state published is folded into the scheduling
+        core."""
         before = self.machines[g]
         s, actions = lm.step(before, inp, now)
         if actions:  # (a renewal has none)
@@ -486,8 +503,13 @@ class RoseRun(Run):
             t = type(a)
             if t is lm.Start:
                 self.worker[g], self.worker_paused[g] = True, a.paused
+                self.ready_at[g], self.starting[g] = now + self.ctx.lease_start_s, True
             elif t is lm.Pause or t is lm.Resume:
                 self.worker_paused[g] = t is lm.Pause
+                if t is lm.Resume:
+                    self.ready_at[g] = max(self.ready_at[g], now + self.ctx.resume_s)
+            elif t is lm.Throttle and self.share[g] <= 0.0 < a.compute_share:  # resumed from share 0
+                self.ready_at[g] = max(self.ready_at[g], now + self.ctx.resume_s)
             elif t is lm.Stop:
                 self.worker[g] = self.worker_paused[g] = False
             elif t is lm.Publish:
@@ -496,6 +518,11 @@ class RoseRun(Run):
 
 RUNS = {"static": Run, "elastic": ElasticRun, "share-all": ShareAllRun, "rose": RoseRun}
 POLICIES = tuple(RUNS)
+
+
+def ready_fraction(t1: float, dt: float, ready_at: np.ndarray | np.float64) -> np.ndarray:
+    """The part of the window (t1 - dt, t1] after `ready_at` (elementwise), in [0, 1]."""
+    return np.clip((t1 - ready_at) / dt, 0.0, 1.0)
 
 
 def min_headroom(ttft_ms: np.ndarray, tpot_ms: np.ndarray, slo: Latency) -> np.ndarray:

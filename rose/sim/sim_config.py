@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from rose.config import PolicyConfig
 from rose.sim.interference import InterferenceProfile, default_profile, linear_profile
-from rose.sim.models import EngineConfig, EpisodeModel
-from rose.sim.runs import ELASTIC_CAP_FRAC, POLICIES
+from rose.sim.models import RESUME_S, EngineConfig, EpisodeModel
+from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S, POLICIES
 
 PERIOD_S = 0.5  # telemetry period (TelemetryConfig.period_s), one serving window
 DEFAULT_LOAD = 0.7  # fraction of a GPU's roofline capacity the trace's busiest minute uses
@@ -62,6 +62,12 @@ class SimConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     record_series: bool = True  # per-window series for plots
     elastic_cap_frac: float = ELASTIC_CAP_FRAC  # the elastic baseline's GPUs at once, × the static pool
+    # what starting rollout costs (rose.sim.models): a lease's or a share's worker waking up (None:
+    # the sourced model of the run's weights and GPU, models.wake_s), a throttled lease resuming,
+    # an external GPU being provisioned (elastic; an assumption, swept in the paper check)
+    lease_start_s: float | None = None
+    resume_s: float = RESUME_S
+    elastic_provision_s: float = ELASTIC_PROVISION_S
     # processes: 1 runs every policy in this one; 2 runs ROSE in a forked child beside the others
     # (the same results: the policies share nothing but the request stream, which each process
     # draws from the same seed); 0: 2 for large runs where that is possible (`auto_workers`)
