@@ -217,17 +217,19 @@ def measure(server: Server, names, keep) -> Measured:
 
 
 def busy_windows(server: Server, names, keep) -> list[prom.ServingWindow]:
-    """The agent's reading of scrapes taken while a load runs (a load of its own, not measured)."""
+    """The agent's reading of scrapes taken while a load runs (a load of its own, not measured:
+    as many waves as a measured window, scraped every 0.1 s until three scrapes saw requests
+    running; a wave takes a few tenths of a second)."""
     metrics = server.url + "/metrics"
     busy: list[prom.ServingWindow] = []
 
     def while_running(done: threading.Event):
-        while not done.wait(0.25) and len(busy) < 3:
+        while not done.wait(0.1) and len(busy) < 3:
             w = prom.window(prom.parse(scrape(metrics, 5.0), keep), None, 0.0, names)
             if w.running:
                 busy.append(w)
 
-    run_load(server, 2, CONCURRENCY, MAX_TOKENS, PROMPT_LEN, during=while_running)
+    run_load(server, WAVES, CONCURRENCY, MAX_TOKENS, PROMPT_LEN, during=while_running)
     return busy
 
 
