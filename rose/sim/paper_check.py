@@ -754,15 +754,10 @@ def _cap_table(res: Results) -> list[str]:
         "|---|---|" + "---:|" * (6 + len(caps)),
     ]
 
-    def cap_cell(rs: list[dict], t: str, m: str, c: float | str) -> str:
-        rose = statistics.fmean(r["policies"]["rose"]["episodes"] for r in res.main(t, m))
-        el = rs[0]["policies"]["elastic"]
-        return f"{el['gain_vs_static']:.3f} / {rose / max(1, el['episodes']):.3f}"
-
     def lead(t: str, m: str) -> list[str]:
         return _versus_cells(res, t, m, res.main(t, m))[:6]
 
-    return lines + _sweep_rows(res, "cap", caps, cap_cell, lead=lead)
+    return lines + _sweep_rows(res, "cap", caps, _elastic_cell(res), lead=lead)
 
 
 def _provision_table(res: Results) -> list[str]:
@@ -776,13 +771,18 @@ def _provision_table(res: Results) -> list[str]:
         "| trace | model | " + " | ".join(f"{p:g} s" for p in values) + " |",
         "|---|---|" + "---:|" * len(values),
     ]
+    return lines + _sweep_rows(res, "provision", values, _elastic_cell(res))
 
-    def cell(rs: list[dict], t: str, m: str, p: float | str) -> str:
+
+def _elastic_cell(res: Results) -> Callable[[list[dict], str, str, float], str]:
+    """A sweep cell of elastic's run: its gain, then ROSE's episodes (the main runs) over its own."""
+
+    def cell(rs: list[dict], t: str, m: str, _v: float) -> str:
         rose = statistics.fmean(r["policies"]["rose"]["episodes"] for r in res.main(t, m))
         el = rs[0]["policies"]["elastic"]
         return f"{el['gain_vs_static']:.3f} / {rose / max(1, el['episodes']):.3f}"
 
-    return lines + _sweep_rows(res, "provision", values, cell)
+    return cell
 
 
 def _sweep_rows(

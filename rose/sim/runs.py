@@ -79,6 +79,11 @@ class RunContext:
         assert self.profile is not None  # simulate() always gives one
         return self.rollout.rate(mem_bytes) * self.profile.rollout_fraction(share)
 
+    def share_all_ready(self, t1: float) -> float:
+        """The part of the window ending at t1 in which share-all's workers (started with the run,
+        at 0) decode: after their start."""
+        return float(ready_fraction(t1, self.dt, np.float64(self.lease_start_s)))
+
 
 class Run:
     """The rollout side and the tallies of one policy."""
@@ -213,7 +218,7 @@ class ShareAllRun(Run):
 
     def extra(self, w, t1, st):
         c = self.ctx
-        ready = float(ready_fraction(t1, c.dt, np.float64(c.lease_start_s)))  # its workers start at 0
+        ready = c.share_all_ready(t1)
         gain = c.rollout_rate(self.mem, SHARE_ALL_SHARE) * (c.dt * ready)
         self.ledger.progress(self.w, self.batch / 2.0, gain)
         self.harvested += float(gain.sum())
@@ -292,8 +297,7 @@ class RoseRun(Run):
         ready = ready_fraction(t1, c.dt, self.ready_at)  # 1 on GPUs whose worker is not waking or resuming
         rate = np.where(run_mask, c.rollout_rate(self.mem, self.share), 0.0) * ready
         self.ledger.progress(self.w, self.batch / 2.0, rate * c.dt)
-        sa_ready = float(ready_fraction(t1, c.dt, np.float64(c.lease_start_s)))  # share-all's workers start at 0
-        self.account_gap(rate * c.dt, self.share_all_rate * (c.dt * sa_ready), ready)
+        self.account_gap(rate * c.dt, self.share_all_rate * (c.dt * c.share_all_ready(t1)), ready)
         self.starting &= self.ready_at > t1
         self.lease_gpu_s += float(self.leased.sum()) * c.dt
         self.lease_share_s += float(self.share[run_mask].sum()) * c.dt
