@@ -426,3 +426,27 @@ def test_demo_end_to_end(stack, base_cfg, tmp_path):
     assert "serving SLO attainment" in (tmp_path / "report.md").read_text()
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not left, f"processes left running: {left}"
+
+
+def test_live_view_shows_the_share_a_throttle_set():
+    """A lease throttled to 0 shows paused with share 0; throttled back up to a smaller share, it
+    shows that share, not its grant's."""
+    from rose.demo.live_view import snapshot
+
+    obs = Observed()
+    obs.telemetry["sim/0"] = [(10.0, 100.0, 20.0, 500.0, 50.0, 0.4, 0, 0, 0, 10_000)]
+
+    def command(kind, share, ts):
+        obs.commands.append({"kind": kind, "lease_id": "sim/0#1", "gpu": "sim/0", "compute_share": share, "ts": ts})
+
+    def share_and_state(state, ts):
+        obs.lease_states.append(_ls("sim/0", "sim/0#1", state, ts))
+        row = snapshot(obs, "run", 5.0, 60.0, ts, real_gpu="")["gpus"][0]
+        return row["share"], row["state"]
+
+    command("grant", 0.5, 1.0)
+    assert share_and_state("active", 1.0) == (0.5, "active")
+    command("throttle", 0.0, 2.0)
+    assert share_and_state("paused", 2.0) == (0.0, "paused")
+    command("throttle", 0.25, 3.0)
+    assert share_and_state("active", 3.0) == (0.25, "active")

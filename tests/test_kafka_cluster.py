@@ -358,7 +358,7 @@ def test_system_under_node_faults(cluster, kcfg, stack, base_cfg, tmp_path):
         faults.append(node_fault(cluster, dec, "stop", leader_of(boot, kcfg.commands_topic, 0), ttl))
         faults_end = time.time() - sysm.t0
         codes = sysm.finish(drain_s=120)
-        counts = sysm.audit(rebuilds=[f["window"] for f in faults], min_exact=GPUS)
+        counts = sysm.audit(rebuilds=[f["window"] for f in faults])
     except BaseException:
         sysm.print_log_tails()
         raise

@@ -19,6 +19,8 @@ COMMAND_SCHEMA = "rose.command.v1"
 LEASE_STATE_SCHEMA = "rose.lease_state.v1"
 
 COMMAND_KINDS = ("grant", "renew", "throttle", "revoke")  # throttle: v1.1
+# the kinds that state a live lease: its compute share and a new expiry (a throttle renews too, §2.2)
+LEASE_SETTING_KINDS = ("grant", "renew", "throttle")
 LEASE_STATES = ("active", "paused", "revoking", "revoked", "expired", "rejected")  # paused: v1.1
 
 MAX_ID_LEN = 256

@@ -4,6 +4,7 @@ terminal. `snapshot` (pure) turns what has been observed into the figures shown.
 
 from __future__ import annotations
 
+from rose.contract.events import LEASE_SETTING_KINDS
 from rose.demo.observed import Observed
 
 
@@ -15,7 +16,7 @@ def snapshot(obs: Observed, phase: str, elapsed_s: float, duration_s: float, now
             latest_state[s["gpu"]] = s
     shares: dict[str, float] = {}
     for c in list(obs.commands):
-        if c.get("kind") in ("grant", "renew"):
+        if c.get("kind") in LEASE_SETTING_KINDS:  # a throttle to 0 shows the lease paused
             shares[c["lease_id"]] = c.get("compute_share", 0.0)
     episodes = list(obs.episodes)
     by_gpu: dict[str, int] = {}

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rose.config import Config
-from rose.contract.events import Command, LeaseState
+from rose.contract.events import LEASE_SETTING_KINDS, Command, LeaseState
 
 
 @dataclass
@@ -23,7 +23,7 @@ class LeaseView:
     shares: dict[str, float] = field(default_factory=dict)  # lease_id -> compute_share
 
     def on_command(self, c: Command) -> None:
-        if c.kind in ("grant", "renew", "throttle"):
+        if c.kind in LEASE_SETTING_KINDS:
             self.shares[c.lease_id] = c.compute_share
 
     def on_lease_state(self, s: LeaseState) -> None:

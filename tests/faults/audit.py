@@ -9,18 +9,16 @@ naming what is wrong, and returns what it counted.
   at their record time, or where the scheduler may have seen them instead (after every
   decision it committed before the state was written, before every event written more than
   `LEASE_LAG_S` after it), or, in a window where the fault may have made the scheduler rebuild
-  its views, only the newest of them as a rebuild does. A GPU that matches is audited
-  exactly, however many leases its executor ended (`expired`, `rejected`) or faults it went
-  through. Only a GPU whose executor ended a lease at or before its first unexplained command
-  may fall back to the structural rules (unique ids, epochs strictly increasing from grant to
-  grant, renew/revoke carrying the epoch of their lease, no renew after a revoke); every GPU
-  gets those, and at least `min_exact` GPUs must be exact.
+  its views, only the newest of them as a rebuild does. Every GPU must match, however many
+  leases its executor ended (`expired`, `rejected`) or faults it went through; each also gets
+  the structural rules (unique ids, epochs strictly increasing from grant to grant,
+  renew/throttle/revoke carrying the epoch of their lease, nothing after a revoke).
 - transactions: what read_uncommitted sees beyond read_committed in `commands` and
   `scheduler-state` is output of aborted transactions (`audit_aborted`); every record of a
   transaction open when the scheduler was killed must be one of them.
 - leases: every lease that went `active` ends `revoked`/`expired` no later than its last
-  deadline (record time of its last grant/renew + that command's TTL, which is how the
-  executor counts it) + revoke deadline + slack, is never `active` again after it ended,
+  deadline (record time of its last grant/renew/throttle + that command's TTL, which is how
+  the executor counts it) + revoke deadline + slack, is never `active` again after it ended,
   and is either ended or still renewed. A lease whose executor was SIGKILLed counts as ended
   at the kill (its worker dies with the executor; the caller checks that) — the `expired`
   the restarted executor publishes comes later by construction.
@@ -46,7 +44,7 @@ import numpy as np
 import orjson
 
 from rose.config import Config, PolicyConfig
-from rose.contract.events import InvalidEvent, LeaseState, Telemetry
+from rose.contract.events import LEASE_SETTING_KINDS, InvalidEvent, LeaseState, Telemetry
 from rose.contract.wire import decode
 from rose.kafka.consumer import message_record, read_all
 from rose.policy.core import SchedulingCore, check_admission
@@ -180,7 +178,7 @@ def admissible_replay(  # noqa: C901 - the search over admissible fold orders, o
     return False, best
 
 
-def audit_commands(cfg: Config, rebuilds: list[tuple[float, float]] = (), min_exact: int = 1) -> dict:
+def audit_commands(cfg: Config, rebuilds: list[tuple[float, float]] = ()) -> dict:
     """`rebuilds`: wall-clock windows in which the fault may have made the scheduler rebuild its
     views (`admissible_replay`)."""
     assert cfg.policy.group_size <= 1, "the audit replays each GPU alone: gang leases (group_size > 1) join them"
@@ -208,27 +206,18 @@ def audit_commands(cfg: Config, rebuilds: list[tuple[float, float]] = (), min_ex
         st_by_gpu.setdefault(ls.gpu, []).append((ls, ts))
         if ls.state in EXECUTOR_ENDS:
             exec_ends.setdefault(ls.gpu, []).append(ts)
-    exact, structural, displaced, rebuilt = [], [], 0, 0
+    exact, displaced, rebuilt = [], 0, 0
     for gpu in sorted(set(by_gpu) | set(ev_by_gpu)):
         got = by_gpu.get(gpu, [])
-        ok, info = admissible_replay(ev_by_gpu.get(gpu, []), st_by_gpu.get(gpu, []), got, cfg.policy, list(rebuilds))
-        if ok:
-            exact.append(gpu)
-            displaced += info["displaced"]
-            rebuilt += info["rebuilt"]
-        else:
-            i = info["at"]
-            at = got[i][1] if 0 <= i < len(got) else float("inf")
-            assert any(t <= at for t in exec_ends.get(gpu, [])), (
-                f"{gpu}: command {i} is not the scheduling core's under any admissible placement of its lease "
-                f"states, and no lease was ended by its executor before it: got {info.get('recorded')}, "
-                f"want {info.get('replayed')}"
-            )
-            structural.append(gpu)
         _structure(gpu, [c for c, _ in got])
-    assert len(exact) >= min_exact, (
-        f"{len(exact)} GPUs audited exactly ({exact}), at least {min_exact} required; structural only: {structural}"
-    )
+        ok, info = admissible_replay(ev_by_gpu.get(gpu, []), st_by_gpu.get(gpu, []), got, cfg.policy, list(rebuilds))
+        assert ok, (
+            f"{gpu}: command {info['at']} is not the scheduling core's under any admissible placement of its "
+            f"lease states (GPUs exact before it: {exact}): got {info.get('recorded')}, want {info.get('replayed')}"
+        )
+        exact.append(gpu)
+        displaced += info["displaced"]
+        rebuilt += info["rebuilt"]
     kinds = Counter(c["kind"] for c, _ in cmds)
     return {
         "telemetry": len(events),
@@ -236,7 +225,6 @@ def audit_commands(cfg: Config, rebuilds: list[tuple[float, float]] = (), min_ex
         "duplicates": 0,
         **kinds,
         "gpus_exact": len(exact),
-        "gpus_structural_only": len(structural),
         "lease_states_folded_off_record_time": displaced,
         "lease_states_folded_by_a_rebuild": rebuilt,
         "executor_ended_leases": sum(map(len, exec_ends.values())),
@@ -294,7 +282,7 @@ def audit_leases(cfg: Config, revoke_deadline_s: float, executor_kills: list[flo
     states = _records(cfg, cfg.kafka.lease_state_topic)
     deadlines: dict[str, list[tuple[float, float]]] = {}  # lease -> (record time, executor deadline)
     for c, ts in cmds:
-        if c["kind"] in ("grant", "renew"):
+        if c["kind"] in LEASE_SETTING_KINDS:  # a throttle renews too
             deadlines.setdefault(c["lease_id"], []).append((ts, ts + (c["expires_at"] - c["ts"])))
     by_lease: dict[str, list[tuple[str, float]]] = {}
     for s, ts in states:

@@ -2,7 +2,7 @@
 
 Running: telemetry (a feeder of calm/spiky synthetic telemetry stamped with the current time,
 or `rose agent --simulate` on the Azure code trace), `rose scheduler`, `rose executor
---simulate 2` starting rollout workers inside its leases, a dedicated rollout worker, a
+--simulate 4` starting rollout workers inside its leases, a dedicated rollout worker, a
 trainer publishing weight versions (WeightPublisher) and a `rose weights follow` process;
 tasks are submitted to the task queue while it runs. One fault per test, at seeded random
 points (ROSE_FAULT_SEED to replay), then everything drains and tests/faults/audit.py checks
