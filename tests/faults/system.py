@@ -217,6 +217,11 @@ class System:
         # version, so a test killing the follower holds it until its kills have landed
         self.last_version_gate = threading.Event()
         self.last_version_gate.set()
+        # telemetry flows for `duration_s`, and past it (up to twice as long) while this is clear:
+        # a scheduler only opens transactions while telemetry arrives, so a test killing it
+        # keeps the load on until its kills have landed
+        self.faults_done_gate = threading.Event()
+        self.faults_done_gate.set()
         self.worker_restarts = 0
         self._threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
@@ -281,12 +286,16 @@ class System:
 
     def _feed(self) -> None:
         """Calm/spiky telemetry (rose.telemetry_workload) for sim/0 .. sim/{gpus-1}, each event produced
-        at its own timestamp, so leases are granted, renewed and revoked in real time."""
+        at its own timestamp, so leases are granted, renewed and revoked in real time; for
+        `duration_s`, or longer while `faults_done_gate` is clear."""
         n = int(self.duration_s / 0.5)
-        events = workload(self.gpus, n, seed=self.seed, t0=time.time() + 0.5, prefix="sim")
+        start = time.time() + 0.5
+        events = workload(self.gpus, 2 * n, seed=self.seed, t0=start, prefix="sim")
         # buffers and retries through a broker outage (without a log line per reconnect attempt)
         p = make_producer(self.cfg.kafka, logger=QUIET)
         for ev in events:
+            if ev.ts >= start + n * 0.5 and self.faults_done_gate.is_set():
+                break
             while (left := ev.ts - time.time()) > 0:
                 if self._stop.wait(min(left, 0.05)):
                     break

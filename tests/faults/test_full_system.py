@@ -84,12 +84,15 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
     open_at_kills: list[dict] = []
     if target == "follower":  # the follower exits at the last version: it comes after the kills
         sysm.last_version_gate.clear()
+    sysm.faults_done_gate.clear()  # the load goes on until the last kill has landed
     try:
         sysm.start()
         sysm.wait_loaded()
-        window = (time.time() - sysm.t0, duration_s * 0.8)
-        for _ in range(kills):
-            time.sleep(rng.uniform(1.0, max(1.5, (window[1] - window[0]) / kills)))
+        window_end = sysm.t0 + duration_s * 0.8
+        for k in range(kills):
+            # spread over what is left of the window: a kill's own waits (for episodes in flight,
+            # for an open transaction) must not push the later ones past the load
+            time.sleep(rng.uniform(1.0, max(1.5, (window_end - time.time()) / (kills - k))))
             sysm.ensure_in_flight()
             if target == "worker":  # a leased worker if one runs, and the dedicated one
                 pids = sysm.leased_worker_pids()
@@ -130,6 +133,7 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
                 p.start()
             fault["restarted"] += 1
         sysm.last_version_gate.set()
+        sysm.faults_done_gate.set()
         if sysm.extra_waves:
             fault["extra_waves"] = sysm.extra_waves
         if target == "executor":
@@ -148,6 +152,7 @@ def run_with_kills(target: str, cfg, tmp_path: Path, traces_dir: Path, kills: in
         raise
     finally:
         sysm.last_version_gate.set()
+        sysm.faults_done_gate.set()
         sysm.stop_all()
     counts["trainer"] = {"versions": sysm.published, "redis_retries": sysm.trainer_retries}
     report(f"sigkill-{target}", fault, counts, codes, sysm.stop_s)
