@@ -197,15 +197,14 @@ def audit_commands(cfg: Config, rebuilds: list[tuple[float, float]] = ()) -> dic
     for ev, ts in events:
         ev_by_gpu.setdefault(ev.gpu, []).append((ev, ts))
     st_by_gpu: dict[str, list[tuple[LeaseState, float]]] = {}
-    exec_ends: dict[str, list[float]] = {}
+    exec_ends = 0  # leases the executor ended on its own (drained, failed)
     for s, ts in states:
         try:
             ls = LeaseState.from_dict(s)
         except InvalidEvent:
             continue  # the scheduler skips it too
         st_by_gpu.setdefault(ls.gpu, []).append((ls, ts))
-        if ls.state in EXECUTOR_ENDS:
-            exec_ends.setdefault(ls.gpu, []).append(ts)
+        exec_ends += ls.state in EXECUTOR_ENDS
     exact, displaced, rebuilt = [], 0, 0
     for gpu in sorted(set(by_gpu) | set(ev_by_gpu)):
         got = by_gpu.get(gpu, [])
@@ -227,7 +226,7 @@ def audit_commands(cfg: Config, rebuilds: list[tuple[float, float]] = ()) -> dic
         "gpus_exact": len(exact),
         "lease_states_folded_off_record_time": displaced,
         "lease_states_folded_by_a_rebuild": rebuilt,
-        "executor_ended_leases": sum(map(len, exec_ends.values())),
+        "executor_ended_leases": exec_ends,
     }
 
 
