@@ -172,6 +172,11 @@ class ExecutorConfig:
     latency_dir: str = ""  # the local guard's latency files; "" = /dev/shm/rose-latency
     guard_period_s: float = 0.0005  # the local guard's poll period; 0 turns the guard off
     worker_nice: int = 19  # OS priority of rollout workers on a serving node (CPU protection)
+    # run rollout workers under SCHED_IDLE as well: a SCHED_IDLE thread gets the CPU only when
+    # nothing else on its core wants it (Linux CFS weight 3 against 1024 for a nice-0 thread, and
+    # a waking nice-0 thread preempts it; nice 19 alone still has weight 15). A stopping worker
+    # gets SCHED_OTHER back, so it drains and exits within the revoke deadline (docs/executor.md)
+    worker_sched_idle: bool = False
     job: str = "default"  # the rollout job whose task queue workers serve
     model: str = "reference"  # the rollout policy the workers load
     metrics_port: int = 0  # Prometheus /metrics and /healthz; 0 = off
@@ -303,7 +308,8 @@ def _redact_url(url: str) -> str:
 _SECRET_FILE_SUFFIX = "_file"
 
 
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string"}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+_BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 
 
 def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:
@@ -320,13 +326,17 @@ def _coerce(section: str, f: dataclasses.Field, raw: Any) -> Any:
             if isinstance(raw, bool):
                 raise ValueError
             return float(raw)
+        if typ == "bool":  # TOML's true/false; from the environment: true, false, 1 or 0
+            if isinstance(raw, bool):
+                return raw
+            return _BOOL_WORDS[str(raw).strip().lower()]
         if typ == "str":
             if not isinstance(raw, str | int | float):  # a table, an array or a date is a mistake
                 raise ValueError
             return str(raw)
         if typ.startswith("Mapping") and not isinstance(raw, Mapping):
             raise ValueError
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, KeyError):
         raise ConfigError(f"{name}: expected {_TYPE_WORDS.get(typ, 'a table')}, got {raw!r}") from None
     return raw
 

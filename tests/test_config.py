@@ -46,3 +46,17 @@ def test_executor_clock_skew_bound_is_checked():
             load_config(env={"ROSE_EXECUTOR__MAX_CLOCK_SKEW_S": bad})
     with pytest.raises(ConfigError, match=r"policy.renew_before_s \(1\)"):
         load_config(env={"ROSE_POLICY__RENEW_BEFORE_S": "1"})
+
+
+def test_a_true_or_false_setting_reads_true_false_1_or_0_and_refuses_anything_else(tmp_path):
+    from rose.config import ConfigError
+
+    assert load_config(env={}).executor.worker_sched_idle is False
+    for text, want in (("true", True), ("TRUE", True), ("1", True), ("false", False), ("0", False)):
+        assert load_config(env={"ROSE_EXECUTOR__WORKER_SCHED_IDLE": text}).executor.worker_sched_idle is want
+    path = tmp_path / "c.toml"
+    path.write_text("[executor]\nworker_sched_idle = true\n")
+    assert load_config(path, env={}).executor.worker_sched_idle is True
+    for bad in ("yes", "2", ""):
+        with pytest.raises(ConfigError, match="executor.worker_sched_idle: expected true or false"):
+            load_config(env={"ROSE_EXECUTOR__WORKER_SCHED_IDLE": bad})

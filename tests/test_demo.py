@@ -177,6 +177,81 @@ def test_measured_device_splits_requests_of_the_run_by_lease():
     assert latency_summary([])["with_rollout"]["ttft_p99_ms"] is None
 
 
+def test_the_measured_device_attainment_is_taken_per_kind_of_window():
+    obs = Observed()
+    row = lambda ts, ttft: (ts, ttft, 5.0, 100.0, 10.0, 0.5, 0, 1, 0, 0)  # noqa: E731
+    # off windows 0-10 and 20-30: 3 of 4 rows within the SLO; on window 10-20: 1 of 2; 30+ outside every window
+    obs.telemetry = {
+        "real/0": [row(1, 50), row(5, 150), row(21, 50), row(29, 50), row(11, 50), row(19, 500), row(35, 500)],
+        "sim/0": [row(12, 500)],
+    }
+    wins = _windows((0, 10, False), (10, 20, True), (20, 30, False))
+    assert report.attainment_by_window_kind(obs, wins, "real/0") == {"dedicated_only": 0.75, "with_leases": 0.5}
+    assert report.attainment_by_window_kind(obs, wins, "real/9") == {"dedicated_only": None, "with_leases": None}
+
+
+def _core(idle, serving, rollout):
+    return {"idle_s": idle, "serving_s": serving, "rollout_s": rollout, "counted_s": idle + serving + rollout}
+
+
+def test_the_device_core_is_summed_per_kind_of_window_and_printed_beside_it():
+    wins = [
+        {**w, "core": c}
+        for w, c in zip(
+            _windows((0, 10, False), (10, 20, True), (20, 30, False), (30, 40, True)),
+            [_core(6.0, 4.0, 0.0), _core(1.0, 4.0, 5.0), _core(5.0, 5.0, 0.0), _core(2.0, 3.0, 5.0)],
+        )
+    ]
+    core = report.core_by_window_kind(wins)
+    assert core == {
+        "dedicated_only": {"idle_s": 11.0, "serving_s": 9.0, "rollout_s": 0.0, "counted_s": 20.0, "windows": 2},
+        "with_leases": {"idle_s": 3.0, "serving_s": 7.0, "rollout_s": 10.0, "counted_s": 20.0, "windows": 2},
+    }
+    assert report.core_by_window_kind(_windows((0, 10, False), (10, 20, True))) is None  # no core sampled
+    rows = report._core_rows(core)
+    assert "| device core idle (idle + iowait), core-s | 11.0 | 3.0 |" in rows
+    assert "| device core rollout (nice: the leased workers), core-s | 0.0 | 10.0 |" in rows
+    assert report._core_rows(None) == ["| device core | not sampled (no CPU core of its own) | |"]
+    assert (report._yes(True), report._yes(False), report._yes(None)) == ("yes", "no", "n/a")
+
+
+def _promise_report(by_window, ci_on, off_mean, core):
+    md = {"gpu": "real/0", "slo_attainment_by_window": by_window, "core": core}
+    episodes = {"dedicated_only": off_mean, "with_leases": None, "ci95_with_leases": ci_on}
+    return {"measured_device": md, "promise": report.promise(md, episodes)}
+
+
+def test_the_promise_holds_when_serving_keeps_its_slo_and_leases_add_episodes():
+    core = {"dedicated_only": _core(11.0, 9.0, 0.0), "with_leases": _core(3.0, 7.0, 10.0)}
+    rep = _promise_report({"dedicated_only": 0.95, "with_leases": 0.94}, [30.0, 40.0], 25.0, core)
+    p = rep["promise"]
+    assert p["measured_slo_with_leases_within_0_01"] and p["episodes_ci95_above_leases_off_mean"] and p["held"]
+    lines = "\n".join(report._promise_lines(rep))
+    assert "| both | yes |" in lines and "Not held" not in lines
+    assert "(0.9400 against 0.9500) | yes |" in lines and "([30.0, 40.0] against 25.0) | yes |" in lines
+
+
+def test_the_promise_fails_on_either_half_and_then_shows_the_idle_time_left():
+    core = {"dedicated_only": _core(11.0, 9.0, 0.0), "with_leases": _core(3.5, 7.0, 9.5)}
+    # serving lost 0.02 of attainment under leases: not within 0.01
+    rep = _promise_report({"dedicated_only": 0.95, "with_leases": 0.93}, [30.0, 40.0], 25.0, core)
+    p = rep["promise"]
+    assert not p["measured_slo_with_leases_within_0_01"] and p["episodes_ci95_above_leases_off_mean"]
+    assert not p["held"] and p["core_idle_s_with_leases"] == 3.5 and p["core_rollout_s_with_leases"] == 9.5
+    lines = "\n".join(report._promise_lines(rep))
+    assert "| both | no |" in lines
+    assert "device core was idle for 3.5 core-s, and the leased workers took 9.5 core-s" in lines
+    # the interval with leases reaches down to the leases-off mean: not above it
+    p = report.promise(rep["measured_device"], {"dedicated_only": 30.0, "ci95_with_leases": [30.0, 40.0]})
+    assert not p["episodes_ci95_above_leases_off_mean"] and not p["held"]
+    # no interval (fewer than two windows) or no attainment: not shown to hold
+    md = {"slo_attainment_by_window": {"dedicated_only": None, "with_leases": 1.0}}
+    p = report.promise(md, {"dedicated_only": 30.0, "ci95_with_leases": None})
+    assert p == {**p, "measured_slo_with_leases_within_0_01": False, "episodes_ci95_above_leases_off_mean": False}
+    lines = "\n".join(report._promise_lines({"measured_device": {"gpu": "real/0", **md}, "promise": p}))
+    assert "not sampled" in lines and "its idle time is not known" in lines
+
+
 def test_report_builds_and_prints_from_a_small_run():
     obs = Observed()
     row = lambda ts: (ts, 50.0, 5.0, 1000.0, 100.0, 0.5, 0, 1, 0, 0)  # noqa: E731
@@ -210,6 +285,9 @@ def test_report_builds_and_prints_from_a_small_run():
     md = report.markdown({**rep, "plots": []})
     assert "leases on (mean of 2 windows, 95 % CI)" in md and "trainer lr 0.003" in md and "rose bench weights" in md
     assert rep["engine"] == {"name": None, "version": None, "device": None} and rep["rl"]["reward_by_step"] == []
+    assert rep["measured_device"]["slo_attainment_by_window"] == {"dedicated_only": 1.0, "with_leases": 1.0}
+    assert rep["measured_device"]["core"] is None and rep["promise"]["measured_slo_with_leases_within_0_01"]
+    assert "## Serving's SLO and the device core, leases off against on" in md
 
 
 def test_report_names_the_engine_and_shows_samples_and_reward_by_step():
@@ -345,6 +423,9 @@ def test_demo_workers_get_the_stock_config_with_slots_cpus_and_the_weights_key()
     wc = demo_worker_config(4, (1,))(cfg, start, "flag", "cpu", 1)
     assert wc.max_batch == 4 and wc.cpus == (1,) and wc.gpu == "real/0" and wc.pause_flag == "flag"
     assert wc.redis == cfg.redis and wc.weights_hmac_key == "wk"
+    assert not wc.sched_idle
+    idle = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor, worker_sched_idle=True))
+    assert demo_worker_config(4, (1,))(idle, start, "flag", "cpu", 1).sched_idle
 
 
 def test_demo_hands_its_children_the_run_config_in_a_private_file(tmp_path, monkeypatch):
@@ -368,7 +449,11 @@ def test_demo_hands_its_children_the_run_config_in_a_private_file(tmp_path, monk
         from rose.sim.sim_config import ALPHA_DEFAULT
 
         assert got.telemetry.interference_alpha == ALPHA_DEFAULT  # the simulator's linear model, reference alpha
-        assert d._argv()["dedicated"].weights_hmac_key == "wk"
+        argv = d._argv()
+        assert argv["dedicated"].weights_hmac_key == "wk"
+        # on the device's own core the leased workers run under SCHED_IDLE; the trace-driven GPUs' never
+        assert ("--worker-sched-idle" in argv["executor-real"]) == bool(d.device_cpus)
+        assert "--worker-sched-idle" not in argv["executor-sim"]
     finally:
         import shutil
 

@@ -300,3 +300,98 @@ def test_the_launcher_starts_children_at_the_niceness_it_is_given_and_applying_i
         assert psutil.Process(q.pid).nice() == max(3, own)
     finally:
         end(q)
+
+
+# a child that ignores SIGTERM (so it is still there after a stop), starts a thread and says so
+_THREADED_CHILD = (
+    "import signal, sys, threading, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "if sys.argv[1:] == ['apply']:\n"
+    "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "    from rose.rollout.launcher import apply_sched_idle\n"
+    "    apply_sched_idle()\n"
+    "else:\n"
+    "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _policies(pid: int) -> dict[int, int]:
+    return {int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_a_sched_idle_worker_runs_every_thread_at_sched_idle_until_it_is_stopped():
+    import uuid
+
+    from rose.executor.workers import WorkerHandle, stop_worker
+    from rose.rollout.pause_flag import STOP, PauseFlag
+
+    # set by the launcher before exec: the main thread and the thread it starts later, niced too
+    p = spawn([sys.executable, "-c", _THREADED_CHILD], nice=19, sched_idle=True, stdout=subprocess.PIPE, text=True)
+    flag = PauseFlag(f"rose-test-{uuid.uuid4().hex[:8]}", create=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        got = _policies(p.pid)
+        assert len(got) == 2 and set(got.values()) == {os.SCHED_IDLE}
+        assert psutil.Process(p.pid).nice() == 19  # SCHED_IDLE keeps the niceness (/proc/stat: nice time)
+        # stopping it gives every thread SCHED_OTHER and niceness 0 back, so it drains promptly
+        logged: list = []
+
+        class Log:
+            def warning(self, event, **kw):
+                logged.append(event)
+
+        stop_worker(WorkerHandle("real/0", p, flag, 1), Log())
+        assert flag.get() == STOP
+        assert set(_policies(p.pid).values()) == {os.SCHED_OTHER} and not logged
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in _policies(p.pid)} == {0}
+    finally:
+        end(p)
+        flag.close()
+        flag.unlink()
+
+
+def test_a_worker_started_by_hand_puts_the_threads_it_has_under_sched_idle():
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    p = subprocess.Popen([sys.executable, "-c", _THREADED_CHILD, "apply"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        got = _policies(p.pid)
+        assert len(got) == 2 and set(got.values()) == {os.SCHED_IDLE}
+    finally:
+        end(p)
+
+
+def test_a_stop_refused_the_way_out_of_sched_idle_logs_it_and_still_stops(monkeypatch):
+    import uuid
+
+    from rose.executor import workers
+    from rose.rollout.pause_flag import STOP, PauseFlag
+
+    p = spawn([sys.executable, "-c", _THREADED_CHILD], sched_idle=True, stdout=subprocess.PIPE, text=True)
+    flag = PauseFlag(f"rose-test-{uuid.uuid4().hex[:8]}", create=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+
+        def refuse(*_a):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(workers.os, "sched_setscheduler", refuse)
+        logged: list = []
+
+        class Log:
+            def warning(self, event, **kw):
+                logged.append((event, kw))
+
+        signals: list = []
+        monkeypatch.setattr(p, "send_signal", signals.append)
+        workers.stop_worker(workers.WorkerHandle("real/0", p, flag, 1), Log())
+        assert flag.get() == STOP and signals == [15]  # SIGTERM still sent
+        assert logged == [("worker.sched_idle_kept", {"gpu": "real/0", "pid": p.pid, "threads": 2})]
+        assert set(_policies(p.pid).values()) == {os.SCHED_IDLE}
+    finally:
+        monkeypatch.undo()
+        end(p)
+        flag.close()
+        flag.unlink()

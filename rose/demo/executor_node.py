@@ -2,12 +2,14 @@
 workers get the demo's slot count and, on the co-served device, its CPU.
 
     python -m rose.demo.executor_node --gpus sim/0,sim/1 [--device cpu] [--no-guard] \
-        [--max-batch 4] [--worker-cpus 3]
+        [--max-batch 4] [--worker-cpus 3] [--worker-sched-idle]
 
 Config comes from `load_config()` (the demo hands every process its run's config file); the
 workers follow the trainer's weights when `executor.worker_weights = "follow"`, with
 `security.weights_hmac_key`. The executor builds each worker's `WorkerConfig`
 (`rose.executor.workers.worker_config`); this process only replaces two of its fields.
+`--worker-sched-idle` sets this executor's `executor.worker_sched_idle` (its workers run under
+SCHED_IDLE: on the co-served device's core they get only the time serving leaves idle).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-guard", action="store_true")
     ap.add_argument("--max-batch", type=int, default=4, help="KV-cache slots of each rollout worker")
     ap.add_argument("--worker-cpus", type=_cpu_list, default=(), help="Run the workers on these CPUs (0,1,...)")
+    ap.add_argument(
+        "--worker-sched-idle", action="store_true", help="Run the workers under SCHED_IDLE (executor.worker_sched_idle)"
+    )
     ap.add_argument("--ready-key", default="demo:ready", help="Redis hash (under the key prefix) set when started")
     a = ap.parse_args(argv)
     import redis
@@ -52,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging("INFO")
     cfg = load_config()
+    if a.worker_sched_idle:
+        cfg = dataclasses.replace(cfg, executor=dataclasses.replace(cfg.executor, worker_sched_idle=True))
     gpus = [g for g in a.gpus.split(",") if g]
     wait_for_broker(cfg.kafka, timeout_s=30)
     ex = Executor(

@@ -9,6 +9,10 @@ window before lapses at its expiry (policy.ttl_s), as the protocol ends any leas
 stops renewing, and the executors are then idle. Leases on: the scheduler is started, deciding
 on telemetry from that moment on. Executors, serving, the dedicated worker and the trainer run
 throughout, so the windows differ only in whether leases are issued.
+
+On CPU each window also records what the device's core did in it (`core`: idle, serving and
+rollout seconds, rose.demo.device_core), from the core's /proc/stat line read as it opens and
+as it closes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import sys
 import time
 
+from rose.demo import device_core
 from rose.demo.processes import Processes
 from rose.demo.run_setup import DemoError, DemoSetup
 
@@ -114,16 +119,17 @@ class DemoPhases(DemoSetup):
                 time.sleep(0.25)
         self.timeline["t_end"] = time.time()
         if windows:
-            windows[-1]["end"] = self.timeline["t_end"]
+            self._close_window(windows[-1], self.timeline["t_end"], self._core_sample())
         self.cpu_seconds = procs.cpu_seconds()
         self._drain(collector)
 
     def _enter_window(self, procs: Processes, argv, windows: list[dict], leases: bool) -> None:
         """Close the current window and open the next: start or stop the scheduler."""
         now = time.time()
+        core = self._core_sample()
         if windows:
-            windows[-1]["end"] = now
-        windows.append({"start": now, "end": None, "leases": leases})
+            self._close_window(windows[-1], now, core)
+        windows.append({"start": now, "end": None, "leases": leases, "core_start": core})
         running = "scheduler" in procs.procs and procs.procs["scheduler"].poll() is None
         if leases and not running:
             self._skip_to_now()
@@ -132,6 +138,22 @@ class DemoPhases(DemoSetup):
             killed = procs.stop(["scheduler"], timeout_s=12.0)
             if killed:
                 self.problems.append("scheduler killed after the SIGTERM deadline at a window's end")
+
+    def _core_sample(self) -> device_core.CoreSample | None:
+        """The device core's times now (None: no device core, or /proc/stat unreadable)."""
+        if not self.device_cpus:
+            return None
+        try:
+            return device_core.read_core(min(self.device_cpus))
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _close_window(w: dict, now: float, core: device_core.CoreSample | None) -> None:
+        """End window `w` at `now`; its core split from the sample it opened with to `core`."""
+        w["end"] = now
+        start = w.pop("core_start", None)
+        w["core"] = device_core.split(start, core) if start is not None and core is not None else None
 
     def _drain(self, collector) -> None:
         """Keep everything running until every episode started before t_end has finished (its

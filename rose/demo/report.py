@@ -14,7 +14,16 @@ Definitions (also printed in report.md):
 - measured_device: the co-served device whose latency is measured, not modelled: its SLO
   attainment (as above, its windows only; its SLO is the run's configured serving SLO), and the
   p99 TTFT and TPOT (each request's mean time per output token) over the requests it finished
-  in the run, served alone and while a rollout lease ran on it.
+  in the run, served alone and while a rollout lease ran on it. .slo_attainment_by_window: its
+  SLO attainment over the telemetry windows inside the leases-off (dedicated_only) and leases-on
+  (with_leases) windows. .core (CPU): what its core did in each kind of window, from the core's
+  /proc/stat line, in core-seconds summed over the windows: idle_s (idle + iowait), serving_s
+  (user + system + irq + softirq: the nice-0 work, the serving engine), rollout_s (nice: the
+  leased workers, which run niced, under SCHED_IDLE on that core), counted_s (their sum).
+- promise: serving keeps its SLO while leases add rollout. measured_slo_with_leases_within_0_01:
+  the measured device's SLO attainment in the leases-on windows is at least its leases-off
+  attainment − 0.01; episodes_ci95_above_leases_off_mean: the low end of the 95 % interval of
+  episodes/min with leases is above the leases-off mean; held: both.
 - revoke_latency_ms: revoke command (its Kafka record timestamp, stamped when the scheduler
   produced it inside its transaction) → lease state `revoked` (its record timestamp: the worker
   has exited and its memory is back). `to_revoking_ms`: → `revoking`, published as the executor
@@ -30,11 +39,15 @@ import json
 import statistics
 from pathlib import Path
 
-from rose.demo import plots
+from rose.demo import device_core, plots
 from rose.demo.coserve import latency_summary
 from rose.demo.observed import Observed, lease_intervals
 from rose.demo.windows import started_at, window_rates
 from rose.obs.stats import mean_ci95, percentile
+
+# the two kinds of window, by the key the report gives each (the window's `leases` flag)
+WINDOW_KINDS = (("dedicated_only", False), ("with_leases", True))
+SLO_TOLERANCE = 0.01  # the promise: serving's attainment with leases at most this below leases off
 
 
 def leased_at(intervals: list[tuple[float, float]], t: float) -> bool:
@@ -122,7 +135,7 @@ def throughput(obs: Observed, timeline: dict, intervals: dict[str, list[tuple[fl
         w["lease_gpu_seconds"] = round(float(sum(lease_s)), 1)
         w["first_lease_after_s"] = round(min(firsts) - w["start"], 2) if firsts else None
     by_kind: dict[str, dict] = {}
-    for kind, leases_on in (("dedicated_only", False), ("with_leases", True)):
+    for kind, leases_on in WINDOW_KINDS:
         sel = [w for w in rows if w["leases"] is leases_on and w["episodes_per_min"] is not None]
         mean, ci = mean_ci95([w["episodes_per_min"] for w in sel])
         minutes = [(w["end"] - w["start"]) / 60.0 for w in sel]
@@ -188,10 +201,39 @@ def _measured_text(gpu: str, md: dict) -> str:
     return f"`{gpu}`'s latencies are wall-clock measurements of a torch model on this machine."
 
 
-def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict) -> dict:
+def attainment_by_window_kind(obs: Observed, windows, gpu: str) -> dict:
+    """`gpu`'s SLO attainment per kind of run window (`WINDOW_KINDS`): the fraction of its
+    telemetry windows stamped inside a window of that kind whose TTFT and TPOT p99 are both
+    within its SLO (None: no telemetry there)."""
+    out: dict = {}
+    rows = obs.telemetry.get(gpu, [])
+    for kind, leases_on in WINDOW_KINDS:
+        spans = [(w["start"], w["end"]) for w in windows if w["leases"] is leases_on and w.get("end") is not None]
+        ok = n = 0
+        for ts, ttft, tpot, s_ttft, s_tpot, *_ in rows:
+            if any(a <= ts < b for a, b in spans):
+                ok += ttft <= s_ttft and tpot <= s_tpot
+                n += 1
+        out[kind] = round(ok / n, 4) if n else None
+    return out
+
+
+def core_by_window_kind(windows) -> dict | None:
+    """The device core's seconds (rose.demo.device_core.split) summed per kind of window; None
+    when no window sampled the core (no device core of its own: CUDA, or a single CPU)."""
+    if not any(w.get("core") for w in windows):
+        return None
+    return {
+        kind: device_core.add([w["core"] for w in windows if w["leases"] is on and w.get("core")])
+        for kind, on in WINDOW_KINDS
+    }
+
+
+def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict, windows=()) -> dict:
     """The device whose latency is measured, not modelled: its SLO attainment over the run's
-    telemetry windows, and the p99 over its requests (finished within the run) served alone and
-    while a rollout lease ran on it. The SLO is the one it reported: the run's configuration."""
+    telemetry windows (and per kind of run window among `windows`), the p99 over its requests
+    (finished within the run) served alone and while a rollout lease ran on it, and what its core
+    did in each kind of window. The SLO is the one it reported: the run's configuration."""
     try:
         rows = [r for r in json.loads(obs.coserve.get("requests") or "[]") if t0 <= r[0] <= t_end]
     except (TypeError, ValueError):
@@ -201,6 +243,8 @@ def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict)
     return {
         "gpu": gpu,
         "slo_attainment": (slo["per_gpu"].get(gpu) or {}).get("attainment"),
+        "slo_attainment_by_window": attainment_by_window_kind(obs, windows, gpu),
+        "core": core_by_window_kind(windows),
         "p99_alone_ms": {"ttft": alone["ttft_p99_ms"], "tpot": alone["tpot_p99_ms"]},
         "p99_leased_ms": {"ttft": leased["ttft_p99_ms"], "tpot": leased["tpot_p99_ms"]},
         "requests_alone": alone["requests"],
@@ -211,6 +255,31 @@ def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict)
         "server": obs.coserve.get("server") or "torch",
         "model": obs.coserve.get("model"),
         "summary": s,
+    }
+
+
+def promise(md: dict, episodes: dict) -> dict:
+    """Whether the run kept the promise (the module docstring): the measured device's SLO
+    attainment with leases against leases off (`md`, from `measured_device`), and episodes/min
+    with leases against leases off (`episodes`: the report's `episodes_per_min`); with the
+    figures compared and, from its core, the idle time of the leases-on windows beside what the
+    leased workers took of it."""
+    by = md.get("slo_attainment_by_window") or {}
+    on, off = by.get("with_leases"), by.get("dedicated_only")
+    slo_kept = on is not None and off is not None and round(off - on, 6) <= SLO_TOLERANCE
+    ci, off_mean = episodes.get("ci95_with_leases"), episodes.get("dedicated_only")
+    more = ci is not None and off_mean is not None and ci[0] > off_mean
+    core = (md.get("core") or {}).get("with_leases") or {}
+    return {
+        "measured_slo_with_leases_within_0_01": slo_kept,
+        "episodes_ci95_above_leases_off_mean": more,
+        "held": slo_kept and more,
+        "measured_slo_with_leases": on,
+        "measured_slo_leases_off": off,
+        "episodes_ci95_with_leases": ci,
+        "episodes_leases_off_mean": off_mean,
+        "core_idle_s_with_leases": core.get("idle_s"),
+        "core_rollout_s_with_leases": core.get("rollout_s"),
     }
 
 
@@ -307,18 +376,22 @@ def build(obs: Observed, timeline: dict, meta: dict) -> dict:
     tp = throughput(obs, timeline, intervals)
     rv = revoke_latency(obs)
     w = weights(obs)
+    closed = [x for x in timeline.get("windows", []) if x.get("end") is not None]
+    md = measured_device(obs, t0, t_end, meta.get("real_gpu", "real/0"), slo, closed)
+    episodes = {
+        "dedicated_only": tp["dedicated_only"],
+        "with_leases": tp["with_leases"],
+        "ci95_dedicated_only": tp["ci95_dedicated_only"],
+        "ci95_with_leases": tp["ci95_with_leases"],
+    }
     return {
         "serving_slo_attainment": slo["overall"],
-        "episodes_per_min": {
-            "dedicated_only": tp["dedicated_only"],
-            "with_leases": tp["with_leases"],
-            "ci95_dedicated_only": tp["ci95_dedicated_only"],
-            "ci95_with_leases": tp["ci95_with_leases"],
-        },
+        "episodes_per_min": episodes,
         "revoke_latency_ms": {"p50": rv["p50"], "p99": rv["p99"]},
         "weight_bytes_ratio": w["weight_bytes_ratio"],
         "trainer_lr": w["trainer_lr"],
-        "measured_device": measured_device(obs, t0, t_end, meta.get("real_gpu", "real/0"), slo),
+        "measured_device": md,
+        "promise": promise(md, episodes),
         "engine": engine(obs, meta),
         "model": (meta.get("rollout") or {}).get("model") or "reference (toy byte-level policy)",
         "rl": rl(obs, t0),
@@ -331,11 +404,7 @@ def build(obs: Observed, timeline: dict, meta: dict) -> dict:
         "timeline": {
             **timeline,
             "measured_s": round(t_end - t0, 2),
-            "windows": [
-                {**x, "start_s": round(x["start"] - t0, 2), "end_s": round(x["end"] - t0, 2)}
-                for x in timeline.get("windows", [])
-                if x.get("end") is not None
-            ],
+            "windows": [{**x, "start_s": round(x["start"] - t0, 2), "end_s": round(x["end"] - t0, 2)} for x in closed],
         },
         **meta,
     }
@@ -449,6 +518,7 @@ def markdown(rep: dict) -> str:
             f"| alone | {wo.get('requests')} | {_f(wo.get('ttft_p50_ms'), ' ms')} | {_f(wo.get('ttft_p99_ms'), ' ms')} | "
             f"{_f(wo.get('tpot_p50_ms'), ' ms')} | {_f(wo.get('tpot_p99_ms'), ' ms')} |",
         ]
+    lines += _promise_lines(rep)
     lines += _rl_lines(rep)
     inter = rep.get("interference") or {}
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in rep["plots"]]
@@ -471,6 +541,64 @@ def markdown(rep: dict) -> str:
         f"Process logs: `logs/` beside this file. Problems seen: {', '.join(rep['problems']) or 'none'}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _yes(x: bool | None) -> str:
+    return "n/a" if x is None else "yes" if x else "no"
+
+
+def _core_rows(core: dict | None) -> list[str]:
+    """Table rows (leases off | leases on) of the device core's seconds per kind of window."""
+    if not core:
+        return ["| device core | not sampled (no CPU core of its own) | |"]
+    off, on = core["dedicated_only"], core["with_leases"]
+    rows = (
+        ("idle (idle + iowait)", "idle_s"),
+        ("serving (user + system + irq + softirq: nice 0)", "serving_s"),
+        ("rollout (nice: the leased workers)", "rollout_s"),
+        ("counted (their sum)", "counted_s"),
+    )
+    return [f"| device core {what}, core-s | {_f(off[k], '', 1)} | {_f(on[k], '', 1)} |" for what, k in rows]
+
+
+def _promise_lines(rep: dict) -> list[str]:
+    """The measured device per kind of window (SLO attainment, its core) and the promise."""
+    md, p = rep["measured_device"], rep.get("promise") or {}
+    by = md.get("slo_attainment_by_window") or {}
+    gpu = md["gpu"]
+    lines = [
+        "",
+        "## Serving's SLO and the device core, leases off against on",
+        "",
+        f"`{gpu}`'s SLO attainment over its telemetry windows inside each kind of window, and what its CPU core did "
+        "there (/proc/stat, core-seconds summed over the windows of the kind; the leased workers run niced, under "
+        "SCHED_IDLE on that core, so their time is the core's `nice` time).",
+        "",
+        "| | leases off | leases on |",
+        "|---|---|---|",
+        f"| `{gpu}` SLO attainment | {_f(by.get('dedicated_only'), '', 4)} | {_f(by.get('with_leases'), '', 4)} |",
+        *_core_rows(md.get("core")),
+        "",
+        "| promise | held |",
+        "|---|---|",
+        f"| `{gpu}` SLO attainment with leases ≥ leases off − {SLO_TOLERANCE} "
+        f"({_f(p.get('measured_slo_with_leases'), '', 4)} against {_f(p.get('measured_slo_leases_off'), '', 4)}) "
+        f"| {_yes(p.get('measured_slo_with_leases_within_0_01'))} |",
+        f"| episodes/min with leases: 95 % CI low end above the leases-off mean "
+        f"({_ci(p.get('episodes_ci95_with_leases'))} against {_f(p.get('episodes_leases_off_mean'), '', 1)}) "
+        f"| {_yes(p.get('episodes_ci95_above_leases_off_mean'))} |",
+        f"| both | {_yes(p.get('held'))} |",
+    ]
+    if p and not p.get("held"):
+        idle, took = p.get("core_idle_s_with_leases"), p.get("core_rollout_s_with_leases")
+        lines += [
+            "",
+            f"Not held. In the leases-on windows the device core was idle for {_f(idle, ' core-s', 1)}, and the "
+            f"leased workers took {_f(took, ' core-s', 1)}: the idle time left is what leases did not harvest."
+            if idle is not None
+            else "Not held. The device core was not sampled, so its idle time is not known.",
+        ]
+    return lines
 
 
 def _rl_lines(rep: dict) -> list[str]:

@@ -226,6 +226,8 @@ class DemoSetup:
                 *worker,
                 "--worker-cpus",
                 ",".join(map(str, sorted(self.device_cpus or ()))),
+                # on the device's core a leased worker takes only the time serving leaves idle
+                *(["--worker-sched-idle"] if self.device_cpus else []),
             ],
             "scheduler": [py, "-m", "rose", "scheduler", "--instance", f"demo-{self.run_id}"],
         }

@@ -495,7 +495,7 @@ class Executor:
     def _stop_worker(self, gpu: str) -> None:
         h = self.workers.get(gpu)
         if h is not None and h.flag is not None:
-            stop_worker(h)
+            stop_worker(h, self.log)
         # any member's end ends the gang: its one worker goes, so every member's lease does
         self.gangs, carry = lm.gang_stop(self.gangs, gpu)
         self._deferred.extend(carry)

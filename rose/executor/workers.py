@@ -19,7 +19,7 @@ import psutil
 from rose.config import Config
 from rose.executor import lease_machine as lm
 from rose.obs import metrics
-from rose.rollout.launcher import WorkerConfig, launch, spawn
+from rose.rollout.launcher import WorkerConfig, launch, spawn, threads
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
 
 STARTS = metrics.counter("rose_executor_worker_starts_total", "Lease workers, by how they started (warm | cold)")
@@ -44,6 +44,7 @@ def worker_config(cfg: Config, start: lm.Start, flag_name: str, device: str, see
         pause_flag=flag_name,
         dedicated=False,
         nice=cfg.executor.worker_nice,
+        sched_idle=cfg.executor.worker_sched_idle,
         seed=seed,
         weights=cfg.executor.worker_weights,
         max_staleness=cfg.executor.max_staleness,
@@ -122,14 +123,21 @@ def log_started(log, a: lm.Start, pid: int, warm: bool, **extra) -> None:
     )
 
 
-def stop_worker(h: WorkerHandle) -> None:
-    """Ask the worker to drain and exit: STOP in its flag, its niceness back to 0, SIGTERM."""
+def stop_worker(h: WorkerHandle, log=None) -> None:
+    """Ask the worker to drain and exit: STOP in its flag, SCHED_OTHER back if it ran under
+    SCHED_IDLE, its niceness back to 0, SIGTERM. `log`: where a priority it could not give back
+    is reported (the executor's logger; None: nowhere)."""
     assert h.flag is not None  # a running worker's
     h.flag.set(STOP)
-    # a draining worker launches no more compute; at nice 19 on a busy host it would take
-    # seconds to get the CPU it needs to hand its episodes back and exit. Niceness is per
-    # thread on Linux (every thread the worker started inherited it): renice each one.
-    for tid in _threads(h.proc.pid):
+    # a draining worker launches no more compute; at nice 19 (or SCHED_IDLE) on a busy host it
+    # would take seconds to get the CPU it needs to hand its episodes back and exit. Policy and
+    # niceness are per thread on Linux (every thread the worker started inherited them): set
+    # each thread back, the policy first (SCHED_OTHER keeps the niceness, which follows).
+    tids = threads(h.proc.pid)
+    refused = sum(not _leave_sched_idle(tid) for tid in tids)
+    if refused and log is not None:
+        log.warning("worker.sched_idle_kept", gpu=h.gpu, pid=h.proc.pid, threads=refused)
+    for tid in tids:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, 0)
         except (PermissionError, ProcessLookupError, OSError):
@@ -140,12 +148,17 @@ def stop_worker(h: WorkerHandle) -> None:
         pass
 
 
-def _threads(pid: int) -> list[int]:
-    """The thread ids of process `pid` (just `pid` where /proc is not there to list them)."""
+def _leave_sched_idle(tid: int) -> bool:
+    """Thread `tid` back under SCHED_OTHER if it runs under SCHED_IDLE; False only when that was
+    refused (leaving SCHED_IDLE may need CAP_SYS_NICE: the worker then drains, only slower)."""
     try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError):
-        return [pid]
+        if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except PermissionError:
+        return False
+    except OSError:  # ProcessLookupError: the thread ended meanwhile
+        pass
+    return True
 
 
 def reap_worker(h: WorkerHandle) -> int:

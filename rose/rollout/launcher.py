@@ -17,9 +17,10 @@ gets its lease later, still without argv, as a `LeaseRecord` file next to its pa
 
 `spawn(argv)` is the shared way to start a supervised child: PR_SET_PDEATHSIG=SIGTERM, so
 the child drains and exits when its parent dies, optionally pinned to a set of CPUs and set to
-a niceness before exec (every thread the child ever starts inherits both). `launch` starts
-every worker, cold or warm, at its config's `nice` (the executor's `worker_nice`), so that even
-its imports and model build yield the CPU to serving.
+a niceness, and optionally SCHED_IDLE, before exec (every thread the child ever starts inherits
+all three). `launch` starts every worker, cold or warm, at its config's `nice` (the executor's
+`worker_nice`) and `sched_idle` (`worker_sched_idle`), so that even its imports and model build
+yield the CPU to serving.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class WorkerConfig:
     pause_flag: str = ""  # shared-memory name of the PauseFlag; "" = none
     dedicated: bool = False
     nice: int = 10
+    sched_idle: bool = False  # run under SCHED_IDLE too (the executor's worker_sched_idle; set before exec)
     cpus: tuple[int, ...] = ()  # CPUs the launcher pins the process to before exec; () = any
     seed: int = 0
     max_batch: int = 32  # KV-cache slots at most (the budget may allow fewer)
@@ -286,9 +288,32 @@ def apply_nice(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
-def die_with_parent(cpus: Sequence[int] = (), nice: int = 0) -> Callable[[], None]:
+def apply_sched_idle(pid: int = 0) -> int:
+    """Put every thread of process `pid` (0: this one) under SCHED_IDLE, keeping its niceness;
+    threads it starts later inherit the policy. Any process may enter SCHED_IDLE. How many
+    threads were set (a thread that ended meanwhile is skipped)."""
+    n = 0
+    for tid in threads(pid or os.getpid()):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            n += 1
+        except ProcessLookupError:
+            pass
+    return n
+
+
+def threads(pid: int) -> list[int]:
+    """The thread ids of process `pid` (just `pid` where /proc is not there to list them)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError):
+        return [pid]
+
+
+def die_with_parent(cpus: Sequence[int] = (), nice: int = 0, sched_idle: bool = False) -> Callable[[], None]:
     """A `preexec_fn`: SIGTERM the child when its parent dies (PR_SET_PDEATHSIG), pin it to
-    `cpus` (empty: any) and set its niceness to `nice` (`apply_nice`) before it execs."""
+    `cpus` (empty: any), set its niceness to `nice` (`apply_nice`) and, with `sched_idle`, its
+    scheduling policy to SCHED_IDLE before it execs."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork; the child only calls it
     cpu_set = set(cpus)
 
@@ -298,13 +323,17 @@ def die_with_parent(cpus: Sequence[int] = (), nice: int = 0) -> Callable[[], Non
             os.sched_setaffinity(0, cpu_set)
         if nice:
             apply_nice(nice)
+        if sched_idle:  # after the niceness, which SCHED_IDLE keeps (/proc/stat counts it as nice time)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
     return setup
 
 
-def spawn(argv: Sequence[str], *, cpus: Sequence[int] = (), nice: int = 0, **popen) -> subprocess.Popen:
+def spawn(
+    argv: Sequence[str], *, cpus: Sequence[int] = (), nice: int = 0, sched_idle: bool = False, **popen
+) -> subprocess.Popen:
     """`subprocess.Popen(argv, **popen)` for a supervised child (see `die_with_parent`)."""
-    return subprocess.Popen(list(argv), preexec_fn=die_with_parent(cpus, nice), **popen)
+    return subprocess.Popen(list(argv), preexec_fn=die_with_parent(cpus, nice, sched_idle), **popen)
 
 
 def _config_file(data: bytes) -> int:
@@ -343,6 +372,7 @@ def launch(config: WorkerConfig, **popen) -> subprocess.Popen:
             [config.python or sys.executable, "-m", WORKER_MODULE, "--config-fd", str(fd)],
             cpus=config.cpus,
             nice=config.nice,  # cold or warm: imports and the model build already yield to serving
+            sched_idle=config.sched_idle,
             pass_fds=(fd,),
             env=env,
             **popen,

@@ -7,7 +7,7 @@ Its one configuration, `WorkerConfig`, arrives as JSON on descriptor N (default 
 on the command line: it carries the Redis connection and the weights HMAC key, from which the
 process builds its engine, Redis client, task queue and weight source (`weight_source`).
 Serving is protected (`protect`) by a hard memory cap, the lowest-priority CUDA stream, OS nice
-(also set by the launcher before exec) and fewer threads on CPU; on CPU the executor enforces
+and optionally SCHED_IDLE (both also set by the launcher before exec) and fewer threads on CPU; on CPU the executor enforces
 the memory cap (rose.executor.memory_cap). A warm worker (`warm=True`, the executor's pool)
 builds its model and follows the weights with no lease (`wait_for_lease`), then sizes itself to
 the lease it is handed.
@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from rose.rollout.launcher import LeaseRecord, WorkerConfig, apply_nice, read_config
+from rose.rollout.launcher import LeaseRecord, WorkerConfig, apply_nice, apply_sched_idle, read_config
 from rose.rollout.pause_flag import STOP, PauseFlag
 from rose.rollout.worker import Worker, apply_version
 from rose.shutdown import Shutdown
@@ -57,13 +57,16 @@ def lowest_priority_stream(device):
 
 def protect(config: WorkerConfig):
     """Apply the serving protections to this process; the CUDA stream to run on (or None).
-    Both: OS niceness `config.nice` (the launcher set it before exec; again here for a worker
-    started by hand). CPU: a thread count from compute_share. CUDA: the allocator's hard cap at
+    Both: OS niceness `config.nice` and, with `config.sched_idle`, SCHED_IDLE on every thread the
+    process has by now (the launcher set both before exec; again here for a worker started by
+    hand, whose `main` already set SCHED_IDLE before any thread started). CPU: a thread count from compute_share. CUDA: the allocator's hard cap at
     mem_bytes (per-process memory fraction) and the lowest-priority stream."""
     import torch
 
     if config.nice:
         apply_nice(config.nice)
+    if config.sched_idle:
+        apply_sched_idle()
     if config.device == "cpu":
         torch.set_num_threads(max(1, int(config.compute_share * (os.cpu_count() or 1))))
         return None
@@ -156,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         config = read_config(a.config_fd)
     except ValueError as e:
         return _fail(str(e), EXIT_BAD_CONFIG)
+    if config.sched_idle:  # on the main thread before any other starts: every later thread inherits it
+        apply_sched_idle()
     _tracing(config)
     if config.warm:
         return _warm_main(config)
