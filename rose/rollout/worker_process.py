@@ -7,8 +7,8 @@ Its one configuration, `WorkerConfig`, arrives as JSON on descriptor N (default 
 on the command line: it carries the Redis connection and the weights HMAC key, from which the
 process builds its engine, Redis client, task queue and weight source (`weight_source`).
 Serving is protected (`protect`) by a hard memory cap, the lowest-priority CUDA stream, OS nice
-and optionally SCHED_IDLE (both also set by the launcher before exec) and fewer threads on CPU; on CPU the executor enforces
-the memory cap (rose.executor.memory_cap). A warm worker (`warm=True`, the executor's pool)
+and optionally SCHED_IDLE (both also set by the launcher before exec) and fewer threads on CPU;
+on CPU the executor enforces the memory cap (rose.executor.memory_cap). A warm worker (`warm=True`, the executor's pool)
 builds its model and follows the weights with no lease (`wait_for_lease`), then sizes itself to
 the lease it is handed.
 In full: docs/rollout.md.
@@ -59,8 +59,9 @@ def protect(config: WorkerConfig):
     """Apply the serving protections to this process; the CUDA stream to run on (or None).
     Both: OS niceness `config.nice` and, with `config.sched_idle`, SCHED_IDLE on every thread the
     process has by now (the launcher set both before exec; again here for a worker started by
-    hand, whose `main` already set SCHED_IDLE before any thread started). CPU: a thread count from compute_share. CUDA: the allocator's hard cap at
-    mem_bytes (per-process memory fraction) and the lowest-priority stream."""
+    hand, whose `main` already set SCHED_IDLE before any thread started). CPU: a thread count
+    from compute_share. CUDA: the allocator's hard cap at mem_bytes (per-process memory
+    fraction) and the lowest-priority stream."""
     import torch
 
     if config.nice:
