@@ -137,6 +137,9 @@ class TelemetryConfig:
     model_size: str = "7B"  # simulated serving (rose.serving_model presets)
     gpu_type: str = "H100"
     interference_alpha: float = 1.0  # serving slowdown per unit of rollout compute share
+    # a rose.interference_profile.v1 file whose mechanism in use slows the simulated GPUs under a
+    # lease ("" = the linear model of interference_alpha); rose.sim.interference validates it
+    interference_profile: str = ""
 
 
 @dataclass(frozen=True)

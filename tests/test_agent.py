@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -83,6 +84,22 @@ def test_simulated_agent_fills_the_topic(cfg, traces_dir):
     assert sum(e.rps for evs in by_gpu.values() for e in evs) > 0  # the trace's requests arrived
     summary = json.loads(r.stderr.strip().splitlines()[-1])["agent"]
     assert summary["dropped"] == 0 and summary["undelivered"] == 0 and summary["sent"] == 8 * per_gpu
+
+
+def test_an_unreadable_interference_profile_is_one_line_and_exit_2(tmp_path, traces_dir):
+    bad = tmp_path / "profile.json"
+    bad.write_text(json.dumps({**FIVEFOLD, "points": [{"share": 0.5}]}))
+    env = {**os.environ, "ROSE_TELEMETRY__INTERFERENCE_PROFILE": str(bad), "ROSE_KAFKA_BOOTSTRAP": "127.0.0.1:9"}
+    r = subprocess.run(
+        [sys.executable, "-m", "rose", "agent", "--simulate", str(traces_dir / "azure_llm2023_conv.csv")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert r.returncode == 2, r.stderr[-600:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "telemetry.interference_profile" in lines[0] and "serving_p99_ratio" in lines[0]
 
 
 def test_nvml_absent_is_one_line_and_nonzero():
@@ -167,8 +184,26 @@ def test_records_validate():
     assert evs[1].gpu_util == 1.0 and evs[1].rollout_mem_bytes == 2 * GiB and evs[0].event_id != evs[1].event_id
 
 
+FIVEFOLD = {  # a profile whose serving ratios are 5 at every share
+    "schema": "rose.interference_profile.v1",
+    "mechanism": "separate_process",
+    "source": "a test's",
+    "points": [{"share": 0.5, "serving_p99_ratio": 5.0, "serving_mean_ratio": 5.0, "rollout_fraction": 0.1}],
+}
+
+
 @pytest.mark.stack
-def test_active_lease_adds_interference_and_revoke_restores(cfg, traces_dir):
+@pytest.mark.parametrize("profile", [None, FIVEFOLD], ids=["linear", "profile"])
+def test_active_lease_adds_interference_and_revoke_restores(cfg, traces_dir, tmp_path, profile):
+    """Under a lease a simulated GPU slows by the linear model of telemetry.interference_alpha
+    (1: × 1.5 at share 0.5), or by telemetry.interference_profile's ratios when one is set."""
+    slower = 1.2
+    if profile is not None:
+        (tmp_path / "profile.json").write_text(json.dumps(profile))
+        cfg = dataclasses.replace(
+            cfg, telemetry=dataclasses.replace(cfg.telemetry, interference_profile=str(tmp_path / "profile.json"))
+        )
+        slower = 3.0  # above what the linear model (× 1.5) could give
     trace = str(traces_dir / "azure_llm2023_conv.csv")
     opt = SimOptions(trace=trace, gpus=2, duration_s=6.0)
     base = Collect()
@@ -208,7 +243,7 @@ def test_active_lease_adds_interference_and_revoke_restores(cfg, traces_dir):
     after = [i for i in range(held[-1] + 1, len(l0))]
     assert len(after) >= 3, "the revoke was not followed"
     for i in held:
-        assert l0[i]["latency_ms"]["tpot_p99"] > 1.2 * b0[i]["latency_ms"]["tpot_p99"]
+        assert l0[i]["latency_ms"]["tpot_p99"] > slower * b0[i]["latency_ms"]["tpot_p99"]
         assert l0[i]["mem_used_bytes"] >= b0[i]["mem_used_bytes"] + 8 * GiB - GiB
         assert l0[i]["gpu_util"] >= b0[i]["gpu_util"]
     for i in after[2:]:  # revoke restores latency (the trace is light: no backlog to drain)

@@ -240,7 +240,15 @@ def test_the_promise_fails_on_either_half_and_then_shows_the_idle_time_left():
     assert not p["held"] and p["core_idle_s_with_leases"] == 3.5 and p["core_rollout_s_with_leases"] == 9.5
     lines = "\n".join(report._promise_lines(rep))
     assert "| both | no |" in lines
-    assert "device core was idle for 3.5 core-s, and the leased workers took 9.5 core-s" in lines
+    assert (
+        "device core was idle for 3.5 core-s of 20.0 core-s, and the leased workers took 9.5 core-s: "
+        "the idle time is what the leases left unharvested" in lines
+    )
+    # a core serving kept busy (idle under 5 % of the time) had next to nothing to harvest
+    busy = {"dedicated_only": _core(0.0, 20.0, 0.0), "with_leases": _core(0.5, 19.0, 0.5)}
+    rep = _promise_report({"dedicated_only": 0.0, "with_leases": 0.0}, [10.0, 40.0], 25.0, busy)
+    assert "idle for 0.5 core-s of 20.0 core-s" in "\n".join(report._promise_lines(rep))
+    assert "serving kept the core busy" in "\n".join(report._promise_lines(rep))
     # the interval with leases reaches down to the leases-off mean: not above it
     p = report.promise(rep["measured_device"], {"dedicated_only": 30.0, "ci95_with_leases": [30.0, 40.0]})
     assert not p["episodes_ci95_above_leases_off_mean"] and not p["held"]
@@ -273,11 +281,12 @@ def test_report_builds_and_prints_from_a_small_run():
         "host": {"cpus": 2, "cuda": False},
         "trace": "t.csv",
         "speed": 0.5,
+        "real_replicas": 4,
         "gpus": 1,
         "real_gpu": "real/0",
         "real_device": "cpu",
         "problems": [],
-        "interference": {"alpha": 3.157, "source": "bench"},
+        "interference": {"profile": "p.json", "mechanism": "separate_process", "source": "bench"},
     }
     rep = report.build(obs, tl, meta)
     assert rep["trainer_lr"] == 0.003 and rep["measured_device"]["p99_leased_ms"]["ttft"] == 20.0
@@ -288,6 +297,8 @@ def test_report_builds_and_prints_from_a_small_run():
     assert rep["measured_device"]["slo_attainment_by_window"] == {"dedicated_only": 1.0, "with_leases": 1.0}
     assert rep["measured_device"]["core"] is None and rep["promise"]["measured_slo_with_leases_within_0_01"]
     assert "## Serving's SLO and the device core, leases off against on" in md
+    assert "default interference profile (`p.json`, mechanism separate_process: bench)" in md
+    assert "at its recorded rate as one of 4 replicas: 1/4 of its requests)" in md
 
 
 def test_report_names_the_engine_and_shows_samples_and_reward_by_step():
@@ -367,6 +378,8 @@ def test_demo_cli_refuses_an_engine_without_a_checkpoint(tmp_path):
     assert r.exit_code == 2 and "no config.json" in r.output
     r = run(app, ["demo", "--engine", "tgi", "--model", str(tmp_path)])
     assert r.exit_code == 2 and "--engine" in r.output
+    r = run(app, ["demo", "--real-replicas", "0"])
+    assert r.exit_code == 2 and "--real-replicas" in r.output
 
 
 @given(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=1, max_size=200))
@@ -436,7 +449,7 @@ def test_demo_hands_its_children_the_run_config_in_a_private_file(tmp_path, monk
 
     monkeypatch.setenv("ROSE_REDIS__KEY_PREFIX", "from-the-environment:")
     cfg = dataclasses.replace(Config(), security=SecurityConfig(weights_hmac_key="wk", command_hmac_key="ck"))
-    d = Demo(cfg, DemoOptions(report_dir=str(tmp_path)))
+    d = Demo(cfg, DemoOptions(report_dir=str(tmp_path), real_replicas=6))
     try:
         env = d._env()
         path = env["ROSE_CONFIG"]
@@ -446,14 +459,19 @@ def test_demo_hands_its_children_the_run_config_in_a_private_file(tmp_path, monk
         got = load_config(path, env={})
         assert got == d.cfg and got.security.weights_hmac_key == "wk"
         assert got.executor.worker_weights == "follow" and got.redis.key_prefix.startswith("rose:demo-")
-        from rose.sim.sim_config import ALPHA_DEFAULT
+        from rose.sim.interference import DEFAULT_PROFILE_PATH
 
-        assert got.telemetry.interference_alpha == ALPHA_DEFAULT  # the simulator's linear model, reference alpha
+        # the modelled GPUs slow down by the simulator's default profile; the scheduler has no prior
+        assert got.telemetry.interference_profile == str(DEFAULT_PROFILE_PATH)
+        assert got.policy.interference_profile == ()
+        assert d.interference["mechanism"] == "separate_process" and d.interference["source"]
         argv = d._argv()
         assert argv["dedicated"].weights_hmac_key == "wk"
         # on the device's own core the leased workers run under SCHED_IDLE; the trace-driven GPUs' never
         assert ("--worker-sched-idle" in argv["executor-real"]) == bool(d.device_cpus)
         assert "--worker-sched-idle" not in argv["executor-sim"]
+        spec = json.loads(argv["coserve"][argv["coserve"].index("--spec") + 1])
+        assert spec["replicas"] == 6 and spec["speed"] == 1.0  # real/0: one replica's share, at the recorded rate
     finally:
         import shutil
 

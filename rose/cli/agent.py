@@ -107,19 +107,9 @@ def register(app: typer.Typer) -> None:
         else:
             from rose.kafka.telemetry_publisher import TelemetryPublisher
             from rose.node.simulated_agent import SimOptions, run_simulated
-            from rose.sim.models import gpu_spec
-            from rose.sim.models import model_size as model_preset
-            from rose.sim.traces import TraceError, load_trace
 
             assert simulate is not None  # exactly one of --simulate / --nvml, checked above
-            try:
-                load_trace(simulate)  # validate before connecting anywhere
-                model_preset(model_size or cfg.telemetry.model_size)
-                gpu_spec(gpu_type or cfg.telemetry.gpu_type)
-            except TraceError as e:
-                fail(str(e))
-            except ValueError as e:
-                fail(f"--model-size/--gpu-type: {e}")
+            _check_simulated(cfg, simulate, model_size, gpu_type)  # before connecting anywhere
             from rose.executor.guard import default_latency_dir
 
             pub = TelemetryPublisher.for_config(cfg)
@@ -146,3 +136,29 @@ def register(app: typer.Typer) -> None:
 def metric_url_list(urls: list[str]) -> list[str]:
     """--metrics-url values, also accepting comma-separated lists."""
     return [u.strip() for x in urls for u in x.split(",") if u.strip()]
+
+
+def _check_simulated(cfg, trace: str, model_size: str | None, gpu_type: str | None) -> None:
+    """`--simulate`'s inputs, each read once: one line and exit status 2 for a bad one."""
+    from pathlib import Path
+
+    from rose.cli import fail
+    from rose.sim.interference import ProfileError, read_profile
+    from rose.sim.models import gpu_spec
+    from rose.sim.models import model_size as model_preset
+    from rose.sim.traces import TraceError, load_trace
+
+    try:
+        load_trace(trace)
+    except TraceError as e:
+        fail(str(e))
+    try:
+        model_preset(model_size or cfg.telemetry.model_size)
+        gpu_spec(gpu_type or cfg.telemetry.gpu_type)
+    except ValueError as e:
+        fail(f"--model-size/--gpu-type: {e}")
+    if cfg.telemetry.interference_profile:
+        try:
+            read_profile(Path(cfg.telemetry.interference_profile))
+        except ProfileError as e:
+            fail(f"telemetry.interference_profile: {e}")

@@ -15,6 +15,11 @@ def register(app: typer.Typer) -> None:
             None, "--trace", help="Request trace (default: $ROSE_TRACES/azure_llm2023_conv.csv)."
         ),
         speed: float = typer.Option(0.5, "--speed", help="Play the trace this many times faster (0.5: half its rate)."),
+        real_replicas: int = typer.Option(
+            1,
+            "--real-replicas",
+            help="real/0 serves 1/N of the trace at its recorded rate, as one replica of N (its load).",
+        ),
         keep: bool = typer.Option(False, "--keep", help="Keep the run's topics and Redis keys afterwards."),
         engine: str = typer.Option(
             "reference",
@@ -38,6 +43,8 @@ def register(app: typer.Typer) -> None:
             fail(f"--gpus must be between 1 and 16, got {gpus}")
         if not speed > 0:
             fail(f"--speed must be > 0, got {speed}")
+        if not 1 <= real_replicas <= 1000:
+            fail(f"--real-replicas must be between 1 and 1000, got {real_replicas}")
         if engine not in ("reference", "vllm", "hf"):
             fail(f"--engine must be reference, vllm or hf, got {engine!r}")
         if engine != "reference":
@@ -55,6 +62,7 @@ def register(app: typer.Typer) -> None:
             gpus=gpus,
             trace=trace,
             speed=speed,
+            real_replicas=real_replicas,
             keep=keep,
             engine=engine,
             model=model or "",

@@ -124,6 +124,7 @@ class Demo(DemoPhases):
             "run_id": self.run_id,
             "trace": Path(self.trace).name,
             "speed": self.opts.speed,
+            "real_replicas": self.opts.real_replicas,
             "gpus": self.opts.gpus,
             "real_gpu": self.real_gpu,
             "real_device": self.real_device,

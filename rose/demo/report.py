@@ -48,6 +48,7 @@ from rose.obs.stats import mean_ci95, percentile
 # the two kinds of window, by the key the report gives each (the window's `leases` flag)
 WINDOW_KINDS = (("dedicated_only", False), ("with_leases", True))
 SLO_TOLERANCE = 0.01  # the promise: serving's attainment with leases at most this below leases off
+IDLE_LITTLE = 0.05  # a core idle less than this fraction of a window's time had next to nothing to harvest
 
 
 def leased_at(intervals: list[tuple[float, float]], t: float) -> bool:
@@ -280,6 +281,7 @@ def promise(md: dict, episodes: dict) -> dict:
         "episodes_leases_off_mean": off_mean,
         "core_idle_s_with_leases": core.get("idle_s"),
         "core_rollout_s_with_leases": core.get("rollout_s"),
+        "core_counted_s_with_leases": core.get("counted_s"),
     }
 
 
@@ -434,7 +436,8 @@ def markdown(rep: dict) -> str:
         f"{tl['measured_s']:.0f} s in {len(wins)} alternating windows of {length:.1f} s, leases off first "
         f"({off['windows']} off, {on['windows']} on). "
         f"Trace `{rep['trace']}` at {rep['speed']}× speed, {rep['gpus']} trace-driven GPUs + `{rep['real_gpu']}` "
-        f"(measured, device `{rep['real_device']}`, serving the trace at its recorded rate).",
+        f"(measured, device `{rep['real_device']}`, serving the trace at its recorded rate"
+        f"{_replica_share(rep.get('real_replicas', 1))}).",
         "",
         "| figure | value |",
         "|---|---|",
@@ -529,9 +532,9 @@ def markdown(rep: dict) -> str:
         __doc__.split("Definitions (also printed in report.md):")[1].strip(),
         "",
         "- The trace-driven GPUs' latencies come from rose.sim.serving_model (a queueing model of an LLM engine) "
-        "driven by the trace, slowed under a running lease by the simulator's interference model 1 + alpha × share "
-        f"(alpha {_f(inter.get('alpha'), '', 3)}: {inter.get('source', 'n/a')}); their lease decisions, commands, "
-        f"workers and trajectories are real. {_measured_text(rep['real_gpu'], md)}",
+        "driven by the trace, slowed under a running lease by the simulator's default interference profile "
+        f"(`{inter.get('profile', 'n/a')}`, mechanism {inter.get('mechanism', 'n/a')}: {inter.get('source', 'n/a')}); "
+        f"their lease decisions, commands, workers and trajectories are real. {_measured_text(rep['real_gpu'], md)}",
         "- The toy RL task: reward = fraction of action tokens that are lowercase ASCII letters; REINFORCE "
         "with a batch-mean baseline (rose.demo.trainer).",
         "- All processes share this machine's CPUs, so the trace-driven GPUs' rollout workers also compete "
@@ -541,6 +544,10 @@ def markdown(rep: dict) -> str:
         f"Process logs: `logs/` beside this file. Problems seen: {', '.join(rep['problems']) or 'none'}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _replica_share(n: int) -> str:
+    return "" if n == 1 else f" as one of {n} replicas: 1/{n} of its requests"
 
 
 def _yes(x: bool | None) -> str:
@@ -590,15 +597,25 @@ def _promise_lines(rep: dict) -> list[str]:
         f"| both | {_yes(p.get('held'))} |",
     ]
     if p and not p.get("held"):
-        idle, took = p.get("core_idle_s_with_leases"), p.get("core_rollout_s_with_leases")
-        lines += [
-            "",
-            f"Not held. In the leases-on windows the device core was idle for {_f(idle, ' core-s', 1)}, and the "
-            f"leased workers took {_f(took, ' core-s', 1)}: the idle time left is what leases did not harvest."
-            if idle is not None
-            else "Not held. The device core was not sampled, so its idle time is not known.",
-        ]
+        lines += ["", _not_held(p)]
     return lines
+
+
+def _not_held(p: dict) -> str:
+    """Why the promise may not have held: the leases-on windows' idle core time beside what the
+    leased workers took; under IDLE_LITTLE of the counted time idle, serving left nothing to take."""
+    idle, took, counted = (p.get(f"core_{k}_s_with_leases") for k in ("idle", "rollout", "counted"))
+    if idle is None:
+        return "Not held. The device core was not sampled, so its idle time is not known."
+    why = (
+        "serving kept the core busy, so there was next to nothing to harvest"
+        if idle < IDLE_LITTLE * (counted or 0)
+        else "the idle time is what the leases left unharvested"
+    )
+    return (
+        f"Not held. In the leases-on windows the device core was idle for {_f(idle, ' core-s', 1)} of "
+        f"{_f(counted, ' core-s', 1)}, and the leased workers took {_f(took, ' core-s', 1)}: {why}."
+    )
 
 
 def _rl_lines(rep: dict) -> list[str]:

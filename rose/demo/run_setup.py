@@ -40,6 +40,8 @@ class DemoOptions:
     gpus: int = 3
     trace: str | None = None
     speed: float = 0.5  # trace arrival rate × this (0.5: the trace's load over 3 GPUs at half rate)
+    # real/0 replays the trace at its recorded rate as one of this many replicas (CoserveSpec.replicas)
+    real_replicas: int = 1
     # leases off / on windows of about this length (rose.demo.windows.plan): 4 lease TTLs
     # (policy.ttl_s, 5 s), so that the leases of an on window lapse within the first quarter of the
     # off window after it
@@ -77,21 +79,22 @@ class DemoSetup:
 
     def __init__(self, cfg: Config, opts: DemoOptions, echo: Callable[[str], None] = print):
         from rose.executor.guard import default_latency_dir
-        from rose.sim.sim_config import ALPHA_DEFAULT, SimConfig
+        from rose.sim.interference import DEFAULT_PROFILE_PATH, default_profile
 
         self.opts, self.echo = opts, echo
         self.run_id = uuid.uuid4().hex[:8]
         self.trace = str(Path(opts.trace) if opts.trace else default_trace())
         self.job, self.model = "demo", "policy"
         self.latency_dir = default_latency_dir() / f"demo-{self.run_id}"
-        # the trace-driven GPUs slow down under a lease by the simulator's linear interference
-        # model (rose.sim.serving_model) at its reference alpha (rose.sim.sim_config.ALPHA_DEFAULT)
-        sim = SimConfig(alpha=ALPHA_DEFAULT)
-        alpha = ALPHA_DEFAULT
-        self.interference = {"alpha": alpha, "source": sim.alpha_source}
+        # the trace-driven GPUs slow down under a lease by the simulator's default interference
+        # profile (rose.sim.interference). The scheduler gets no prior: the run's devices differ
+        # (that profile on sim/*, a CPU core with SCHED_IDLE workers on real/0), so it goes by
+        # its online estimate per GPU alone
+        prof = default_profile()
+        self.interference = {"profile": str(DEFAULT_PROFILE_PATH), "mechanism": prof.mechanism, "source": prof.source}
         self.cfg = dataclasses.replace(
             cfg,
-            telemetry=dataclasses.replace(cfg.telemetry, interference_alpha=alpha),
+            telemetry=dataclasses.replace(cfg.telemetry, interference_profile=str(DEFAULT_PROFILE_PATH)),
             kafka=dataclasses.replace(
                 cfg.kafka, topic_prefix=f"{cfg.kafka.topic_prefix}demo-{self.run_id}.", partitions=4
             ),
@@ -177,6 +180,7 @@ class DemoSetup:
                     trace=self.trace,
                     gpu=self.real_gpu,
                     speed=1.0,
+                    replicas=o.real_replicas,
                     device=self.real_device,
                     latency_dir=str(self.latency_dir),
                     **self._coserve_server(),

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from rose.config import Config
 from rose.node.lease_view import LeaseFollower, LeaseView
@@ -40,6 +41,7 @@ def run_simulated(
 ) -> dict:
     """Publish simulated telemetry until the duration ends or `stop()`; returns counters."""
     from rose.kafka.telemetry_publisher import TelemetryPublisher
+    from rose.sim.interference import read_profile
     from rose.sim.models import gpu_spec, model_size
     from rose.sim.serving_model import ServingSim, spread, windows
     from rose.sim.traces import load_trace
@@ -51,6 +53,7 @@ def run_simulated(
         model_size(opt.model_size or tc.model_size),
         opt.gpus,
         alpha=tc.interference_alpha,
+        profile=read_profile(Path(tc.interference_profile)) if tc.interference_profile else None,
     )
     gpu_of = spread(trace, sim.replicas, seed=opt.seed)  # a replica per GPU unless tensor parallel
     gpus = [f"{opt.node}/{i}" for i in range(opt.gpus)]
