@@ -249,6 +249,10 @@ def test_the_promise_fails_on_either_half_and_then_shows_the_idle_time_left():
     rep = _promise_report({"dedicated_only": 0.0, "with_leases": 0.0}, [10.0, 40.0], 25.0, busy)
     assert "idle for 0.5 core-s of 20.0 core-s" in "\n".join(report._promise_lines(rep))
     assert "serving kept the core busy" in "\n".join(report._promise_lines(rep))
+    # little idle left because the leases took it
+    took = {"dedicated_only": _core(11.0, 9.0, 0.0), "with_leases": _core(0.5, 9.0, 10.5)}
+    rep = _promise_report({"dedicated_only": 1.0, "with_leases": 0.98}, [10.0, 40.0], 25.0, took)
+    assert "the leases took nearly all the time serving left" in "\n".join(report._promise_lines(rep))
     # the interval with leases reaches down to the leases-off mean: not above it
     p = report.promise(rep["measured_device"], {"dedicated_only": 30.0, "ci95_with_leases": [30.0, 40.0]})
     assert not p["episodes_ci95_above_leases_off_mean"] and not p["held"]

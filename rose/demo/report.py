@@ -603,15 +603,17 @@ def _promise_lines(rep: dict) -> list[str]:
 
 def _not_held(p: dict) -> str:
     """Why the promise may not have held: the leases-on windows' idle core time beside what the
-    leased workers took; under IDLE_LITTLE of the counted time idle, serving left nothing to take."""
+    leased workers took (under IDLE_LITTLE of the counted time is next to nothing)."""
     idle, took, counted = (p.get(f"core_{k}_s_with_leases") for k in ("idle", "rollout", "counted"))
     if idle is None:
         return "Not held. The device core was not sampled, so its idle time is not known."
-    why = (
-        "serving kept the core busy, so there was next to nothing to harvest"
-        if idle < IDLE_LITTLE * (counted or 0)
-        else "the idle time is what the leases left unharvested"
-    )
+    little = IDLE_LITTLE * (counted or 0)
+    if idle >= little:
+        why = "the idle time is what the leases left unharvested"
+    elif (took or 0) >= little:
+        why = "the leases took nearly all the time serving left"
+    else:
+        why = "serving kept the core busy, so there was next to nothing to harvest"
     return (
         f"Not held. In the leases-on windows the device core was idle for {_f(idle, ' core-s', 1)} of "
         f"{_f(counted, ' core-s', 1)}, and the leased workers took {_f(took, ' core-s', 1)}: {why}."
