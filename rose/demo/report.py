@@ -55,16 +55,23 @@ def leased_at(intervals: list[tuple[float, float]], t: float) -> bool:
     return any(a <= t < b for a, b in intervals)
 
 
+def within_slo(row) -> bool:
+    """A telemetry row (ts, ttft p99, tpot p99, slo ttft, slo tpot, ...) with both p99s in its SLO."""
+    _ts, ttft, tpot, s_ttft, s_tpot, *_ = row
+    return ttft <= s_ttft and tpot <= s_tpot
+
+
 def slo_attainment(obs: Observed, t0: float, t_end: float, intervals) -> dict:
     per_gpu = {}
     ok_all = n_all = 0
     split = {"leased": [0, 0], "not_leased": [0, 0]}
     for gpu, rows in sorted(obs.telemetry.items()):
         ok = n = 0
-        for ts, ttft, tpot, s_ttft, s_tpot, *_ in rows:
+        for row in rows:
+            ts = row[0]
             if not t0 <= ts <= t_end:
                 continue
-            good = ttft <= s_ttft and tpot <= s_tpot
+            good = within_slo(row)
             ok += good
             n += 1
             bucket = split["leased" if leased_at(intervals.get(gpu, []), ts) else "not_leased"]
@@ -210,12 +217,8 @@ def attainment_by_window_kind(obs: Observed, windows, gpu: str) -> dict:
     rows = obs.telemetry.get(gpu, [])
     for kind, leases_on in WINDOW_KINDS:
         spans = [(w["start"], w["end"]) for w in windows if w["leases"] is leases_on and w.get("end") is not None]
-        ok = n = 0
-        for ts, ttft, tpot, s_ttft, s_tpot, *_ in rows:
-            if any(a <= ts < b for a, b in spans):
-                ok += ttft <= s_ttft and tpot <= s_tpot
-                n += 1
-        out[kind] = round(ok / n, 4) if n else None
+        inside = [within_slo(row) for row in rows if leased_at(spans, row[0])]
+        out[kind] = round(sum(inside) / len(inside), 4) if inside else None
     return out
 
 
