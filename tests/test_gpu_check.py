@@ -15,7 +15,6 @@ import pytest
 
 from rose.bench import _cuda, _gpu_check
 from rose.sim.engine import calibration
-from tests.conftest import TRACES
 
 TINY = _cuda.Shape(d_model=32, d_ff=64, layers=2, serving_batch=2, rollout_batch=4, rollout_burst=2)
 
@@ -161,6 +160,10 @@ def test_cuda_interference_bench_gives_a_calibration_file(tmp_path):
     assert r["phases"]["low_priority_share_1"]["rollout_steps_per_s"] > 0
     f = tmp_path / "interference.json"
     f.write_text(json.dumps(r))
+    # a trace of its own: the GPU check carries this repository, not the shared traces
+    trace = tmp_path / "burst.csv"
+    rows = (f"{i * 0.25},ChatGPT,{200 + i % 7 * 50},{100 + i % 5 * 40},0,Conversation log" for i in range(240))
+    trace.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n" + "\n".join(rows) + "\n")
     p = subprocess.run(
         [
             sys.executable,
@@ -168,7 +171,7 @@ def test_cuda_interference_bench_gives_a_calibration_file(tmp_path):
             "rose",
             "simulate",
             "--trace",
-            str(TRACES / "burstgpt1_first400.csv"),
+            str(trace),
             "--gpus",
             "4",
             "--duration",

@@ -118,3 +118,18 @@ def test_launches_are_halved_until_one_fits_the_bound_or_stops_shortening():
     rows, t = ip._halve(64, lambda n: 10e-3 + n * 1e-5, 2.5e-3)
     assert rows == 64 and t > 2.5e-3
     assert ip._halve(8, per_row, 1.0) == (8, 8e-3)  # within the bound at once: nothing halved
+
+
+def test_warm_up_decodes_a_whole_batch_to_its_full_context():
+    """Every size the growing KV cache takes is allocated before a timed phase: a whole prefill
+    and `context` decode steps of the whole batch (a short warm-up let the first timed phase
+    pay for first allocations, on an H200 several times a warm step)."""
+    from rose.bench._cuda import _Device
+
+    d = ip.Decoder(ip.SHAPES["tiny"], _Device("cpu"), batch=3, seed=0)
+    rows: list[tuple[int, int]] = []
+    launch = d.launch
+    d.launch = lambda ids, cache: (rows.append(tuple(ids.shape)), launch(ids, cache))[1]  # type: ignore[method-assign]
+    ip.warm_up(d)
+    shape = ip.SHAPES["tiny"]
+    assert rows[0] == (3, shape.prompt) and rows[1:] == [(3, 1)] * shape.context

@@ -167,7 +167,8 @@ def cluster_nodes(rcfg: RedisConfig) -> list[tuple[str, int]]:
 def redis_client(rcfg: RedisConfig, *, timeout_s: float = 5.0) -> Any:
     """A client for `rcfg`: redis.Redis at `url`, or, with `cluster_nodes`, a
     redis.cluster.RedisCluster started from those nodes (the url's scheme, user and password
-    apply to each) whose every node says cluster_state:ok; ClusterUnavailable otherwise."""
+    apply to each) whose every configured node answers and every node says cluster_state:ok;
+    ClusterUnavailable otherwise."""
     import redis
 
     if not rcfg.cluster_nodes.strip():
@@ -196,12 +197,31 @@ def redis_client(rcfg: RedisConfig, *, timeout_s: float = 5.0) -> Any:
         raise ClusterUnavailable(f"Redis Cluster at {where}: CLUSTER INFO failed: {e}") from None
     # one dict per node ({node: info}), or one info dict when a single node answered
     per_node: dict[str, Any] = info if all(isinstance(v, dict) for v in info.values()) else {where: info}
-    bad = {n: i.get("cluster_state") for n, i in per_node.items() if i.get("cluster_state") != "ok"}
+    bad = {n: f"cluster_state:{i.get('cluster_state')}" for n, i in per_node.items() if i.get("cluster_state") != "ok"}
+    bad.update(_configured_nodes_down(nodes, kwargs, timeout_s))
     if bad:
         rc.close()
-        said = ", ".join(f"{n} cluster_state:{s}" for n, s in bad.items())
+        said = ", ".join(f"{n} {s}" for n, s in bad.items())
         raise ClusterUnavailable(f"Redis Cluster at {where} is not ok: {said}")
     return rc
+
+
+def _configured_nodes_down(nodes: list[tuple[str, int]], kwargs: dict[str, Any], timeout_s: float) -> dict[str, str]:
+    """The configured nodes that do not answer CLUSTER INFO, each with why. Asked one by one:
+    the cluster's own view drops a stopped replica once the others mark it failed, so asking
+    through the cluster client names a stopped node or not depending on when it is asked."""
+    import redis
+
+    down = {}
+    for h, p in nodes:
+        node = redis.Redis(host=h, port=p, **{**kwargs, "socket_timeout": timeout_s})
+        try:
+            node.execute_command("CLUSTER INFO")
+        except (redis.RedisError, OSError) as e:
+            down[f"{h}:{p}"] = f"does not answer ({type(e).__name__}: {e})"
+        finally:
+            node.close()
+    return down
 
 
 def weights_client(rcfg: RedisConfig, plain: Any = None) -> Any:
