@@ -96,7 +96,19 @@ class ExecutorProc:
             if self.proc.poll() is not None and event != "executor.stopped":
                 raise AssertionError(f"executor exited {self.proc.returncode}: {self.lines[-5:]}")
             time.sleep(0.05)
-        raise AssertionError(f"no {event} {match} within {timeout}s; last lines: {self.lines[-5:]}{self.stuck()}")
+        raise AssertionError(
+            f"no {event} {match} within {timeout}s; last lines: {self.lines[-5:]}{self._about(event, match)}{self.stuck()}"
+        )
+
+    def _about(self, event: str, match: dict) -> str:
+        """What the executor said that a timed-out wait needs beside its last lines: every `event`
+        line, the last lines with `match`'s fields whatever their event, and any line that names
+        `event` but did not parse (a worker's output on the shared stderr inside it)."""
+        lines = list(self.lines)
+        same = [ln for ln in lines if ln.get("event") == event]
+        near = [ln for ln in lines if match and all(ln.get(k) == v for k, v in match.items())]
+        torn = [str(ln["event"])[:400] for ln in lines if event in str(ln.get("event", "")) and ln["event"] != event]
+        return f"\nevery {event}: {same[-8:]}\nlast lines with {match}: {near[-10:]}\nunparsed lines naming it: {torn[-3:]}"
 
     def stuck(self) -> str:
         """What a wait that timed out needs to be read: whether the log reader is alive, the
