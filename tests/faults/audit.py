@@ -105,7 +105,9 @@ def admissible_replay(  # noqa: C901 - the search over admissible fold orders, o
     order the scheduler reads them in) folded in at admissible points. State i may be folded
     before event k only if no command recorded before the state was written came from event k
     or later (that decision was taken without it), and must be folded before every event
-    recorded more than `lag_s` after it. Within a `rebuilds` window (wall-clock intervals in
+    recorded more than `lag_s` after it, or, for a state recorded inside a `rebuilds` window,
+    more than `lag_s` after the window's end (its record time is when it was produced, and a
+    broker away holds it back until it returns). Within a `rebuilds` window (wall-clock intervals in
     which the fault may have made a scheduler rebuild its views: a restart, a client
     replacement) the scheduler may instead rebuild, as `SchedulingCore.restore` does: fold only
     the newest state recorded by then (all a compacted topic promises to keep), the ones before
@@ -124,7 +126,10 @@ def admissible_replay(  # noqa: C901 - the search over admissible fold orders, o
     lo, hi, at_time = [], [], []
     for _ls, t in states:
         lo.append(decided_before(t))
-        hi.append(next((k for k, (_, te) in enumerate(events) if te > t + lag_s), n))
+        # a record stamped inside a fault window may have waited in its producer's buffer (a
+        # broker away) and become readable only when the window closed: its deadline counts from then
+        seen_by = max([t, *(b for a, b in rebuilds if a <= t <= b)])
+        hi.append(next((k for k, (_, te) in enumerate(events) if te > seen_by + lag_s), n))
         at_time.append(next((k for k, (_, te) in enumerate(events) if te >= t), n))
     for i in range(m - 2, -1, -1):  # a state is folded before the ones after it
         hi[i] = min(hi[i], hi[i + 1])
