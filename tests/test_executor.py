@@ -84,8 +84,14 @@ class ExecutorProc:
         self.wait_log("executor.ready", 60)
 
     def _read(self):
-        for raw in self.proc.stderr:
-            self.lines.extend(parse_log_line(raw))
+        """Collects lines until end of file; a reader that stops says why in the lines."""
+        try:
+            for raw in self.proc.stderr:
+                self.lines.extend(parse_log_line(raw))
+        except Exception as e:  # noqa: BLE001 - recorded for `stuck`, which reports the reader's state
+            self.lines.append({"event": f"log reader failed: {e!r}"})
+            raise
+        self.lines.append({"event": "log reader: end of file"})
 
     def wait_log(self, event: str, timeout: float = 30, **match) -> dict:
         deadline = time.monotonic() + timeout

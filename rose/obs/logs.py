@@ -29,7 +29,10 @@ def _dumps(obj, default=str, **_kw) -> str:
 
 
 def setup_logging(level: str = "INFO", json: bool = True, stream=None) -> None:
-    """Lines go to `stream` (default: standard error)."""
+    """Lines go to `stream` (default: standard error), each in one write with its newline. An
+    executor's workers and their engines share its standard error; under PYTHONUNBUFFERED (as in
+    most containers) a line written as text and then newline, as `print` does, lets a worker's
+    output land between the two, and the line no longer parses."""
     logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
     structlog.configure(
         processors=[
@@ -40,7 +43,7 @@ def setup_logging(level: str = "INFO", json: bool = True, stream=None) -> None:
             structlog.processors.JSONRenderer(serializer=_dumps) if json else structlog.dev.ConsoleRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=True,
     )
 
