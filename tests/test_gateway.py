@@ -341,6 +341,22 @@ def test_weights_agree_with_the_workers_heartbeats(gw, module_cfg, workers):
     assert httpx.get(gw.url + "/v1/weights").status_code == 401
 
 
+def test_weights_read_the_heartbeats_at_the_request(module_cfg):
+    """`GET /v1/weights` answers from the heartbeats as they are when asked, not from the
+    dispatcher's last refresh: a version a worker has just reported is in the answer."""
+    d = Dispatcher(module_cfg, job=f"wv-{uuid.uuid4().hex[:8]}")  # its reader not started: no refresh of its own
+    w = f"wv-{uuid.uuid4().hex[:8]}"
+    hb = module_cfg.redis.key("workers", w)
+    try:
+        d.queue.register_worker(w)
+        d.r.hset(hb, mapping={"state": "running", "ts": time.time(), "version": 3})
+        ws, _latest = d.weights()
+        assert [(x.worker, x.state, x.version) for x in ws] == [(w, "running", 3)]
+    finally:
+        d.r.delete(hb, d.queue.workers_key, d.queue.directed(w))
+        d.close()
+
+
 def test_min_weight_version_is_served_at_or_above_it_or_refused_naming_it(module_cfg, gw):
     c = gw.client()
     r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, extra_body={"min_weight_version": 0})

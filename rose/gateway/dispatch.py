@@ -279,7 +279,10 @@ class Dispatcher:
 
     def weights(self) -> tuple[list[WorkerWeights], int | None]:
         """Each worker's applied version, as its last heartbeat says (workers whose heartbeat
-        is fresh), and the newest version published on the model's weight stream (None: none)."""
+        is fresh), and the newest version published on the model's weight stream (None: none).
+        The heartbeats are read now, not taken from the reader's last refresh: a caller that has
+        just seen a worker apply a version gets an answer that agrees."""
+        self._refresh_workers()
         now = time.time()
         with self._lock:
             ws = [
