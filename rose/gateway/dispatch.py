@@ -280,16 +280,15 @@ class Dispatcher:
     def weights(self) -> tuple[list[WorkerWeights], int | None]:
         """Each worker's applied version, as its last heartbeat says (workers whose heartbeat
         is fresh), and the newest version published on the model's weight stream (None: none).
-        The heartbeats are read now, not taken from the reader's last refresh: a caller that has
-        just seen a worker apply a version gets an answer that agrees."""
-        self._refresh_workers()
+        The heartbeats are read here, not taken from the reader's table, which lags by up to a
+        refresh and can be overwritten by an older read still in flight: a caller that has just
+        seen a worker apply a version gets an answer that agrees."""
         now = time.time()
-        with self._lock:
-            ws = [
-                WorkerWeights(w, st, v, round(now - ts, 3))
-                for w, (st, ts, v) in sorted(self._workers.items())
-                if now - ts < HEARTBEAT_FRESH_S
-            ]
+        ws = [
+            WorkerWeights(w, st, v, round(now - ts, 3))
+            for w, (st, ts, v) in sorted(self._read_workers().items())
+            if now - ts < HEARTBEAT_FRESH_S
+        ]
         latest = self.r.hget(self.weights_meta, "version")
         return ws, None if latest is None else int(cast(bytes, latest))
 
@@ -298,6 +297,14 @@ class Dispatcher:
         return 0.0 if self.workers_running() else time.monotonic() - self._last_running
 
     def _refresh_workers(self) -> None:
+        seen = self._read_workers()
+        with self._lock:
+            self._workers = seen
+        if self.workers_running():
+            self._last_running = time.monotonic()
+
+    def _read_workers(self) -> dict[str, tuple[str, float, int]]:
+        """The job's registered workers' heartbeats: worker id -> (state, ts, applied version)."""
         ids = sorted(_s(w) for w in cast("set[bytes]", self.r.smembers(self.queue.workers_key)))
         pipe = self.r.pipeline(transaction=False)
         for w in ids:
@@ -309,10 +316,7 @@ class Dispatcher:
                     seen[w] = (_s(st), float(ts or 0), int(float(v or 0)))
                 except ValueError:
                     continue
-        with self._lock:
-            self._workers = seen
-        if self.workers_running():
-            self._last_running = time.monotonic()
+        return seen
 
     # -- the reader ------------------------------------------------------------------------
     def _read(self, cursors: dict[str, str]) -> None:
