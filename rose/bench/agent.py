@@ -126,11 +126,15 @@ def run(cfg, quick: bool) -> dict:
             left = pub.flush(60.0)
             dt = time.perf_counter() - t0
             delete_topics(kcfg, [kcfg.telemetry_topic, kcfg.commands_topic, kcfg.lease_state_topic, kcfg.dlq_topic])
-            events = summary["windows"] * gpus - left
+            # only what the broker acknowledged counts as published; what the buffer evicted,
+            # what failed delivery and what was still held after the flush are reported apart
+            events = pub.sent
             out.update(
                 events=events,
+                events_offered=summary["windows"] * gpus,
                 events_per_s=round(events / dt, 1),
-                dropped=summary["dropped"] + left,
+                dropped=pub.dropped + pub.failed,
+                undelivered_after_flush=left,
                 buffer_max=cfg.telemetry.buffer_max,
                 ratio_to_goal=round(events / dt / GOAL_EVENTS_PER_S, 3),
                 kafka=True,

@@ -62,7 +62,11 @@ def register(app: typer.Typer) -> None:
             cfg = dataclasses.replace(
                 cfg, rollout=dataclasses.replace(cfg.rollout, engine=engine, model=str(Path(model).resolve()))
             )
+        from rose.bench._provenance import provenance
+
+        started = provenance()  # the load as the run starts; the run itself adds to it
         result = mod.run(cfg, quick=quick, **extra)
+        result["provenance"] = {**started, "load_average_at_end": provenance()["load_average"]}
         if json_out:
             typer.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())
         else:
