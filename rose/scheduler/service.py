@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,6 +101,17 @@ class _Batch:
     step: BatchStep
 
 
+@dataclass
+class _Tally:
+    """What one transaction attempt produced, counted into the metrics and stats only once it
+    has committed: an aborted attempt is redone, and counting it would count its records twice."""
+
+    commands: Counter[str] = field(default_factory=Counter)  # by kind
+    dlq: int = 0
+    ignored: int = 0
+    traced_commands: int = 0
+
+
 class Scheduler:
     """One scheduler instance. `run()` until stop(); `step()` processes one batch."""
 
@@ -160,6 +172,7 @@ class Scheduler:
         )
         self.group = f"{self.k.topic_prefix}{group}"
         self._command_partitions: int | None = None  # known after start(); names the partition on spans
+        self._tally = _Tally()  # the open transaction attempt's records (`_Tally`)
         self.tx = Transactor(self.producer, self.consumer, self.log, fatal=FatalSchedulerError)
         try:
             self.tx.init(init_timeout_s)
@@ -320,6 +333,7 @@ class Scheduler:
 
         def process() -> list[int]:
             nonlocal processed_at
+            self._tally = _Tally()
             out = self._produce(batch, plans)
             processed_at = time.time()
             return out
@@ -330,6 +344,7 @@ class Scheduler:
             plans.clear()
 
         pending_latency = self.tx.run(msgs, process, aborted)
+        self._count(self._tally)
         self.core.commit(batch.step)
         views = self.core.views
         LEASES.set(sum(1 for v in views.values() if v.lease_id is not None))
@@ -348,6 +363,16 @@ class Scheduler:
         for plan, traced in plans:
             plan.record(self._tracer, self.group, functools.partial(self._log_nth, traced))
         self.stats.traced_s += time.perf_counter() - t_record
+
+    def _count(self, t: _Tally) -> None:
+        """Count a committed transaction's records (`_Tally`)."""
+        for kind, n in t.commands.items():
+            self.stats.commands += n
+            COMMANDS_OUT.inc(n, kind=kind)
+        self.stats.dlq += t.dlq
+        DLQ.inc(t.dlq)
+        IGNORED.inc(t.ignored)
+        self.stats.traced_commands += t.traced_commands
 
     def _decide(self, msgs: list[Message]) -> _Batch:
         """Decode and admit every message, and decide the admitted telemetry in one core step
@@ -377,12 +402,12 @@ class Scheduler:
         time_ns = time.time_ns
         traced_of = self._traced
         decisions = iter(batch.step.decisions)
+        tally = self._tally
         for m, ev in zip(batch.msgs, batch.parsed, strict=True):
             t0 = time_ns()
             if isinstance(ev, InvalidEvent):
                 dead_letter(self.producer, self.k.dlq_topic, m, ev.reason, ev.field, consumer="scheduler")
-                self.stats.dlq += 1
-                DLQ.inc()
+                tally.dlq += 1
                 continue
             d = next(decisions)
             partition = m.partition()
@@ -392,10 +417,9 @@ class Scheduler:
                 dirty[other.gpu] = gpu_partition.get(other.gpu, partition)
             if d.explain.action == "ignored":
                 # kept, not dropped: the dlq shows which producer repeats or reorders events
-                IGNORED.inc()
+                tally.ignored += 1
                 dead_letter(self.producer, self.k.dlq_topic, m, d.explain.reason, "event_id", consumer="scheduler")
-                self.stats.dlq += 1
-                DLQ.inc()
+                tally.dlq += 1
             if not d.commands:
                 continue
             flags = [traced_of(c) for c in d.commands]
@@ -411,7 +435,7 @@ class Scheduler:
                 plan.end_ns = time_ns()
                 plans.append((plan, traced))
                 self.stats.traced_s += time.perf_counter() - t_traced
-            self.stats.traced_commands += len(traced)
+            tally.traced_commands += len(traced)
             ts_ms = m.timestamp()[1]
             latency_ts.extend(ts_ms for _ in d.commands)
         views = batch.step.views
@@ -443,8 +467,7 @@ class Scheduler:
         if self._hmac_key:
             headers += sign_headers(self._hmac_key, value)
         produce(self.producer, self.k.commands_topic, value, cmd.gpu, headers)
-        self.stats.commands += 1
-        COMMANDS_OUT.inc(kind=cmd.kind)
+        self._tally.commands[cmd.kind] += 1
 
     @staticmethod
     def _decision_attrs(cmd: Command, d: Decision) -> dict:
