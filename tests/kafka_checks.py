@@ -7,7 +7,8 @@ from collections import Counter
 
 import orjson
 
-from rose.kafka.consumer import make_consumer, read_all
+from rose.kafka.admin import partitions_of
+from rose.kafka.consumer import Consumer, TopicPartition, make_consumer, read_all
 
 
 def commands(cfg) -> list[dict]:
@@ -69,3 +70,30 @@ def run_scheduler_until(cfg, instance: str, n_events: int, timeout_s: float = 60
     finally:
         s.close()
     return s.stats
+
+
+class OpenTransactions:
+    """The records of `topics` not yet committed or aborted: per partition whose last stable
+    offset (what read_committed reports) is below its high watermark (read_uncommitted), the
+    offsets [LSO, HWM). The LSO is the first record of the partition's oldest open transaction."""
+
+    def __init__(self, kcfg, topics: tuple[str, ...], group: str):
+        self.consumers: dict[str, Consumer] = {
+            iso: make_consumer(kcfg, f"{group}-{iso}", **{"isolation.level": iso})
+            for iso in ("read_committed", "read_uncommitted")
+        }
+        self.partitions = [TopicPartition(t, p) for t in topics for p in partitions_of(kcfg, t)]
+
+    def __call__(self) -> dict[tuple[str, int], tuple[int, int]]:
+        out = {}
+        for tp in self.partitions:
+            _, lso = self.consumers["read_committed"].get_watermark_offsets(tp, timeout=5, cached=False)
+            _, hwm = self.consumers["read_uncommitted"].get_watermark_offsets(tp, timeout=5, cached=False)
+            if lso < hwm:
+                out[(tp.topic, tp.partition)] = (lso, hwm)
+        return out
+
+    def close(self) -> None:
+        for c in self.consumers.values():
+            c.close()
+        self.consumers = {}

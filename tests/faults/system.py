@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import redis as redis_lib
 
 from rose.contract.wire import encode
 from rose.kafka.admin import partitions_of
-from rose.kafka.consumer import Consumer, KafkaException, TopicPartition, make_consumer, read_all
+from rose.kafka.consumer import KafkaException, TopicPartition, make_consumer, read_all
 from rose.kafka.producer import make_producer, produce
 from rose.rollout.episode import Task, ToolLatency
 from rose.rollout.launcher import WorkerConfig, launch
@@ -36,6 +37,7 @@ from rose.rollout.tasks import TaskQueue
 from rose.scheduler.service import SCHEDULER_GROUP
 from rose.sim.telemetry_workload import workload
 from tests.faults import audit
+from tests.kafka_checks import OpenTransactions
 
 JOB = "fullsys"
 MODEL = "policy"
@@ -77,6 +79,20 @@ def wait_for(pred, timeout: float, what: str, every: float = 0.25):
             return v
         time.sleep(every)
     raise AssertionError(f"{what}: not within {timeout:.0f}s")
+
+
+def log_records(log: Path) -> list[dict]:
+    """The JSON lines of a ROSE process's log, each with its timestamp parsed into `_at`."""
+    out = []
+    for line in log.read_bytes().splitlines():
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "timestamp" in rec:
+            rec["_at"] = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00"))
+            out.append(rec)
+    return out
 
 
 @dataclass
@@ -226,6 +242,7 @@ class System:
         self._threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
         self.stop_s: dict[str, float | None] = {}  # seconds from SIGTERM to gone, per process
+        self._open: OpenTransactions | None = None
 
     # ---- parts ---------------------------------------------------------------------------
     def worker_config(self) -> WorkerConfig:
@@ -463,25 +480,15 @@ class System:
 
     # ---- the scheduler's transactions ----------------------------------------------------
     def open_transaction(self) -> dict[tuple[str, int], tuple[int, int]]:
-        """The scheduler's output not yet committed or aborted: per partition of `commands` and
-        `scheduler-state` whose last stable offset (what read_committed reports) is below its
-        high watermark (read_uncommitted), the offsets [LSO, HWM). Only the scheduler writes
-        there, so that range is its open transaction's records."""
-        k = self.cfg.kafka
-        if not hasattr(self, "_watermarks"):
-            self._watermarks: dict[str, Consumer] = {
-                iso: make_consumer(k, f"{k.topic_prefix}watermarks-{iso}", **{"isolation.level": iso})
-                for iso in ("read_committed", "read_uncommitted")
-            }
-            topics = (k.commands_topic, k.topic("scheduler-state"))
-            self._outputs = [TopicPartition(t, p) for t in topics for p in partitions_of(k, t)]
-        out = {}
-        for tp in self._outputs:
-            _, lso = self._watermarks["read_committed"].get_watermark_offsets(tp, timeout=5, cached=False)
-            _, hwm = self._watermarks["read_uncommitted"].get_watermark_offsets(tp, timeout=5, cached=False)
-            if lso < hwm:
-                out[(tp.topic, tp.partition)] = (lso, hwm)
-        return out
+        """The scheduler's output not yet committed or aborted (`OpenTransactions` over
+        `commands` and `scheduler-state`): only the scheduler writes there, so the ranges are its
+        open transaction's records."""
+        if self._open is None:
+            k = self.cfg.kafka
+            self._open = OpenTransactions(
+                k, (k.commands_topic, k.topic("scheduler-state")), f"{k.topic_prefix}watermarks"
+            )
+        return self._open()
 
     def kill_scheduler_in_transaction(self, timeout: float = 60) -> tuple[float, dict]:
         """SIGKILL the scheduler while one of its transactions is open: watch for one, freeze the
@@ -505,9 +512,9 @@ class System:
         return p.kill(), {}
 
     def close_watermarks(self) -> None:
-        for c in getattr(self, "_watermarks", {}).values():
-            c.close()
-        self._watermarks = {}
+        if self._open is not None:
+            self._open.close()
+            self._open = None
 
     # ---- the audit -------------------------------------------------------------------------
     def audit(

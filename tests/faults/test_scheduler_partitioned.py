@@ -22,7 +22,8 @@ from rose.contract.events import Latency, Telemetry
 from rose.contract.wire import encode
 from rose.kafka.consumer import read_all
 from rose.kafka.producer import make_producer, produce
-from tests.kafka_checks import duplicate_ids
+from tests.faults.system import wait_for
+from tests.kafka_checks import commands, duplicate_ids
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
@@ -53,6 +54,18 @@ def lease_states(cfg) -> list[dict]:
         for m in read_all(cfg.kafka, [cfg.kafka.lease_state_topic])
         if m.value()
     ]
+
+
+def first_state(cfg, state: str, lease_id: str | None = None, since: float = 0.0) -> dict | None:
+    """The first published lease state `state` (of `lease_id` if given) stamped at or after `since`."""
+    return next(
+        (
+            s
+            for s in lease_states(cfg)
+            if s["state"] == state and s["_ts"] >= since and lease_id in (None, s["lease_id"])
+        ),
+        None,
+    )
 
 
 def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
@@ -93,23 +106,25 @@ def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
     feeder = threading.Thread(target=feed)
     feeder.start()
     try:
-        deadline = time.monotonic() + 60
-        active = None
-        while active is None and time.monotonic() < deadline:
-            active = next((s for s in lease_states(cfg) if s["state"] == "active"), None)
-            time.sleep(0.5)
-        assert active is not None, "no lease granted while calm"
-        time.sleep(2)  # a renew or two go through
+        active = wait_for(lambda: first_state(cfg, "active"), 60, "no lease granted while calm")
+        lease = active["lease_id"]
+        epoch = int(lease.rsplit("#", 1)[1])
+        # a renew goes through: the scheduler is renewing the lease when it is cut off
+        wait_for(lambda: any(c["kind"] == "renew" and c["lease_id"] == lease for c in commands(cfg)), 30, "no renew")
         sch.send_signal(signal.SIGSTOP)
         t_stop = time.time()
-        time.sleep(cfg.policy.ttl_s + 4)
-        states = lease_states(cfg)
-        expired = [s for s in states if s["state"] == "expired" and s["_ts"] >= t_stop]
-        assert expired, f"executor did not revoke by expiry: {[s['state'] for s in states]}"
-        lease = expired[0]["lease_id"]
-        took = expired[0]["_ts"] - t_stop
+        expired = wait_for(
+            lambda: first_state(cfg, "expired", lease, since=t_stop), cfg.policy.ttl_s + 30, "no revoke by expiry"
+        )
+        took = expired["_ts"] - t_stop
         sch.send_signal(signal.SIGCONT)
-        time.sleep(6)
+        # the resumed scheduler reads the expiry and grants at a new epoch; the executor takes
+        # that grant up, and so has handled every command the scheduler sent before it
+        regrant = wait_for(
+            lambda: next((s for s in lease_states(cfg) if s["state"] == "active" and s["epoch"] > epoch), None),
+            60,
+            "the resumed scheduler never granted again",
+        )
     finally:
         stop_feed.set()
         feeder.join()
@@ -118,17 +133,17 @@ def test_partitioned_scheduler_does_not_resurrect_leases(cfg, tmp_path):
         exit_s = terminate_all({"scheduler": sch, "executor": ex})
     cmds = [orjson.loads(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.commands_topic])]  # offset order
     dups = duplicate_ids(cmds)
-    epoch = int(lease.rsplit("#", 1)[1])
     new_grant = next((i for i, c in enumerate(cmds) if c["kind"] == "grant" and c["epoch"] > epoch), None)
     final_states = lease_states(cfg)
-    after = [s for s in final_states if s["lease_id"] == lease and s["_ts"] > expired[0]["_ts"]]
+    after = [s for s in final_states if s["lease_id"] == lease and s["_ts"] > expired["_ts"]]
     rejected = [s for s in after if s["state"] == "rejected"]
     print(
         f"\n[partition] SIGSTOP->expired {took:.2f}s; backlog renews of the expired lease rejected by the "
-        f"executor: {len(rejected)}; new grant: {cmds[new_grant]['lease_id'] if new_grant is not None else None}; "
+        f"executor: {len(rejected)}; new grant: {regrant['lease_id']}; "
         f"duplicates: {len(dups)}"
     )
     assert took <= cfg.policy.ttl_s + 3, "lease held well past its expiry"
+    assert regrant["lease_id"] != lease
     assert not any(s["state"] == "active" for s in after), "expired lease came back to life"
     assert new_grant is not None, "the resumed scheduler never learned that the lease expired"
     assert not any(c["lease_id"] == lease for c in cmds[new_grant:]), "expired lease renewed after the new grant"

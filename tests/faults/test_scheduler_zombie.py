@@ -1,28 +1,30 @@
-"""Fault: two schedulers race for the same partitions. Instance A is frozen (SIGSTOP) past its
-group session while B takes its partitions over, then thawed: A is a zombie holding a stale
-view and an open batch. Expectation: A's stale transaction cannot commit (the consumer group
-generation fences it through send_offsets_to_transaction), so read_committed consumers see
-every command exactly once and equal to the pure policy's. Counted: commands, duplicates,
-aborted transactions reported by the instances."""
+"""Fault: two schedulers race for the same partitions. Instance A is frozen (SIGSTOP) with one
+of its transactions open, past its group session, while B takes its partitions over, then
+thawed: A is a zombie holding a stale view and an open batch. Expectation: A's stale
+transaction cannot commit (the broker aborts it at the transaction timeout and fences A's
+producer; the consumer group generation fences its offsets through send_offsets_to_transaction),
+A says so in its log once thawed, its records stay invisible to read_committed consumers, and
+those see every command exactly once and equal to the pure policy's."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
-import orjson
+import psutil
 import pytest
 
 from rose.contract.wire import encode
+from rose.kafka.consumer import TopicPartition, make_consumer
 from rose.kafka.producer import make_producer, produce
 from rose.sim.telemetry_workload import expected_commands, workload
-from tests.kafka_checks import by_gpu, duplicate_ids, wait_for_commands
-from tests.processes import SHUTDOWN_BOUND_S, terminate_all
+from tests.faults.system import log_records, wait_for
+from tests.kafka_checks import OpenTransactions, by_gpu, duplicate_ids, wait_for_commands
+from tests.processes import SHUTDOWN_BOUND_S, start_scheduler, terminate_all
 
 pytestmark = pytest.mark.stack
 
@@ -43,43 +45,42 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
             p.flush(10)
             time.sleep(0.4)
 
-    def start(name):
-        return subprocess.Popen(
-            [sys.executable, "-m", "rose", "scheduler", "--instance", name],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=open(tmp_path / f"{name}.log", "wb"),
-        )
-
-    a, b = start("a"), start("b")
+    logs = {n: tmp_path / f"{n}.log" for n in ("a", "b")}
+    a, b = (start_scheduler(env, n, log) for n, log in logs.items())
+    k = cfg.kafka
+    open_tx = OpenTransactions(k, (k.commands_topic, k.topic("scheduler-state")), f"{k.topic_prefix}zombie-lso")
     feeder = threading.Thread(target=feed)
-    feeder.start()
     try:
-        time.sleep(6)
-        a.send_signal(signal.SIGSTOP)  # A freezes mid-stream; B gets its partitions after the session timeout
+        wait_for(lambda: all(owned(log) for log in logs.values()), 90, "both schedulers in the group")
+        feeder.start()
+        caught = freeze_in_transaction(a, open_tx, timeout=60)  # A freezes with its batch open
         frozen_at = datetime.now(UTC)
-        time.sleep(14)
+        held_by_a = owned(logs["a"], until=frozen_at)
+        # B gets A's partitions once A's group session times out
+        wait_for(lambda: held_by_a <= owned(logs["b"]), 60, "B did not take over the partitions of the frozen A")
         thawed_at = datetime.now(UTC)
-        a.send_signal(signal.SIGCONT)  # A wakes up as a zombie
+        a.send_signal(signal.SIGCONT)  # A wakes up as a zombie, its batch still open
+        fenced = wait_for(lambda: fence(logs["a"], after=thawed_at), 60, "the thawed A never learned it was fenced")
         feeder.join()
         want = expected_commands(events, cfg.policy)
         n_want = sum(map(len, want.values()))
         got = wait_for_commands(cfg, n_want, timeout_s=90, settle_s=3)
+        visible = {tp: lso for tp, lso in caught.items() if first_committed(cfg, tp, lso) == lso}
     finally:
+        if feeder.ident is not None:
+            feeder.join()
+        open_tx.close()
         for p in (a, b):
             p.send_signal(signal.SIGCONT)
         exit_s = terminate_all({"a": a, "b": b})
-    logs = {n: (tmp_path / f"{n}.log").read_text(errors="replace") for n in ("a", "b")}
-    aborts = {n: log.count("transaction.abort") for n, log in logs.items()}
     dups = duplicate_ids(got)
-    held_by_a = owned_partitions(logs["a"], until=frozen_at)
-    held_by_b = owned_partitions(logs["b"], until=thawed_at)
     print(
-        f"\n[zombie] commands expected={n_want} got={len(got)} duplicates={len(dups)} aborted transactions={aborts} "
-        f"A held {sorted(held_by_a)} when frozen, B held {sorted(held_by_b)} when A thawed; exit after SIGTERM {exit_s}"
+        f"\n[zombie] commands expected={n_want} got={len(got)} duplicates={len(dups)}; A frozen with its transaction "
+        f"open at {caught}, holding {sorted(held_by_a)}; after the thaw: {fenced['event']} ({fenced.get('error')}); "
+        f"exit after SIGTERM {exit_s}"
     )
     assert held_by_a, "A owned no partition when it was frozen: the test would not exercise a zombie"
-    assert held_by_a <= held_by_b, "B did not take over the partitions of the frozen A"
+    assert not visible, f"the zombie's transaction committed: its first records are read_committed at {visible}"
     assert not dups
     assert by_gpu(got) == want
     assert all(t <= SHUTDOWN_BOUND_S for t in exit_s.values()), (
@@ -87,20 +88,65 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
     )
 
 
-def owned_partitions(log: str, until: datetime) -> set[int]:
-    """The partitions a scheduler owned at `until`, from its partitions.assigned/revoked log lines."""
-    owned: set[int] = set()
-    for line in log.splitlines():
-        try:
-            rec = orjson.loads(line)
-        except orjson.JSONDecodeError:
+# what a scheduler logs when Kafka refuses its stale transaction: its producer fenced (the
+# broker aborted the transaction at its timeout and bumped the epoch), or its offsets refused
+# because its group generation is stale (KIP-447)
+FENCED = ("scheduler.client_replaced", "group.rejoin", "transaction.abort")
+
+
+def freeze_in_transaction(proc, open_tx: OpenTransactions, timeout: float) -> dict[tuple[str, int], int]:
+    """SIGSTOP `proc` while one of its transactions is open: freeze it whenever some output
+    partition has an open transaction, and keep it frozen once a range is still open at the
+    same LSO 2 s later (the other scheduler commits its own within milliseconds, so that one
+    is the frozen scheduler's). The first offset of that transaction per partition."""
+    ps = psutil.Process(proc.pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not open_tx():
             continue
-        if not isinstance(rec, dict) or rec.get("event") not in ("partitions.assigned", "partitions.revoked"):
-            continue
-        if datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")) > until:
+        proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: ps.status() == psutil.STATUS_STOPPED, 5, "the scheduler did not stop", every=0.001)
+        first = {tp: lso for tp, (lso, _) in open_tx().items()}
+        time.sleep(2.0)  # (a probe of how long a transaction stays open, not a wait for an event)
+        held = {tp: lso for tp, (lso, _) in open_tx().items() if first.get(tp) == lso}
+        if held:
+            return held
+        proc.send_signal(signal.SIGCONT)
+    raise AssertionError(f"no open transaction of the scheduler caught within {timeout:.0f}s")
+
+
+def first_committed(cfg, tp: tuple[str, int], offset: int) -> int | None:
+    """The offset of the first record a read_committed consumer gets from `offset` on (None if
+    it gets none within 10 s): `offset` itself when the record there was committed."""
+    c = make_consumer(
+        cfg.kafka, f"{cfg.kafka.topic_prefix}zombie-read-{tp[1]}", **{"isolation.level": "read_committed"}
+    )
+    try:
+        c.assign([TopicPartition(tp[0], tp[1], offset)])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is not None and not m.error():
+                return m.offset()
+        return None
+    finally:
+        c.close()
+
+
+def fence(log: Path, after: datetime) -> dict | None:
+    """The first line after `after` in which the scheduler says its transaction was refused."""
+    return next((r for r in log_records(log) if r["_at"] > after and r.get("event") in FENCED), None)
+
+
+def owned(log: Path, until: datetime | None = None) -> set[int]:
+    """The partitions a scheduler owned at `until` (now if None), from its
+    partitions.assigned/revoked log lines."""
+    held: set[int] = set()
+    for rec in log_records(log):
+        if until is not None and rec["_at"] > until:
             break
-        if rec["event"] == "partitions.assigned":
-            owned |= set(rec["partitions"])
-        else:
-            owned -= set(rec["partitions"])
-    return owned
+        if rec.get("event") == "partitions.assigned":
+            held |= set(rec["partitions"])
+        elif rec.get("event") == "partitions.revoked":
+            held -= set(rec["partitions"])
+    return held
