@@ -1,7 +1,8 @@
 """Enforced memory caps (rose.executor.memory_cap), without brokers: the pure over-cap rule
 (examples and properties), the RSS adapter and the watchdog on real processes, cgroup v2
-detection and placement on a directory laid out like one, the lease machine's path when the
-executor ends a lease itself, the workers' fault-injection hook, and the launcher's niceness.
+detection and placement on a directory laid out like one (a real OOM kill where this host
+delegates a cgroup), the lease machine's path when the executor ends a lease itself, the
+workers' fault-injection hook, and the launcher's niceness.
 The executor on the real stack: tests/test_executor_memory_cap.py."""
 
 from __future__ import annotations
@@ -230,7 +231,14 @@ def test_cgroup_mount_and_own_cgroup_are_read_from_proc(tmp_path):
     assert mc._cgroup2_mount(str(tmp_path / "missing")) is None and mc._own_cgroup(str(tmp_path / "missing")) is None
 
 
-def test_a_watched_worker_gets_its_own_cgroup_and_a_kernel_oom_kill_is_a_breach(tmp_path):
+def test_a_watched_worker_is_placed_in_its_own_cgroup_and_an_oom_kill_count_in_its_memory_events_is_a_breach(
+    tmp_path,
+):
+    """On a directory laid out like a delegated cgroup v2: the watchdog makes the worker's own
+    cgroup (memory.max = the lease, its pid in cgroup.procs), and on unwatch reads its
+    memory.events: an `oom_kill` count there is reported as a breach by the cgroup, none as an
+    ordinary exit. The kernel kills nothing here: the test writes the `oom_kill` line itself (a
+    real kill: test_the_kernel_oom_kills_a_worker_over_its_cgroup_cap_and_it_is_a_breach)."""
     base = fake_cgroup(tmp_path / "cg")
     log = Log()
     dog = MemoryWatchdog(RULE, log, cgroup_setting=str(base))
@@ -254,6 +262,33 @@ def test_a_watched_worker_gets_its_own_cgroup_and_a_kernel_oom_kill_is_a_breach(
         end(q)
     finally:
         end(p)
+
+
+def test_the_kernel_oom_kills_a_worker_over_its_cgroup_cap_and_it_is_a_breach():
+    """Where this host delegates a cgroup v2 with the memory controller: a worker that allocates
+    four times its 64 MiB lease is killed by the kernel at its cgroup's memory.max, and the
+    watchdog reports the kill as a breach by the cgroup."""
+    cg, why = CgroupCap.detect("auto")
+    if cg is None:
+        pytest.skip(f"no delegated cgroup v2 memory controller on this host: {why}")
+    log = Log()
+    dog = MemoryWatchdog(RULE, log, cgroup_setting="auto")
+    dog.start()
+    cap = 64 * MiB
+    grow = "import sys, time; sys.stdin.readline(); b = bytearray(4 * 64 << 20); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", grow], stdin=subprocess.PIPE)
+    try:
+        dog.watch("sim/0", p, cap)  # in its cgroup before it allocates: it waits for a line
+        assert dog.watched["sim/0"].cgroup is not None
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+        assert p.wait(30) == -9  # SIGKILL from the kernel's OOM killer
+        b = dog.unwatch("sim/0")
+        assert b is not None and (b.gpu, b.pid, b.cap_bytes, b.by) == ("sim/0", p.pid, cap, "cgroup")
+    finally:
+        if p.poll() is None:
+            end(p)
 
 
 # ---- the executor's path: the lease machine ends a lease from its own side ---------------------
