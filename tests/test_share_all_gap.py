@@ -74,18 +74,19 @@ def test_a_grant_threshold_never_met_leaves_no_lease_dominant(traces_dir):
 
 
 def test_a_lease_start_costs_rose_and_share_all_what_its_windows_would_have_done(traces_dir):
-    """Starting rollout costs ROSE every lease and share-all once: with a 20 s start ROSE harvests
-    less than with the sourced wake-up (under a second) and the gap's `lease_start` part grows;
-    with a start longer than the run neither harvests anything. The gap still adds up."""
-    base = _run(traces_dir)
-    slow = _run(traces_dir, lease_start_s=20.0)
+    """Starting rollout costs ROSE every lease and share-all once: with a 20 s start (warm or
+    cold) ROSE harvests less than with starts under a second (the sourced wake-up, and cold
+    starts set to 1 s) and the gap's `lease_start` part grows; with a start longer than the run
+    neither harvests anything. The gap still adds up."""
+    base = _run(traces_dir, cold_start_s=1.0)
+    slow = _run(traces_dir, lease_start_s=20.0, cold_start_s=20.0)
     g0, g1 = _closes(base), _closes(slow)
     assert 0 < base["config"]["costs"]["lease_start_s"] < 1.0 and slow["config"]["costs"]["lease_start_s"] == 20.0
     for p in ("rose", "share-all"):
         assert slow["policies"][p]["harvest_per_serving_gpu"] < base["policies"][p]["harvest_per_serving_gpu"]
         assert slow["policies"][p]["lease_start_s"] >= 20.0
     assert g1["lease_start"] > g0["lease_start"] + 0.01
-    never = _run(traces_dir, lease_start_s=400.0)
+    never = _run(traces_dir, lease_start_s=400.0, cold_start_s=400.0)
     for p in ("rose", "share-all"):
         assert never["policies"][p]["harvest_per_serving_gpu"] == 0.0 and never["policies"][p]["lease_start_s"] is None
 
@@ -138,3 +139,24 @@ def test_elastic_pays_its_provisioning_delay(traces_dir):
 )
 def test_no_lease_reasons(reason, why):
     assert NO_LEASE_WHY[no_lease_why(reason)] == why
+
+
+def test_a_lease_that_finds_no_warm_worker_on_its_node_starts_cold(traces_dir):
+    """Each node's executor keeps `warm_workers` ready warm workers; a lease takes one (its start
+    is the wake-up) and the node launches a replacement, ready `warm_build_s` later; a lease
+    that finds none ready starts cold (`cold_start_s`, sourced per model size). With no warm
+    pool every start is cold and the lease-start part of the gap is larger than with one warm
+    worker a node; with one, the leases granted beyond the pool in a burst start cold."""
+    from rose.sim.models import cold_start_s, gpu_spec, wake_s, warm_build_s
+
+    one, none = _run(traces_dir), _run(traces_dir, warm_workers=0)
+    costs = one["config"]["costs"]
+    shard = one["config"]["rollout"]["policy_weight_bytes_per_gpu"]
+    assert costs["cold_start_s"] == pytest.approx(cold_start_s(shard, gpu_spec("H100")), abs=1e-4)
+    assert costs["cold_start_s"] == pytest.approx(warm_build_s(shard) + wake_s(shard, gpu_spec("H100")), abs=1e-4)
+    assert costs["warm_workers_per_node"] == 1 and none["config"]["costs"]["warm_workers_per_node"] == 0
+    r1, r0 = one["policies"]["rose"], none["policies"]["rose"]
+    assert r1["warm_starts"] + r1["cold_starts"] == r1["grants"] > 2  # one worker a lease (group size 1)
+    assert 0 < r1["warm_starts"] <= r1["grants"] and r1["cold_starts"] > 0  # 16 GPUs, 2 nodes: 2 warm workers
+    assert r0["warm_starts"] == 0 and r0["cold_starts"] == r0["grants"]
+    assert _closes(none)["lease_start"] > _closes(one)["lease_start"]

@@ -69,6 +69,14 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         elastic_provision_s: float = typer.Option(
             None, "--elastic-provision-s", help="Seconds from elastic's request to a usable GPU (default 180, assumed)."
         ),
+        warm_workers: int = typer.Option(
+            1, "--warm-workers", help="Warm workers each node's executor keeps (executor.warm_workers; 0: all cold)."
+        ),
+        cold_start_s: float = typer.Option(
+            None,
+            "--cold-start-s",
+            help="Seconds from a lease's start to decoding with no warm worker (default: sourced per model size).",
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
         report: Path = typer.Option(None, "--report", help="Write report.json, report.md and PNG plots here."),
         series: bool = typer.Option(False, "--series", help="Include per-window series in --json output."),
@@ -102,9 +110,11 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         if workers not in (0, 1, 2):
             fail(f"--workers must be 0, 1 or 2, got {workers}")
         for flag, v in (("--lease-start-s", lease_start_s), ("--resume-s", resume_s),
-                        ("--elastic-provision-s", elastic_provision_s)):  # fmt: skip
+                        ("--elastic-provision-s", elastic_provision_s), ("--cold-start-s", cold_start_s)):  # fmt: skip
             if v is not None and not v >= 0:
                 fail(f"{flag} must be >= 0 seconds, got {v}")
+        if warm_workers < 0:
+            fail(f"--warm-workers must be >= 0, got {warm_workers}")
         if tp < 0 or rollout_tp < 0:
             fail(f"--tp and --rollout-tp must be >= 0, got {tp} and {rollout_tp}")
         try:
@@ -163,6 +173,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
                 policy=cfg.policy,
                 record_series=bool(report) or series,
                 lease_start_s=lease_start_s,
+                warm_workers=warm_workers,
+                cold_start_s=cold_start_s,
                 resume_s=RESUME_S if resume_s is None else resume_s,
                 elastic_provision_s=ELASTIC_PROVISION_S if elastic_provision_s is None else elastic_provision_s,
                 **cal,

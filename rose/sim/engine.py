@@ -28,7 +28,7 @@ import numpy as np
 from rose.config import PolicyConfig
 from rose.sim.interference import ProfileError, from_bench
 from rose.sim.ledger import Ledger
-from rose.sim.models import GpuSpec, deployed, gpu_spec, model_size, wake_s
+from rose.sim.models import GpuSpec, cold_start_s, deployed, gpu_spec, model_size, wake_s, warm_build_s
 from rose.sim.report import across_seeds, result_of
 from rose.sim.requests import (
     LONG_TRACE_S,
@@ -110,6 +110,9 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         lease_start_s=start_cost_s(cfg, rollout, gpu),
         resume_s=cfg.resume_s,
         elastic_provision_s=cfg.elastic_provision_s,
+        warm_workers=cfg.warm_workers,
+        cold_start_s=cfg.cold_start_s if cfg.cold_start_s is not None else cold_start_s(rollout.weights, gpu),
+        warm_build_s=warm_build_s(rollout.weights),
     )
 
     want = [p for p in POLICIES if p in cfg.policies]
@@ -198,7 +201,9 @@ def check_config(cfg: SimConfig) -> None:
         raise ValueError(f"decide_every must be >= 0, got {cfg.decide_every}")
     if not cfg.elastic_cap_frac >= 0:
         raise ValueError(f"elastic_cap_frac must be >= 0, got {cfg.elastic_cap_frac}")
-    for name in ("lease_start_s", "resume_s", "elastic_provision_s"):
+    if cfg.warm_workers < 0:
+        raise ValueError(f"warm_workers must be >= 0, got {cfg.warm_workers}")
+    for name in ("lease_start_s", "resume_s", "elastic_provision_s", "cold_start_s"):
         v = getattr(cfg, name)
         if v is not None and not v >= 0:
             raise ValueError(f"{name} must be >= 0, got {v}")

@@ -120,11 +120,12 @@ GPUS: dict[str, GpuSpec] = {
 
 
 # A lease's start: the executor hands it to a warm worker, whose model waits in host memory
-# (docs/executor.md "The warm pool"), as vLLM's sleep level 1 keeps it; starting is that wake-up,
-# the weights' copy to the GPU. vLLM measured level-1 wake-ups of 0.1-6 s from 0.6B to 235B
+# (docs/executor.md "The warm pool"; on CUDA a warm worker does not touch the device), so starting
+# is the weights' copy to the GPU. vLLM measured level-1 wake-ups of 0.1-6 s from 0.6B to 235B
 # (blog.vllm.ai/2025/10/26/sleep-mode.html); 0.1 s, its smallest model's, is the part that does
-# not grow with the weights. A lease that finds no warm worker starts cold (30-100+ s, the same
-# source): not modelled.
+# not grow with the weights. A lease that finds no ready warm worker on its node starts cold
+# (`cold_start_s`), and a warm worker handed a lease is replaced by one that takes `warm_build_s`
+# to be ready.
 WAKE_FLOOR_S = 0.1
 WAKE_SOURCE = "0.1 s (vLLM sleep-mode blog, 2025-10-26: level-1 wake-ups 0.1-6 s) + weights per GPU / host->device copy rate (55.3 GB/s, docs/measured/h200/weights.json)"
 # A throttled lease resuming: `rose bench coelastic --engine hf` on the CPU measured throttle ->
@@ -137,6 +138,35 @@ RESUME_SOURCE = "p99 throttle -> resume -> next token, rose bench coelastic --en
 def wake_s(weight_bytes_per_gpu: int, gpu: GpuSpec) -> float:
     """Seconds from a lease's grant to its worker decoding: a warm worker's weights copied to the GPU."""
     return WAKE_FLOOR_S + weight_bytes_per_gpu / gpu.h2d_bytes_per_s
+
+
+# A cold start: a new worker process, its imports and engine, then the weights from disk. The
+# engine part is what `rose bench coelastic --engine vllm` measured from a cold grant to the first
+# token with a 2-layer model on the CPU, p50 17.8 s (docs/measured/cpu/coelastic-vllm.json): no
+# weights to speak of, no CUDA graphs and no compilation, so a lower bound for a GPU engine. The
+# weights come from local disk at DISK_BYTES_PER_S, an assumption (a local NVMe SSD reads a few
+# GB/s; safetensors are read sequentially), swept in `python -m rose.sim.sweep`. With them a cold
+# start of 8B takes 26 s and of 70B over 4 GPUs 36 s, the low end of the 30-100+ s per reload the
+# vLLM sleep-mode post reports (blog.vllm.ai/2025/10/26/sleep-mode.html).
+COLD_ENGINE_S = 17.8
+DISK_BYTES_PER_S = 2.0e9
+COLD_SOURCE = (
+    "17.8 s (vLLM cold grant -> first token p50, CPU, docs/measured/cpu/coelastic-vllm.json) + weights per GPU "
+    "/ 2 GB/s from local disk (assumption) + the warm wake-up"
+)
+# warm workers each executor (one per node of NODE_GPUS GPUs) keeps: ExecutorConfig.warm_workers
+NODE_GPUS = 8
+
+
+def warm_build_s(weight_bytes_per_gpu: int) -> float:
+    """Seconds a new warm worker takes to be ready: its process, engine and weights in host memory."""
+    return COLD_ENGINE_S + weight_bytes_per_gpu / DISK_BYTES_PER_S
+
+
+def cold_start_s(weight_bytes_per_gpu: int, gpu: GpuSpec) -> float:
+    """Seconds from a lease's grant to its worker decoding when no warm worker is ready: a warm
+    worker's build, then its wake-up."""
+    return warm_build_s(weight_bytes_per_gpu) + wake_s(weight_bytes_per_gpu, gpu)
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,12 @@ def result_of(
             )
         if p == "rose":
             res.update(
-                grants=run.grants, expiries=run.expiries, guard_pauses=run.guard_pauses, decide_calls=run.decide_calls
+                grants=run.grants,
+                expiries=run.expiries,
+                guard_pauses=run.guard_pauses,
+                decide_calls=run.decide_calls,
+                warm_starts=run.warm_starts,
+                cold_starts=run.cold_starts,
             )
         if p == "elastic":
             from rose.sim.runs import ElasticRun
@@ -140,12 +145,16 @@ def result_of(
 
 def start_costs(cfg: SimConfig, ctx: RunContext) -> dict:
     """The start costs the run used, each with its source."""
-    from rose.sim.models import RESUME_S, RESUME_SOURCE, WAKE_SOURCE
+    from rose.sim.models import COLD_SOURCE, RESUME_S, RESUME_SOURCE, WAKE_SOURCE
     from rose.sim.runs import ELASTIC_PROVISION_S
 
     return {
         "lease_start_s": round(ctx.lease_start_s, 4),  # ROSE's every lease, share-all's workers once
         "lease_start_source": WAKE_SOURCE if cfg.lease_start_s is None else "set (--lease-start-s)",
+        "warm_workers_per_node": ctx.warm_workers,
+        "cold_start_s": round(ctx.cold_start_s, 4),  # a lease that finds no ready warm worker on its node
+        "cold_start_source": COLD_SOURCE if cfg.cold_start_s is None else "set (--cold-start-s)",
+        "warm_build_s": round(ctx.warm_build_s, 4),  # a warm worker's replacement, launch to ready
         "resume_s": ctx.resume_s,
         "resume_source": RESUME_SOURCE if cfg.resume_s == RESUME_S else "set (--resume-s)",
         "elastic_provision_s": ctx.elastic_provision_s,

@@ -23,7 +23,7 @@ from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import free_memory, memory_margin
 from rose.sim.interference import InterferenceProfile
 from rose.sim.ledger import Ledger
-from rose.sim.models import EpisodeModel, GpuSpec
+from rose.sim.models import NODE_GPUS, EpisodeModel, GpuSpec
 from rose.sim.rollout_model import RolloutModel
 from rose.sim.serving_model import ServingSim
 
@@ -71,6 +71,9 @@ class RunContext:
     lease_start_s: float = 0.0  # a lease's (or a share's) worker from its start to decoding, s
     resume_s: float = 0.0  # a throttled or guard-paused worker from its resume to decoding, s
     elastic_provision_s: float = ELASTIC_PROVISION_S
+    warm_workers: int = 0  # ready warm workers each node's executor keeps (0: every start is cold)
+    cold_start_s: float = 0.0  # a lease's worker from its start to decoding with no warm worker, s
+    warm_build_s: float = 0.0  # a new warm worker from its launch to ready, s (the pool's refill)
 
     def rollout_rate(self, mem_bytes, share) -> np.ndarray:
         """Episodes/s per GPU of rollout with `mem_bytes` at compute `share` beside serving: its
@@ -95,6 +98,7 @@ class Run:
         self.slo_ok_gpu_windows = self.gpu_windows = self.slo_ok_windows = self.windows = 0
         self.revokes = self.grants = self.expiries = self.guard_pauses = self.leases_unusable = 0
         self.throttles = 0  # v1.1: pauses and resumes of a live lease (memory and worker stay)
+        self.warm_starts = self.cold_starts = 0  # leases' workers started from the warm pool, or cold
         self.decide_calls = 0
         self.weight_bytes = self.weight_bytes_full = 0.0
         self.lease_gpu_s = self.lease_share_s = self.ext_gpu_s = 0.0
@@ -242,7 +246,7 @@ class RoseRun(Run):
         G = ctx.G
         self.core = SchedulingCore(ctx.policy)
         self.names = [f"sim/{g}" for g in range(G)]  # GPU ids as the policy and the executors know them
-        self.nodes = [f"node-{g // 8}" for g in range(G)]
+        self.nodes = [f"node-{g // NODE_GPUS}" for g in range(G)]
         self.machines = [lm.initial(name) for name in self.names]
         self.view_lease = np.zeros(G, dtype=bool)  # the policy's view holds a lease
         # the executors' leases, as their lease machines hold them
@@ -257,6 +261,9 @@ class RoseRun(Run):
         self.ready_at = np.zeros(G)
         self.starting = np.zeros(G, dtype=bool)
         self.tripped = np.zeros(G, dtype=bool)  # the executors' local guard, per serving GPU
+        # each node's warm pool: when each of its warm workers is (or will be) ready
+        self.pool = [[0.0] * ctx.warm_workers for _ in range(-(-G // NODE_GPUS))]
+        self._gang_wait: dict[str, float] = {}  # a gang's one worker: its start cost, by group id
         self.w = np.zeros(G)
         # telemetry held back (rose.policy.deferral), newest first; `held` of them per GPU
         self.held = np.zeros(G, dtype=np.int64)
@@ -507,7 +514,7 @@ class RoseRun(Run):
             t = type(a)
             if t is lm.Start:
                 self.worker[g], self.worker_paused[g] = True, a.paused
-                self.ready_at[g], self.starting[g] = now + self.ctx.lease_start_s, True
+                self.ready_at[g], self.starting[g] = now + self.start_wait(g, a, now), True
             elif t is lm.Pause or t is lm.Resume:
                 self.worker_paused[g] = t is lm.Pause
                 if t is lm.Resume:
@@ -518,6 +525,25 @@ class RoseRun(Run):
                 self.worker[g] = self.worker_paused[g] = False
             elif t is lm.Publish:
                 self.core.observe(a.state(now))
+
+    def start_wait(self, g: int, a, now: float) -> float:
+        """Seconds from a Start on GPU g to its worker decoding: a ready warm worker of the node's
+        pool wakes up (and a new one is launched to replace it, ready `warm_build_s` after the
+        lease decodes), else the worker starts cold. A gang starts one worker for its members."""
+        if a.group_id and a.group_id in self._gang_wait:
+            return self._gang_wait[a.group_id]
+        c, pool = self.ctx, self.pool[g // NODE_GPUS]
+        ready = [i for i, t in enumerate(pool) if t <= now]
+        if ready:
+            wait = c.lease_start_s
+            pool[ready[0]] = now + wait + c.warm_build_s
+            self.warm_starts += 1
+        else:
+            wait = c.cold_start_s
+            self.cold_starts += 1
+        if a.group_id:
+            self._gang_wait[a.group_id] = wait
+        return wait
 
 
 RUNS = {"static": Run, "elastic": ElasticRun, "share-all": ShareAllRun, "rose": RoseRun}

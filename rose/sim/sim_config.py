@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rose.config import PolicyConfig
+from rose.config import ExecutorConfig, PolicyConfig
 from rose.sim.interference import InterferenceProfile, default_profile, linear_profile
 from rose.sim.models import RESUME_S, EngineConfig, EpisodeModel
 from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S, POLICIES
@@ -68,6 +68,10 @@ class SimConfig:
     lease_start_s: float | None = None
     resume_s: float = RESUME_S
     elastic_provision_s: float = ELASTIC_PROVISION_S
+    # warm workers each node's executor keeps (ExecutorConfig.warm_workers): a lease that finds
+    # none ready starts cold (models.cold_start_s; None: the sourced model, a number overrides it)
+    warm_workers: int = ExecutorConfig.warm_workers
+    cold_start_s: float | None = None
     # processes: 1 runs every policy in this one; 2 runs ROSE in a forked child beside the others
     # (the same results: the policies share nothing but the request stream, which each process
     # draws from the same seed); 0: 2 for large runs where that is possible (`auto_workers`)
