@@ -8,6 +8,9 @@
 #
 #   deploy/gpu-check.sh OUT_DIR [--full] [--wheels DIR] [--only PART,...] [--dry-run]
 #
+# Exit status: 0 if something was measured and no part failed; 1 if a part failed; 3, with one
+# line saying so, if nothing was measured (every part skipped, e.g. on a machine without a GPU).
+#
 # Then: rose simulate --interference-bench OUT_DIR/interference.json ...
 #   or: rose simulate --interference-profile OUT_DIR/interference-profile-8b-separate_process.json ...
 set -euo pipefail

@@ -64,12 +64,59 @@ def _has_cuda() -> bool:
 
 
 @pytest.mark.skipif(_has_cuda(), reason="checks the skips of a machine without a GPU")
-def test_without_a_gpu_every_part_is_skipped_with_its_reason(tmp_path):
+def test_without_a_gpu_nothing_is_measured_and_the_check_fails_in_one_line(tmp_path):
     p = _check(str(tmp_path))
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == _gpu_check.NOTHING_MEASURED != 0, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: nothing was measured (no CUDA GPU"), p.stderr
     s = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert s["environment"]["cuda_available"] is False
+    assert s["environment"]["cuda_available"] is False and s["measured"] == []
     assert all(e["status"] == "skipped" and "CUDA" in e["reason"] for e in s["parts"].values())
+
+
+@pytest.mark.skipif(_has_cuda(), reason="on a GPU the CUDA tests run")
+def test_cuda_tests_all_skipped_are_not_reported_as_passed(tmp_path):
+    """The cuda-tests part run for real on a machine without a GPU: every test skips, and the
+    part says skipped with the counts from its junit xml, never ok."""
+    r = _gpu_check.run_cuda_tests(tmp_path, full=False)
+    assert r["tests"] == r["skipped"] > 0
+    assert (r["passed"], r["failed"], r["status"]) == (0, 0, "skipped"), r
+    assert r["reason"] == f"no CUDA test passed ({r['skipped']} skipped)"
+
+
+def test_junit_counts_tell_passed_skipped_and_failed_apart(tmp_path):
+    """A real pytest run's junit xml with one test of each outcome (and an error in setup)."""
+    (tmp_path / "test_mixed.py").write_text(
+        textwrap.dedent("""
+            import pytest
+
+            @pytest.fixture
+            def broken():
+                raise RuntimeError("setup")
+
+            def test_passes():
+                pass
+
+            def test_fails():
+                assert False
+
+            @pytest.mark.skip(reason="skipped")
+            def test_skipped():
+                pass
+
+            def test_errors(broken):
+                pass
+        """)
+    )
+    xml = tmp_path / "out.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path), f"--junitxml={xml}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    counts = _gpu_check.junit_counts(xml)
+    assert counts == {"tests": 4, "passed": 1, "skipped": 1, "failed": 2}
+    assert _gpu_check.tests_status(p.returncode, counts) == "failed"
+    assert _gpu_check.tests_status(0, {"tests": 2, "passed": 0, "skipped": 2, "failed": 0}) == "skipped"
+    assert _gpu_check.tests_status(0, {"tests": 2, "passed": 1, "skipped": 1, "failed": 0}) == "ok"
+    assert _gpu_check.tests_status(0, {}) == "failed"  # no readable xml: the run broke
 
 
 def test_wheels_are_unpacked_onto_the_path(tmp_path):

@@ -23,7 +23,9 @@ Parts (docs/paper-check.md "The GPU check"):
   and busy, memory, and the per-process memory of a rollout process found by its PID.
 
 `--dry-run` imports nothing heavy and runs nothing: it writes the plan (each part, what it
-needs, what is missing here) to OUT_DIR/gpu-check.json. Exit status: 1 if a part failed, else 0.
+needs, what is missing here) to OUT_DIR/gpu-check.json. Exit status: 1 if a part failed; 3, with
+one line saying so, if nothing was measured (every part skipped, e.g. without a GPU: a check that
+measured nothing must not read as passed); else 0.
 """
 
 from __future__ import annotations
@@ -165,21 +167,47 @@ def run_cuda_tests(out: Path, full: bool) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *files, f"--junitxml={xml}"]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ})
     (out / "cuda-tests.log").write_text(p.stdout + p.stderr)
-    counts = _junit_counts(xml)
-    status = "ok" if p.returncode == 0 and counts.get("tests", 0) > 0 else "failed"
-    return {"status": status, "returncode": p.returncode, **counts, "files": files, "log": "cuda-tests.log"}
+    counts = junit_counts(xml)
+    status = tests_status(p.returncode, counts)
+    why = {"reason": f"no CUDA test passed ({counts.get('skipped', 0)} skipped)"} if status == "skipped" else {}
+    return {
+        "status": status,
+        **why,
+        "returncode": p.returncode,
+        **counts,
+        "files": files,
+        "log": "cuda-tests.log",
+    }
 
 
-def _junit_counts(xml: Path) -> dict:
+def junit_counts(xml: Path) -> dict:
+    """Tests passed, skipped and failed (failures and errors) in a junit xml file, counted per
+    test case (a skipped test is not a passed one); {} if the file is missing or unreadable."""
     import xml.etree.ElementTree as ET
 
-    if not xml.exists():
+    try:
+        root = ET.parse(xml).getroot()
+    except (OSError, ET.ParseError):
         return {}
-    root = ET.parse(xml).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    if suite is None:
-        return {}
-    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts = {"tests": 0, "passed": 0, "skipped": 0, "failed": 0}
+    for case in root.iter("testcase"):
+        counts["tests"] += 1
+        tags = {child.tag for child in case}
+        if tags & {"failure", "error"}:
+            counts["failed"] += 1
+        elif "skipped" in tags:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return counts
+
+
+def tests_status(returncode: int, counts: dict) -> str:
+    """ "failed" if pytest failed or a test did, "skipped" if none passed (nothing measured),
+    else "ok"."""
+    if returncode not in (0, 5) or counts.get("failed", 0) or not counts:
+        return "failed"
+    return "ok" if counts.get("passed", 0) > 0 else "skipped"
 
 
 def run_interference(out: Path, full: bool) -> dict:
@@ -200,9 +228,8 @@ def run_interference(out: Path, full: bool) -> dict:
 
 def run_interference_profile(out: Path, full: bool) -> dict:
     from rose.bench import interference_profile
-    from rose.config import ExecutorConfig
 
-    r = interference_profile.run(out, max_launch_us=ExecutorConfig().max_launch_us)
+    r = interference_profile.run(out)
     _write(out / "interference-profile.json", r)
     files = [f for per_shape in r["files"].values() for f in per_shape.values()]
     return {
@@ -341,6 +368,9 @@ NOT_RUN = {
 }
 
 
+NOTHING_MEASURED = 3  # exit status when every part was skipped
+
+
 def _write(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
@@ -427,10 +457,18 @@ def main(argv: list[str] | None = None) -> int:
         failed |= entry.get("status") == "failed"
     summary["not_run"] = NOT_RUN
     summary["dry_run"] = a.dry_run
+    summary["measured"] = measured = sorted(n for n, e in results.items() if e.get("status") in ("ok", "failed"))
     _write(out / "gpu-check.json", summary)
+    if not a.dry_run and not measured:
+        reasons = sorted({e.get("reason", "") for e in results.values()})
+        print(f"gpu-check: nothing was measured ({'; '.join(reasons)}); see {out / 'gpu-check.json'}", file=sys.stderr)
+        return NOTHING_MEASURED
     for name, res in results.items():
         state = "would run" if res.get("would_run") else f"missing {', '.join(res['missing'])}"
-        print(f"{name:20s} {state if a.dry_run else res['status']}", file=sys.stderr)
+        tally = (
+            f" ({res['passed']} passed, {res['skipped']} skipped, {res['failed']} failed)" if "passed" in res else ""
+        )
+        print(f"{name:20s} {state if a.dry_run else res['status']}{tally}", file=sys.stderr)
         if "plan" in res:
             print(_plan_lines(res["plan"]), file=sys.stderr)
     print(f"summary: {out / 'gpu-check.json'}", file=sys.stderr)
