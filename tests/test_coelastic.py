@@ -93,9 +93,11 @@ def test_spike_pauses_calm_resumes_memory_revokes_with_one_worker_process(cfg, t
         assert throttle["compute_share"] == 0.0 and throttle["lease_id"] == active.lease_id
         assert paused.lease_id == active.lease_id and paused.epoch == active.epoch
         assert psutil.pid_exists(pid), "the paused worker's process is gone"
-        time.sleep(1.0)
+        # every worker's heartbeat 1 s, then 2 s more, after the pause: their loops ran all that while
+        t_paused = time.time()
+        wait_until(lambda: _beat_since(r, cfg, t_paused + 1.0), 20, "no heartbeat of the paused worker")
         tokens_paused = _tokens(r, cfg)
-        time.sleep(2.0)
+        wait_until(lambda: _beat_since(r, cfg, t_paused + 3.0), 20, "no heartbeat of the paused worker")
         assert _tokens(r, cfg) == tokens_paused, "a paused worker kept decoding"
 
         feed.mode = "calm"
@@ -124,6 +126,15 @@ def test_spike_pauses_calm_resumes_memory_revokes_with_one_worker_process(cfg, t
         terminate_all({"scheduler": sched})
         states.close()
         r.close()
+
+
+def _beat_since(r, cfg, t: float) -> bool:
+    """Whether every paused worker of the run (one at least) has published a heartbeat at or
+    after `t` (wall clock)."""
+    keys = [k for k in r.scan_iter(match=cfg.redis.key("workers", "*")) if r.type(k) == b"hash"]
+    beats = [r.hmget(k, "state", "ts") for k in keys]
+    paused = [float(ts or 0) for state, ts in beats if state == b"paused"]
+    return bool(paused) and min(paused) >= t
 
 
 def _tokens(r, cfg) -> int:

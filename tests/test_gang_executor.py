@@ -18,7 +18,7 @@ from tests.examples import command_example
 from tests.kafka_checks import commands
 from tests.processes import start_scheduler, terminate_all
 from tests.test_coelastic import Feeder
-from tests.test_executor import ExecutorProc, LeaseStates, env_for, submit, wait_until
+from tests.test_executor import ExecutorProc, LeaseStates, env_for, send, submit, wait_until
 
 pytestmark = pytest.mark.stack
 
@@ -57,7 +57,8 @@ def test_one_worker_per_gang_and_a_members_revoke_ends_the_gang(cfg, tmp_path, r
     try:
         gang_command(cfg, p, "sim/0", "grant", "g0")
         ex.wait_log("gang.waiting", 30, gpu="sim/0")
-        time.sleep(1.0)
+        send(cfg, p, "renew", 0, "stale0")  # rejected once handled: the executor went on past the grant
+        states.wait("rejected", 0, gpu="sim/0")
         assert not any(ln.get("event") == "gang.started" for ln in ex.lines), "a gang worker before every member"
 
         gang_command(cfg, p, "sim/1", "grant", "g1")

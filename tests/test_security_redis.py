@@ -192,7 +192,12 @@ def test_executor_hands_the_key_to_its_worker_off_the_command_line(cfg, redis_cl
         pub.publish({k: v + torch.ones_like(v) for k, v in sd.items()}, keyframe=True)  # version 2, unsigned
         pub.key = b"not-the-key"
         pub.publish({k: v - torch.ones_like(v) for k, v in sd.items()})  # version 3, wrongly signed
-        time.sleep(1.5)  # 30 weight polls
+        # a heartbeat 1.5 s on (30 weight polls): the worker's loop ran, and refused both
+        t_sent = time.time()
+        deadline = time.monotonic() + 30
+        while float(redis_client.hget(hb_key, "ts") or 0) < t_sent + 1.5:
+            assert time.monotonic() < deadline, "no heartbeat of the worker"
+            time.sleep(0.1)
         assert version() == 1
         pub.key = key.encode()
         pub.publish(sd, keyframe=True)  # version 4, signed
