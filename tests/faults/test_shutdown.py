@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from rose.shutdown import EXIT_FORCED
 from rose.stack import free_port
 from tests.conftest import TRACES
+from tests.faults.system import log_records, wait_for
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 
@@ -37,7 +39,14 @@ def test_every_process_stops_within_the_bound_while_kafka_and_redis_are_down(tmp
     }
     logs = {n: open(tmp_path / f"{n}.log", "wb") for n in procs}
     running = {n: spawn(a, env, logs[n]) for n, a in procs.items()}
-    time.sleep(6)  # each is now retrying its connection, deep in a client call
+    # each says it is retrying its connection: it is now deep in a client call
+    says = {"scheduler": "kafka.unreachable", "executor": "kafka.unreachable", "agent": "kafka.unreachable"}
+    says["weights-follow"] = "redis.unreachable"
+    wait_for(
+        lambda: all(logged(tmp_path / f"{n}.log", e) for n, e in says.items()),
+        90,
+        f"not every process said it was retrying ({says})",
+    )
     alive = {n: p.poll() is None for n, p in running.items()}
     exit_s = terminate_all(running)
     tails = {n: (tmp_path / f"{n}.log").read_text(errors="replace")[-600:] for n in procs}
@@ -56,12 +65,16 @@ def test_a_fenced_scheduler_stops_within_the_bound(cfg, tmp_path):
         "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
         "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
     }
-    first = spawn(["scheduler", "--instance", "same"], env, open(tmp_path / "first.log", "wb"))
-    time.sleep(4)
-    second = spawn(["scheduler", "--instance", "same"], env, open(tmp_path / "second.log", "wb"))
-    time.sleep(6)
+    logs = {n: tmp_path / f"{n}.log" for n in ("first", "second")}
+    first = spawn(["scheduler", "--instance", "same"], env, open(logs["first"], "wb"))
+    wait_for(lambda: logged(logs["first"], "partitions.assigned"), 90, "the first instance never started")
+    second = spawn(["scheduler", "--instance", "same"], env, open(logs["second"], "wb"))
+    fenced = wait_for(lambda: logged(logs["first"], "scheduler.client_replaced"), 90, "the first was not fenced")
     exit_s = terminate_all({"first": first, "second": second})
-    print(f"\n[shutdown/fenced] seconds to exit: {exit_s}; codes {first.returncode} {second.returncode}")
+    print(
+        f"\n[shutdown/fenced] first fenced: {fenced['error']}; seconds to exit: {exit_s}; "
+        f"codes {first.returncode} {second.returncode}"
+    )
     assert max(exit_s.values()) <= SHUTDOWN_BOUND_S, exit_s
 
 
@@ -83,3 +96,8 @@ def test_a_wedged_graceful_exit_is_cut_at_the_deadline():
     assert p.returncode == EXIT_FORCED, err
     assert 0.9 <= took < 5, took
     assert '"shutdown.forced"' in err and "wedged" in err
+
+
+def logged(log: Path, event: str) -> dict | None:
+    """The first line of `log` that records `event`, if there is one yet."""
+    return next((r for r in log_records(log) if r.get("event") == event), None)
