@@ -198,10 +198,6 @@ class ExecutorConfig:
     mem_cap_samples: int = 2  # consecutive samples over the grant that stop the worker (a fork's double count is 1)
     mem_cap_grace_s: float = 1.0  # SIGKILL an over-cap worker still there this long after its stop
     mem_cap_cgroup: str = "auto"  # cgroup v2 memory.max per worker: auto | off | a delegated cgroup v2 directory
-    # the longest one rollout launch (a forward pass: a row group's decode step or a prefill chunk)
-    # may keep the device, in microseconds: a bounded-launch worker sizes its launches to it and
-    # checks its pause flag between them, so serving waits at most about this for a running launch
-    max_launch_us: int = 2000
 
 
 @dataclass(frozen=True)
@@ -464,15 +460,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     _check_rollout(cfg.rollout)
     _check_gateway(cfg.gateway)
     _check_clock_skew(cfg.executor, cfg.policy)
-    _check_launch_bound(cfg.executor)
     return cfg
-
-
-def _check_launch_bound(e: ExecutorConfig) -> None:
-    if isinstance(e.max_launch_us, bool) or not isinstance(e.max_launch_us, int) or not 1 <= e.max_launch_us <= 10**7:
-        raise ConfigError(
-            f"executor.max_launch_us: expected whole microseconds from 1 to 10000000, got {e.max_launch_us!r}"
-        )
 
 
 def _check_clock_skew(e: ExecutorConfig, p: PolicyConfig) -> None:

@@ -61,13 +61,13 @@ def test_mps_is_found_by_its_control_pipe_or_asked_only_whether_it_answers(tmp_p
     assert asked.read_text().split() == ["get_default_active_thread_percentage"]
 
 
-def test_max_launch_us_is_an_executor_key_and_is_checked():
-    from rose.config import ConfigError, ExecutorConfig, load_config
+def test_the_launch_bound_is_the_bench_parameter_not_an_executor_setting():
+    """No worker bounds its launches, so the executor offers no setting that claims one."""
+    from rose.config import ConfigError, load_config
 
-    assert ExecutorConfig().max_launch_us == 2000
-    assert load_config(env={"ROSE_EXECUTOR__MAX_LAUNCH_US": "500"}).executor.max_launch_us == 500
-    with pytest.raises(ConfigError, match="executor.max_launch_us: expected whole microseconds"):
-        load_config(env={"ROSE_EXECUTOR__MAX_LAUNCH_US": "0"})
+    assert ip.MAX_LAUNCH_US == 2000
+    with pytest.raises(ConfigError, match="executor.max_launch_us: unknown setting"):
+        load_config(env={"ROSE_EXECUTOR__MAX_LAUNCH_US": "500"})
 
 
 def test_the_tiny_shape_on_the_cpu_writes_profiles_the_simulator_reads(tmp_path):

@@ -27,7 +27,9 @@ Mechanisms:
   step of the whole batch (on the CPU: the process at niceness 19).
 * `separate_process_bounded_launch`: the rollout process splits its batch into row groups and
   its prompt into prefill chunks so that one launch (one forward pass, timed to the device
-  drained) takes at most `executor.max_launch_us`, and checks the pause flag between launches.
+  drained) takes at most the bench's `max_launch_us` (`MAX_LAUNCH_US` by default), and checks
+  the pause flag between launches. No rollout worker bounds its launches (docs/executor.md): this
+  measures what such a bound would buy.
 * `separate_process_mps`: only where an MPS daemon already runs (`mps_daemon`); nothing here
   starts, stops or changes MPS or any GPU setting. Without one it is skipped with the reason.
 
@@ -54,6 +56,9 @@ from rose.model.random_init import CheckpointShape
 
 SHARES = (0.1, 0.25, 0.5, 1.0)
 MECHANISMS = ("separate_process", "separate_process_bounded_launch", "separate_process_mps")
+# the longest one launch of the bounded-launch mechanism may keep the device, microseconds (the
+# bench's own parameter: no worker bounds its launches)
+MAX_LAUNCH_US = 2000
 GOAL_P99_RATIO = GOAL_PROTECTED_OVER_ALONE  # serving p99 beside rollout / alone, at most
 GOAL_ROLLOUT_FRACTION = 0.3  # rollout tokens/s beside serving / solo, at least
 GOAL_REFERENCE = "Tally (ASPLOS '25): +7.2 % serving p99 with kernel-level preemption"
@@ -456,7 +461,7 @@ def measure(
     mechanisms: tuple[str, ...] = MECHANISMS[:2],
     shares: tuple[float, ...] = SHARES,
     steps: int | None = None,
-    max_launch_us: int = 2000,
+    max_launch_us: int = MAX_LAUNCH_US,
     solo_s: float = SOLO_S,
 ) -> dict:
     """Serving alone, then per mechanism rollout alone and serving beside rollout at each share;
@@ -582,7 +587,7 @@ def write_profiles(result: dict, out: Path) -> dict[str, str]:
     return files
 
 
-def run(out: Path, shapes: tuple[str, ...] = CUDA_SHAPES, steps: int | None = None, max_launch_us: int = 2000) -> dict:
+def run(out: Path, shapes: tuple[str, ...] = CUDA_SHAPES, steps: int | None = None, max_launch_us: int = MAX_LAUNCH_US) -> dict:
     """The GPU check's part: each CUDA shape, each mechanism this machine has, profiles under `out`."""
     import torch
 
