@@ -265,7 +265,9 @@ def test_grant_runs_episodes_revoke_frees_memory_duplicates_and_stale_are_harmle
         send(cfg, p, "revoke", 5, "r5")
         states.wait("revoking", 5)
         revoked, _ = states.wait("revoked", 5, timeout=10)
-        assert revoked.rollout_mem_bytes == 0 and not psutil.pid_exists(pid)
+        # the memory the reaped worker still holds, re-read by its pid as the state went out: none, it is gone
+        logged = ex.wait_log("lease.state", 10, state="revoked", epoch=5, measured_pid=pid)
+        assert revoked.rollout_mem_bytes == logged["rollout_mem_bytes"] == 0 and not psutil.pid_exists(pid)
         assert [ln for ln in ex.lines if ln.get("event") == "worker.started"].__len__() == 1
         time.sleep(0.5)
         seen = states.states()
@@ -296,7 +298,8 @@ def test_expiry_without_a_scheduler_revokes_itself(cfg, tmp_path, redis_client):
         t0 = time.monotonic()
         expired, _ = states.wait("expired", 1, timeout=15)
         assert time.monotonic() - t0 < 4.0 + 3.0 + 2.0  # TTL + kill deadline + slack
-        assert expired.rollout_mem_bytes == 0 and not psutil.pid_exists(pid)
+        logged = ex.wait_log("lease.state", 10, state="expired", epoch=1, measured_pid=pid)  # re-read once reaped
+        assert expired.rollout_mem_bytes == logged["rollout_mem_bytes"] == 0 and not psutil.pid_exists(pid)
         assert ("revoking", 1) in states.states()
     finally:
         ex.stop()

@@ -53,7 +53,8 @@ def test_a_worker_over_its_lease_is_stopped_and_the_lease_revoked(cfg, tmp_path,
         revoked, _ = states.wait("revoked", 1, timeout=10)
         assert time.monotonic() - t_over < 1.0 + 3.0  # within the grace (SIGKILL), with slack
         assert revoked.command_id == "g1"  # no revoke command: the executor ended the lease itself
-        assert revoked.rollout_mem_bytes == 0 and not psutil.pid_exists(pid)
+        logged = ex.wait_log("lease.state", 10, state="revoked", epoch=1, measured_pid=pid)  # re-read once reaped
+        assert revoked.rollout_mem_bytes == logged["rollout_mem_bytes"] == 0 and not psutil.pid_exists(pid)
         exited = ex.wait_log("worker.exited", 5, pid=pid)
         assert exited["gpu"] == "sim/0"
         time.sleep(1.5)  # past the restart backoff: the lease is over, nothing restarts inside it

@@ -440,7 +440,8 @@ def test_a_grant_runs_on_a_warm_worker_started_before_it_and_decodes_sooner_than
         pids = [ln["pid"] for ln in ex.lines if ln.get("event") == "worker.warming"]
         send(cfg, p, "revoke", 1, "r1")
         revoked, _ = states.wait("revoked", 1, timeout=15)
-        assert revoked.rollout_mem_bytes == 0 and not psutil.pid_exists(started["pid"])
+        logged = ex.wait_log("lease.state", 10, state="revoked", epoch=1, measured_pid=started["pid"])  # once reaped
+        assert revoked.rollout_mem_bytes == logged["rollout_mem_bytes"] == 0 and not psutil.pid_exists(started["pid"])
     finally:
         ex.stop()
     assert ex.proc.returncode == 0

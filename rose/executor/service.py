@@ -109,6 +109,7 @@ class Executor:
         )
         self.states: dict[str, lm.GpuLease] = {g: lm.initial(g) for g in self.gpus}
         self.workers: dict[str, WorkerHandle] = {}  # a gang's members share their one worker's handle
+        self._exited: dict[str, int] = {}  # gpu -> pid of the worker reaped this instant, measured once more
         # gang leases: the members that said Start and each GPU's gang (lm.gang_start, lm.gang_stop);
         # and the inputs for other GPUs raised while an input is being applied
         self.gangs: lm.Gangs = lm.NO_GANGS
@@ -386,8 +387,11 @@ class Executor:
                 self._publish(a)
 
     def _publish(self, a: lm.Publish) -> None:
+        """Publish a lease state with the memory its worker holds, read now: a terminal state, published
+        just after the worker was reaped, re-reads the exited worker's pid (0 because it is gone)."""
         h = self.workers.get(a.gpu)
-        mem = measure_rollout_mem(h.proc.pid, self.device) if h is not None else 0
+        pid = h.proc.pid if h is not None else self._exited.get(a.gpu)
+        mem = measure_rollout_mem(pid, self.device) if pid is not None else 0
         ROLLOUT_MEM.set(mem, gpu=a.gpu)
         r, ls = a.record, a.state(time.time(), mem)
         topic, n = self.k.lease_state_topic, self._lease_partitions
@@ -406,6 +410,7 @@ class Executor:
             lease_id=r.lease_id,
             command_id=r.command_id,
             rollout_mem_bytes=mem,
+            measured_pid=pid,
         )
 
     # ---- workers ---------------------------------------------------------------------------
@@ -519,4 +524,8 @@ class Executor:
         h = self.workers.pop(gpu)
         code = reap_worker(h) if h.flag is not None else h.proc.returncode  # a gang's: reaped once
         self.log.info("worker.exited", gpu=gpu, pid=h.proc.pid, code=code)
-        self._apply(gpu, lm.WorkerExited(), None)
+        self._exited[gpu] = h.proc.pid  # only for the states this exit publishes: a pid is reused later
+        try:
+            self._apply(gpu, lm.WorkerExited(), None)
+        finally:
+            del self._exited[gpu]
