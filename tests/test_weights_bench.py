@@ -30,7 +30,9 @@ def test_weights_bench_reports_every_figure(cfg):
     ):
         assert out[k] is not None and out[k] > 0, k
     assert out["params"] == 10_000_000 and out["bytes_full_bf16"] == 2 * out["params"]
-    assert out["bytes_ratio_per_step"] < 1 and 0 < out["changed_fraction"] < 1
+    # seeded trainer and lossless codec: the step encodes to the same bytes on every run (a change of the
+    # codec, the trainer or their libraries moves these; re-derive them from a run and say why they moved)
+    assert out["bytes_ratio_per_step"] == 0.00664 and out["changed_fraction"] == 0.01068, out
     # the ratio is against the memcpy timed beside encode, in the same run, on as many threads
     assert out["memcpy_threads"] == out["encode_workers"] == out["apply_workers"] == weights.WORKERS
     assert out["memcpy_1_thread_gb_per_s"] > 0
