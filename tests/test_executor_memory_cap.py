@@ -6,6 +6,7 @@ the configured niceness. The pure parts: tests/test_memory_cap.py."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -25,6 +26,23 @@ NICE = 5  # env_for's ROSE_EXECUTOR__WORKER_NICE
 def expected_nice() -> int:
     """Workers are niced to the configured value, never to less than the executor's own."""
     return max(NICE, os.getpriority(os.PRIO_PROCESS, 0))
+
+
+def fenced_renewal(cfg, producer, states: LeaseStates, after: float, timeout: float = 30):
+    """Renew the ended lease at epoch 1 until the executor rejects one at or after `after`
+    (its clock): the state of that rejection."""
+    deadline = time.monotonic() + timeout
+    for n in itertools.count(1):
+        send(cfg, producer, "renew", 1, f"n{n}", ttl=60.0, mem=GiB)
+        while time.monotonic() < deadline:
+            got = [s for s, _ in states.seen if s.state == "rejected" and s.command_id == f"n{n}"]
+            if got and got[0].ts >= after:
+                return got[0]
+            if got:
+                break
+            states.states()
+        assert time.monotonic() < deadline, f"no renewal rejected after {after} within {timeout}s"
+    raise AssertionError("unreachable")
 
 
 def test_a_worker_over_its_lease_is_stopped_and_the_lease_revoked(cfg, tmp_path, redis_client):
@@ -57,12 +75,14 @@ def test_a_worker_over_its_lease_is_stopped_and_the_lease_revoked(cfg, tmp_path,
         assert revoked.rollout_mem_bytes == logged["rollout_mem_bytes"] == 0 and not psutil.pid_exists(pid)
         exited = ex.wait_log("worker.exited", 5, pid=pid)
         assert exited["gpu"] == "sim/0"
-        time.sleep(1.5)  # past the restart backoff: the lease is over, nothing restarts inside it
+        # the lease is gone for good: its renewals are fenced; one handled past the restart
+        # backoff after the exit shows that nothing restarted inside the ended lease
+        past = time.time() + cfg.executor.restart_backoff_s + 0.5
+        fenced = fenced_renewal(cfg, p, states, after=past)
         assert sum(1 for ln in ex.lines if ln.get("event") == "worker.started") == 1
-        assert states.states()[-1] == ("revoked", 1)
-        # the lease is gone for good: its renewal is fenced
-        send(cfg, p, "renew", 1, "n1", ttl=60.0, mem=GiB)
-        states.wait("rejected", 1)
+        seen = states.states()
+        assert ("active", 1) not in seen[seen.index(("revoked", 1)) :]
+        assert fenced.ts >= past
     finally:
         ex.stop()
         states.close()

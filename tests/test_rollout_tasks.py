@@ -81,6 +81,13 @@ def hb(r, cfg, wid) -> dict:
     return {k.decode(): v.decode() for k, v in r.hgetall(cfg.redis.key("workers", wid)).items()}
 
 
+def heartbeat_after(r, cfg, wid, t: float) -> dict | None:
+    """The worker's heartbeat if it was published at or after `t` (wall clock), else None: a
+    check that nothing happened in a while waits on it to know the worker lived through it."""
+    h = hb(r, cfg, wid)
+    return h if float(h.get("ts", 0)) >= t else None
+
+
 def ids(q) -> collections.Counter:
     return collections.Counter(t["task_id"] for t in q.all_results())
 
@@ -178,10 +185,11 @@ def test_pause_stops_work_and_run_resumes(cfg, redis_client, queue, flag):
         flag.set(PAUSE)
         wait_for(lambda: hb(redis_client, cfg, "a")["state"] == "paused", what="paused state")
         assert flag.paused_seen_ns >= flag.set_ns
-        tokens = hb(redis_client, cfg, "a")["tokens"]
+        paused = hb(redis_client, cfg, "a")
         beats = flag.heartbeat
-        time.sleep(0.5)
-        assert hb(redis_client, cfg, "a")["tokens"] == tokens  # nothing decoded while paused
+        # heartbeats of the paused worker 0.5 s on: its loop ran all that while
+        later = wait_for(lambda: heartbeat_after(redis_client, cfg, "a", float(paused["ts"]) + 0.5), what="heartbeats")
+        assert later["state"] == "paused" and later["tokens"] == paused["tokens"]  # nothing decoded while paused
         assert flag.heartbeat > beats  # ... but the loop is alive
         flag.set(RUN)
         assert a.wait(60) == 0, a.stderr.read()

@@ -15,8 +15,9 @@ import orjson
 import pytest
 
 from rose.sim.telemetry_workload import expected_commands, workload
-from tests.kafka_checks import by_gpu, duplicate_ids, wait_for_commands
+from tests.kafka_checks import by_gpu, commands, duplicate_ids, wait_for_commands
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
+from tests.test_rollout_tasks import wait_for
 from tests.test_scheduler import _produce
 
 pytestmark = pytest.mark.stack
@@ -63,13 +64,13 @@ def test_an_instance_joins_and_one_leaves_under_load_nothing_lost_or_duplicated(
 
     a = start("a")
     feeder.start()  # 32 batches over ~16 s
-    time.sleep(4.0)
+    wait_for(lambda: commands(cfg), 60, "a committed no command")  # a owns every partition and works
     b = start("b")  # joins: the group splits the partitions between a and b
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (_owned(logs["a"].read_text()) and _owned(logs["b"].read_text())):
         time.sleep(0.5)
     split = (_owned(logs["a"].read_text()), _owned(logs["b"].read_text()))
-    time.sleep(2.0)
+    time.sleep(2.0)  # both work a while (the scenario's pace: nothing is asserted on it)
     exit_a = terminate_all({"a": a})  # leaves: b takes a's partitions over
     feeder.join()
     want = expected_commands(events, cfg.policy)

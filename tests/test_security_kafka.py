@@ -5,7 +5,6 @@ password never appears in the redacted config that services log."""
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 
 import pytest
@@ -20,6 +19,7 @@ from rose.kafka.admin import (
 )
 from rose.kafka.producer import make_producer, produce
 from tests.kafka_checks import consume_one
+from tests.test_rollout_tasks import wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -36,6 +36,15 @@ def refused_errors(kcfg) -> list:
             break
         admin.poll(0.5)
     return errors
+
+
+def _authenticates(kcfg) -> bool:
+    """Whether a client with these credentials gets the cluster's metadata."""
+    try:
+        make_admin(kcfg).list_topics(timeout=3)
+        return True
+    except KafkaException:
+        return False
 
 
 def _scram_user(cfg, user: str, password: str) -> None:
@@ -66,7 +75,8 @@ def test_scram_client_produces_and_consumes(cfg, stack):
     secured, loaded = _secured(cfg, stack, user, password)
     assert loaded.kafka.librdkafka["sasl.username"] == user
     assert password not in str(loaded.redacted())
-    time.sleep(1)  # credentials propagate through the metadata log
+    # the credentials propagate through the metadata log: a SASL client is let in once they have
+    wait_for(lambda: _authenticates(secured.kafka), 30, "the SCRAM credentials were never accepted")
     p = make_producer(secured.kafka)
     produce(p, secured.kafka.telemetry_topic, b'{"probe": 1}', "g")
     assert p.flush(20) == 0

@@ -209,23 +209,31 @@ class _Engine:
         self.version = v
 
 
+def _applied(weights: _Weights, engine: _Engine, *versions: int) -> None:
+    """Publish each version and wait until the waiting loop has applied it: once it applied the
+    second of two, it went round its loop (reading the lease record first) after the first."""
+    for v in versions:
+        weights.publish(v)
+        deadline = time.monotonic() + 5
+        while engine.version != v and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.version == v, f"version {v} not applied while waiting"
+
+
 def test_wait_for_lease_keeps_weights_current_and_returns_the_announced_record(flag, tmp_path):
     wc = _warm_config(pause_flag=flag.name, lease_file=str(tmp_path / "w.lease"))
     weights, engine, stop = _Weights(), _Engine(), threading.Event()
     got: list = []
     t = threading.Thread(target=lambda: got.append(wait_for_lease(wc, flag, engine, weights, stop)))
     t.start()
-    weights.publish(3)
-    deadline = time.monotonic() + 5
-    while engine.version != 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _applied(weights, engine, 3)
     assert engine.version == 3 and flag.version == 3  # applied while waiting, and said so
     _record(1).write(wc.lease_file)  # an old record: no assignment announced yet, so not taken
-    time.sleep(0.05)
+    _applied(weights, engine, 4, 5)  # the loop went round since: it has seen the record
     assert t.is_alive()
     _record(2, epoch=4).write(wc.lease_file)
     flag.assign()  # announces 1, but the record says 2: still waiting for a matching one
-    time.sleep(0.05)
+    _applied(weights, engine, 6, 7)
     assert t.is_alive()
     flag.assign()
     t.join(5)
@@ -371,8 +379,14 @@ def test_a_real_warm_worker_gets_ready_without_a_lease_and_stops_at_once(flag, t
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.05)
         assert flag.ready_ns > 0 and flag.version == 0  # the seeded policy, applied
-        beat = flag.heartbeat
-        time.sleep(0.2)
+        beat, main = flag.heartbeat, psutil.Process(proc.pid)
+        # its main thread goes round the wait loop (a 1 ms sleep a round: a voluntary context
+        # switch each); 100 rounds on, it still has not counted a loop of its own
+        rounds = main.num_ctx_switches().voluntary + 100
+        deadline = time.monotonic() + 30
+        while main.num_ctx_switches().voluntary < rounds:
+            assert time.monotonic() < deadline, "the warm worker's wait loop did not go round"
+            time.sleep(0.01)
         assert flag.heartbeat == beat and flag.steps == 0  # waiting, not running a loop of its own
         flag.set(STOP)
         assert proc.wait(15) == 0
