@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -286,6 +286,86 @@ def streamed_ids(events: list[tuple[float, dict]]) -> tuple[list[int], list[int]
             ids += ch["token_ids"]
             idx += [i for sp in ch["weight_versions"] for i in range(sp["start"], sp["end"])]
     return ids, idx
+
+
+@dataclasses.dataclass
+class Revoked:
+    """A streamed completion whose worker was revoked midway (`revoke_midway`)."""
+
+    events: list[tuple[float, dict]]
+    held: str  # the worker that ran the turn until its revoke
+    other: str  # the worker that finished it
+    received: int  # token chunks the client held when the holder was paused
+    before: dict[str, dict[str, str]]  # each worker's heartbeat, both idle, before the turn
+    after: dict[str, dict[str, str]]  # and after it (the holder stopped, the other idle again)
+
+    def made(self, worker: str, counter: str) -> int:
+        """How much heartbeat `counter` of `worker` grew during this turn."""
+        return int(self.after[worker].get(counter, 0)) - int(self.before[worker].get(counter, 0))
+
+
+def revoke_midway(url: str, cfg: Config, flags: dict[str, PauseFlag], body: dict, received: int = 10) -> Revoked:
+    """Stream the completion `body` and revoke its worker midway. The client decides "midway":
+    once it holds `received` tokens, the worker that published them (the turn's token stream
+    names it) is paused (share 0: it launches no more decode step, so it cannot finish the turn)
+    and, once its heartbeat says it is paused still holding the turn, stopped; the other worker,
+    at full share, finishes the turn. Both workers are idle before the turn and after it, so the
+    difference of their heartbeat counters is this turn's."""
+    r = redis.Redis.from_url(cfg.redis.url)
+
+    def hb(w: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in r.hgetall(cfg.redis.key("workers", w)).items()}
+
+    def in_state(w: str, state: str, since: float) -> dict[str, str] | None:
+        """`w`'s heartbeat once one published after `since` says `state`."""
+        h = hb(w)
+        return h if h.get("state") == state and float(h.get("ts", 0)) > since else None
+
+    def idle(ws: Iterable[str], since: float) -> dict[str, dict[str, str]] | None:
+        """Each worker's heartbeat, once all published one after `since` with no turn active."""
+        hbs = {w: hb(w) for w in ws}
+        return hbs if all(float(h.get("ts", 0)) > since and h.get("active") == "0" for h in hbs.values()) else None
+
+    events: list[tuple[float, dict]] = []
+    since = time.time()
+    before = wait_for(lambda: idle(flags, since), 60, "both workers idle")
+    for f in flags.values():
+        f.set_share(0.05)  # a turn of seconds, so the client can see it midway
+    t0 = time.monotonic()
+    try:
+        with (
+            httpx.Client(timeout=60) as h,
+            h.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as sr,
+        ):
+            assert sr.status_code == 200
+            lines = sr.iter_lines()
+
+            def read(enough: Callable[[], bool]) -> None:
+                for line in lines:
+                    if line.startswith("data: {"):
+                        events.append((time.monotonic() - t0, orjson.loads(line[6:])))
+                        if enough():
+                            return
+
+            read(lambda: len(streamed_ids(events)[0]) >= received)
+            got = len(streamed_ids(events)[0])
+            assert got >= received, f"the turn ended after {got} tokens"
+            tokens = cfg.redis.key("tasks", JOB, "tokens", events[0][1]["id"].removeprefix("cmpl-"))
+            [held] = {f[b"worker"].decode() for _i, f in r.xrange(tokens) if b"worker" in f}
+            [other] = [w for w in flags if w != held]
+            paused_at = time.time()
+            flags[held].set_share(0.0)
+            paused = wait_for(lambda: in_state(held, "paused", paused_at), 10, "the holder paused")
+            assert paused["active"] == "1", f"the turn ended before its worker was paused: {paused}"
+            flags[other].set_share(1.0)
+            flags[held].set(STOP)
+            read(lambda: False)
+        ended = time.time()
+        stopped = wait_for(lambda: in_state(held, "stopped", paused_at), 30, "the holder stopped")
+        after = {held: stopped, **wait_for(lambda: idle([other], ended), 30, "the other worker idle")}
+    finally:
+        r.close()
+    return Revoked(events, held, other, got, before, after)
 
 
 def test_a_streamed_turn_sends_tokens_as_they_are_made(gw, flags):
@@ -689,47 +769,33 @@ def test_a_streamed_turn_revoked_midway_is_answered_whole(gw, module_cfg, flags)
     """The worker running a streamed turn is stopped mid-turn (a revoke): it hands the tokens
     made so far on as a continuation, the other worker finishes the turn and streams on from the
     next index, and the client gets one answer whose streamed ids are the turn's, in order, with
-    every token's version."""
-    r = redis.Redis.from_url(module_cfg.redis.url)
-
-    def hb(w: str) -> dict[str, str]:
-        return {k.decode(): v.decode() for k, v in r.hgetall(module_cfg.redis.key("workers", w)).items()}
-
-    # no turn of an earlier test still decoding: the worker whose tokens grow is this turn's
-    since = time.time()
-    wait_for(
-        lambda: all(float(hb(w).get("ts", 0)) > since and hb(w).get("active") == "0" for w in flags),
-        60,
-        "both workers idle",
+    every token's version. Fails if the continuation does not carry the tokens already made (the
+    next worker redoes the turn from token 0)."""
+    rv = revoke_midway(
+        gw.url, module_cfg, flags, {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "seed": 5, "stream": True}
     )
-    for f in flags.values():
-        f.set_share(0.05)  # slow decoding down, so the stop lands mid-turn
-    before = {w: int(hb(w).get("tokens", 0)) for w in flags}
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "seed": 5, "stream": True}
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(sse, gw.url, "/v1/completions", body)
-        held = wait_for(
-            lambda: next((w for w in flags if int(hb(w).get("tokens", 0)) - before[w] >= 10), None),
-            30,
-            "a worker mid-turn",
-        )
-        other = next(w for w in flags if w != held)
-        flags[other].set_share(1.0)
-        flags[held].set(STOP)
-        events = fut.result(timeout=60)
-    stopped = wait_for(lambda: hb(held) if hb(held).get("state") == "stopped" else None, 30, "the stopped worker")
-    task_id = events[0][1]["id"].removeprefix("cmpl-")
+    r = redis.Redis.from_url(module_cfg.redis.url)
+    task_id = rv.events[0][1]["id"].removeprefix("cmpl-")
     traj = next(
         orjson.loads(f[b"trajectory"])
         for _i, f in r.xrange(module_cfg.redis.key("results", JOB))
         if f[b"task_id"].decode() == task_id
     )
     r.close()
+    events = rv.events
     ids, idx = streamed_ids(events)
     last = events[-1][1]["choices"][0]
     assert idx == list(range(120)) and ids == traj["turns"][0]["action"]  # contiguous, the final ids
     at = [t for t, e in events if e["choices"][0]["finish_reason"] is None and e["choices"][0].get("token_ids")]
     assert at[0] < events[-1][0] and len({round(t, 2) for t in at}) > 2  # streamed, not all at the end
     assert last["finish_reason"] == "length" and covers(last["weight_versions"], 120) == [0] * 120
-    assert last["worker"] == other
-    assert int(stopped["requeued"]) == 1 and int(stopped["tokens_carried"]) >= 10, stopped  # handed on, not redone
+    assert last["worker"] == rv.other
+    # this turn's counters: the holder handed on every token it made (at least those the client
+    # held before its pause), the other made only the rest
+    made = rv.made(rv.held, "tokens")
+    counted = {w: {c: rv.made(w, c) for c in ("tokens", "tokens_carried", "requeued")} for w in (rv.held, rv.other)}
+    assert counted == {
+        rv.held: {"tokens": made, "tokens_carried": made, "requeued": 1},
+        rv.other: {"tokens": 120 - made, "tokens_carried": 120 - made, "requeued": 0},
+    }, (rv.received, counted)
+    assert rv.received <= made < 120, (rv.received, counted)
