@@ -12,8 +12,11 @@ on CPU the executor enforces the memory cap (rose.executor.memory_cap). A warm w
 builds its model and follows the weights with no lease (`wait_for_lease`), then sizes itself to
 the lease it is handed.
 In full: docs/rollout.md.
+On CUDA the lease's share and memory become the worker's MPS limits, and a worker with an MPS
+share refuses its lease when the device fails the GEMM check or MPS is meant and the worker is
+not attached to it (`check_device`).
 Exit codes: 0 drained, 2 bad config, 3 memory budget too small, 4 the weights' Redis Cluster
-(redis.cluster_nodes) not usable at start.
+(redis.cluster_nodes) not usable at start, 5 the lease refused by the device check.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import mmap
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
+from rose.rollout import mps
+from rose.rollout.gemm_check import GemmResult, first_failure, gemm_check
 from rose.rollout.launcher import LeaseRecord, WorkerConfig, apply_nice, apply_sched_idle, read_config
 from rose.rollout.pause_flag import STOP, PauseFlag
 from rose.rollout.worker import Worker, apply_version
@@ -33,6 +39,7 @@ from rose.shutdown import Shutdown
 EXIT_BAD_CONFIG = 2
 EXIT_BUDGET = 3
 EXIT_UNAVAILABLE = 4  # redis.cluster_nodes set, and that Redis Cluster not usable at start
+EXIT_DEVICE_CHECK = 5  # the lease refused: the GEMM check failed, or MPS is meant and not attached
 
 # TASKS_ON_URL: a worker holds two Redis clients. The weight streams are read through
 # `weight_source` (rose.weights.stream.weights_client: the Redis Cluster of redis.cluster_nodes
@@ -125,6 +132,33 @@ def inject_memory_fault(env: Mapping[str, str] = os.environ) -> int:
     return n
 
 
+def check_device(
+    config: WorkerConfig,
+    env: MutableMapping[str, str] = os.environ,
+    gemm: Callable[[str, tuple[str, ...]], list[GemmResult]] = gemm_check,
+    clients: Callable[[str], set[int]] = mps.nvml_clients,
+) -> str | None:
+    """Before the worker loads weights onto a CUDA device: set its MPS limits from the lease
+    (`mps.client_env`), then, with an MPS share (below 1, or MPS meant), run the GEMM check in
+    bf16 and the model's dtype (rose.rollout.gemm_check) and check the MPS attachment
+    (`mps.not_attached`). Why the lease is refused, or None. A check that cannot run refuses."""
+    if not config.device.startswith("cuda"):
+        return None
+    env.update(mps.client_env(config.device, config.compute_share, config.mem_bytes))
+    if config.compute_share >= 1.0 and mps.meant(env) is None:
+        return None
+    try:
+        why = first_failure(gemm(config.device, ("bfloat16", config.dtype)))
+    except Exception as e:  # noqa: BLE001 - a check that cannot run must not pass
+        return f"the GEMM check could not run on {config.device}: {type(e).__name__}: {e}"
+    return why or mps.not_attached(config.device, env, clients)
+
+
+def _refuse(config: WorkerConfig, **kw: Any) -> int | None:
+    why = check_device(config, **kw)
+    return None if why is None else _fail(f"refusing the lease: {why}", EXIT_DEVICE_CHECK)
+
+
 def _fail(msg: str, code: int) -> int:
     print(f"rose-worker: {msg}", file=sys.stderr, flush=True)
     return code
@@ -165,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     _tracing(config)
     if config.warm:
         return _warm_main(config)
-    if config.device.startswith("cuda"):  # MPS honours this when its daemon runs; harmless otherwise
-        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
+    refused = _refuse(config)  # before the CUDA context is used for anything else
+    if refused is not None:
+        return refused
 
     from rose.rollout.engine import BudgetError
     from rose.rollout.engines import build_engine
@@ -278,8 +313,9 @@ def _warm_main(config: WorkerConfig) -> int:
         sys.stderr.flush()
         os._exit(0)
     config = rec.apply(config)
-    if config.device.startswith("cuda"):  # the CUDA context starts only now, so MPS still reads this
-        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, int(config.compute_share * 100))))
+    refused = _refuse(config)  # the CUDA context starts only now, so MPS still reads the lease's limits
+    if refused is not None:
+        return refused
     stream = protect(config)
     if isinstance(engine, TorchEngine):
         try:
