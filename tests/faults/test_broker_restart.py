@@ -16,7 +16,8 @@ import pytest
 from rose.contract.wire import encode
 from rose.kafka.producer import make_producer, produce
 from rose.sim.telemetry_workload import expected_commands, workload
-from tests.kafka_checks import by_gpu, duplicate_ids, wait_for_commands
+from tests.faults.system import wait_for
+from tests.kafka_checks import by_gpu, commands, duplicate_ids, wait_for_commands
 from tests.processes import SHUTDOWN_BOUND_S, terminate_all
 
 pytestmark = pytest.mark.stack
@@ -49,7 +50,7 @@ def test_broker_restart_under_load(cfg, stack, tmp_path):
     feeder.start()
     outage = 0.0
     try:
-        time.sleep(4)
+        wait_for(lambda: commands(cfg), 60, "the scheduler committed no command")  # it works when the broker goes
         t0 = time.monotonic()
         try:
             stack.kafka_down()
