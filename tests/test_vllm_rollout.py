@@ -11,7 +11,6 @@ more on a 2-core machine."""
 from __future__ import annotations
 
 import sys
-import time
 
 import psutil
 import pytest
@@ -122,7 +121,10 @@ def test_vllm_lease_pauses_in_place_applies_weights_bit_exact_and_revoke_moves_p
         assert paused.lease_id == active.lease_id and paused.epoch == active.epoch
         wait_until(lambda: _of(r, cfg, "sim/0").get("state") == "paused", 10, "the worker did not report paused")
         at_pause = _of(r, cfg, "sim/0")
-        time.sleep(2.0)
+        # its heartbeat 2 s on: the paused worker's loop ran all that while
+        wait_until(
+            lambda: float(_of(r, cfg, "sim/0").get("ts", 0)) >= float(at_pause["ts"]) + 2.0, 10, "no later heartbeat"
+        )
         later = _of(r, cfg, "sim/0")
         assert later["tokens"] == at_pause["tokens"], "the paused vLLM worker kept decoding"
         assert later["pid"] == str(pid) and psutil.pid_exists(pid)
