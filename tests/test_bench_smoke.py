@@ -1,11 +1,22 @@
 """The executor benches and a short soak run end to end on the local stack and report their
-figures; timings are reported with loose regression guards only (pause latencies far above
-their goals, protected serving p99 below unprotected, a soak that keeps up with a small fleet):
-the benches themselves hold the goals."""
+figures; timings are held to regression guards: a stated multiple (at most 5x) of the same
+figure in a committed quick run of the bench under docs/measured/cpu (each file says its
+command, commit, machine and load average), or the older bound where that is tighter. The
+benches themselves hold the goals."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.stack
+
+MEASURED = Path(__file__).resolve().parents[1] / "docs" / "measured" / "cpu"
+
+
+def measured(name: str) -> dict:
+    """The committed run `docs/measured/cpu/NAME.json` whose figures the guards are multiples of."""
+    return json.loads((MEASURED / f"{name}.json").read_text())
 
 
 def test_revoke_bench_reports_every_figure(cfg):
@@ -18,55 +29,44 @@ def test_revoke_bench_reports_every_figure(cfg):
     assert out["path"] == "command→executor"
     assert out["memory_freed_fraction"] == 1.0
     assert "kafka_paused_p99_over_goal" in out and "guard_paused_p99_over_goal" in out
-    # loose regression guards (the bench holds the goals: 20 ms via Kafka, 2 ms via the guard)
-    assert out["guard_worker_paused_ms"]["p99_ms"] < 50, out["guard_worker_paused_ms"]
-    assert out["kafka_worker_paused_ms"]["p99_ms"] < 500, out["kafka_worker_paused_ms"]
+    # regression guards (the bench holds the goals: 20 ms via Kafka, 2 ms via the guard): 5x the p50s and
+    # p99s of revoke-quick.json (guard p50 2.9 ms, p99 35 ms; Kafka p50 11 ms, p99 18 ms; load average
+    # 17-26 on the 2 cores), the guard's p99 kept at the older, tighter 50 ms
+    m = measured("revoke-quick")
+    for k, p99_cap in (("guard_worker_paused_ms", 50.0), ("kafka_worker_paused_ms", float("inf"))):
+        assert out[k]["p50_ms"] < 5 * m[k]["p50_ms"], (out[k], m[k])
+        assert out[k]["p99_ms"] < min(5 * m[k]["p99_ms"], p99_cap), (out[k], m[k])
 
 
 def test_interference_bench_reports_three_phases(cfg):
-    """Every figure is there; and, a loose regression guard: protection keeps serving p99 closer to
-    its p99 alone than unprotected rollout does, while the protected worker still decodes (timing on
-    a shared machine is noisy: a run that misses is retried once)."""
+    """Every figure is there; and, in one run: protection keeps serving p99 closer to its p99 alone
+    than unprotected rollout does, while the protected worker still decodes (interference-quick.json:
+    protected p99 107 ms against unprotected 299 ms, at load average 10-17 on the 2 cores)."""
     from rose.bench import interference
 
-    runs = []
-    for attempt in range(2):
-        out = interference.run(cfg, quick=True, steps=400)
-        if attempt == 0:
-            for k in ("alone_ms", "unprotected_ms", "protected_ms"):
-                assert out[k]["n"] == 400 and out[k]["p99_ms"] > 0
-            for mode in ("unprotected", "protected"):  # the rollout worker really decoded, and exited cleanly
-                r = out["rollout"][mode]
-                assert r["decode_steps_per_s"] > 0 and r["tokens_per_s"] > 0 and r["worker_exit_code"] == 0
-                assert 0.0 <= r["paused_fraction"] <= 1.0
-            assert out["rollout"]["unprotected"]["paused_fraction"] == 0.0  # no guard: never paused
-            assert out["rollout"]["alone"]["paused_fraction"] is None
-            assert {
-                "unprotected_p99_over_alone",
-                "protected_p99_over_alone",
-                "goal_protected_p99_over_alone",
-                "protected_p99_over_goal",
-                "rollout_tokens_per_s_protected",
-                "rollout_tokens_per_s_unprotected",
-                "protected_over_unprotected_tokens_per_s",
-                "goal_protected_over_unprotected_tokens_per_s",
-                "protected_tokens_per_s_over_goal",
-            } <= set(out)
-        runs.append(
-            {
-                k: out[k]
-                for k in (
-                    "unprotected_p99_over_alone",
-                    "protected_p99_over_alone",
-                    "rollout_tokens_per_s_protected",
-                    "rollout_tokens_per_s_unprotected",
-                )
-            }
-        )
-        assert out["rollout_tokens_per_s_protected"] > 0, runs  # protection pauses rollout, never starves it
-        if out["protected_p99_over_alone"] < out["unprotected_p99_over_alone"]:
-            return
-    pytest.fail(f"protected p99/alone not below unprotected p99/alone in {len(runs)} runs: {runs}")
+    out = interference.run(cfg, quick=True, steps=400)
+    for k in ("alone_ms", "unprotected_ms", "protected_ms"):
+        assert out[k]["n"] == 400 and out[k]["p99_ms"] > 0
+    for mode in ("unprotected", "protected"):  # the rollout worker really decoded, and exited cleanly
+        r = out["rollout"][mode]
+        assert r["decode_steps_per_s"] > 0 and r["tokens_per_s"] > 0 and r["worker_exit_code"] == 0
+        assert 0.0 <= r["paused_fraction"] <= 1.0
+    assert out["rollout"]["unprotected"]["paused_fraction"] == 0.0  # no guard: never paused
+    assert out["rollout"]["alone"]["paused_fraction"] is None
+    assert {
+        "unprotected_p99_over_alone",
+        "protected_p99_over_alone",
+        "goal_protected_p99_over_alone",
+        "protected_p99_over_goal",
+        "rollout_tokens_per_s_protected",
+        "rollout_tokens_per_s_unprotected",
+        "protected_over_unprotected_tokens_per_s",
+        "goal_protected_over_unprotected_tokens_per_s",
+        "protected_tokens_per_s_over_goal",
+    } <= set(out)
+    assert out["rollout_tokens_per_s_protected"] > 0  # protection pauses rollout, never starves it
+    ratios = {k: out[k] for k in ("protected_p99_over_alone", "unprotected_p99_over_alone")}
+    assert ratios["protected_p99_over_alone"] < ratios["unprotected_p99_over_alone"], ratios
 
 
 def test_coelastic_bench_reports_every_figure(cfg):
@@ -99,13 +99,16 @@ def test_coelastic_bench_reports_every_figure(cfg):
         steps["leases"] == ft["warm"]["n"] + ft["cold"]["n"]
         and 0 < steps["p50_ms_median"] <= steps["p99_ms_median"] <= steps["p99_ms_max"]
     )
-    # pause within a decode step (goal p99 20 ms via Kafka), loosely: the worker sees its raised flag
-    # in p99 < 50 ms (~2 ms measured, also with the 2 cores loaded 7×); the whole path through Kafka
-    # and the executor in p50 < 250 ms, p99 < 2 s (22 ms p99 on a quiet machine; p50 60 ms and a
-    # starved executor's 0.47 s seen with the 2 cores shared)
+    # pause within a decode step (goal p99 20 ms via Kafka), as regression guards on coelastic-quick.json
+    # (load average 16-17 on the 2 cores): the worker sees its raised flag in p50 < 5x its 3.4 ms, p99
+    # < the older 50 ms (the committed run's p99, the worst of 8, was 81 ms: not loosened to it); the
+    # whole path through Kafka and the executor in p50 < the older 250 ms (4.7x its 53 ms), p99 < 5x
+    # its 318 ms
+    m = measured("coelastic-quick")
     flag, paused = out["throttle_flag_to_paused_ms"], out["throttle_to_paused_ms"]
-    assert flag["p99_ms"] < 50, flag
-    assert paused["p50_ms"] < 250 and paused["p99_ms"] < 2000, paused
+    m_flag, m_paused = m["throttle_flag_to_paused_ms"], m["throttle_to_paused_ms"]
+    assert flag["p50_ms"] < 5 * m_flag["p50_ms"] and flag["p99_ms"] < 50, (flag, m_flag)
+    assert paused["p50_ms"] < 250 and paused["p99_ms"] < 5 * m_paused["p99_ms"], (paused, m_paused)
     assert out["decode_steps_while_paused"] == 0
     w = out["wasted_tokens_per_revoke"]
     assert w["n"] > 0 and w["decoded_tokens"] > 0 and w["not_carried_tokens"] == 0
@@ -151,7 +154,11 @@ def test_soak_reports_measured_rates_and_pooled_decision_latency(cfg):
     assert until["n"] == lat["n"] and until["p99_ms"] <= lat["p99_ms"], (until, lat)
     assert f["decision_p99_ms_scheduler_histogram"] is not None
     assert f["decision_p99_vs_goal_ratio"] == round(lat["p99_ms"] / out["goal_decision_p99_ms"], 2)
-    assert lat["p99_ms"] < 3000, lat  # loose: ~150 ms measured on 2 cores, 0.87 s with them loaded 7×
+    # regression guards on soak-quick.json's fleet (1,000 GPUs and 2 executors, five times this one's
+    # events; load average 10-12 on the 2 cores): p50 < 2x its 673 ms, p99 < the older 3 s (1.9x its 1.55 s)
+    (m_fleet,) = measured("soak-quick")["fleets"]
+    m_lat = m_fleet["decision_latency_ms"]
+    assert lat["p50_ms"] < 2 * m_lat["p50_ms"] and lat["p99_ms"] < 3000, (lat, m_lat)
     assert f["lag_bounded"] and f["lag_seconds_second_half_mean"] < 5, f
     assert f["cpu_cores_mean"]["scheduler-0"] > 0 and f["cpu_cores_mean"]["executor-0"] > 0, f["cpu_cores_mean"]
     assert f["executor_cpu_ms_per_s_per_gpu"] == round(1000 * f["cpu_cores_mean"]["executor-0"] / 200, 3)
@@ -161,8 +168,10 @@ def test_soak_reports_measured_rates_and_pooled_decision_latency(cfg):
 
 def test_scheduler_scale_out_counts_the_work_of_every_instance(cfg):
     """Two scheduler processes in one group consume every event between them, each holding
-    partitions; the figure counts events after both joined. Loose guard: two instances are not
-    slower than half of one (the bench reports the speed-up; 2 cores cap it)."""
+    partitions; the figure counts events after both joined. Regression guards on scheduler-quick.json's
+    scale-out (200 GPUs x 100 ticks over 4 partitions; load average 12-15 on the 2 cores): one
+    instance consumes at more than a fifth of its 4,346 events/s, and two instances have more than
+    half its speed-up of 1.08 (2 cores cap it)."""
     from rose.bench.scheduler import _scale_out
 
     # seconds of work for one instance: the group's last rebalance round costs the first joiner
@@ -175,7 +184,9 @@ def test_scheduler_scale_out_counts_the_work_of_every_instance(cfg):
     assert len(two["events_per_instance"]) == 2 and min(two["events_per_instance"]) > 0, two
     assert sum(two["events_per_instance"]) >= gpus * ticks, two  # every event consumed by one of them
     assert two["events_measured"] > 0 and two["events_per_s"] > 0, two
-    assert two["speedup_vs_1"] > 0.5, out
+    m = measured("scheduler-quick")["scale_out"]["instances"]
+    assert one["events_per_s"] > m["1"]["events_per_s"] / 5, (one, m["1"])
+    assert two["speedup_vs_1"] > m["2"]["speedup_vs_1"] / 2, (out, m["2"])
 
 
 def test_scheduler_bench_names_each_missed_goal_with_what_holds_it_back():
