@@ -70,6 +70,9 @@ SHUTDOWN_KAFKA_S = 1.5  # each Kafka call of a shutdown (flush, commit, close): 
 COMMANDS_IN = metrics.counter("rose_executor_commands_total", "Commands for this node's GPUs, by kind")
 TRANSITIONS = metrics.counter("rose_executor_transitions_total", "Lease states published, by state")
 DLQ = metrics.counter("rose_executor_dlq_total", "Commands sent to the dead-letter topic")
+CLOCK_SKEW = metrics.counter(
+    "rose_executor_clock_skew_total", "Commands stamped further ahead of this clock than executor.max_clock_skew_s"
+)
 GUARD_TRIPS = metrics.counter("rose_executor_guard_trips_total", "Local guard pauses")
 KILLS = metrics.counter("rose_executor_worker_kills_total", "Workers killed at the revoke deadline")
 WORKERS = metrics.gauge("rose_executor_workers", "Rollout workers alive")
@@ -328,8 +331,16 @@ class Executor:
         if cmd.kind == "grant":
             self._grants[cmd.gpu] = (cmd.lease_id, carried_traceparent(m.headers()))
         ts_type, ts_ms = m.timestamp()
-        age = max(0.0, time.time() - ts_ms / 1000.0) if ts_ms and ts_ms > 0 else 0.0
-        self._apply(cmd.gpu, lm.Received(cmd, age_s=age), None)  # a child of the `process` span
+        age = time.time() - ts_ms / 1000.0 if ts_ms and ts_ms > 0 else 0.0
+        if -age > self.cfg.executor.max_clock_skew_s:  # transit only adds age: this clock is that far behind
+            CLOCK_SKEW.inc()
+            self.log.warning(
+                "executor.clock_skew",
+                gpu=cmd.gpu,
+                ahead_s=round(-age, 3),
+                max_clock_skew_s=self.cfg.executor.max_clock_skew_s,
+            )
+        self._apply(cmd.gpu, lm.Received(cmd, age_s=max(0.0, age)), None)  # a child of the `process` span
 
     def _dlq(self, m: Message, reason: str, field_: str) -> None:
         DLQ.inc()
