@@ -502,6 +502,30 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
         "fleets.0.decision_latency_ms.p99_ms",
         1,
     ),
+    # CPU interference, quick, under load
+    ("README.md", "load average {} falling to", CPU + "bench-interference-quick.json", "provenance.load_average.1m", 1),
+    (
+        "README.md",
+        "falling to {} from other work ([bench-interference-quick",
+        CPU + "bench-interference-quick.json",
+        "provenance.load_average_at_end.1m",
+        1,
+    ),
+    ("README.md", "the slowest (p99 {} ms)", CPU + "bench-interference-quick.json", "alone_ms.p99_ms", 1),
+    (
+        "README.md",
+        "its ratios, {}× beside unprotected",
+        CPU + "bench-interference-quick.json",
+        "unprotected_p99_over_alone",
+        1,
+    ),
+    (
+        "README.md",
+        "beside unprotected rollout and {}× protected",
+        CPU + "bench-interference-quick.json",
+        "protected_p99_over_alone",
+        1,
+    ),
     # the H200
     ("README.md", "the {} CUDA-marked tests of that day", H200 + "cuda-tests.xml", "tests", 1),
     ("README.md", "drained in p99 {} ms", H200 + "pause.json", "p99_ms", 1),
