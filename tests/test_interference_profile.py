@@ -71,7 +71,9 @@ def test_default_profile_is_the_file_generated_from_the_h200_bench():
     )
     assert p.points[1].rollout_fraction == bench["low_priority_share_1"]["rollout_over_alone"]
     assert dict(p.others)["same_process_priority"][0].share == 0.25
-    assert SimConfig().profile() is p
+    from rose.sim.interference import simulation_profile  # the simulator's: one mechanism's runs on both sides
+
+    assert SimConfig().profile() is simulation_profile() and simulation_profile().mechanism == p.mechanism
     assert SimConfig(alpha=0.3).profile().source == "linear alpha=0.3 (sweep)"
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import orjson
 import pytest
 
-from rose.sim.interference import default_profile, linear_profile
+from rose.sim.interference import default_profile, linear_profile, simulation_profile
 from rose.sim.paper_check import RATIO_GOAL, CheckConfig, Job, Results, plan, tables, targets
 from rose.sim.sim_config import SimConfig
 
@@ -39,15 +39,16 @@ def test_plan_sweeps_every_measured_mechanism_and_the_linear_rows():
         gm_sweep=(1, 2), elastic_caps=(0.25, 1.0),
     )  # fmt: skip
     jobs = plan(cc)
-    default = default_profile()
+    default = simulation_profile()  # serving's ratios and rollout's fractions from the same runs
     main = [j for j in jobs if j.kind == "main"]
     assert len(main) == 2 and all(j.sim.profile() == default and j.sim.alpha is None for j in main)
     assert default.mechanism == MAIN and {j.value for j in main} == {MAIN}
+    assert "separate_process" in default.source and "8b" in default.source
     swept = {j.value: j for j in jobs if j.kind == "profile"}
-    assert set(swept) == {OTHER, *(f"linear alpha {a:g}" for a in (0.1, 0.3, 0.9, 1.0, 3.157))}
-    other = swept[OTHER].sim.profile()
-    assert (other.mechanism, other.points) == (OTHER, dict(default.others)[OTHER])
-    assert "mechanisms.same_process_priority" in other.source
+    others = dict(default.others)  # the other mechanisms its file holds, each swept
+    assert set(swept) == {*others, *(f"linear alpha {a:g}" for a in (0.1, 0.3, 0.9, 1.0, 3.157))}
+    for name, points in others.items():
+        assert (swept[name].sim.profile().mechanism, swept[name].sim.profile().points) == (name, points)
     for a in (0.1, 0.3, 0.9, 1.0, 3.157):
         assert swept[f"linear alpha {a:g}"].sim.profile() == linear_profile(a)
     assert all(j.sim.policies == ("share-all", "rose") for j in swept.values())

@@ -11,7 +11,7 @@ import pytest
 
 from rose.config import PolicyConfig
 from rose.sim.engine import SimConfig, simulate
-from rose.sim.interference import InterferenceProfile, ProfilePoint
+from rose.sim.interference import InterferenceProfile, ProfilePoint, default_profile
 from rose.sim.report import GAP_TOLERANCE, across_seeds
 from rose.sim.runs import GAP_CAUSES, NO_LEASE_WHY, no_lease_why
 from rose.sim.traces import load_trace
@@ -43,7 +43,9 @@ def _closes(r: dict) -> dict:
     assert sum(g["no_lease_by_reason"].values()) == pytest.approx(g["no_lease"], abs=1e-5)
     assert sum(g["paused_by"].values()) == pytest.approx(g["paused"], abs=1e-5)
     pol = r["policies"]
-    episodes_gap = (pol["share-all"]["episodes"] - pol["rose"]["episodes"]) / g["share_all_harvested_episodes"]
+    episodes_gap = (pol["share-all"]["rollout_episodes"] - pol["rose"]["rollout_episodes"]) / g[
+        "share_all_harvested_episodes"
+    ]
     causes = sum(g[k] for k in GAP_CAUSES) - 2 * g["above_share_all"]
     assert episodes_gap == pytest.approx(causes + g["unfinished"] + g["residual"], abs=1e-4)
     return g
@@ -78,8 +80,9 @@ def test_a_lease_start_costs_rose_and_share_all_what_its_windows_would_have_done
     cold) ROSE harvests less than with starts under a second (the sourced wake-up, and cold
     starts set to 1 s) and the gap's `lease_start` part grows; with a start longer than the run
     neither harvests anything. The gap still adds up."""
-    base = _run(traces_dir, cold_start_s=1.0)
-    slow = _run(traces_dir, lease_start_s=20.0, cold_start_s=20.0)
+    gpu_bound = default_profile()  # the H200's GEMM profile: leases come and go, so starts weigh
+    base = _run(traces_dir, cold_start_s=1.0, interference=gpu_bound)
+    slow = _run(traces_dir, lease_start_s=20.0, cold_start_s=20.0, interference=gpu_bound)
     g0, g1 = _closes(base), _closes(slow)
     assert 0 < base["config"]["costs"]["lease_start_s"] < 1.0 and slow["config"]["costs"]["lease_start_s"] == 20.0
     for p in ("rose", "share-all"):
@@ -108,7 +111,8 @@ def test_the_default_lease_start_is_a_wake_up_of_the_weights_shard(traces_dir):
 def test_a_resume_cost_is_counted_as_paused(traces_dir):
     """A resume after a throttle or a guard pause costs its worker `resume_s` of decoding, which
     the gap books under `paused` (not under the lease's start)."""
-    quick, slow = _run(traces_dir, resume_s=0.0), _run(traces_dir, resume_s=5.0)
+    prof = default_profile()  # the H200's GEMM profile, under which leases are throttled and resumed
+    quick, slow = _run(traces_dir, resume_s=0.0, interference=prof), _run(traces_dir, resume_s=5.0, interference=prof)
     g0, g1 = _closes(quick), _closes(slow)
     if quick["policies"]["rose"]["throttles"] + quick["policies"]["rose"]["guard_pauses"] == 0:
         pytest.fail("the run resumed no lease: the test needs one that does")

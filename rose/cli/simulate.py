@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         interference_profile: Path = typer.Option(
             None,
             "--interference-profile",
-            help="A rose.interference_profile.v1 file (default: docs/measured/h200/interference-profile.json).",
+            help="A rose.interference_profile.v1 file (default: docs/measured/h200/interference-profile-8b-separate_process.json).",
         ),
         interference_bench: Path = typer.Option(
             None, "--interference-bench", help="`rose bench interference --json` output, read as a profile."
@@ -237,7 +237,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
             None,
             "--interference-profile",
             help="The main runs' rose.interference_profile.v1 file; each mechanism it holds is swept "
-            "(default: docs/measured/h200/interference-profile.json).",
+            "(default: docs/measured/h200/interference-profile-8b-separate_process.json).",
         ),
         alphas: str = typer.Option(
             "0.1,0.3,1.0", "--alphas", help="Linear-model alphas swept beside the measured profiles (comma list)."

@@ -28,7 +28,7 @@ import numpy as np
 from rose.config import PolicyConfig
 from rose.sim.interference import ProfileError, from_bench
 from rose.sim.ledger import Ledger
-from rose.sim.models import GpuSpec, cold_start_s, deployed, gpu_spec, model_size, wake_s, warm_build_s
+from rose.sim.models import GpuSpec, cold_start_s, deployed, gpu_spec, model_size, train_step_s, wake_s, warm_build_s
 from rose.sim.report import across_seeds, result_of
 from rose.sim.requests import (
     LONG_TRACE_S,
@@ -113,6 +113,9 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         warm_workers=cfg.warm_workers,
         cold_start_s=cfg.cold_start_s if cfg.cold_start_s is not None else cold_start_s(rollout.weights, gpu),
         warm_build_s=warm_build_s(rollout.weights),
+        train_step_s=cfg.train_step_s
+        if cfg.train_step_s is not None
+        else train_step_s(model, ep, gpu, cfg.train_gpus or M, cfg.train_mfu),
     )
 
     want = [p for p in POLICIES if p in cfg.policies]
@@ -140,6 +143,7 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
                 st = stats.get(p, stats.get("base"))
                 n_ok = _tally_slo(run, st, slo)
                 run.step(w, t1, st)
+                run.ledger.train(cfg.period_s)
                 if cfg.check_invariants:
                     check_invariants(run, st)
                 steps = run.ledger.steps()
@@ -178,7 +182,7 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         "trace_keep": round(stream.keep, 5),
     }
     # gain over the static pool: measured when static ran, else its (deterministic) rate
-    static = runs["static"].ledger.completed if "static" in runs else _static_episodes(ctx)
+    static = runs["static"].ledger.trained if "static" in runs else _static_episodes(ctx)
     out = result_of(trace, cfg, ctx, model, load, runs, static)
     out["wall_s"] = round(time.perf_counter() - t_wall, 3)
     return out
@@ -203,7 +207,9 @@ def check_config(cfg: SimConfig) -> None:
         raise ValueError(f"elastic_cap_frac must be >= 0, got {cfg.elastic_cap_frac}")
     if cfg.warm_workers < 0:
         raise ValueError(f"warm_workers must be >= 0, got {cfg.warm_workers}")
-    for name in ("lease_start_s", "resume_s", "elastic_provision_s", "cold_start_s"):
+    if cfg.train_gpus < 0 or not 0 < cfg.train_mfu <= 1:
+        raise ValueError(f"train_gpus must be >= 0 and train_mfu in (0, 1], got {cfg.train_gpus}, {cfg.train_mfu}")
+    for name in ("lease_start_s", "resume_s", "elastic_provision_s", "cold_start_s", "train_step_s"):
         v = getattr(cfg, name)
         if v is not None and not v >= 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
@@ -252,8 +258,9 @@ def check_invariants(run: Run, st) -> None:
     assert abs(led.produced - total) <= 1e-6 * max(1.0, led.produced), (
         f"work ledger: produced {led.produced} != completed+in flight+parked+recomputed {total}"
     )
-    consumed = led.steps() * c.ep.episodes_per_step
-    assert 0 <= led.completed - consumed < c.ep.episodes_per_step, "trainer consumed more than completed"
+    assert led.steps() * c.ep.episodes_per_step <= led.trained <= led.completed + 1e-9, (
+        "trainer consumed more than completed"
+    )
     if isinstance(run, RoseRun):
         pc = c.policy
         assert (run.share <= pc.max_compute_share + 1e-9).all() and (run.share >= 0).all(), "share out of bounds"
@@ -387,13 +394,15 @@ def auto_decide_every(n_gpus: int, n_win: int, period_s: float, pc: PolicyConfig
     return min(k, cap)
 
 
-def _static_episodes(ctx: RunContext) -> int:
-    """Episodes the static pool completes in the run (its ledger alone; no serving involved)."""
-    led = Ledger(ctx.ep)
+def _static_episodes(ctx: RunContext) -> float:
+    """Episodes the static pool's rollout gives the trainer in the run (its ledger alone; no
+    serving involved)."""
+    led = Ledger(ctx.ep, ctx.rollout.reprefill_units, ctx.train_step_s)
     w = np.zeros(1)
     for _ in range(ctx.n_win):
         led.progress(w, np.array([ctx.ded_fill]), np.array([ctx.ded_rate * ctx.dt]))
-    return led.completed
+        led.train(ctx.dt)
+    return led.trained
 
 
 def simulate_seeds(trace: Trace, cfg: SimConfig, seeds: int = 1) -> dict:

@@ -44,6 +44,10 @@ POINT_FIELDS = ("share", "serving_p99_ratio", "serving_mean_ratio", "rollout_fra
 REPO = Path(__file__).resolve().parents[2]
 H200_BENCH = REPO / "docs" / "measured" / "h200" / "interference.json"
 DEFAULT_PROFILE_PATH = REPO / "docs" / "measured" / "h200" / "interference-profile.json"
+# The simulator's default: serving's ratios and rollout's fractions from the same runs of the
+# executor's mechanism (real decode steps, 8B shape, rollout in its own process, every share):
+# docs/measured/h200/README.md "Real decode steps"
+SIM_PROFILE_PATH = REPO / "docs" / "measured" / "h200" / "interference-profile-8b-separate_process.json"
 LINEAR_SHARES = tuple(round(0.01 * i, 2) for i in range(1, 101))  # the grid a linear profile is drawn on
 
 
@@ -316,6 +320,13 @@ def measured_h200_profile() -> InterferenceProfile:
 def default_profile() -> InterferenceProfile:
     """docs/measured/h200/interference-profile.json: the executor's mechanism (separate_process) on an H200."""
     return read_profile(DEFAULT_PROFILE_PATH)
+
+
+@cache
+def simulation_profile() -> InterferenceProfile:
+    """`rose simulate`'s default: docs/measured/h200/interference-profile-8b-separate_process.json,
+    whose serving ratios and rollout fractions come from the same runs of one mechanism."""
+    return read_profile(SIM_PROFILE_PATH)
 
 
 @cache

@@ -18,8 +18,11 @@ from rose.sim.models import EpisodeModel
 class Ledger:
     """Episode work of one policy: produced = completed + in flight + parked + recomputed."""
 
-    def __init__(self, ep: EpisodeModel):
+    def __init__(self, ep: EpisodeModel, reprefill_units: float = 0.0, train_step_s: float = 0.0):
         self.ep = ep
+        self.train_step_s = train_step_s  # one RL step's training, s (0: the trainer keeps up with anything)
+        self.trained = 0.0  # completed episodes the trainer has consumed (fluid)
+        self.reprefill_units = reprefill_units  # work one continuation's re-prefill costs (RolloutModel)
         self.produced = 0.0
         self.completed = 0
         self.parked = 0.0
@@ -34,10 +37,13 @@ class Ledger:
         self.completed += int(done.sum())
 
     def park(self, w: np.ndarray, batch: np.ndarray) -> None:
-        """Slots ending: their episodes go back as continuations with the tokens generated so far
-        (the next slot re-prefills them), losing at most the decode step in flight: one token
-        of the `turns * gen_tokens` an episode generates, per running episode."""
-        lost = np.minimum(w, batch / float(self.ep.turns * self.ep.gen_tokens))
+        """Slots ending: their episodes go back as continuations with the tokens generated so far,
+        losing the decode step in flight (one token of the `turns * gen_tokens` an episode
+        generates, per running episode) and the re-prefill of each continuation's context by the
+        worker that resumes it (`reprefill_units` each; min(batch, 2 w) episodes, as staggered
+        episodes are half done on average); never more than the slot held."""
+        episodes = np.minimum(batch, 2.0 * w)
+        lost = np.minimum(w, batch / float(self.ep.turns * self.ep.gen_tokens) + episodes * self.reprefill_units)
         self.recomputed += float(lost.sum())
         self.parked += float((w - lost).sum())
         w[...] = 0.0
@@ -47,5 +53,15 @@ class Ledger:
         self.parked -= take
         return take
 
+    def train(self, dt: float) -> None:
+        """The trainer over `dt` s, beside rollout (the trainer's loop steps on what has arrived
+        while the workers keep rolling out: docs/simulator.md "Training"): it consumes completed
+        episodes at most at `episodes_per_step / train_step_s` a second."""
+        if self.train_step_s <= 0.0:
+            self.trained = float(self.completed)
+        else:
+            self.trained = min(float(self.completed), self.trained + dt * self.ep.episodes_per_step / self.train_step_s)
+
     def steps(self) -> int:
-        return self.completed // self.ep.episodes_per_step
+        """RL steps trained."""
+        return int(self.trained + 1e-9) // self.ep.episodes_per_step

@@ -169,6 +169,27 @@ def cold_start_s(weight_bytes_per_gpu: int, gpu: GpuSpec) -> float:
     return warm_build_s(weight_bytes_per_gpu) + wake_s(weight_bytes_per_gpu, gpu)
 
 
+# Training one RL step: a forward and a backward pass over every token of its episodes, 6 FLOPs
+# a parameter a token (Kaplan et al. 2020, "Scaling Laws for Neural Language Models": C ≈ 6N per
+# token), on `train_gpus` GPUs of the run's kind at TRAIN_MFU. 0.40: Llama 3's pre-training on
+# H100s ran at 38-43 % BF16 MFU (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4, 405B);
+# the same figure is applied to every size (an assumption for the smaller ones, swept). The
+# reference model's forward for a KL term (2N a token more) is not charged: the workers return
+# the sampling log-probabilities, and the KL term is optional in GRPO-style RL.
+TRAIN_MFU = 0.40
+TRAIN_SOURCE = (
+    "6 N FLOPs a token (Kaplan et al. 2020) over episodes_per_step × ctx_max tokens, at 0.40 MFU "
+    "(Llama 3 on H100, 38-43 %, Dubey et al. 2024) on train_gpus GPUs (assumption: as many as the dedicated pool)"
+)
+
+
+def train_step_s(model: ModelSize, ep: EpisodeModel, gpu: GpuSpec, train_gpus: int, mfu: float = TRAIN_MFU) -> float:
+    """Seconds one RL step trains: 6 × the model's parameters × the step's tokens (every token of
+    `episodes_per_step` episodes at their end context), over `train_gpus` GPUs at `mfu`."""
+    tokens = ep.episodes_per_step * ep.ctx_max
+    return 6.0 * model.flop_params * tokens / (max(1, train_gpus) * gpu.bf16_flops * mfu)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The serving engine's scheduler settings (vLLM names in comments)."""

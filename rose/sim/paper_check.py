@@ -25,12 +25,12 @@ from rose.config import PolicyConfig
 from rose.obs.stats import mean_ci95
 from rose.sim.engine import ALPHA_MEASURED, ALPHA_MEASURED_SOURCE, simulate
 from rose.sim.interference import (
-    DEFAULT_PROFILE_PATH,
     REPO,
+    SIM_PROFILE_PATH,
     InterferenceProfile,
-    default_profile,
     linear_profile,
     read_profile,
+    simulation_profile,
 )
 from rose.sim.report import VALID_STATIC_SLO, rose_vs_share_all
 from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S
@@ -56,7 +56,7 @@ CAUSES = (
     ("no_lease_by_reason", "cooldown", "cooldown", "the cooldown after a revoke policy.cooldown_s"),
     ("no_lease_by_reason", "memory", "memory", "the memory margin policy.mem_margin_frac"),
     ("no_lease_by_reason", "other", "no lease, other", "the grant streak policy.grant_streak and policy.max_pause_s"),
-    ("", "lease_start", "lease start", "the lease's start, a warm worker's wake-up (rose.sim.models.wake_s)"),
+    ("", "lease_start", "lease start", "the lease's start: a warm worker's wake-up, or a cold start (rose.sim.models)"),
     ("paused_by", "throttle", "paused (throttle)", "the latency pause policy.revoke_headroom"),
     ("paused_by", "guard", "paused (guard)", "the executors' guard"),
     ("", "share_cap", "share cap", "the share cap policy.max_compute_share"),
@@ -78,7 +78,7 @@ class CheckConfig:
     duration_s: float = 3600.0
     seeds: int = 3
     gpu: str = "H100"
-    # the main runs' interference profile ("": rose.sim.interference.default_profile); the profile
+    # the main runs' interference profile ("": rose.sim.interference.simulation_profile); the profile
     # sweep runs its mechanism, each other mechanism the file holds, and the linear model's alphas
     profile_file: str = ""
     alphas: tuple[float, ...] = (0.1, 0.3, 1.0)
@@ -109,7 +109,7 @@ class CheckConfig:
 
     def profile(self) -> InterferenceProfile:
         """The main runs' interference profile."""
-        return read_profile(Path(self.profile_file)) if self.profile_file else default_profile()
+        return read_profile(Path(self.profile_file)) if self.profile_file else simulation_profile()
 
 
 def model_cell(label: str, gpu: str) -> dict:
@@ -154,7 +154,7 @@ def sweep_profiles(cc: CheckConfig) -> dict[str, InterferenceProfile]:
     """The profile sweep by key: the main profile's mechanism, each other mechanism its file
     holds (measured on the same device), then the linear model at each alpha (`LINEAR` + alpha)."""
     main = cc.profile()
-    path = Path(cc.profile_file) if cc.profile_file else DEFAULT_PROFILE_PATH
+    path = Path(cc.profile_file) if cc.profile_file else SIM_PROFILE_PATH
     where = path.relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
     out = {main.mechanism: main}
     for name, points in main.others:

@@ -32,7 +32,7 @@ def result_of(
     model: ModelSize,
     load: dict,
     runs: dict[str, Run],
-    static_episodes: int,
+    static_episodes: float,
 ) -> dict:
     """The JSON-ready result of a run: per policy, its tallies (gain over `static_episodes`, the
     static pool's); the configuration with the load mapping's figures (`load`); the series."""
@@ -42,11 +42,14 @@ def result_of(
     for p, run in runs.items():
         led = run.ledger
         res = {
-            "episodes": led.completed,
-            "episodes_per_hour": round(led.completed / hours, 2),
+            # RL throughput: episodes the trainer consumed (rollout's completions, as far as
+            # training keeps up: docs/simulator.md "Training")
+            "episodes": round(led.trained, 3),
+            "episodes_per_hour": round(led.trained / hours, 2),
+            "rollout_episodes": led.completed,
             "rl_steps": led.steps(),
             "rl_steps_per_hour": round(led.steps() / hours, 3),
-            "gain_vs_static": round(led.completed / static_episodes, 4) if static_episodes > 0 else None,
+            "gain_vs_static": round(led.trained / static_episodes, 4) if static_episodes > 0 else None,
             "slo_attainment": round(run.slo_ok_gpu_windows / max(1, run.gpu_windows), 5),
             "slo_attainment_all_gpus": round(run.slo_ok_windows / max(1, run.windows), 5),
             "revokes": run.revokes,
@@ -59,8 +62,8 @@ def result_of(
                 "in_flight": round(run.in_flight(), 4),
                 "parked": round(led.parked, 4),
                 "recomputed": round(led.recomputed, 4),
-                "consumed": led.steps() * ep.episodes_per_step,
-                "buffered": led.completed - led.steps() * ep.episodes_per_step,
+                "consumed": round(led.trained, 3),
+                "buffered": round(led.completed - led.trained, 3),
             },
             "min_free_mem_bytes": run.min_free_bytes,
             "harvest_per_serving_gpu": (harvest := harvest_per_serving_gpu(run, ctx)),
@@ -145,7 +148,7 @@ def result_of(
 
 def start_costs(cfg: SimConfig, ctx: RunContext) -> dict:
     """The start costs the run used, each with its source."""
-    from rose.sim.models import COLD_SOURCE, RESUME_S, RESUME_SOURCE, WAKE_SOURCE
+    from rose.sim.models import COLD_SOURCE, RESUME_S, RESUME_SOURCE, TRAIN_SOURCE, WAKE_SOURCE
     from rose.sim.runs import ELASTIC_PROVISION_S
 
     return {
@@ -155,6 +158,9 @@ def start_costs(cfg: SimConfig, ctx: RunContext) -> dict:
         "cold_start_s": round(ctx.cold_start_s, 4),  # a lease that finds no ready warm worker on its node
         "cold_start_source": COLD_SOURCE if cfg.cold_start_s is None else "set (--cold-start-s)",
         "warm_build_s": round(ctx.warm_build_s, 4),  # a warm worker's replacement, launch to ready
+        "train_step_s": round(ctx.train_step_s, 4),  # one RL step's training, beside rollout
+        "train_step_source": TRAIN_SOURCE if cfg.train_step_s is None else "set (train_step_s)",
+        "train_gpus": cfg.train_gpus or ctx.M,
         "resume_s": ctx.resume_s,
         "resume_source": RESUME_SOURCE if cfg.resume_s == RESUME_S else "set (--resume-s)",
         "elastic_provision_s": ctx.elastic_provision_s,

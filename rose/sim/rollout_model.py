@@ -15,6 +15,8 @@ import numpy as np
 from rose.sim.models import EpisodeModel
 from rose.sim.serving_model import ServingSim
 
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+
 
 class RolloutModel:
     """Episode rate of a GPU running rollout, from the serving roofline at the rollout's TP.
@@ -34,6 +36,11 @@ class RolloutModel:
         self.kv_growth = (ep.ctx_max - ep.ctx_mean) * sim.kv  # one episode at its end, over the mean
         self.max_batch = ep.batch * self.tp
         self.rate_by_batch = np.array([self._rate(b) for b in range(self.max_batch + 1)]) / self.tp
+        # an episode's duration at each batch, s; re-prefilling one episode's mean context, s of
+        # the replica; one staggered episode's context, standard deviation (its stage uniform)
+        self.dur_by_batch = np.array([b / r if r > 0 else 0.0 for b, r in enumerate(self.rate_by_batch * self.tp)])
+        self.refill_s = ep.ctx_mean * sim.p_tok
+        self.ctx_sd = ep.turns * (ep.gen_tokens + ep.obs_tokens) / math.sqrt(12.0)
 
     def _rate(self, b: int) -> float:
         """Episodes/s of a replica running b episodes."""
@@ -60,8 +67,31 @@ class RolloutModel:
         return self.replica_batch(mem_bytes) / self.tp
 
     def rate(self, mem_bytes, share=1.0):
-        """Episodes/s per GPU with `mem_bytes` and compute `share` on each GPU of the replica."""
-        return self.rate_by_batch[self.replica_batch(mem_bytes)] * share
+        """Episodes/s per GPU with `mem_bytes` and compute `share` on each GPU of the replica: the
+        batch's rate, each turn of an episode slowed by the KV recompute it expects
+        (`overflow`: the chance its context is preempted, times its re-prefill)."""
+        b = self.replica_batch(mem_bytes)
+        dur = self.dur_by_batch[b]
+        extra = self.ep.turns * self.overflow(mem_bytes, b) * self.refill_s
+        slow = np.divide(dur, dur + extra, out=np.ones_like(dur, dtype=np.float64), where=dur > 0)
+        return self.rate_by_batch[b] * slow * share
+
+    def overflow(self, mem_bytes, b) -> np.ndarray:
+        """The chance that B staggered contexts need more KV than the replica's room holds, at a
+        turn's end (a normal approximation of their sum, B × ctx_mean ± sqrt(B) × ctx_sd): an
+        engine with paged KV then preempts a sequence and recomputes it later (vLLM's recompute
+        preemption), re-prefilling its context."""
+        room = (np.asarray(mem_bytes, dtype=np.float64) - self.weights - self.reserve) / self.sim.kv
+        b = np.asarray(b, dtype=np.float64)
+        z = (room - b * self.ep.ctx_mean) / np.maximum(np.sqrt(b) * self.ctx_sd, 1e-9)
+        return np.where(b > 0, 0.5 * np.asarray(_erfc(z / math.sqrt(2.0)), dtype=np.float64), 0.0)
+
+    @property
+    def reprefill_units(self) -> float:
+        """Episode work per GPU one continuation's re-prefill costs the worker that resumes it:
+        the replica's seconds re-prefilling its mean context, at the dedicated per-GPU rate × tp
+        (the work the replica would have done meanwhile, over its GPUs)."""
+        return self.refill_s * self.tp * self.dedicated_rate
 
     @property
     def min_lease_bytes(self) -> int:

@@ -74,6 +74,7 @@ class RunContext:
     warm_workers: int = 0  # ready warm workers each node's executor keeps (0: every start is cold)
     cold_start_s: float = 0.0  # a lease's worker from its start to decoding with no warm worker, s
     warm_build_s: float = 0.0  # a new warm worker from its launch to ready, s (the pool's refill)
+    train_step_s: float = 0.0  # one RL step's training, s (models.train_step_s)
 
     def rollout_rate(self, mem_bytes, share) -> np.ndarray:
         """Episodes/s per GPU of rollout with `mem_bytes` at compute `share` beside serving: its
@@ -93,7 +94,7 @@ class Run:
 
     def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None):
         self.name, self.ctx, self.sim = name, ctx, sim  # sim None: serving shared (no rollout on it)
-        self.ledger = Ledger(ctx.ep)
+        self.ledger = Ledger(ctx.ep, ctx.rollout.reprefill_units, ctx.train_step_s)
         self.ded_w = np.zeros(1)
         self.slo_ok_gpu_windows = self.gpu_windows = self.slo_ok_windows = self.windows = 0
         self.revokes = self.grants = self.expiries = self.guard_pauses = self.leases_unusable = 0

@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rose.config import ExecutorConfig, PolicyConfig
-from rose.sim.interference import InterferenceProfile, default_profile, linear_profile
-from rose.sim.models import RESUME_S, EngineConfig, EpisodeModel
+from rose.sim.interference import InterferenceProfile, linear_profile, simulation_profile
+from rose.sim.models import RESUME_S, TRAIN_MFU, EngineConfig, EpisodeModel
 from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S, POLICIES
 
 PERIOD_S = 0.5  # telemetry period (TelemetryConfig.period_s), one serving window
 DEFAULT_LOAD = 0.7  # fraction of a GPU's roofline capacity the trace's busiest minute uses
-# Interference: by default the measured profile (rose.sim.interference.default_profile: serving
-# beside rollout in a separate process on an H200). The linear model, serving's slowdown
+# Interference: by default the measured profile (rose.sim.interference.simulation_profile: serving
+# beside rollout in a separate process on an H200, both sides from the same runs). The linear model, serving's slowdown
 # 1 + alpha × share (capped at the time-slicing bound), is a labelled sweep option (`alpha`). Its
 # reference value is an assumption inside the range published GPU
 # co-location measurements span (docs/simulator.md "Interference: where alpha comes from"):
@@ -72,6 +72,11 @@ class SimConfig:
     # none ready starts cold (models.cold_start_s; None: the sourced model, a number overrides it)
     warm_workers: int = ExecutorConfig.warm_workers
     cold_start_s: float | None = None
+    # training (models.train_step_s): the trainer's GPUs (0: as many as the dedicated pool, an
+    # assumption) at train_mfu; train_step_s set: that many seconds a step (0: training is free)
+    train_gpus: int = 0
+    train_mfu: float = TRAIN_MFU
+    train_step_s: float | None = None
     # processes: 1 runs every policy in this one; 2 runs ROSE in a forked child beside the others
     # (the same results: the policies share nothing but the request stream, which each process
     # draws from the same seed); 0: 2 for large runs where that is possible (`auto_workers`)
@@ -83,7 +88,7 @@ class SimConfig:
             return self.interference
         if self.alpha is not None:
             return linear_profile(self.alpha)
-        return default_profile()
+        return simulation_profile()
 
     @property
     def pool(self) -> int:
