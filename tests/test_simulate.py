@@ -474,3 +474,19 @@ def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_pat
     again = _rose("paper-check", "--from-json", str(tmp_path / "pc.json"), "--out", str(tmp_path / "again.md"))
     assert again.returncode == 0, again.stderr  # the tables again from the record, nothing run
     assert (tmp_path / "again.md").read_text().strip() == text[text.index(BEGIN) : text.index(END) + len(END)]
+
+
+def test_the_assumptions_sweep_sets_one_constant_per_run_and_restores_it(traces_dir):
+    """`python -m rose.sim.sweep`: a module constant is set for its runs only (restored after),
+    only the constants asked for run, and less memory for share-all never raises its gain."""
+    from rose.sim import models, runs
+    from rose.sim.sweep import ASSUMPTIONS, markdown, sweep
+
+    tr = load_trace(traces_dir / "azure_llm2023_conv.csv")
+    base = SimConfig(n_gpus=8, duration_s=60, record_series=False, policies=("static", "share-all", "rose"))
+    res = sweep(tr, base, only="SHARE_ALL_MEM_FRAC")
+    assert runs.SHARE_ALL_MEM_FRAC == 0.5 and [r["constant"] for r in res["rows"]] == ["runs.SHARE_ALL_MEM_FRAC"]
+    row = res["rows"][0]
+    assert row["at_low"]["share_all_gain"] <= res["at_defaults"]["share_all_gain"]
+    assert "runs.SHARE_ALL_MEM_FRAC | 0.5 | 0.25 →" in markdown(res)
+    assert models.DISK_BYTES_PER_S == 2.0e9 and len({a[0] for a in ASSUMPTIONS}) == len(ASSUMPTIONS)
