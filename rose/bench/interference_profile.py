@@ -587,7 +587,9 @@ def write_profiles(result: dict, out: Path) -> dict[str, str]:
     return files
 
 
-def run(out: Path, shapes: tuple[str, ...] = CUDA_SHAPES, steps: int | None = None, max_launch_us: int = MAX_LAUNCH_US) -> dict:
+def run(
+    out: Path, shapes: tuple[str, ...] = CUDA_SHAPES, steps: int | None = None, max_launch_us: int = MAX_LAUNCH_US
+) -> dict:
     """The GPU check's part: each CUDA shape, each mechanism this machine has, profiles under `out`."""
     import torch
 
