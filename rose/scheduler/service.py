@@ -15,6 +15,8 @@ both, why the fold matters after a fault, rebalances and zombies: docs/scheduler
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -61,6 +63,8 @@ EVENTS_IN = metrics.counter("rose_scheduler_events_total", "Telemetry messages c
 COMMANDS_OUT = metrics.counter("rose_scheduler_commands_total", "Commands committed, by kind")
 DLQ = metrics.counter("rose_scheduler_dlq_total", "Messages sent to the dead-letter topic")
 IGNORED = metrics.counter("rose_scheduler_ignored_total", "Duplicate or out-of-order telemetry ignored")
+# fault injection, for the fault suite only: freeze inside the N-th transaction (`_freeze_fault`)
+FREEZE_FAULT_ENV = "ROSE_TEST_FREEZE_IN_TRANSACTION"
 ABORTS = metrics.counter("rose_scheduler_aborted_transactions_total", "Transactions aborted and retried")
 LATENCY = metrics.histogram(
     "rose_scheduler_decision_latency_seconds", "Telemetry produced (record timestamp) to command committed"
@@ -173,6 +177,8 @@ class Scheduler:
         self.group = f"{self.k.topic_prefix}{group}"
         self._command_partitions: int | None = None  # known after start(); names the partition on spans
         self._tally = _Tally()  # the open transaction attempt's records (`_Tally`)
+        freeze = os.environ.get(FREEZE_FAULT_ENV)
+        self._freeze_at: int | None = int(freeze) if freeze else None  # `_freeze_fault`
         self.tx = Transactor(self.producer, self.consumer, self.log, fatal=FatalSchedulerError)
         try:
             self.tx.init(init_timeout_s)
@@ -321,6 +327,21 @@ class Scheduler:
                 return 0
         return len(good)
 
+    def _freeze_fault(self) -> None:
+        """Fault injection for the zombie fault test (FREEZE_FAULT_ENV=N, off by default): in
+        the N-th transaction that produced a command, flush its records to the broker, log
+        `fault.frozen_in_transaction` and stop this process (SIGSTOP), so that it is frozen for
+        certain with its transaction open. A SIGCONT wakes it into the commit, as a zombie."""
+        if self._freeze_at is None or not self._tally.commands:
+            return
+        self._freeze_at -= 1
+        if self._freeze_at > 0:
+            return
+        self._freeze_at = None
+        self.producer.flush(10)
+        self.log.warning("fault.frozen_in_transaction", commands=sum(self._tally.commands.values()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+
     def _transact(self, msgs: list[Message], consumed_at: float) -> None:
         """Reconcile one batch: decide it (`_decide`: pure over an overlay of the views), have
         the transactor produce its commands, dlq records and changed views with its offsets in
@@ -336,6 +357,7 @@ class Scheduler:
             self._tally = _Tally()
             out = self._produce(batch, plans)
             processed_at = time.time()
+            self._freeze_fault()
             return out
 
         def aborted() -> None:

@@ -21,6 +21,7 @@ import pytest
 from rose.contract.wire import encode
 from rose.kafka.consumer import TopicPartition, make_consumer
 from rose.kafka.producer import make_producer, produce
+from rose.scheduler.service import FREEZE_FAULT_ENV
 from rose.sim.telemetry_workload import expected_commands, workload
 from tests.faults.system import log_records, wait_for
 from tests.kafka_checks import OpenTransactions, by_gpu, duplicate_ids, wait_for_commands
@@ -46,14 +47,17 @@ def test_zombie_scheduler_is_fenced(cfg, tmp_path):
             time.sleep(0.4)
 
     logs = {n: tmp_path / f"{n}.log" for n in ("a", "b")}
-    a, b = (start_scheduler(env, n, log) for n, log in logs.items())
+    # A stops itself (SIGSTOP) inside its third transaction that produced a command, once its
+    # records are on the broker: frozen with its transaction open, for certain
+    a = start_scheduler({**env, FREEZE_FAULT_ENV: "3"}, "a", logs["a"])
+    b = start_scheduler(env, "b", logs["b"])
     k = cfg.kafka
     open_tx = OpenTransactions(k, (k.commands_topic, k.topic("scheduler-state")), f"{k.topic_prefix}zombie-lso")
     feeder = threading.Thread(target=feed)
     try:
         wait_for(lambda: all(owned(log) for log in logs.values()), 90, "both schedulers in the group")
         feeder.start()
-        caught = freeze_in_transaction(a, open_tx, timeout=60)  # A freezes with its batch open
+        caught = frozen_in_transaction(a, logs["a"], open_tx)  # A froze itself with its batch open
         frozen_at = datetime.now(UTC)
         held_by_a = owned(logs["a"], until=frozen_at)
         # B gets A's partitions once A's group session times out
@@ -95,25 +99,19 @@ FENCED_EVENTS = ("group.rejoin", "scheduler.client_replaced")
 FENCED_ERRORS = ("UNKNOWN_MEMBER_ID", "ILLEGAL_GENERATION", "FENCED")
 
 
-def freeze_in_transaction(proc, open_tx: OpenTransactions, timeout: float) -> dict[tuple[str, int], int]:
-    """SIGSTOP `proc` while one of its transactions is open: freeze it whenever some output
-    partition has an open transaction, and keep it frozen once a range is still open at the
-    same LSO 2 s later (the other scheduler commits its own within milliseconds, so that one
-    is the frozen scheduler's). The first offset of that transaction per partition."""
+def frozen_in_transaction(proc, log: Path, open_tx: OpenTransactions) -> dict[tuple[str, int], int]:
+    """Wait until `proc` has stopped itself inside a transaction (FREEZE_FAULT_ENV), then the
+    first offset of its open transaction per partition: the ranges still open at the same LSO
+    2 s later (the other scheduler commits its own within milliseconds; the frozen one's stays
+    open until the broker aborts it at the transaction timeout, 10 s after it began)."""
     ps = psutil.Process(proc.pid)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not open_tx():
-            continue
-        proc.send_signal(signal.SIGSTOP)
-        wait_for(lambda: ps.status() == psutil.STATUS_STOPPED, 5, "the scheduler did not stop", every=0.001)
-        first = {tp: lso for tp, (lso, _) in open_tx().items()}
-        time.sleep(2.0)  # (a probe of how long a transaction stays open, not a wait for an event)
-        held = {tp: lso for tp, (lso, _) in open_tx().items() if first.get(tp) == lso}
-        if held:
-            return held
-        proc.send_signal(signal.SIGCONT)
-    raise AssertionError(f"no open transaction of the scheduler caught within {timeout:.0f}s")
+    wait_for(lambda: any(r.get("event") == "fault.frozen_in_transaction" for r in log_records(log)), 90, "A's freeze")
+    wait_for(lambda: ps.status() == psutil.STATUS_STOPPED, 10, "the scheduler did not stop", every=0.01)
+    first = {tp: lso for tp, (lso, _) in open_tx().items()}
+    time.sleep(2.0)  # (a probe of how long a transaction stays open, not a wait for an event)
+    held = {tp: lso for tp, (lso, _) in open_tx().items() if first.get(tp) == lso}
+    assert held, f"A froze inside a transaction, yet no range stayed open: {first}"
+    return held
 
 
 def first_committed(cfg, tp: tuple[str, int], offset: int) -> int | None:
