@@ -132,9 +132,12 @@ def _paths(d, prefix=()):
             yield from _paths(v, prefix + (k,))
 
 
-# every example, plus telemetry carrying the optional kv_cache_usage (so that field is mutated too)
+# every example, plus events carrying the optional fields (so those fields are mutated too)
 MUTATED = [(name, typ, EXAMPLES[typ]) for name, typ in TYPES.items()] + [
-    ("rose.telemetry.v1", Telemetry, lambda: telemetry_example(kv_cache_usage=0.42))
+    ("rose.telemetry.v1", Telemetry, lambda: telemetry_example(kv_cache_usage=0.42)),
+    ("rose.telemetry.v1", Telemetry, lambda: telemetry_example(replica="node-1/r0", serving_state="lent")),
+    ("rose.command.v1", Command, lambda: command_example(lease_kind="replica", group_id="node-1/r0#2", group_size=2)),
+    ("rose.lease_state.v1", LeaseState, lambda: lease_state_example(state="draining")),
 ]
 
 
@@ -289,6 +292,37 @@ def test_kv_cache_usage_is_optional_and_round_trips():
         assert _telemetry_fast(d) == Telemetry.checked(d) == ev
         assert list(orjson.loads(encode(ev)))[-1] == "kv_cache_usage"
         assert decode(encode(ev)) == ev
+
+
+def test_replica_fields_are_optional_and_round_trip():
+    """v1.3's replica, serving_state (telemetry) and lease_kind (command): at their defaults they
+    stay off the wire (a v1.2 event's bytes are unchanged); set, they round-trip through both
+    telemetry decoding paths; a bad value is rejected naming the field."""
+    from rose.contract.events import _telemetry_fast
+
+    old = encode(telemetry_example())
+    assert b"replica" not in old and b"serving_state" not in old
+    ev = decode(old, Telemetry)
+    assert (ev.replica, ev.serving_state, ev.replica_id) == ("", "serving", ev.gpu)
+    for state in ("serving", "draining", "lent", "reclaiming"):
+        d = {**orjson.loads(old), "replica": "node-1/r0", "serving_state": state}
+        jsonschema.validate(d, load("rose.telemetry.v1"))
+        ev = decode(orjson.dumps(d), Telemetry)
+        assert (ev.replica_id, ev.serving_state) == ("node-1/r0", state)
+        assert _telemetry_fast(d) == Telemetry.checked(d) == ev and decode(encode(ev)) == ev
+    with pytest.raises(InvalidEvent, match="serving_state"):
+        decode(orjson.dumps({**orjson.loads(old), "serving_state": "asleep"}))
+    with pytest.raises(InvalidEvent, match="replica"):
+        decode(orjson.dumps({**orjson.loads(old), "replica": ""}))
+    plain = encode(command_example())
+    assert b"lease_kind" not in plain and decode(plain, Command).lease_kind == "coresident"
+    assert encode(command_example(lease_kind="coresident")) == plain
+    lent = command_example(lease_kind="replica")
+    assert orjson.loads(encode(lent))["lease_kind"] == "replica" and decode(encode(lent)) == lent
+    with pytest.raises(InvalidEvent, match="lease_kind"):
+        decode(orjson.dumps({**orjson.loads(plain), "lease_kind": "whole"}))
+    for state in ("draining", "reclaiming"):
+        assert decode(encode(lease_state_example(state=state))).state == state
 
 
 def test_bad_kv_cache_usage_is_rejected_naming_the_field():

@@ -21,7 +21,13 @@ LEASE_STATE_SCHEMA = "rose.lease_state.v1"
 COMMAND_KINDS = ("grant", "renew", "throttle", "revoke")  # throttle: v1.1
 # the kinds that state a live lease: its compute share and a new expiry (a throttle renews too, §2.2)
 LEASE_SETTING_KINDS = ("grant", "renew", "throttle")
-LEASE_STATES = ("active", "paused", "revoking", "revoked", "expired", "rejected")  # paused: v1.1
+# paused: v1.1; draining, reclaiming: v1.3 (a replica lease leaving and re-entering its router, §7)
+LEASE_STATES = ("active", "paused", "revoking", "revoked", "expired", "rejected", "draining", "reclaiming")
+# v1.3 (§7): what a serving replica is doing; absent on the wire = "serving"
+SERVING_STATES = ("serving", "draining", "lent", "reclaiming")
+# v1.3 (§7): a co-resident lease shares a GPU with a serving engine; a replica lease takes a whole
+# replica out of its router; absent on the wire = "coresident"
+LEASE_KINDS = ("coresident", "replica")
 
 MAX_ID_LEN = 256
 MAX_REASON_LEN = 1024
@@ -139,6 +145,10 @@ class Telemetry:
     # optional: the serving engine's KV-cache usage 0..1 (e.g. vllm:kv_cache_usage_perc); None when
     # the engine does not report it, and then absent on the wire (the event's bytes are v1's)
     kv_cache_usage: float | None = None
+    # optional, v1.3 (§7): the serving replica this GPU belongs to ("" = the GPU itself, and then
+    # absent on the wire) and what that replica is doing ("serving", and then absent on the wire)
+    replica: str = ""
+    serving_state: str = "serving"
 
     schema: ClassVar[str] = TELEMETRY_SCHEMA
 
@@ -146,10 +156,19 @@ class Telemetry:
     def key(self) -> str:
         return self.gpu
 
+    @property
+    def replica_id(self) -> str:
+        """The replica this GPU serves in: a GPU that names none is a replica of its own."""
+        return self.replica or self.gpu
+
     def to_dict(self) -> dict:
         d = _plain(self, TELEMETRY_SCHEMA)
         if self.kv_cache_usage is None:
             del d["kv_cache_usage"]
+        if not self.replica:  # a v1.2 event's bytes stay what they were
+            del d["replica"]
+        if self.serving_state == "serving":
+            del d["serving_state"]
         return d
 
     @classmethod
@@ -184,7 +203,16 @@ class Telemetry:
             rps=_num(d, "rps", 0.0, MAX_RPS),
             queue_depth=_int(d, "queue_depth", 0, MAX_QUEUE),
             kv_cache_usage=_num(d, "kv_cache_usage", 0.0, 1.0) if "kv_cache_usage" in d else None,
+            replica=_str(d, "replica") if "replica" in d else "",
+            serving_state=_enum(d, "serving_state", SERVING_STATES) if "serving_state" in d else "serving",
         )
+
+
+def _enum(d: dict, key: str, allowed: tuple[str, ...]) -> str:
+    v = _str(d, key)
+    if v not in allowed:
+        raise InvalidEvent(key, f"expected one of {allowed}, got {v!r}")
+    return v
 
 
 _NUMBER = (float, int)  # exact types: bool is neither
@@ -221,6 +249,11 @@ def _telemetry_fast(d: Any) -> Telemetry | None:
         if type(kv) not in _NUMBER or not 0.0 <= kv <= 1.0:
             return None
         kv = float(kv)
+    replica, serving_state = d.get("replica", ""), d.get("serving_state", "serving")
+    if "replica" in d and (type(replica) is not str or not 0 < len(replica) <= MAX_ID_LEN):
+        return None
+    if serving_state not in SERVING_STATES:  # also any non-string: the full checks name it
+        return None
     for v in (eid, node, gpu, pool):
         if type(v) is not str or not 0 < len(v) <= MAX_ID_LEN:
             return None
@@ -263,6 +296,8 @@ def _telemetry_fast(d: Any) -> Telemetry | None:
         float(rps),
         queue,
         kv,
+        replica,
+        serving_state,
     )
 
 
@@ -285,6 +320,9 @@ class Command:
     # tensor-parallel worker; "" and 0 on a lease of one GPU, and then absent on the wire
     group_id: str = ""
     group_size: int = 0
+    # v1.3 (§7): "replica" lends a whole serving replica; "coresident" (the default, and then
+    # absent on the wire) is every lease before it
+    lease_kind: str = "coresident"
 
     schema: ClassVar[str] = COMMAND_SCHEMA
 
@@ -296,6 +334,8 @@ class Command:
         d = _plain(self, COMMAND_SCHEMA)
         if not self.group_id:  # a v1 command's bytes stay what they were
             del d["group_id"], d["group_size"]
+        if self.lease_kind == "coresident":  # so do a v1.2 command's
+            del d["lease_kind"]
         return d
 
     @classmethod
@@ -303,9 +343,7 @@ class Command:
         if not isinstance(d, dict):
             raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
         _schema(d, COMMAND_SCHEMA)
-        kind = _str(d, "kind")
-        if kind not in COMMAND_KINDS:
-            raise InvalidEvent("kind", f"expected one of {COMMAND_KINDS}, got {kind!r}")
+        kind = _enum(d, "kind", COMMAND_KINDS)
         return cls(
             command_id=_str(d, "command_id"),
             ts=_num(d, "ts", 0.0, MAX_TS),
@@ -319,6 +357,7 @@ class Command:
             reason=_str(d, "reason", MAX_REASON_LEN),
             cause_event_id=_str(d, "cause_event_id"),
             **_group(d),
+            lease_kind=_enum(d, "lease_kind", LEASE_KINDS) if "lease_kind" in d else "coresident",
         )
 
 
@@ -358,9 +397,7 @@ class LeaseState:
         if not isinstance(d, dict):
             raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
         _schema(d, LEASE_STATE_SCHEMA)
-        state = _str(d, "state")
-        if state not in LEASE_STATES:
-            raise InvalidEvent("state", f"expected one of {LEASE_STATES}, got {state!r}")
+        state = _enum(d, "state", LEASE_STATES)
         return cls(
             gpu=_str(d, "gpu"),
             lease_id=_str(d, "lease_id"),
