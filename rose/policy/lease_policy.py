@@ -123,6 +123,7 @@ def lease_command(
     reason: str,
     group_id: str = "",
     group_size: int = 0,
+    lease_kind: str = "coresident",
 ) -> Command:
     """A command about lease `lease_id` (epoch `epoch`) of `gpu`, decided on telemetry `cause`:
     its time is the event's, its id a hash of the cause (`command_id`)."""
@@ -140,6 +141,7 @@ def lease_command(
         cause_event_id=cause.event_id,
         group_id=group_id,
         group_size=group_size,
+        lease_kind=lease_kind,
     )
 
 

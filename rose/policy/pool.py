@@ -1,0 +1,297 @@
+"""The pool decision (docs/contract.md §9): how many replicas of a pool stay serving, which
+replicas a replica lease may take, which lent replicas come back, and per replica which kind of
+lease (replica, co-resident or none).
+
+Pure like `decide()`: no I/O, no clock, no randomness. Time is the newest telemetry event's `ts`,
+command ids are hashes of their cause (`lease_policy.command_id`), and every choice among
+replicas is by sorted replica id, so the same telemetry and config always give byte-identical
+commands. The design (forecast, capacity, reclaim order) is docs/policy.md "Pool decisions";
+how a scheduler instance comes to hold a whole pool's telemetry is docs/scheduler.md "Pool
+decisions and partitioning".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from rose.config import PolicyConfig
+from rose.contract.events import Command, Telemetry
+from rose.contract.immutable import immutable
+from rose.policy.lease_policy import lease_command, lease_id_for, memory_margin
+
+FORECASTS = ("last", "peak", "peak_trend")  # "last" is the evaluation's baseline, not a product choice
+LEASE_NONE, LEASE_REPLICA, LEASE_CORESIDENT = "none", "replica", "coresident"
+
+
+@immutable
+class PoolConfig:
+    """One pool's settings (`policy.pools.<pool>`). The reclaim horizon is the time from the load
+    rising to a lent replica serving again; each term's source is in docs/policy.md."""
+
+    # requests/s one replica serves within its SLO; 0: estimated from the pool's own telemetry
+    # (the highest rps a serving replica showed with the grant headroom on every SLO metric)
+    replica_capacity_rps: float = 0.0
+    headroom: float = 0.30  # as PolicyConfig.grant_headroom: the kept capacity is forecast × (1 + this)
+    decision_latency_s: float = 1.0  # telemetry period 0.5 s + the scheduler's batch and transaction
+    stop_rollout_s: float = 2.0  # executor.revoke_deadline_s: rollout is gone (or killed) by then
+    wake_s: float = 0.4  # vLLM level-1 wake: 0.1 s + 16 GB (8B, bf16) / 55.3 GB/s host->device
+    readmit_s: float = 1.0  # health check and router add (assumption until `rose bench replica`)
+    forecast: str = "peak"  # one of FORECASTS (docs/policy.md: the traces' evidence)
+    window_s: float = 300.0  # the forecast's look-back; never shorter than the horizon
+    bin_s: float = 5.0  # load is summed over replicas per bin of this length
+
+    @property
+    def horizon_s(self) -> float:
+        return self.decision_latency_s + self.stop_rollout_s + self.wake_s + self.readmit_s
+
+
+def check_pool_config(name: str, c: PoolConfig) -> None:
+    """ValueError with one line naming the setting and what to do."""
+    where = f"policy.pools.{name}"
+    if c.forecast not in FORECASTS:
+        raise ValueError(f"{where}.forecast: {c.forecast!r} is not one of {FORECASTS}")
+    if not c.replica_capacity_rps >= 0:
+        raise ValueError(f"{where}.replica_capacity_rps: {c.replica_capacity_rps} must be ≥ 0 (0: estimate)")
+    if not c.headroom >= 0:
+        raise ValueError(f"{where}.headroom: {c.headroom} must be ≥ 0")
+    if not c.bin_s > 0:
+        raise ValueError(f"{where}.bin_s: {c.bin_s} must be > 0")
+    if not c.window_s >= c.horizon_s:
+        raise ValueError(f"{where}.window_s: {c.window_s} s is shorter than the reclaim horizon {c.horizon_s} s")
+
+
+# ---------------------------------------------------------------- forecasts (the evaluation runs these too)
+
+
+def forecast_rps(kind: str, load: tuple[float, ...], bin_s: float, horizon_s: float) -> float:
+    """The pool's load (requests/s) to provision for over the next `horizon_s`, from its load per
+    bin over the window (oldest first): the newest bin, the window's peak, or the peak plus the
+    window's rising linear trend (least squares) carried over the horizon."""
+    if not load:
+        return 0.0
+    if kind == "last":
+        return load[-1]
+    peak = max(load)
+    if kind == "peak":
+        return peak
+    if kind == "peak_trend":
+        return peak + max(0.0, _slope(load, bin_s)) * horizon_s
+    raise ValueError(f"forecast {kind!r} is not one of {FORECASTS}")
+
+
+def _slope(load: tuple[float, ...], bin_s: float) -> float:
+    """Least-squares slope of the load per second."""
+    n = len(load)
+    if n < 2:
+        return 0.0
+    mean_t, mean_y = (n - 1) / 2, sum(load) / n
+    cov = sum((i - mean_t) * (y - mean_y) for i, y in enumerate(load))
+    var = sum((i - mean_t) ** 2 for i in range(n))
+    return cov / var / bin_s
+
+
+def replicas_needed(forecast: float, capacity_rps: float, headroom: float) -> int:
+    """ceil(forecast × (1 + headroom) / capacity), at least 1."""
+    return max(1, math.ceil(forecast * (1.0 + headroom) / capacity_rps - 1e-9))
+
+
+# ---------------------------------------------------------------- the pool's view of its telemetry
+
+
+@immutable
+class Replica:
+    """One replica as its newest telemetry shows it."""
+
+    replica: str
+    serving_state: str
+    rps: float
+    gpus: tuple[str, ...]  # sorted
+    mem_total_bytes: tuple[int, ...]  # per GPU, as `gpus`
+
+
+@immutable
+class PoolView:
+    """A pool's recent telemetry reduced to what the decision reads."""
+
+    pool: str
+    now: float  # the newest event's ts
+    cause_event_id: str  # the newest event: the cause of every command of this decision
+    replicas: tuple[Replica, ...]  # sorted by id
+    load: tuple[float, ...]  # requests/s summed over replicas, per bin, oldest first
+    observed_capacity_rps: float  # highest replica rps with the headroom on every metric; 0: none
+
+
+def pool_view(events: Iterable[Telemetry], cfg: PoolConfig) -> PoolView | None:
+    """The view of one pool's events (any order) over `cfg.window_s` before the newest; None
+    without events. A replica's rps in a bin is the highest its GPUs reported (the GPUs of a
+    tensor-parallel replica serve the same requests); a bin without its telemetry carries its
+    previous value (a missing sample is not a quiet replica); bins before the first sample of any
+    replica are left out (no history is not zero load)."""
+    evs = sorted(events, key=lambda e: (e.ts, e.event_id))
+    if not evs:
+        return None
+    newest = evs[-1]
+    now, start = newest.ts, newest.ts - cfg.window_s
+    nbins = max(1, math.ceil(cfg.window_s / cfg.bin_s - 1e-9))
+    per: dict[str, list[float | None]] = {}
+    latest: dict[str, Telemetry] = {}
+    gpus: dict[str, dict[str, int]] = {}
+    observed = 0.0
+    for e in evs:
+        if e.ts <= start and e.ts != now:
+            continue
+        rid = e.replica_id
+        latest[rid] = e
+        gpus.setdefault(rid, {})[e.gpu] = e.mem_total_bytes
+        k = min(nbins - 1, max(0, nbins - 1 - int((now - e.ts) / cfg.bin_s)))
+        row = per.setdefault(rid, [None] * nbins)
+        prev = row[k]
+        row[k] = e.rps if prev is None else max(prev, e.rps)
+        if e.serving_state == "serving" and _has_headroom(e, cfg.headroom):
+            observed = max(observed, e.rps)
+    first = min(next(k for k, v in enumerate(row) if v is not None) for row in per.values())
+    load = [0.0] * nbins
+    for row in per.values():
+        carried = 0.0
+        for k, v in enumerate(row):
+            carried = carried if v is None else v
+            load[k] += carried
+    reps = tuple(_replica(latest[rid], gpus[rid]) for rid in sorted(latest))
+    return PoolView(newest.pool, now, newest.event_id, reps, tuple(load[first:]), observed)
+
+
+def _replica(newest: Telemetry, gpus: dict[str, int]) -> Replica:
+    ids = tuple(sorted(gpus))
+    return Replica(newest.replica_id, newest.serving_state, newest.rps, ids, tuple(gpus[g] for g in ids))
+
+
+def _has_headroom(e: Telemetry, headroom: float) -> bool:
+    lat, slo = e.latency_ms, e.slo_ms
+    return lat.ttft_p99 <= (1 - headroom) * slo.ttft_p99 and lat.tpot_p99 <= (1 - headroom) * slo.tpot_p99
+
+
+# ---------------------------------------------------------------- the decision
+
+
+@immutable
+class PoolDecision:
+    """How many replicas stay serving and which replicas move; `explain()` for --explain."""
+
+    pool: str
+    ts: float
+    cause_event_id: str
+    forecast: str
+    forecast_rps: float
+    horizon_s: float
+    capacity_rps: float  # 0: no capacity figure, nothing is lent
+    capacity_source: str  # "config" | "estimated" | "none"
+    needed: int
+    keep: tuple[str, ...]  # serving (or reclaiming: back within the horizon) and staying so
+    lend: tuple[str, ...]  # serving replicas a replica lease may take
+    reclaim: tuple[str, ...]  # draining or lent replicas to bring back, in reclaim order
+
+    def explain(self) -> str:
+        cap = f"{self.capacity_rps:.3f} rps/replica ({self.capacity_source})" if self.capacity_rps else "none"
+        return (
+            f"pool {self.pool}: forecast {self.forecast} {self.forecast_rps:.3f} rps over {self.horizon_s:.1f} s, "
+            f"capacity {cap}, need {self.needed}; keep [{', '.join(self.keep)}] "
+            f"lend [{', '.join(self.lend)}] reclaim [{', '.join(self.reclaim)}]"
+        )
+
+
+def decide_pool(view: PoolView, cfg: PoolConfig) -> PoolDecision:
+    """Keep `replicas_needed` replicas serving: lend the surplus (never the last serving replica),
+    or reclaim the deficit (draining replicas first: their engines are still awake; then lent
+    ones). Replicas are chosen by id: the lowest ids stay serving, so successive decisions move
+    the same replicas and replay picks the same ones."""
+    f = forecast_rps(cfg.forecast, view.load, cfg.bin_s, cfg.horizon_s)
+    if cfg.replica_capacity_rps > 0:
+        cap, source = cfg.replica_capacity_rps, "config"
+    elif view.observed_capacity_rps > 0:
+        cap, source = view.observed_capacity_rps, "estimated"
+    else:
+        cap, source = 0.0, "none"
+    by_state: dict[str, list[str]] = {}
+    for r in view.replicas:
+        by_state.setdefault(r.serving_state, []).append(r.replica)
+    serving, back = by_state.get("serving", []), by_state.get("reclaiming", [])
+    out = by_state.get("draining", []) + by_state.get("lent", [])
+    needed = replicas_needed(f, cap, cfg.headroom) if cap else len(view.replicas)
+    lend: list[str] = []
+    reclaim: list[str] = []
+    surplus = len(serving) + len(back) - needed
+    if surplus > 0:
+        lend = serving[len(serving) - min(surplus, len(serving) - 1) :] if len(serving) > 1 else []
+    elif surplus < 0:
+        reclaim = out[:-surplus]
+    keep = tuple(r for r in serving + back if r not in lend) + tuple(reclaim)
+    return PoolDecision(
+        view.pool, view.now, view.cause_event_id, cfg.forecast, f, cfg.horizon_s, cap, source, needed,
+        tuple(sorted(keep)), tuple(lend), tuple(reclaim),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- per replica: which kind of lease
+
+
+def lease_kinds(decision: PoolDecision, coresident_ok: Mapping[str, bool]) -> dict[str, str]:
+    """Per replica of the decision's kept and lent sets: a replica lease where the pool can spare
+    the replica, else a co-resident lease where the co-resident rule (`decide()`'s prediction)
+    grants headroom on every GPU of the replica, else none."""
+    kinds = {r: LEASE_REPLICA for r in decision.lend}
+    for r in decision.keep:
+        kinds[r] = LEASE_CORESIDENT if coresident_ok.get(r, False) else LEASE_NONE
+    return kinds
+
+
+# ---------------------------------------------------------------- commands
+
+
+@immutable
+class ReplicaLease:
+    """A live replica lease on one GPU, as the scheduler's view holds it."""
+
+    gpu: str
+    lease_id: str
+    epoch: int
+
+
+def replica_commands(
+    decision: PoolDecision,
+    view: PoolView,
+    cause: Telemetry,
+    epochs: Mapping[str, int],
+    leases: Mapping[str, ReplicaLease],
+    policy: PolicyConfig,
+) -> tuple[Command, ...]:
+    """The commands of a decision, on its cause event (`cause.event_id == decision.cause_event_id`):
+    per lent replica, one grant per GPU (a gang: `group_id` `{replica}#{epoch}`, compute share 1,
+    memory the whole GPU less the margin: the executor caps it to what the sleeping engine frees);
+    per reclaimed replica, a revoke of each GPU's live lease. `epochs` is each GPU's last epoch."""
+    by_id = {r.replica: r for r in view.replicas}
+    out: list[Command] = []
+    for rid in decision.lend:
+        gpus = by_id[rid].gpus
+        epoch = max(epochs.get(g, 0) for g in gpus) + 1  # one epoch for the gang: above every member's
+        for g, total in zip(gpus, by_id[rid].mem_total_bytes, strict=True):
+            out.append(
+                lease_command(
+                    cause, "grant", g, lease_id_for(g, epoch), epoch,
+                    mem_bytes=total - memory_margin(total, policy), compute_share=1.0,
+                    expires_at=cause.ts + policy.ttl_s, reason=f"replica lease: {decision.explain()}",
+                    group_id=f"{rid}#{epoch}", group_size=len(gpus), lease_kind=LEASE_REPLICA,
+                )
+            )  # fmt: skip
+    for rid in decision.reclaim:
+        for g in by_id[rid].gpus:
+            lease = leases.get(g)
+            if lease is None:
+                continue  # nothing live here: the executor readmits a replica with no lease (fail-safe)
+            out.append(
+                lease_command(
+                    cause, "revoke", g, lease.lease_id, lease.epoch, mem_bytes=0, compute_share=0.0,
+                    expires_at=cause.ts, reason=f"reclaim: {decision.explain()}", lease_kind=LEASE_REPLICA,
+                )
+            )  # fmt: skip
+    return tuple(out)

@@ -1,0 +1,207 @@
+"""The pool decision (rose.policy.pool): properties over generated pools, and the forecast on a
+synthetic trough and a ramp."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rose.config import PolicyConfig
+from rose.contract.events import Command
+from rose.contract.wire import decode, encode
+from rose.policy.pool import (
+    FORECASTS,
+    LEASE_CORESIDENT,
+    LEASE_NONE,
+    LEASE_REPLICA,
+    PoolConfig,
+    ReplicaLease,
+    decide_pool,
+    forecast_rps,
+    lease_kinds,
+    pool_view,
+    replica_commands,
+    replicas_needed,
+)
+from rose.policy.replay import encode_commands
+from tests.examples import telemetry_example
+
+T0 = 1_700_000_000.0
+STATES = ("serving", "serving", "serving", "draining", "lent", "reclaiming")
+
+
+def events_of(pool):
+    """Telemetry of a generated pool: per replica (state, gpus, rps per sample), one event per GPU
+    per sample, 5 s apart."""
+    out = []
+    for i, (state, ngpu, series) in enumerate(pool):
+        for k, rps in enumerate(series):
+            for g in range(ngpu):
+                out.append(
+                    telemetry_example(
+                        event_id=f"r{i}g{g}s{k}",
+                        ts=T0 + 5.0 * k + 0.01 * g,
+                        node=f"node-{i}",
+                        gpu=f"node-{i}/{g}",
+                        replica=f"r{i}",
+                        serving_state=state,
+                        rps=rps,
+                    )
+                )
+    return out
+
+
+pools = st.lists(
+    st.tuples(
+        st.sampled_from(STATES),
+        st.integers(1, 2),
+        st.lists(st.floats(0, 50, allow_nan=False), min_size=1, max_size=8),
+    ),
+    min_size=1,
+    max_size=6,
+)
+configs = st.builds(
+    PoolConfig,
+    replica_capacity_rps=st.floats(0.5, 40, allow_nan=False),
+    forecast=st.sampled_from(FORECASTS),
+    window_s=st.sampled_from((10.0, 30.0, 60.0)),
+)
+
+
+def decide(pool, cfg):
+    view = pool_view(events_of(pool), cfg)
+    assert view is not None
+    return view, decide_pool(view, cfg)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pool=pools, cfg=configs)
+def test_never_fewer_serving_than_the_forecast_needs_and_never_the_last(pool, cfg):
+    view, d = decide(pool, cfg)
+    needed = replicas_needed(
+        forecast_rps(cfg.forecast, view.load, cfg.bin_s, cfg.horizon_s), cfg.replica_capacity_rps, cfg.headroom
+    )
+    assert d.needed == needed >= 1
+    states = {r.replica: r.serving_state for r in view.replicas}
+    serving = [r for r, s in states.items() if s == "serving"]
+    assert len(d.keep) >= min(needed, len(view.replicas))  # kept or coming back within the horizon
+    assert set(d.lend) <= set(serving) and set(d.reclaim) <= {r for r, s in states.items() if s in ("draining", "lent")}
+    if serving:
+        assert len(set(serving) - set(d.lend)) >= 1  # the last serving replica is never lent
+    assert not (d.lend and d.reclaim)
+    if d.lend:  # lending only a surplus: what stays (serving or back) still covers the need
+        assert (
+            len([r for r in d.keep if states[r] in ("serving", "reclaiming")]) >= needed
+            or len(serving) - len(d.lend) == 1
+        )
+
+
+@settings(max_examples=100, deadline=None)
+@given(pool=pools, cfg=configs, seed=st.integers(0, 2**16))
+def test_deterministic_whatever_the_event_order(pool, cfg, seed):
+    evs = events_of(pool)
+    shuffled = list(evs)
+    random.Random(seed).shuffle(shuffled)
+    v1, v2 = pool_view(evs, cfg), pool_view(shuffled, cfg)
+    assert v1 == v2
+    d1, d2 = decide_pool(v1, cfg), decide_pool(v2, cfg)
+    assert d1 == d2 and d1.explain() == d2.explain()
+    cause = max(evs, key=lambda e: (e.ts, e.event_id))
+    epochs = {e.gpu: 3 for e in evs}
+    leases = {e.gpu: ReplicaLease(e.gpu, f"{e.gpu}#3", 3) for e in evs if e.serving_state in ("lent", "draining")}
+    c1 = replica_commands(d1, v1, cause, epochs, leases, PolicyConfig())
+    c2 = replica_commands(d2, v2, cause, dict(reversed(epochs.items())), leases, PolicyConfig())
+    assert encode_commands(c1) == encode_commands(c2)
+    assert len({c.command_id for c in c1}) == len(c1)
+    assert all(decode(encode(c), Command) == c for c in c1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pool=pools, cfg=configs, factor=st.floats(1.0, 10.0))
+def test_more_load_never_lends_more(pool, cfg, factor):
+    """Every replica's load scaled up (for every forecast), or one sample raised (the peak)."""
+    _, d = decide(pool, cfg)
+    louder = [(s, n, [x * factor for x in series]) for s, n, series in pool]
+    _, d2 = decide(louder, cfg)
+    assert len(d2.lend) <= len(d.lend) and len(d2.reclaim) >= len(d.reclaim)
+    if cfg.forecast == "peak":
+        s, n, series = pool[0]
+        _, d3 = decide([(s, n, series[:-1] + [series[-1] + 10 * factor]), *pool[1:]], cfg)
+        assert len(d3.lend) <= len(d.lend)
+
+
+def test_the_trough_lends_only_once_the_peak_leaves_the_window():
+    """Four replicas at 8 rps each, then a trough at 1 rps each: with capacity 10 rps a replica,
+    the peak forecast keeps all four until the window no longer holds the high samples, then
+    keeps ceil(4 × 1.3 / 10) = 1 and lends the three highest ids."""
+    cfg = PoolConfig(replica_capacity_rps=10.0, forecast="peak", window_s=30.0)
+    series = [8.0] * 6 + [1.0] * 12  # 90 s: the trough starts at 30 s
+    pool = [("serving", 1, series) for _ in range(4)]
+    evs = events_of(pool)
+    during = [e for e in evs if e.ts <= T0 + 45]  # the window (30 s) still holds 8 rps samples
+    d = decide_pool(pool_view(during, cfg), cfg)
+    assert d.forecast_rps == 32.0 and d.needed == 5 and d.lend == ()
+    d = decide_pool(pool_view(evs, cfg), cfg)
+    assert d.forecast_rps == 4.0 and d.needed == 1
+    assert d.lend == ("r1", "r2", "r3") and d.keep == ("r0",)
+    assert "forecast peak 4.000 rps" in d.explain() and "keep [r0]" in d.explain()
+    assert "capacity 10.000 rps/replica (config)" in d.explain()
+
+
+def test_a_rising_ramp_reclaims_before_the_peak_arrives_with_the_trend():
+    """One replica serving, two lent; the load ramps 2 → 9 rps over 40 s. The peak forecast sees 9;
+    the trend adds the slope over the horizon, so it asks for more replicas earlier."""
+    ramp = [2.0 + k for k in range(8)]
+    pool = [("serving", 1, ramp), ("lent", 1, [0.0] * 8), ("lent", 1, [0.0] * 8)]
+    base = PoolConfig(replica_capacity_rps=6.0, window_s=60.0, wake_s=20.0)  # a slow wake: horizon 24 s
+    _, peak = decide(pool, replace(base, forecast="peak"))
+    _, trend = decide(pool, replace(base, forecast="peak_trend"))
+    assert peak.forecast_rps == 9.0 and trend.forecast_rps > 9.0 + 0.2 * 24 - 1e-9
+    assert peak.reclaim == ("r1",) and trend.reclaim == ("r1", "r2")
+
+
+def test_no_capacity_figure_lends_nothing_and_reclaims_everything():
+    cfg = PoolConfig(replica_capacity_rps=0.0)
+    slo_missed = [("serving", 1, [5.0]), ("lent", 1, [0.0])]
+    evs = [replace(e, latency_ms=e.slo_ms) for e in events_of(slo_missed)]  # no sample with headroom
+    d = decide_pool(pool_view(evs, cfg), cfg)
+    assert d.capacity_source == "none" and d.lend == () and d.reclaim == ("r1",)
+    # with headroom on the samples, the highest serving rps seen is the capacity estimate
+    d = decide_pool(pool_view(events_of([("serving", 1, [5.0]), ("serving", 1, [1.0])]), cfg), cfg)
+    assert (d.capacity_source, d.capacity_rps, d.needed) == ("estimated", 5.0, 2)
+
+
+def test_lease_kinds_replica_where_spared_else_coresident_where_predicted():
+    cfg = PoolConfig(replica_capacity_rps=10.0, window_s=10.0)
+    _, d = decide([("serving", 1, [1.0]) for _ in range(3)], cfg)
+    assert d.keep == ("r0",) and d.lend == ("r1", "r2")
+    assert lease_kinds(d, {"r0": True, "r1": True}) == {
+        "r0": LEASE_CORESIDENT,
+        "r1": LEASE_REPLICA,
+        "r2": LEASE_REPLICA,
+    }
+    assert lease_kinds(d, {})["r0"] == LEASE_NONE
+
+
+def test_replica_commands_are_gangs_of_the_replica_and_revokes_of_live_leases():
+    cfg = PoolConfig(replica_capacity_rps=10.0, window_s=10.0)
+    evs = events_of([("serving", 1, [1.0]), ("serving", 2, [1.0])])
+    view = pool_view(evs, cfg)
+    d = decide_pool(view, cfg)
+    cause = max(evs, key=lambda e: (e.ts, e.event_id))
+    grants = replica_commands(d, view, cause, {"node-1/0": 4, "node-1/1": 6}, {}, PolicyConfig())
+    assert [(c.kind, c.gpu, c.epoch, c.group_id, c.group_size, c.lease_kind) for c in grants] == [
+        ("grant", "node-1/0", 7, "r1#7", 2, "replica"),
+        ("grant", "node-1/1", 7, "r1#7", 2, "replica"),
+    ]
+    assert all(c.compute_share == 1.0 and c.cause_event_id == cause.event_id for c in grants)
+    assert b'"lease_kind":"replica"' in encode(grants[0])
+    rising = events_of([("serving", 1, [30.0]), ("lent", 2, [0.0])])
+    view = pool_view(rising, cfg)
+    d = decide_pool(view, cfg)
+    leases = {"node-1/0": ReplicaLease("node-1/0", "node-1/0#7", 7)}  # node-1/1's lease already ended
+    revokes = replica_commands(d, view, max(rising, key=lambda e: e.ts), {}, leases, PolicyConfig())
+    assert d.reclaim == ("r1",) and [(c.kind, c.lease_id) for c in revokes] == [("revoke", "node-1/0#7")]
