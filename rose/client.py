@@ -36,6 +36,8 @@ import orjson
 import redis
 
 from rose.config import Config, load_config
+from rose.contract import records
+from rose.contract.records import HEARTBEAT_FRESH_S, LIVE_STATES, NO_VERSION, WorkerRegistry
 from rose.obs.logs import get_logger
 from rose.rollout.episode import InvalidTask, Task
 from rose.rollout.tasks import TaskQueue
@@ -48,10 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RoseClient", "Trajectory", "TrajectoryTurn", "WorkerStatus"]
 
-# A worker's heartbeat (`Worker.publish`) is rewritten every 0.2 s; one older than this belongs
-# to a worker that is gone or hung (the same bound rollout placement uses for a live peer).
-HEARTBEAT_FRESH_S = 3.0
-LIVE_STATES = frozenset({"running", "paused"})
 _READ_COUNT = 1000  # results entries per XREAD
 _BLOCK_SLICE_MS = 1000  # a blocking read waits at most this long per call (Ctrl-C stays prompt)
 # Task fields as the trainer's argument names
@@ -195,7 +193,7 @@ class WorkerStatus:
     """A rollout worker of the job, as its heartbeat hash shows it."""
 
     worker_id: str
-    version: int  # the weight version its engine runs (-1: the seeded policy, before the first)
+    version: int  # the weight version its engine runs (NO_VERSION, -1: none reported)
     state: str  # running | paused | draining | stopped ("" without a heartbeat)
     age_s: float  # seconds since its last heartbeat (inf without one)
     gpu: str
@@ -203,7 +201,7 @@ class WorkerStatus:
 
     @property
     def live(self) -> bool:
-        return self.state in LIVE_STATES and self.age_s < HEARTBEAT_FRESH_S
+        return self.state in LIVE_STATES and self.age_s < HEARTBEAT_FRESH_S  # = Heartbeat.live
 
 
 def _ints(v: Any) -> list[int]:
@@ -260,6 +258,7 @@ class RoseClient:
             raise ValueError(f"model: expected a non-empty string, got {self.model!r}")
         self.redis = redis.Redis.from_url(self.config.redis.url)
         self.queue = TaskQueue(self.redis, self.config.redis, self.job)
+        self.workers_registry = WorkerRegistry(self.redis, self.config.redis.key, self.queue.workers_key)
         self.last_publish: PublishStats | None = None  # what the last publish_weights sent
         self._publisher: WeightPublisher | None = None
         self._weights_redis: Any = None
@@ -449,8 +448,9 @@ class RoseClient:
                 n += 1
                 self._cursor = _s(eid)
                 try:
-                    self._unread.append(Trajectory.from_dict(orjson.loads(fields[b"trajectory"]), self._cursor))
-                except (KeyError, orjson.JSONDecodeError, ValueError) as e:
+                    body = records.Trajectory.from_fields(fields).body
+                    self._unread.append(Trajectory.from_dict(body, self._cursor))
+                except ValueError as e:
                     self._log.warning("results_entry_unreadable", entry_id=self._cursor, error=str(e))
         return n
 
@@ -493,19 +493,16 @@ class RoseClient:
 
     def workers(self) -> list[WorkerStatus]:
         """The job's rollout workers (those that registered with its task queue), by id."""
-        ids = sorted(_s(w) for w in self.redis.smembers(self.queue.workers_key))
-        pipe = self.redis.pipeline(transaction=False)
-        for w in ids:
-            pipe.hmget(self.config.redis.key("workers", w), "version", "state", "ts", "gpu", "dedicated")
+        ids = self.workers_registry.registered()
+        beats = self.workers_registry.read_many(ids)
         now = time.time()
         out = []
-        for w, (v, state, ts, gpu, ded) in zip(ids, pipe.execute()):
-            try:
-                version = int(v) if v is not None else -1
-                age = max(0.0, now - float(ts)) if ts is not None else float("inf")
-            except ValueError:
-                version, age = -1, float("inf")
-            out.append(WorkerStatus(w, version, _s(state) if state else "", age, _s(gpu or b""), ded == b"1"))
+        for w in ids:
+            hb = beats.get(w)  # none, or unreadable: no heartbeat
+            if hb is None:
+                out.append(WorkerStatus(w, NO_VERSION, "", float("inf"), "", False))
+            else:
+                out.append(WorkerStatus(w, hb.version, hb.state, hb.age_s(now), hb.gpu, hb.dedicated))
         return out
 
     def wait_applied(self, version: int, *, timeout_s: float, min_workers: int = 1) -> list[str]:

@@ -21,6 +21,7 @@ import orjson
 import redis
 
 from rose.config import RedisConfig
+from rose.contract.records import Trajectory
 from rose.rollout.episode import InvalidTask, Task
 
 GROUP = "rollout"
@@ -180,11 +181,11 @@ class TaskQueue:
         out = []
         for _stream, entries in got or []:
             for eid, fields in entries:
-                out.append((_s(eid), orjson.loads(fields[b"trajectory"])))
+                out.append((_s(eid), Trajectory.from_fields(fields).body))
         return out
 
     def all_results(self) -> list[dict]:
-        return [orjson.loads(f[b"trajectory"]) for _i, f in cast(_Entries, self.r.xrange(self.results_stream))]
+        return [Trajectory.from_fields(f).body for _i, f in cast(_Entries, self.r.xrange(self.results_stream))]
 
     # worker side -----------------------------------------------------------------------
     def read(
@@ -251,10 +252,11 @@ class TaskQueue:
         """Append the trajectory (once per task_id) and ack the task, atomically.
         Returns False when the task_id already had a result (the append was skipped, the
         step's `duplicates` counter counts it)."""
+        f = Trajectory(c.task.task_id, trajectory).to_fields()
         return bool(
             self._complete(
                 keys=[c.stream, self.results_stream, self.done_key, self.stats_key],
-                args=[self.group, c.entry_id, c.task.task_id, orjson.dumps(trajectory), c.task.step],
+                args=[self.group, c.entry_id, f["task_id"], f["trajectory"], c.task.step],
             )
         )
 

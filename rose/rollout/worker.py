@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from rose.contract.records import Heartbeat, WorkerRegistry
 from rose.rollout.launcher import WorkerConfig
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
 
@@ -68,7 +69,7 @@ class Worker:
         from rose.rollout.placement import PlacementConfig
 
         self.config, self.r, self.q, self.engine, self.weights, self.flag = config, r, queue, engine, weights, flag
-        self.hb_key = config.redis.key("workers", config.worker_id)
+        self.registry = WorkerRegistry(r, config.redis.key, queue.workers_key)
         self.pcfg = PlacementConfig(
             long_tail_tokens=config.long_tail_tokens,
             straggler_frac=config.straggler_frac,
@@ -128,58 +129,43 @@ class Worker:
             self._tokened = False
 
     def publish(self, state: str) -> None:
-        s = self.config
-        p = self.r.pipeline(transaction=False)
-        p.hset(
-            self.hb_key,
-            mapping={
-                "worker_id": s.worker_id,
-                "gpu": s.gpu,
-                "job": s.job,
-                "dedicated": int(s.dedicated),
-                "state": state,
-                "pid": os.getpid(),
-                "ts": time.time(),
-                "version": self.engine.version,
-                "active": len(self.active),
-                "free_slots": self.engine.free_slots(),
-                "slots": self.engine.n_slots,
-                "episodes_done": self.stats["episodes"],
-                "turns": self.stats["turns"],
-                "tokens": self.stats["tokens"],
-                "moved": self.stats["moved"],
-                "requeued": self.stats["requeued"],
-                "tokens_carried": self.stats["carried"],
-                "tokens_interrupted": self.engine.interrupted_tokens,
-                # episodes this worker ran twice: completed after another worker had
-                # (`duplicates`), or taken over by another while it held them (`lost`)
-                "duplicates": self.stats["duplicates"],
-                "lost": self.stats["lost"],
+        s, st = self.config, self.stats
+        self.registry.beat(
+            Heartbeat(
+                worker_id=s.worker_id,
+                gpu=s.gpu,
+                job=s.job,
+                dedicated=s.dedicated,
+                state=state,
+                pid=os.getpid(),
+                ts=time.time(),
+                version=self.engine.version,
+                active=len(self.active),
+                free_slots=self.engine.free_slots(),
+                slots=self.engine.n_slots,
+                episodes_done=st["episodes"],
+                turns=st["turns"],
+                tokens=st["tokens"],
+                moved=st["moved"],
+                requeued=st["requeued"],
+                tokens_carried=st["carried"],
+                tokens_interrupted=self.engine.interrupted_tokens,
+                duplicates=st["duplicates"],
+                lost=st["lost"],
                 **self._engine_fields,
-                "versions_applied": self.stats["versions_applied"],
-                "versions_verified": self.stats["versions_verified"],
-                "versions_mismatched": self.stats["versions_mismatched"],
+                versions_applied=st["versions_applied"],
+                versions_verified=st["versions_verified"],
+                versions_mismatched=st["versions_mismatched"],
                 **self._step_fields(),
-            },
+            )
         )
-        p.expire(self.hb_key, 60)
-        p.execute()
 
     def _views_now(self, now: float):
         from rose.rollout.placement import WorkerView
 
         if self._due("view", now, self.VIEW_S):
-            ids = [x.decode() for x in self.r.smembers(self.q.workers_key)]
-            p = self.r.pipeline(transaction=False)
-            for w in ids:
-                p.hmget(self.config.redis.key("workers", w), "dedicated", "free_slots", "state", "ts")
-            views = []
-            for w, (ded, free, st, ts) in zip(ids, p.execute()):
-                if ded is None:
-                    continue
-                alive = st == b"running" and time.time() - float(ts or 0) < 3.0
-                views.append(WorkerView(w, ded == b"1", int(free or 0), alive))
-            self._views = views
+            beats = self.registry.heartbeats()
+            self._views = [WorkerView(w, hb.dedicated, hb.free_slots, hb.running()) for w, hb in beats.items()]
         return self._views
 
     def _step_done_frac(self, step: int, now: float) -> float:
