@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -205,3 +206,32 @@ def test_replica_commands_are_gangs_of_the_replica_and_revokes_of_live_leases():
     leases = {"node-1/0": ReplicaLease("node-1/0", "node-1/0#7", 7)}  # node-1/1's lease already ended
     revokes = replica_commands(d, view, max(rising, key=lambda e: e.ts), {}, leases, PolicyConfig())
     assert d.reclaim == ("r1",) and [(c.kind, c.lease_id) for c in revokes] == [("revoke", "node-1/0#7")]
+
+
+def test_bad_pool_settings_name_the_setting():
+    from rose.policy.pool import check_pool_config
+
+    check_pool_config("chat", PoolConfig())
+    for bad, setting in (
+        (PoolConfig(forecast="daily"), "policy.pools.chat.forecast"),
+        (PoolConfig(replica_capacity_rps=-1.0), "policy.pools.chat.replica_capacity_rps"),
+        (PoolConfig(bin_s=0.0), "policy.pools.chat.bin_s"),
+        (PoolConfig(window_s=2.0), "policy.pools.chat.window_s"),
+    ):
+        with pytest.raises(ValueError, match=setting.replace(".", r"\.")) as e:
+            check_pool_config("chat", bad)
+        assert "\n" not in str(e.value)
+
+
+def test_forecast_eval_scores_a_step_rise():
+    """A load that steps from 1 to 8 rps: `last` under-provisions at the step; a peak whose window
+    still holds an earlier 8 rps burst does not, and frees less."""
+    import numpy as np
+
+    from rose.sim.forecast_eval import evaluate
+
+    load = np.array([1.0] * 5 + [8.0] + [1.0] * 10 + [8.0] * 3)
+    last = evaluate(load, 5.0, "last", 5.0, 4.4)
+    peak = evaluate(load, 5.0, "peak", 75.0, 4.4)  # 15 bins: the window at every decision holds an 8
+    assert peak["decisions"] == 4 and peak["under_provisioned"] == 0 and last["under_provisioned"] > 0
+    assert peak["capacity_freed"] < last["capacity_freed"]
