@@ -37,7 +37,7 @@ import redis
 
 from rose.config import Config, load_config
 from rose.contract import records
-from rose.contract.records import HEARTBEAT_FRESH_S, LIVE_STATES, NO_VERSION, WorkerRegistry
+from rose.contract.records import NO_VERSION, WorkerRegistry, live
 from rose.obs.logs import get_logger
 from rose.rollout.episode import InvalidTask, Task
 from rose.rollout.tasks import TaskQueue
@@ -201,7 +201,7 @@ class WorkerStatus:
 
     @property
     def live(self) -> bool:
-        return self.state in LIVE_STATES and self.age_s < HEARTBEAT_FRESH_S  # = Heartbeat.live
+        return live(self.state, self.age_s)
 
 
 def _ints(v: Any) -> list[int]:

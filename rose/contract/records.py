@@ -32,6 +32,14 @@ LIVE_STATES = frozenset({"running", "paused"})
 # did not report (0 is a follower's checkpoint, a real version that `min_version=0` accepts).
 NO_VERSION = -1
 
+
+def live(state: str, age_s: float) -> bool:
+    """The liveness rule: a fresh heartbeat, and an engine held at its version (running or
+    paused). Gating on a version (`RoseClient.wait_applied`) counts a paused worker: it resumes
+    at that version. Dispatch wants `Heartbeat.running`, the live workers taking work now."""
+    return state in LIVE_STATES and age_s < HEARTBEAT_FRESH_S
+
+
 Fields = Mapping[Any, Any]  # bytes -> bytes from redis-py's default clients, str -> str otherwise
 
 
@@ -102,8 +110,8 @@ class Heartbeat:
         return self.age_s(now) < HEARTBEAT_FRESH_S
 
     def live(self, now: float | None = None) -> bool:
-        """Fresh, and holding its engine at `version` (running or paused)."""
-        return self.state in LIVE_STATES and self.fresh(now)
+        """Fresh, and holding its engine at `version` (running or paused): `live`."""
+        return live(self.state, self.age_s(now))
 
     def running(self, now: float | None = None) -> bool:
         """Live and taking work now (what turns are dispatched to)."""
@@ -152,6 +160,7 @@ class Trajectory:
     body: dict
 
     def to_fields(self) -> dict[str, str | bytes]:
+        """The entry's fields, in the order of the stream entry (task_id, trajectory)."""
         return {"task_id": self.task_id, "trajectory": orjson.dumps(self.body)}
 
     @classmethod

@@ -40,6 +40,7 @@ import redis
 import redis.asyncio as aredis
 
 from rose.config import Config
+from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry
 from rose.gateway.api import TurnResult
 from rose.obs.logs import get_logger
 from rose.obs.tracing import queue_send_span, traceparent, tracer
@@ -48,7 +49,6 @@ from rose.rollout.tasks import TaskQueue
 from rose.rollout.token_stream import MAX_CHUNKS
 from rose.weights.stream import weight_keys
 
-HEARTBEAT_FRESH_S = 3.0  # a worker heartbeat older than this belongs to a worker that is gone
 READ_BLOCK_MS = 200  # the reader's XREAD wait; heartbeats are refreshed between reads
 HEARTBEATS_S = 0.25
 MAX_SESSIONS = 100_000  # sessions remembered, least recently used dropped first
@@ -128,7 +128,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
         self._sessions: OrderedDict[str, str] = OrderedDict()
-        self._workers: dict[str, tuple[str, float, int]] = {}  # worker id -> (state, heartbeat ts, version)
+        self.registry = WorkerRegistry(self.r, cfg.redis.key, self.queue.workers_key)
+        self._workers: dict[str, Heartbeat] = {}  # the job's workers' heartbeats at the last refresh
         self.ar = aredis.Redis.from_url(cfg.redis.url)  # the token streams' reads, on the event loop
         self.weights_meta = weight_keys(cfg.redis, cfg.executor.model).meta
         self._last_running = time.monotonic()  # start-up counts as running: patience starts here
@@ -250,10 +251,7 @@ class Dispatcher:
         with self._lock:
             w = self._sessions.get(session)
             hb = self._workers.get(w) if w else None
-        if w is None or hb is None:
-            return None
-        state, ts, _v = hb
-        return w if state == "running" and time.time() - ts < HEARTBEAT_FRESH_S else None
+        return w if hb is not None and hb.running() else None
 
     def _remember(self, session: str, worker: str) -> None:
         with self._lock:
@@ -263,18 +261,18 @@ class Dispatcher:
                 self._sessions.popitem(last=False)
 
     def workers_running(self) -> list[str]:
-        """Running workers (fresh heartbeat) at any policy version (a follower runs its
-        checkpoint as version 0 until the trainer's first version)."""
-        return self.workers_at(0)
+        """Running workers (fresh heartbeat) at any policy version."""
+        return self.workers_at(None)
 
-    def workers_at(self, min_version: int) -> list[str]:
-        """Running workers (fresh heartbeat) that have applied policy version `min_version` or newer."""
+    def workers_at(self, min_version: int | None) -> list[str]:
+        """Running workers (fresh heartbeat) that have applied policy version `min_version` or
+        newer (None: at any version)."""
         now = time.time()
         with self._lock:
             return sorted(
                 w
-                for w, (st, ts, v) in self._workers.items()
-                if st == "running" and now - ts < HEARTBEAT_FRESH_S and v >= min_version
+                for w, hb in self._workers.items()
+                if hb.running(now) and (min_version is None or hb.version >= min_version)
             )
 
     def weights(self) -> tuple[list[WorkerWeights], int | None]:
@@ -285,9 +283,9 @@ class Dispatcher:
         seen a worker apply a version gets an answer that agrees."""
         now = time.time()
         ws = [
-            WorkerWeights(w, st, v, round(now - ts, 3))
-            for w, (st, ts, v) in sorted(self._read_workers().items())
-            if now - ts < HEARTBEAT_FRESH_S
+            WorkerWeights(w, hb.state, hb.version, round(hb.age_s(now), 3))
+            for w, hb in self.registry.heartbeats().items()
+            if hb.fresh(now)
         ]
         latest = self.r.hget(self.weights_meta, "version")
         return ws, None if latest is None else int(cast(bytes, latest))
@@ -297,26 +295,11 @@ class Dispatcher:
         return 0.0 if self.workers_running() else time.monotonic() - self._last_running
 
     def _refresh_workers(self) -> None:
-        seen = self._read_workers()
+        seen = self.registry.heartbeats()  # an unreadable heartbeat is left out, as none
         with self._lock:
             self._workers = seen
         if self.workers_running():
             self._last_running = time.monotonic()
-
-    def _read_workers(self) -> dict[str, tuple[str, float, int]]:
-        """The job's registered workers' heartbeats: worker id -> (state, ts, applied version)."""
-        ids = sorted(_s(w) for w in cast("set[bytes]", self.r.smembers(self.queue.workers_key)))
-        pipe = self.r.pipeline(transaction=False)
-        for w in ids:
-            pipe.hmget(self.cfg.redis.key("workers", w), "state", "ts", "version")
-        seen = {}
-        for w, (st, ts, v) in zip(ids, pipe.execute()):
-            if st is not None:
-                try:
-                    seen[w] = (_s(st), float(ts or 0), int(float(v or 0)))
-                except ValueError:
-                    continue
-        return seen
 
     # -- the reader ------------------------------------------------------------------------
     def _read(self, cursors: dict[str, str]) -> None:
@@ -380,7 +363,7 @@ class Dispatcher:
         if w is None:
             return None  # withdrawn, or another gateway's turn
         try:
-            value: Any = TurnResult.from_trajectory(orjson.loads(fields[b"trajectory"]))
+            value: Any = TurnResult.from_trajectory(Trajectory.from_fields(fields).body)
         except (KeyError, IndexError, TypeError, ValueError) as e:
             value = TurnFailed("trajectory", f"the worker's result is unreadable: {e}")
         if isinstance(value, TurnResult) and w.session:
