@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rose.contract.records import Heartbeat
 from rose.demo import report, windows
 from rose.demo.coserve import CoserveSpec, LatencyWindow, latency_summary, scaled_lengths
 from rose.demo.observed import ClaimClock, Observed
@@ -307,7 +308,7 @@ def test_report_builds_and_prints_from_a_small_run():
 
 def test_report_names_the_engine_and_shows_samples_and_reward_by_step():
     obs = Observed()
-    obs.workers = {"w1": {"engine": "vllm", "engine_library": "0.32.0", "device": "cpu"}}
+    obs.workers = {"w1": Heartbeat("w1", "running", 0.0, engine="vllm", engine_library="0.32.0", device="cpu")}
     obs.versions = [
         {"version": 1, "reward_mean": None, "ts": 100.0},
         {"version": 2, "reward_mean": 0.0, "ts": 110.0, "batch": 16},

@@ -7,9 +7,10 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from typing import cast
+from collections.abc import Sequence
 
 from rose.config import Config
+from rose.contract.records import Heartbeat, WorkerRegistry
 from rose.obs.stats import percentile
 
 
@@ -126,36 +127,36 @@ def publish_test_version(cfg: Config, version: int) -> None:
         r.close()
 
 
-def last_heartbeat(r, cfg: Config, worker_id: str) -> dict[bytes, bytes]:
-    """A worker's heartbeat hash as it is now (empty once it expired)."""
-    return cast("dict[bytes, bytes]", r.hgetall(cfg.redis.key("workers", worker_id)))
+def last_heartbeat(r, cfg: Config, worker_id: str) -> Heartbeat | None:
+    """A worker's heartbeat as it is now (None once it expired)."""
+    return WorkerRegistry(r, cfg.redis.key).read(worker_id)
 
 
-def engine_report(cfg: Config, beats: list[dict[bytes, bytes]]) -> dict:
+def engine_report(cfg: Config, beats: Sequence[Heartbeat | None]) -> dict:
     """`engine: {name, version, device}` and `weights: {versions_applied, versions_verified, bit_exact}`
     from the last heartbeat of each worker the bench ran, read when it ended (CONTRACT §6)."""
+    hbs = [h for h in beats if h is not None]
     engine: dict = {"name": cfg.rollout.engine, "version": None, "device": None}
-    FIELDS = (("name", b"engine"), ("version", b"engine_library"), ("device", b"device"))
-    for h in beats:
-        if h.get(b"engine_library"):
-            engine = {k: h.get(f, b"").decode() for k, f in FIELDS}
+    for h in hbs:
+        if h.engine_library:
+            engine = {"name": h.engine, "version": h.engine_library, "device": h.device}
             break
-    verified = sum(int(h.get(b"versions_verified", 0)) for h in beats)
+    verified = sum(h.versions_verified for h in hbs)
     return {
         "engine": engine,
         "weights": {
-            "versions_applied": sum(int(h.get(b"versions_applied", 0)) for h in beats),
+            "versions_applied": sum(h.versions_applied for h in hbs),
             "versions_verified": verified,
-            "bit_exact": all(h.get(b"versions_mismatched", b"0") == b"0" for h in beats) if verified else None,
+            "bit_exact": all(h.versions_mismatched == 0 for h in hbs) if verified else None,
         },
     }
 
 
-def step_report(beats: list[dict[bytes, bytes]]) -> dict:
+def step_report(beats: Sequence[Heartbeat | None]) -> dict:
     """The workers' decode-step wall time (heartbeat `step_ms_p50`/`step_ms_p99`, each over a
     worker's last steps): per lease, the median and the largest of their p50s and p99s."""
-    p50 = sorted(float(h[b"step_ms_p50"]) for h in beats if h.get(b"step_ms_p50"))
-    p99 = sorted(float(h[b"step_ms_p99"]) for h in beats if h.get(b"step_ms_p99"))
+    p50 = sorted(h.step_ms_p50 for h in beats if h is not None and h.step_ms_p50 is not None)
+    p99 = sorted(h.step_ms_p99 for h in beats if h is not None and h.step_ms_p99 is not None)
     if not p99:
         return {"leases": 0}
     return {

@@ -5,9 +5,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any, cast
+from typing import Any
 
 from rose.bench._stack import engine_lease_bytes, engine_report, publish_test_version, step_report, wait_for
+from rose.contract.records import Heartbeat, WorkerRegistry
 
 GOAL_WARM_FIRST_TOKEN_P99_MS = 1000.0
 GOAL_RESUME_FIRST_TOKEN_P99_MS = 100.0
@@ -179,6 +180,7 @@ class _Bench:
         loop = threading.Thread(target=ex.run, args=(stop,), daemon=True)
         loop.start()
         r = redis.Redis.from_url(c.redis.url)
+        workers = WorkerRegistry(r, c.redis.key)
         try:
             for _ in range(cycles):
                 if warm_workers:
@@ -213,14 +215,14 @@ class _Bench:
                 s0 = flag.steps
                 wait_for(lambda: flag.steps > s0 + 5, 30)
                 # the decode steps the throttles cut short are not the revoke's: count from here
-                key = c.redis.key("workers", f"{socket.gethostname()}:{GPU}:{epoch}")
+                worker = f"{socket.gethostname()}:{GPU}:{epoch}"
                 since = time.time()
-                before = wait_for(lambda: _heartbeat_since(r, key, since), 10)
+                before = wait_for(lambda: _heartbeat_since(workers, worker, since), 10)
                 res["progress"].append(sampler.stop())
                 self.command("revoke", epoch, f"r{epoch}", 0.0)
                 wait_for(lambda: _revoked(self.states, epoch), 30)
-                w = _wasted(r, key, int(before[b"tokens_interrupted"]))
-                res["heartbeats"].append(cast("dict[bytes, bytes]", r.hgetall(key)))
+                w = _wasted(workers, worker, before.tokens_interrupted)
+                res["heartbeats"].append(workers.read(worker))
                 if w is not None:
                     res["revokes"].append(w)
         finally:
@@ -276,21 +278,21 @@ class _Progress:
         return (self.advanced / self.samples if self.samples else 0.0), time.monotonic() - self.t0
 
 
-def _heartbeat_since(r, key: str, since: float):
-    hb = r.hgetall(key)
-    return hb if hb and float(hb.get(b"ts", 0)) > since else None
+def _heartbeat_since(workers: WorkerRegistry, worker: str, since: float) -> Heartbeat | None:
+    hb = workers.read(worker)
+    return hb if hb is not None and hb.ts > since else None
 
 
-def _wasted(r, key: str, interrupted_before: int) -> dict | None:
+def _wasted(workers: WorkerRegistry, worker: str, interrupted_before: int) -> dict | None:
     """The drained worker's own counters (its last heartbeat, written after the drain); None
     when it did not drain (killed at the revoke deadline)."""
     try:
-        hb = wait_for(lambda: _stopped(r, key), 15)
+        hb = wait_for(lambda: _stopped(workers, worker), 15)
     except TimeoutError:
         return None
-    decoded, carried = int(hb[b"tokens"]), int(hb[b"tokens_carried"])
-    interrupted = int(hb[b"tokens_interrupted"]) - interrupted_before
-    in_flight = int(hb[b"requeued"])
+    decoded, carried = hb.tokens, hb.tokens_carried
+    interrupted = hb.tokens_interrupted - interrupted_before
+    in_flight = hb.requeued
     return {
         "decoded_tokens": decoded,
         "not_carried_tokens": decoded - carried,
@@ -300,9 +302,9 @@ def _wasted(r, key: str, interrupted_before: int) -> dict | None:
     }
 
 
-def _stopped(r, key: str):
-    hb = r.hgetall(key)
-    return hb if hb.get(b"state") == b"stopped" else None
+def _stopped(workers: WorkerRegistry, worker: str) -> Heartbeat | None:
+    hb = workers.read(worker)
+    return hb if hb is not None and hb.state == "stopped" else None
 
 
 def _revoked(consumer, epoch: int) -> bool:

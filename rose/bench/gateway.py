@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from rose.bench._stack import percentiles_ms
+from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry
 
 GOAL_RATIO = 0.9  # turns/s through the gateway over turns/s direct
 TURNS, MAX_TOKENS, CONCURRENCY, ROUNDS = 64, 64, 8, 6
@@ -337,12 +338,13 @@ class _Pool:
     procs: dict
     r: Any
 
-    def hb(self, w: str) -> dict[str, str]:
-        return {k.decode(): v.decode() for k, v in self.r.hgetall(self.cfg.redis.key("workers", w)).items()}
+    def hb(self, w: str) -> Heartbeat:
+        """`w`'s heartbeat; none yet reads as one with no state and no counts."""
+        return WorkerRegistry(self.r, self.cfg.redis.key).read(w) or Heartbeat(w, "", 0.0)
 
     def wait_states(self, want: dict[str, str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while any(self.hb(w).get("state") != s for w, s in want.items()):
+        while any(self.hb(w).state != s for w, s in want.items()):
             dead = [w for w, p in self.procs.items() if p.poll() is not None and want.get(w) != "stopped"]
             if dead or time.monotonic() > deadline:
                 raise RuntimeError(
@@ -401,11 +403,10 @@ def stream_turn(url: str, body: dict, on_token: Callable[[int], None] = lambda k
 
 
 def final_ids(pool: _Pool, task_id: str) -> list[int]:
-    import orjson
-
     for _i, f in pool.r.xrange(pool.cfg.redis.key("results", JOB)):
-        if f[b"task_id"].decode() == task_id:
-            return list(orjson.loads(f[b"trajectory"])["turns"][0]["action"])
+        t = Trajectory.from_fields(f)
+        if t.task_id == task_id:
+            return list(t.body["turns"][0]["action"])
     return []
 
 
@@ -434,14 +435,14 @@ def run_revoke(pool: _Pool, url: str, prompt: list[int], seed: int, max_tokens: 
     rev = stream_turn(url, body, revoke_at)
     pool.wait_states({"w0": "stopped"}, 60)
     after = pool.hb("w0")
-    carried = int(after.get("tokens_carried", 0)) - int(before.get("tokens_carried", 0))
+    carried = after.tokens_carried - before.tokens_carried
     acc = revoke_accounting(rev.pairs, final_ids(pool, rev.task_id), base_ids[0], max_tokens, carried)
     turn_ms, median = round(rev.elapsed_s * 1e3, 3), base_ms[len(base_ms) // 2]
     handoff = carried if 0 < carried <= max_tokens else acc["same_as_unrevoked_tokens"]
     resumed = next((t for (i, _), t in zip(rev.pairs, rev.at) if i >= handoff), None)
     return {
         **acc,
-        "revoked_mid_turn": rev.worker == "w1" and int(after.get("requeued", 0)) > int(before.get("requeued", 0)),
+        "revoked_mid_turn": rev.worker == "w1" and after.requeued > before.requeued,
         "unrevoked_runs_identical": all(b == base_ids[0] for b in base_ids),
         "stop_after_streamed_tokens": at,
         "finished_by": rev.worker,

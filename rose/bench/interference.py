@@ -7,6 +7,7 @@ import subprocess
 import threading
 import time
 
+from rose.contract.records import WorkerRegistry
 from rose.obs.stats import percentile
 
 GOAL_PROTECTED_OVER_ALONE = 1.05  # at most: serving p99 beside protected rollout / alone
@@ -127,7 +128,8 @@ class _Rollout:
             nice=19 if protected else 0,
             seed=1,
         )
-        self.key = c.redis.key("workers", config.worker_id)
+        self.worker_id = config.worker_id
+        self.workers = WorkerRegistry(r, c.redis.key)
         self.proc = launch(config, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
     def wait_decoding(self, n: int = WARM_DECODE_STEPS, timeout_s: float = 120.0) -> None:
@@ -159,8 +161,8 @@ class _Rollout:
 
     def heartbeat(self) -> tuple[float, int]:
         """(worker's wall time, tokens decoded) of its last heartbeat."""
-        ts, tokens = self.r.hmget(self.key, "ts", "tokens")
-        return float(ts or 0.0), int(tokens or 0)
+        hb = self.workers.read(self.worker_id)
+        return (0.0, 0) if hb is None else (hb.ts, hb.tokens)
 
     def fresh_heartbeat(self, timeout_s: float = 2.0) -> tuple[float, int]:
         """The worker's next heartbeat (it publishes every Worker.HEARTBEAT_S)."""

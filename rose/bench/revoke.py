@@ -5,9 +5,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rose.bench._stack import engine_lease_bytes, engine_report, last_heartbeat, publish_test_version, wait_for
+
+if TYPE_CHECKING:
+    from rose.contract.records import Heartbeat
 
 GOAL_KAFKA_PAUSED_P99_MS = 20.0
 GOAL_GUARD_PAUSED_P99_MS = 2.0
@@ -64,7 +67,7 @@ def run(cfg, quick: bool) -> dict:
         states.subscribe([c.kafka.lease_state_topic])
         k_flag, k_paused, k_revoked, g_flag, g_paused = [], [], [], [], []
         freed = []
-        beats: list[dict[bytes, bytes]] = []
+        beats: list[Heartbeat | None] = []
         r = redis.Redis.from_url(c.redis.url)
         try:
             for epoch in range(1, cycles + 1):

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry
+
 
 @dataclass
 class Observed:
@@ -28,7 +30,7 @@ class Observed:
     versions: list[dict] = field(default_factory=list)  # one row per published weight version
     trainer: dict = field(default_factory=dict)
     coserve: dict = field(default_factory=dict)
-    workers: dict[str, dict] = field(default_factory=dict)  # worker id -> heartbeat hash
+    workers: dict[str, Heartbeat] = field(default_factory=dict)  # worker id -> its last heartbeat
     started: dict[str, float] = field(default_factory=dict)  # task_id -> when a worker first took it
     bad_messages: int = 0
 
@@ -154,8 +156,8 @@ class RedisReader:
             for eid, fields in entries:
                 self.last_id = eid.decode() if isinstance(eid, bytes) else eid
                 try:
-                    obs.ingest_trajectory(orjson.loads(fields[b"trajectory"]), reward)
-                except (KeyError, orjson.JSONDecodeError):
+                    obs.ingest_trajectory(Trajectory.from_fields(fields).body, reward)
+                except (KeyError, ValueError):
                     obs.bad_messages += 1
             if len(entries) < 1000:
                 break
@@ -164,11 +166,7 @@ class RedisReader:
             self.n_versions += 1
         obs.trainer = _str_hash(self.r.hgetall(key("demo:trainer")))
         obs.coserve = _str_hash(self.r.hgetall(key("demo:coserve")))
-        prefix = key("workers", "")
-        for k in self.r.scan_iter(match=prefix + "*", count=200):
-            h = _str_hash(self.r.hgetall(k))
-            if h:
-                obs.workers[k.decode()[len(prefix) :]] = h
+        obs.workers.update(WorkerRegistry(self.r, key).scan())
 
 
 def _str_hash(h: dict) -> dict:

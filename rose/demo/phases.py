@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 import time
 
+from rose.contract.records import WorkerRegistry
 from rose.demo import device_core
 from rose.demo.processes import Processes
 from rose.demo.run_setup import DemoError, DemoSetup
@@ -57,7 +58,7 @@ class DemoPhases(DemoSetup):
                     missing.append("trainer")
                 if r.hlen(key("demo:ready")) < 2:
                     missing.append("executors")
-                if not r.exists(key("workers", f"dedicated-{self.run_id}")):
+                if WorkerRegistry(r, key).read(f"dedicated-{self.run_id}") is None:
                     missing.append("dedicated worker")
                 if not missing:
                     return

@@ -338,8 +338,8 @@ def leases(obs: Observed, intervals) -> dict:
 def engine(obs: Observed, meta: dict) -> dict:
     """The rollout engine as the workers' heartbeats name it (else as the run configured it)."""
     for w in obs.workers.values():
-        if w.get("engine"):
-            return {"name": w["engine"], "version": w.get("engine_library"), "device": w.get("device")}
+        if w.engine:
+            return {"name": w.engine, "version": w.engine_library, "device": w.device}
     r = meta.get("rollout") or {}
     return {"name": r.get("engine"), "version": r.get("engine_version"), "device": r.get("device")}
 

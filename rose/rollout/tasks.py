@@ -252,11 +252,11 @@ class TaskQueue:
         """Append the trajectory (once per task_id) and ack the task, atomically.
         Returns False when the task_id already had a result (the append was skipped, the
         step's `duplicates` counter counts it)."""
-        f = Trajectory(c.task.task_id, trajectory).to_fields()
+        entry = Trajectory(c.task.task_id, trajectory).to_fields().values()  # task_id, trajectory: ARGV[3..4]
         return bool(
             self._complete(
                 keys=[c.stream, self.results_stream, self.done_key, self.stats_key],
-                args=[self.group, c.entry_id, f["task_id"], f["trajectory"], c.task.step],
+                args=[self.group, c.entry_id, *entry, c.task.step],
             )
         )
 
