@@ -1,0 +1,175 @@
+"""Replica leases' router adapters against the real things: vllm-router (PyPI) fronting vLLM's
+OpenAI server on the tiny checkpoint, the one server registered under two URLs so the router has
+two workers; and the readiness endpoint read by a real HTTP client. The router starts once for
+the module."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from rose.router.base import RouterError
+from rose.router.process import RouterProcess, start_router, stop_router
+from rose.router.readiness import ReadinessAdapter
+from rose.router.vllm_router import VllmRouterAdapter
+from rose.stack.ports import free_port
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm_router") is None,
+    reason="needs vLLM and vllm-router installed",
+)
+
+
+@pytest.fixture(scope="module")
+def router(vllm_server, tmp_path_factory) -> Iterator[RouterProcess]:
+    port = vllm_server.url.rsplit(":", 1)[1]
+    workers = [f"http://127.0.0.1:{port}", f"http://localhost:{port}"]
+    rp = start_router(workers, tmp_path_factory.mktemp("router") / "router.log")
+    try:
+        yield rp
+    finally:
+        stop_router(rp)
+
+
+@pytest.fixture
+def adapter(router) -> Iterator[VllmRouterAdapter]:
+    a = VllmRouterAdapter(router.url, router.metrics_url)
+    yield a
+    for w in _workers(router):  # every test leaves both workers in
+        a.readmit(w)
+
+
+def _workers(router: RouterProcess) -> list[str]:
+    argv = router.proc.args
+    return list(argv[argv.index("--worker-urls") + 1 :])
+
+
+def _complete(url: str, model: str, prompt: list[int], max_tokens: int = 4) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True}
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - local router
+        return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+def _processed(router: RouterProcess) -> dict[str, float]:
+    """The router's own count of requests it sent to each worker."""
+    with urllib.request.urlopen(router.metrics_url + "/metrics", timeout=10) as r:  # noqa: S310 - local router
+        text = r.read().decode()
+    return {
+        m[1]: float(m[2])
+        for m in re.finditer(r'^vllm_router_processed_requests_total\{worker="([^"]*)"\} (\S+)$', text, re.M)
+    }
+
+
+@needs_vllm
+@pytest.mark.timeout(600)  # the server's start (tests/conftest.py: vllm_server) counts here
+def test_requests_through_the_router_are_answered_by_both_workers(router, adapter, vllm_server):
+    assert adapter.serving() == frozenset(_workers(router))
+    for i in range(4):
+        assert len(_complete(router.url, vllm_server.model, [1, 2, 3 + i])) == 4
+
+
+@needs_vllm
+def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_readmitted(router, adapter, vllm_server):
+    """Remove the worker a streaming completion runs on: the stream ends with every token asked
+    for, every request sent meanwhile is answered, and the router sends none of them to the
+    removed worker; readmitted, the worker is in the routing set again."""
+    streamed: dict[str, object] = {}
+    first_tokens = threading.Event()
+
+    def stream() -> None:
+        body = {
+            "model": vllm_server.model,
+            "prompt": [5, 6, 7],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            router.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        n, done = 0, False
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:  # noqa: S310 - local router
+                for raw in r:
+                    line = raw.strip()
+                    if line == b"data: [DONE]":
+                        done = True
+                    elif line.startswith(b"data:"):
+                        n += sum(len(c.get("token_ids") or ()) for c in json.loads(line[5:])["choices"])
+                        if n >= 3:
+                            first_tokens.set()
+        except OSError as e:
+            streamed["error"] = repr(e)
+        streamed.update(tokens=n, done=done)
+        first_tokens.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert first_tokens.wait(120), "the stream gave no tokens"
+    busy = [w for w in _workers(router) if adapter.in_flight(w)]
+    assert len(busy) == 1, f"expected the stream in flight on one worker, got {busy}"
+    gone = busy[0]
+    adapter.remove(gone)
+    assert gone not in adapter.serving()
+    adapter.remove(gone)  # a second removal is a no-op
+    before = _processed(router).get(gone, 0.0)
+    for i in range(4):
+        assert len(_complete(router.url, vllm_server.model, [9, 8, i])) == 4
+    assert _processed(router).get(gone, 0.0) == before, "the router sent a new request to the removed worker"
+    assert adapter.wait_drained(gone, timeout_s=240), "the removed worker's stream never finished"
+    t.join(60)
+    assert streamed == {"tokens": 200, "done": True}
+    adapter.readmit(gone)
+    assert adapter.serving() == frozenset(_workers(router))
+    assert len(_complete(router.url, vllm_server.model, [1, 1, 1])) == 4
+
+
+def test_a_router_that_does_not_answer_is_one_clear_error():
+    url = f"http://127.0.0.1:{free_port()}"
+    a = VllmRouterAdapter(url, timeout_s=2)
+    with pytest.raises(RouterError, match=re.escape(url) + r".*does not answer.*router\.url"):
+        a.serving()
+    with pytest.raises(RouterError, match="does not answer"):
+        a.remove("http://127.0.0.1:1")
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - local endpoint
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_the_readiness_endpoint_answers_503_while_a_replica_is_out():
+    replicas = ["replica-a", "http://10.0.0.2:8000"]
+    r = ReadinessAdapter(replicas)
+    try:
+        probe = {x: r.url + "/ready/" + urllib.parse.quote(x, safe="") for x in replicas}
+        assert [_status(probe[x]) for x in replicas] == [200, 200]
+        r.remove("http://10.0.0.2:8000")
+        assert r.serving() == frozenset({"replica-a"})
+        assert [_status(probe[x]) for x in replicas] == [200, 503]
+        assert _status(probe["http://10.0.0.2:8000"]) == 503
+        assert r.not_ready_answers("http://10.0.0.2:8000") == 2
+        assert r.in_flight("replica-a") is None
+        r.readmit("http://10.0.0.2:8000")
+        assert [_status(probe[x]) for x in replicas] == [200, 200]
+        assert _status(r.url + "/ready/nobody") == 404
+        assert _status(r.url + "/elsewhere") == 404
+        with pytest.raises(RouterError, match="unknown replica 'nobody'"):
+            r.remove("nobody")
+    finally:
+        r.close()
