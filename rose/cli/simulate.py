@@ -24,7 +24,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
             0, "--rollout-tp", help="Rollout tensor parallel GPUs, gang leases when > 1 (0: as serving)."
         ),
         policy: str = typer.Option(
-            "all", "--policy", help="static | elastic | share-all | rose | all (comma list ok)."
+            "all",
+            "--policy",
+            help="static | elastic | share-all | rose | rose-coresident | rose-replica | all (the first four; "
+            "comma list ok).",
         ),
         duration: float = typer.Option(0.0, "--duration", help="Seconds of trace time (0: the trace, at most 1 h)."),
         seed: int = typer.Option(0, "--seed", help="Seed of trace replication and load balancing."),
@@ -85,16 +88,16 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         import orjson
 
         from rose.cli import cli_config, fail
-        from rose.sim.engine import POLICIES, SimConfig, calibration, simulate_seeds
+        from rose.sim.engine import ALL_POLICIES, POLICIES, SimConfig, calibration, simulate_seeds
         from rose.sim.models import RESUME_S
         from rose.sim.report import with_ci
         from rose.sim.runs import ELASTIC_PROVISION_S
         from rose.sim.traces import TraceError, load_trace
 
         names = POLICIES if policy.strip() == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
-        bad = [p for p in names if p not in POLICIES]
+        bad = [p for p in names if p not in ALL_POLICIES]
         if bad or not names:
-            fail(f"--policy: unknown {', '.join(bad) or policy!r} (known: {', '.join(POLICIES)}, all)")
+            fail(f"--policy: unknown {', '.join(bad) or policy!r} (known: {', '.join(ALL_POLICIES)}, all)")
         if gpus < 1:
             fail(f"--gpus must be >= 1, got {gpus}")
         if dedicated < 0:
@@ -200,12 +203,12 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         ip = result["interference_profile"]
         typer.echo(f"interference ({ip['mechanism']}): {ip['source']}")
         typer.echo(
-            f"{'policy':10s} {'episodes/h':>11s} {'RL steps/h':>10s} {'gain':>15s} {'SLO att.':>19s} "
+            f"{'policy':15s} {'episodes/h':>11s} {'RL steps/h':>10s} {'gain':>15s} {'SLO att.':>19s} "
             f"{'harvest':>7s} {'revokes':>7s} {'weights GB':>10s}"
         )
         for p, r in result["policies"].items():
             typer.echo(
-                f"{p:10s} {r['episodes_per_hour']:11.1f} {r['rl_steps_per_hour']:10.2f} "
+                f"{p:15s} {r['episodes_per_hour']:11.1f} {r['rl_steps_per_hour']:10.2f} "
                 f"{with_ci(r, 'gain_vs_static', 3):>15s} {with_ci(r, 'slo_attainment', 5):>19s} "
                 f"{r['harvest_per_serving_gpu']:7.4f} {r['revokes']:7g} {r['weight_sync_bytes'] / 1e9:10.1f}"
             )

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from rose.config import PolicyConfig
 from rose.sim.interference import ProfileError, from_bench
 from rose.sim.ledger import Ledger
 from rose.sim.models import GpuSpec, cold_start_s, deployed, gpu_spec, model_size, train_step_s, wake_s, warm_build_s
+from rose.sim.policies import ALL_POLICIES, ALL_RUNS, FORKED
+from rose.sim.policies import POLICIES as POLICIES  # the default comparison, re-exported
+from rose.sim.replica_run import LENT, ReplicaRun
 from rose.sim.report import across_seeds, result_of
 from rose.sim.requests import (
     LONG_TRACE_S,
@@ -42,7 +46,7 @@ from rose.sim.requests import (
     two_choices,
 )
 from rose.sim.rollout_model import RolloutModel
-from rose.sim.runs import POLICIES, RUNS, RoseRun, Run, RunContext, ShareAllRun
+from rose.sim.runs import RoseRun, Run, RunContext, ShareAllRun
 from rose.sim.serving_model import ServingSim
 from rose.sim.sim_config import SimConfig
 from rose.sim.traces import Trace
@@ -53,6 +57,7 @@ from rose.sim.traces import Trace
 ALPHA_MEASURED = 3.157
 ALPHA_MEASURED_SOURCE = "rose bench interference --quick on 2 CPU cores (docs/paper-check/interference.json)"
 DECIDE_CALLS_BUDGET = 2_000_000  # decide() costs ~12 µs a call in CPython: ~25 s of a run
+_T = TypeVar("_T")
 # A run of at least this many GPU-windows with ROSE and another policy runs ROSE in a second
 # process (`SimConfig.workers` 0): below it the fork costs more than it saves.
 PARALLEL_MIN_GPU_WINDOWS = 1_000_000
@@ -116,9 +121,13 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         train_step_s=cfg.train_step_s
         if cfg.train_step_s is not None
         else train_step_s(model, ep, gpu, cfg.train_gpus or M, cfg.train_mfu),
+        # a replica carries the trace's busiest minute at the run's load (the static fleet's
+        # provisioning, at which it meets its SLO): the pool decision's capacity per replica
+        replica_capacity_rps=cfg.load * model.tp / cost,
+        replica_pool=cfg.replica_pool,
     )
 
-    want = [p for p in POLICIES if p in cfg.policies]
+    want = [p for p in ALL_POLICIES if p in cfg.policies]
     model_replicas = G // model.tp
     series_every = max(1, n_win // 720)
 
@@ -127,21 +136,23 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
         sims: dict[str, ServingSim] = {}
         if {"static", "elastic"} & set(names):
             sims["base"] = ServingSim(gpu, model, G, engine=cfg.engine, profile=profile)
-        for p in ("share-all", "rose"):
-            if p in names:
+        for p in names:
+            if ALL_RUNS[p].own_serving:
                 sims[p] = ServingSim(gpu, model, G, engine=cfg.engine, profile=profile)
-        runs = {p: RUNS[p](p, ctx, sims.get(p)) for p in names}
+        runs = {p: ALL_RUNS[p](p, ctx, sims.get(p)) for p in names}
         for w in range(n_win):
             t1 = (w + 1) * cfg.period_s
             arr, P, O = stream.window(w, w * cfg.period_s, t1)
             choices = two_choices(w, arr.size, model_replicas, cfg.seed)  # the same draws for every fleet
             stats = {
-                k: sim.advance(t1, balance(w, arr.size, sim.N + sim.qn, cfg.seed, choices), arr, P, O)
+                k: sim.advance(
+                    t1, balance(w, arr.size, sim.N + sim.qn, cfg.seed, choices, _admitting(runs, k)), arr, P, O
+                )
                 for k, sim in sims.items()
             }
             for p, run in runs.items():
                 st = stats.get(p, stats.get("base"))
-                n_ok = _tally_slo(run, st, slo)
+                ok_frac = _tally_slo(run, st, slo)
                 run.step(w, t1, st)
                 run.ledger.train(cfg.period_s)
                 if cfg.check_invariants:
@@ -151,23 +162,26 @@ def simulate(trace: Trace, cfg: SimConfig) -> dict:
                     full = (steps - run.last_steps) * run.rollout_gpus() * ctx.wfull
                     run.last_steps = steps
                     run.weight_bytes_full += full
-                    run.weight_bytes += full * (cfg.weight_delta_ratio if p == "rose" else 1.0)
+                    run.weight_bytes += full * (cfg.weight_delta_ratio if run.delta_weights else 1.0)
                     run.synced(steps)
                 if cfg.record_series and (w % series_every == 0 or w == n_win - 1):
-                    _record_series(run, t1, st, slo, n_ok / G)
+                    _record_series(run, t1, st, slo, ok_frac)
         return runs
 
     parallel = (cfg.workers or auto_workers(G, n_win, want)) > 1 and hasattr(os, "fork")
-    if parallel and "rose" in want and len(want) > 1:
-        # ROSE (the policy calls and the lease machines: most of a large run) in a child process
-        child = _Forked(lambda: _tallies(run_policies(["rose"])["rose"]))
+    forked = [p for p in want if p in FORKED]
+    if parallel and forked and len(forked) < len(want):
+        # ROSE's co-resident leases (the policy calls and the lease machines: most of a large
+        # run) in a child process
+        child = _Forked(lambda: {p: _tallies(r) for p, r in run_policies(forked).items()})
         try:
-            runs = run_policies([p for p in want if p != "rose"])
+            runs = run_policies([p for p in want if p not in FORKED])
         except BaseException:
             child.stop()
             raise
-        runs["rose"] = child.result()
-        runs["rose"].ctx = ctx
+        for p, r in child.result().items():
+            r.ctx = ctx
+            runs[p] = r
         runs = {p: runs[p] for p in want}
     else:
         runs = run_policies(want)
@@ -197,8 +211,8 @@ def start_cost_s(cfg: SimConfig, rollout: RolloutModel, gpu: GpuSpec) -> float:
 def check_config(cfg: SimConfig) -> None:
     """ValueError naming the first setting of `cfg` that no run can use."""
     for p in cfg.policies:
-        if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
+        if p not in ALL_POLICIES:
+            raise ValueError(f"unknown policy {p!r} (known: {', '.join(ALL_POLICIES)})")
     if cfg.n_gpus < 1:
         raise ValueError(f"n_gpus must be >= 1, got {cfg.n_gpus}")
     if cfg.decide_every < 0:
@@ -217,16 +231,26 @@ def check_config(cfg: SimConfig) -> None:
         raise ValueError(f"workers must be >= 0, got {cfg.workers}")
 
 
-def _tally_slo(run: Run, st, slo) -> int:
-    """Count the window's SLO attainment and free memory into the run; GPUs within the SLO."""
+def _admitting(runs: dict[str, Run], sim_key: str):
+    """The replicas the router of serving model `sim_key` sends requests to (None: all)."""
+    run = runs.get(sim_key)
+    return None if run is None else run.admitting()
+
+
+def _tally_slo(run: Run, st, slo) -> float:
+    """Count the window's SLO attainment and free memory into the run; the fraction of its
+    tallied GPUs (those serving: `Run.tallied`) within the SLO."""
     ok = (st.ttft_p99_ms <= slo.ttft_p99) & (st.tpot_p99_ms <= slo.tpot_p99)
+    serving = run.tallied()
+    if serving is not None:
+        ok = ok[serving]
     n_ok = int(ok.sum())
     run.slo_ok_gpu_windows += n_ok
     run.gpu_windows += ok.size
     run.windows += 1
     run.slo_ok_windows += int(n_ok == ok.size)
     run.min_free_bytes = min(run.min_free_bytes, int((st.mem_total_bytes - st.mem_used_bytes).min()))
-    return n_ok
+    return n_ok / ok.size
 
 
 def _record_series(run: Run, t1: float, st, slo, ok_frac: float) -> None:
@@ -275,6 +299,9 @@ def check_invariants(run: Run, st) -> None:
             groups = Counter(m.lease.group_id for m in run.machines if m.lease is not None)
             assert "" not in groups, "a lease outside a gang"
             assert all(n == pc.group_size for n in groups.values()), f"a gang lease not all-or-none: {groups}"
+    if isinstance(run, ReplicaRun):
+        assert run.admitting().any(), "a pool left without a serving replica"
+        assert (run.w[run.state != LENT] == 0).all(), "rollout work on a replica that is not lent"
     if isinstance(run, ShareAllRun):
         assert (run.mem <= st.mem_total_bytes - run.sim.static_bytes).all(), "share-all lends beyond the GPU"
 
@@ -328,7 +355,8 @@ def auto_workers(n_gpus: int, n_win: int, policies) -> int:
     """Processes for `SimConfig.workers` 0: 2 when ROSE runs beside another policy on at least
     PARALLEL_MIN_GPU_WINDOWS GPU-windows, this process may fork (not a daemonic worker, such as
     a `rose paper-check` pool's) and at least 2 CPUs are ours; else 1."""
-    if "rose" not in policies or len(policies) < 2 or n_gpus * n_win < PARALLEL_MIN_GPU_WINDOWS:
+    forked = [p for p in policies if p in FORKED]
+    if not forked or len(forked) == len(policies) or n_gpus * n_win < PARALLEL_MIN_GPU_WINDOWS:
         return 1
     if not hasattr(os, "fork") or multiprocessing.current_process().daemon:
         return 1
@@ -347,11 +375,11 @@ def _tallies(run: Run) -> Run:
     return run
 
 
-class _Forked:
+class _Forked(Generic[_T]):
     """`fn()` in a forked child process: `result()` waits for it and gives what it returned (or
     raises its error); `stop()` ends it."""
 
-    def __init__(self, fn: Callable[[], Run]):
+    def __init__(self, fn: Callable[[], _T]):
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: send the result (or the error) and leave without any cleanup
@@ -369,7 +397,7 @@ class _Forked:
         os.close(w)
         self.pid, self.fd = pid, r
 
-    def result(self) -> Run:
+    def result(self) -> _T:
         with os.fdopen(self.fd, "rb") as f:
             data = f.read()
         os.waitpid(self.pid, 0)

@@ -22,7 +22,14 @@ SLO_TOLERANCE = 0.005  # ROSE's attainment counts as equal to static's within th
 GAP_TOLERANCE = 1e-6  # |residual| of rose_vs_share_all.gap: ROSE's part and the causes make up share-all's
 VALID_STATIC_SLO = 0.95  # a run whose static baseline meets its SLO less often is not a valid comparison
 PLOTS = ("serving_p99_vs_slo.png", "throughput.png", "leased_gpus.png")
-COLORS = {"static": "tab:gray", "elastic": "tab:blue", "share-all": "tab:red", "rose": "tab:green"}
+COLORS = {
+    "static": "tab:gray",
+    "elastic": "tab:blue",
+    "share-all": "tab:red",
+    "rose": "tab:green",
+    "rose-coresident": "tab:olive",
+    "rose-replica": "tab:purple",
+}
 
 
 def result_of(
@@ -70,27 +77,14 @@ def result_of(
             # start of the first window in which rollout ran on a serving GPU (None: it never did)
             "lease_start_s": None if run.lease_start_s is None else round(run.lease_start_s, 3),
         }
-        if p in ("share-all", "rose"):
+        if run.harvests:
             res["gain_from_harvest"] = round(1.0 + ctx.G / ctx.M * harvest, 4)
             res.update(
                 mean_leased_gpus=round(run.lease_gpu_s / (hours * 3600.0), 3),
                 mean_leased_compute=round(run.lease_share_s / (hours * 3600.0), 3),
                 leases_unusable=run.leases_unusable,
             )
-        if p == "rose":
-            res.update(
-                grants=run.grants,
-                expiries=run.expiries,
-                guard_pauses=run.guard_pauses,
-                decide_calls=run.decide_calls,
-                warm_starts=run.warm_starts,
-                cold_starts=run.cold_starts,
-            )
-        if p == "elastic":
-            from rose.sim.runs import ElasticRun
-
-            assert isinstance(run, ElasticRun)  # RUNS["elastic"]
-            res.update(external_gpu_hours=round(run.ext_gpu_s / 3600.0, 3), external_gpu_cap=run.cap)
+        res.update(run.policy_tallies())
         pol[p] = res
     rollout, slo = ctx.rollout, ctx.slo
     profile = ctx.profile if ctx.profile is not None else cfg.profile()
@@ -464,7 +458,7 @@ def _plots(result: dict, d: Path) -> list[Path]:
     for p in names:
         s = series[p]
         t = [x / 60 for x in s["t"]]
-        if p in ("rose", "share-all"):
+        if p.startswith("rose") or p == "share-all":
             ax.plot(t, s["leased"], lw=0.9, color=COLORS[p], label=f"{p}: leased serving GPUs")
             if p == "rose":
                 ax.plot(t, s["running"], lw=0.9, ls=":", color="black", label="rose: running (not paused)")

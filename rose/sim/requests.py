@@ -143,9 +143,25 @@ def two_choices(w: int, n_req: int, n_replicas: int, seed: int) -> np.ndarray | 
     return np.random.default_rng([seed, 3, w]).integers(0, n_replicas, size=(n_req, 2))
 
 
-def balance(w: int, n_req: int, in_system: np.ndarray, seed: int, choices: np.ndarray | None = None) -> np.ndarray:
+def balance(
+    w: int,
+    n_req: int,
+    in_system: np.ndarray,
+    seed: int,
+    choices: np.ndarray | None = None,
+    admitting: np.ndarray | None = None,
+) -> np.ndarray:
     """Power of two choices on the load reported at the window start (same draws per policy);
-    `choices`: `two_choices(w, n_req, in_system.size, seed)` when the caller drew them already."""
+    `choices`: `two_choices(w, n_req, in_system.size, seed)` when the caller drew them already.
+    `admitting` (per replica; None: all): the replicas the router sends requests to; while some
+    are out (lent), the two choices are drawn among the others (their own seeded draws)."""
+    if admitting is not None and not admitting.all():
+        inside = np.flatnonzero(admitting)
+        if inside.size == 1:
+            return np.full(n_req, inside[0], dtype=np.int64)
+        pick = np.random.default_rng([seed, 3, w, 1]).integers(0, inside.size, size=(n_req, 2))
+        a, b = inside[pick[:, 0]], inside[pick[:, 1]]
+        return np.where(in_system[a] <= in_system[b], a, b)
     G = in_system.size
     if G == 1:
         return np.zeros(n_req, dtype=np.int64)

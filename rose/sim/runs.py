@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -21,11 +21,13 @@ from rose.executor.guard import tripped_next
 from rose.policy.core import SchedulingCore
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import free_memory, memory_margin
+from rose.policy.pool import PoolConfig
 from rose.sim.interference import InterferenceProfile
 from rose.sim.ledger import Ledger
 from rose.sim.models import NODE_GPUS, EpisodeModel, GpuSpec
 from rose.sim.rollout_model import RolloutModel
 from rose.sim.serving_model import ServingSim
+from rose.sim.warm_starts import WarmPools
 
 SHARE_ALL_SHARE = 0.5  # = PolicyConfig.max_compute_share: the most ROSE would ever lend
 SHARE_ALL_MEM_FRAC = 0.5  # of the memory serving does not hold at start
@@ -75,6 +77,10 @@ class RunContext:
     cold_start_s: float = 0.0  # a lease's worker from its start to decoding with no warm worker, s
     warm_build_s: float = 0.0  # a new warm worker from its launch to ready, s (the pool's refill)
     train_step_s: float = 0.0  # one RL step's training, s (models.train_step_s)
+    replica_capacity_rps: float = 0.0  # requests/s a serving replica is provisioned for (replica leases)
+    replica_pool: PoolConfig = field(
+        default_factory=PoolConfig
+    )  # the pool decision's settings (SimConfig.replica_pool)
 
     def rollout_rate(self, mem_bytes, share) -> np.ndarray:
         """Episodes/s per GPU of rollout with `mem_bytes` at compute `share` beside serving: its
@@ -92,6 +98,10 @@ class RunContext:
 class Run:
     """The rollout side and the tallies of one policy."""
 
+    own_serving = False  # runs rollout on serving GPUs: needs a serving model of its own
+    harvests = False  # reports its harvest, leased GPUs and unusable leases
+    delta_weights = False  # syncs each RL step's weights as deltas (ROSE's workers), not full copies
+
     def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None):
         self.name, self.ctx, self.sim = name, ctx, sim  # sim None: serving shared (no rollout on it)
         self.ledger = Ledger(ctx.ep, ctx.rollout.reprefill_units, ctx.train_step_s)
@@ -99,7 +109,6 @@ class Run:
         self.slo_ok_gpu_windows = self.gpu_windows = self.slo_ok_windows = self.windows = 0
         self.revokes = self.grants = self.expiries = self.guard_pauses = self.leases_unusable = 0
         self.throttles = 0  # v1.1: pauses and resumes of a live lease (memory and worker stay)
-        self.warm_starts = self.cold_starts = 0  # leases' workers started from the warm pool, or cold
         self.decide_calls = 0
         self.weight_bytes = self.weight_bytes_full = 0.0
         self.lease_gpu_s = self.lease_share_s = self.ext_gpu_s = 0.0
@@ -142,6 +151,18 @@ class Run:
     def synced(self, steps: int) -> None:
         """Every rollout GPU now holds the weights of RL step `steps`."""
 
+    def admitting(self) -> np.ndarray | None:
+        """Per serving replica, whether the router sends it requests (None: every replica)."""
+        return None
+
+    def tallied(self) -> np.ndarray | None:
+        """Per serving GPU, whether it counts in the SLO tally (None: every GPU): a GPU serves."""
+        return None
+
+    def policy_tallies(self) -> dict:
+        """The policy's own figures for its result (rose.sim.report.result_of)."""
+        return {}
+
     def step(self, w: int, t1: float, st) -> None:
         """One window: the dedicated pool (resuming parked continuations first), then the rest."""
         c = self.ctx
@@ -172,6 +193,9 @@ class ElasticRun(Run):
     def external(self) -> int:
         return int(self.ext_w.size)
 
+    def policy_tallies(self) -> dict:
+        return {"external_gpu_hours": round(self.ext_gpu_s / 3600.0, 3), "external_gpu_cap": self.cap}
+
     def extra(self, w, t1, st):
         c, led = self.ctx, self.ledger
         arrived = sum(1 for t in self.requested if t <= t1)
@@ -199,6 +223,7 @@ class ShareAllRun(Run):
     """Every serving GPU lends a fixed share and memory from the start; never revoked."""
 
     sim: ServingSim  # always given one: rollout shares the serving GPUs
+    own_serving = harvests = True
 
     def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None) -> None:
         assert sim is not None  # the serving GPUs it shares (simulate() gives one)
@@ -238,6 +263,7 @@ class RoseRun(Run):
     commands through the executors' lease machine, the executors' guard on every window."""
 
     sim: ServingSim  # always given one: rollout shares the serving GPUs
+    own_serving = harvests = delta_weights = True
 
     _PEND = ("ts", "util", "used", "rmem", "ttft", "tpot", "rps", "qd")
 
@@ -263,7 +289,9 @@ class RoseRun(Run):
         self.starting = np.zeros(G, dtype=bool)
         self.tripped = np.zeros(G, dtype=bool)  # the executors' local guard, per serving GPU
         # each node's warm pool: when each of its warm workers is (or will be) ready
-        self.pool = [[0.0] * ctx.warm_workers for _ in range(-(-G // NODE_GPUS))]
+        self.warm = WarmPools(
+            -(-G // NODE_GPUS), ctx.warm_workers, ctx.lease_start_s, ctx.cold_start_s, ctx.warm_build_s
+        )
         self._gang_wait: dict[str, float] = {}  # a gang's one worker: its start cost, by group id
         self.w = np.zeros(G)
         # telemetry held back (rose.policy.deferral), newest first; `held` of them per GPU
@@ -286,6 +314,17 @@ class RoseRun(Run):
 
     def synced(self, steps: int) -> None:
         self.version[self.leased & (self.batch > 0)] = steps
+
+    def policy_tallies(self) -> dict:
+        return {
+            "grants": self.grants,
+            "expiries": self.expiries,
+            "guard_pauses": self.guard_pauses,
+            "decide_calls": self.decide_calls,
+            "warm_starts": self.warm.warm_starts,
+            "cold_starts": self.warm.cold_starts,
+            **lease_hours(0.0, self.lease_gpu_s, 0),
+        }
 
     def in_flight(self):
         return float(self.ded_w.sum() + self.w.sum())
@@ -468,14 +507,8 @@ class RoseRun(Run):
             self.batch[new] = c.rollout.batch_for(self.mem[new])
             ok = new[self.batch[new] > 0]
             self.leases_unusable += int(new.size - ok.size)
-            # the node keeps the last weights it had in host memory: a GPU that held a lease
-            # before only fetches the deltas it missed (never more than a full copy)
-            missed = self.ledger.steps() - self.version[ok]
-            full = float(c.wfull)
-            self.weight_bytes += float(
-                np.where(self.version[ok] < 0, full, np.minimum(full, missed * c.delta_ratio * full)).sum()
-            )
-            self.weight_bytes_full += full * ok.size
+            self.weight_bytes += fetch_bytes(self.version[ok], self.ledger.steps(), float(c.wfull), c.delta_ratio)
+            self.weight_bytes_full += float(c.wfull) * ok.size
             self.version[ok] = self.ledger.steps()
             for g in ok.tolist():  # resume parked continuations first
                 self.w[g] = self.ledger.unpark(self.batch[g] / 2.0)
@@ -533,15 +566,7 @@ class RoseRun(Run):
         lease decodes), else the worker starts cold. A gang starts one worker for its members."""
         if a.group_id and a.group_id in self._gang_wait:
             return self._gang_wait[a.group_id]
-        c, pool = self.ctx, self.pool[g // NODE_GPUS]
-        ready = [i for i, t in enumerate(pool) if t <= now]
-        if ready:
-            wait = c.lease_start_s
-            pool[ready[0]] = now + wait + c.warm_build_s
-            self.warm_starts += 1
-        else:
-            wait = c.cold_start_s
-            self.cold_starts += 1
+        wait = self.warm.start(g // NODE_GPUS, now)
         if a.group_id:
             self._gang_wait[a.group_id] = wait
         return wait
@@ -549,6 +574,24 @@ class RoseRun(Run):
 
 RUNS = {"static": Run, "elastic": ElasticRun, "share-all": ShareAllRun, "rose": RoseRun}
 POLICIES = tuple(RUNS)
+
+
+def fetch_bytes(version: np.ndarray, steps: int, full: float, delta_ratio: float) -> float:
+    """Weight bytes GPUs fetch to start rollout at RL step `steps`: the node keeps the last
+    weights it had in host memory, so a GPU that held rollout before (`version` ≥ 0) fetches only
+    the deltas it missed (never more than a full copy); one that never did, a full copy."""
+    missed = steps - version
+    return float(np.where(version < 0, full, np.minimum(full, missed * delta_ratio * full)).sum())
+
+
+def lease_hours(replica_gpu_s: float, coresident_gpu_s: float, reclaims_late: int) -> dict:
+    """The lease figures every ROSE policy reports (docs/contract.md §7): GPU-hours under replica
+    and co-resident leases, and reclaims whose replica served again after its pool needed it."""
+    return {
+        "replica_lease_hours": round(replica_gpu_s / 3600.0, 3),
+        "coresident_lease_hours": round(coresident_gpu_s / 3600.0, 3),
+        "reclaims_late": reclaims_late,
+    }
 
 
 def ready_fraction(t1: float, dt: float, ready_at: np.ndarray | np.float64) -> np.ndarray:

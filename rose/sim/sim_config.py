@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rose.config import ExecutorConfig, PolicyConfig
+from rose.policy.pool import PoolConfig
 from rose.sim.interference import InterferenceProfile, linear_profile, simulation_profile
 from rose.sim.models import RESUME_S, TRAIN_MFU, EngineConfig, EpisodeModel
 from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S, POLICIES
@@ -60,6 +61,9 @@ class SimConfig:
     episode: EpisodeModel = field(default_factory=EpisodeModel)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # replica leases (rose-replica): the pool decision's settings (policy.pools.<pool>); the run
+    # sets the capacity, the wake-up, the stop bound and the decision latency (replica_run.sim_pool_config)
+    replica_pool: PoolConfig = field(default_factory=PoolConfig)
     record_series: bool = True  # per-window series for plots
     elastic_cap_frac: float = ELASTIC_CAP_FRAC  # the elastic baseline's GPUs at once, × the static pool
     # what starting rollout costs (rose.sim.models): a lease's or a share's worker waking up (None:

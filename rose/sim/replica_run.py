@@ -1,0 +1,235 @@
+"""Replica leases in the simulator (`rose-replica`, docs/contract.md §7): whole serving replicas
+lent to rollout in the trough and reclaimed before the pool's load needs them. Every bin the
+pool decision of the live scheduler (`rose.policy.pool`: `pool_view`, `decide_pool`) reads the
+simulated replicas' telemetry and says which replicas to lend and which to bring back; the
+executor's replica path is modelled here: drain (the router sends the replica nothing new and
+its in-flight requests finish in the serving model), lend (rollout on the whole replica at its
+solo rate, started from the node's warm pool), reclaim (stop rollout, its partial work handed
+on; wake the serving engine; readmit). The model and its constants: docs/simulator.md
+"Replica leases".
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import replace
+
+import numpy as np
+
+from rose.config import ExecutorConfig
+from rose.contract.events import Latency, Telemetry
+from rose.policy.pool import PoolConfig, check_pool_config, decide_pool, pool_view
+from rose.sim.models import NODE_GPUS, wake_s
+from rose.sim.runs import Run, RunContext, fetch_bytes, lease_hours, ready_fraction
+from rose.sim.serving_model import ServingSim
+from rose.sim.warm_starts import WarmPools
+
+# Reclaim: rollout is gone by the executor's revoke deadline (SIGKILL then: ExecutorConfig), the
+# serving engine wakes (models.wake_s of its own weights per GPU: vLLM level-1 wake-up), and
+# it is readmitted (PoolConfig.readmit_s: an assumption until `rose bench replica`).
+STOP_ROLLOUT_S = ExecutorConfig.revoke_deadline_s
+# Drain: a replica whose serving model holds fewer requests (running and queued, a fluid) than
+# this has drained; one that has not within DRAIN_TIMEOUT_S is readmitted and its grant
+# rejected (executor.drain_timeout_s, docs/contract.md §7; the value is an assumption).
+DRAINED_REQUESTS = 0.5
+DRAIN_TIMEOUT_S = 30.0
+SERVING, DRAINING, LENT, RECLAIMING = range(4)
+STATES = ("serving", "draining", "lent", "reclaiming")  # serving_state in telemetry, by index
+
+
+def sim_pool_config(ctx: RunContext, serving_wake_s: float) -> PoolConfig:
+    """The pool decision's settings in the simulator: the run's (`SimConfig.replica_pool`, by default
+    the product's: forecast, window, bin, headroom, readmission), the capacity a replica is provisioned for
+    (`RunContext.replica_capacity_rps`), the serving engine's own wake-up, the executor's stop
+    bound, and the decision's latency: one bin (it decides at each bin's end) and the window
+    before its commands act."""
+    base = ctx.replica_pool
+    return replace(
+        base,
+        replica_capacity_rps=ctx.replica_capacity_rps,
+        wake_s=serving_wake_s,
+        stop_rollout_s=STOP_ROLLOUT_S,
+        decision_latency_s=base.bin_s + ctx.dt,
+    )
+
+
+class ReplicaRun(Run):
+    """Static pool + replica leases: the pool decision on the replicas' telemetry every bin, the
+    executors' drain -> lend -> reclaim per replica, the router's traffic to serving replicas only."""
+
+    sim: ServingSim  # always given one: its replicas are lent
+    own_serving = harvests = delta_weights = True
+
+    def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None) -> None:
+        assert sim is not None  # the serving replicas it lends (simulate() gives one)
+        super().__init__(name, ctx, sim)
+        R, self.tp = sim.replicas, sim.tp
+        self.cfg = sim_pool_config(ctx, wake_s(sim.model.weight_bytes_per_gpu, ctx.gpu))
+        check_pool_config("sim", self.cfg)
+        self.back_s = self.cfg.stop_rollout_s + self.cfg.wake_s + self.cfg.readmit_s  # lent -> serving
+        self.per_bin = max(1, round(self.cfg.bin_s / ctx.dt))
+        self.state = np.zeros(R, dtype=np.int8)
+        self.since = np.zeros(R)  # when the replica entered its state
+        self.back_at = np.zeros(R)  # reclaiming: when it serves again
+        self.late = np.zeros(R, dtype=bool)  # reclaiming: the pool's load needed it already
+        self.w = np.zeros(R)  # in-flight rollout work of each lent replica
+        self.ready_at = np.zeros(R)  # when its rollout worker decodes
+        self.version = np.full(R, -1, dtype=np.int64)  # policy version its node holds, -1 none
+        # a lent replica: its GPUs that form whole rollout groups, at the rate of a GPU whose
+        # serving engine sleeps (it keeps its runtime reserve), no interference
+        mem = ctx.gpu.mem_bytes - sim.engine.runtime_reserve_bytes
+        self.usable = (self.tp // ctx.rollout.tp) * ctx.rollout.tp
+        self.rate = self.usable * float(ctx.rollout.rate(mem))
+        self.batch = self.usable * float(ctx.rollout.batch_for(mem))
+        self.warm = WarmPools(
+            -(-sim.n // NODE_GPUS), ctx.warm_workers, ctx.lease_start_s, ctx.cold_start_s, ctx.warm_build_s
+        )
+        self.bins: deque[list[Telemetry]] = deque(maxlen=math.ceil(self.cfg.window_s / self.cfg.bin_s) + 1)
+        self.bin_max = {k: np.zeros(sim.n) for k in ("rps", "ttft", "tpot")}
+        self.recent: deque[float] = deque(maxlen=self.per_bin)  # the pool's load per window, one bin
+        self.lends = self.drain_timeouts = self.reclaims_late = self.decisions = 0
+        self.drain_s = 0.0  # summed over lent replicas
+        self.replica_gpu_s = 0.0
+
+    # hooks
+    def admitting(self) -> np.ndarray:
+        return self.state == SERVING
+
+    def tallied(self) -> np.ndarray:
+        return np.repeat((self.state == SERVING) | (self.state == DRAINING), self.tp)
+
+    def in_flight(self) -> float:
+        return float(self.ded_w.sum() + self.w.sum())
+
+    def rollout_gpus(self) -> int:
+        return self.ctx.M + self.usable * int((self.state == LENT).sum())
+
+    def leased_counts(self) -> tuple[int, int]:
+        return self.tp * int((self.state != SERVING).sum()), self.usable * int((self.state == LENT).sum())
+
+    def synced(self, steps: int) -> None:
+        self.version[self.state == LENT] = steps
+
+    def policy_tallies(self) -> dict:
+        lent = self.lends - self.drain_timeouts
+        return {
+            "grants": self.lends,
+            "drain_timeouts": self.drain_timeouts,
+            "mean_drain_s": round(self.drain_s / lent, 3) if lent else None,
+            "reclaim_to_serving_s": round(self.back_s, 3),
+            "pool_decisions": self.decisions,
+            "warm_starts": self.warm.warm_starts,
+            "cold_starts": self.warm.cold_starts,
+            **lease_hours(self.replica_gpu_s, 0.0, self.reclaims_late),
+        }
+
+    def extra(self, w: int, t1: float, st) -> None:
+        c = self.ctx
+        lent = self.state == LENT
+        gain = np.where(lent, self.rate * c.dt, 0.0) * ready_fraction(t1, c.dt, self.ready_at)
+        self.ledger.progress(self.w, np.full(self.w.size, self.batch / 2.0), gain)
+        self.harvested += float(gain.sum())
+        if self.lease_start_s is None and gain.any():
+            self.lease_start_s = t1 - c.dt * float(ready_fraction(t1, c.dt, self.ready_at)[gain > 0].max())
+        out = self.tp * int((self.state != SERVING).sum())
+        self.replica_gpu_s += out * c.dt
+        self.lease_gpu_s += out * c.dt
+        self.lease_share_s += self.usable * int(lent.sum()) * c.dt
+        self.account_need(st)
+        self.advance_replicas(t1)
+        for k, v in (("rps", st.rps), ("ttft", st.ttft_p99_ms), ("tpot", st.tpot_p99_ms)):
+            np.maximum(self.bin_max[k], v, out=self.bin_max[k])
+        if (w + 1) % self.per_bin == 0:
+            self.decide(w, t1, st)
+
+    def account_need(self, st) -> None:
+        """A reclaim is late when, before its replica serves again, the pool's load (arrivals over
+        the last bin) exceeds what its serving replicas carry at the provisioned capacity."""
+        self.recent.append(float(st.rps[:: self.tp].sum()))
+        load = sum(self.recent) / len(self.recent)
+        if load > int((self.state == SERVING).sum()) * self.cfg.replica_capacity_rps:
+            newly = (self.state == RECLAIMING) & ~self.late
+            self.reclaims_late += int(newly.sum())
+            self.late |= newly
+
+    def advance_replicas(self, t1: float) -> None:
+        """The executors at the window's end: drained replicas are lent (their rollout starts from
+        the node's warm pool), a drain past its timeout is readmitted, reclaimed replicas whose
+        wake-up and readmission are done serve again (from the next window, as the router's)."""
+        sim = self.sim
+        for r in np.flatnonzero(self.state == DRAINING).tolist():
+            if sim.N[r] + sim.qn[r] < DRAINED_REQUESTS:
+                self.drain_s += t1 - float(self.since[r])
+                self.state[r], self.since[r] = LENT, t1
+                self.lend(r, t1)
+            elif t1 - self.since[r] >= DRAIN_TIMEOUT_S:
+                self.drain_timeouts += 1
+                self.state[r], self.since[r], self.back_at[r] = RECLAIMING, t1, t1 + self.cfg.readmit_s
+        back = (self.state == RECLAIMING) & (self.back_at <= t1)
+        self.state[back] = SERVING
+        self.since[back] = t1
+        self.late[back] = False
+
+    def lend(self, r: int, t1: float) -> None:
+        """Rollout starts on drained replica r: its worker from the node's warm pool (one for the
+        replica's GPUs), the parked continuations first, the weights it missed."""
+        c = self.ctx
+        if self.usable == 0:
+            self.leases_unusable += 1
+            self.ready_at[r] = math.inf
+            return
+        self.ready_at[r] = t1 + self.warm.start(r * self.tp // NODE_GPUS, t1)
+        steps = self.ledger.steps()
+        self.weight_bytes += fetch_bytes(np.full(self.usable, self.version[r]), steps, float(c.wfull), c.delta_ratio)
+        self.weight_bytes_full += float(c.wfull) * self.usable
+        self.version[r] = steps
+        self.w[r] = self.ledger.unpark(self.batch / 2.0)
+
+    def decide(self, w: int, t1: float, st) -> None:
+        """The pool decision on this bin's telemetry and the window's before it, carried out."""
+        self.bins.append(self.bin_events(w, t1, st))
+        view = pool_view(itertools.chain.from_iterable(self.bins), self.cfg)
+        assert view is not None  # every GPU reported this bin
+        d = decide_pool(view, self.cfg)
+        self.decisions += 1
+        for rid in d.lend:
+            r = int(rid[1:])
+            self.state[r], self.since[r] = DRAINING, t1
+            self.lends += 1
+        stopped = np.zeros(self.w.size, dtype=bool)
+        for rid in d.reclaim:
+            r = int(rid[1:])
+            stopped[r] = self.state[r] == LENT
+            self.back_at[r] = t1 + (self.back_s if stopped[r] else self.cfg.readmit_s)
+            self.state[r], self.since[r], self.late[r] = RECLAIMING, t1, False
+            self.revokes += 1
+        if stopped.any():  # rollout stops: its episodes are handed on as continuations
+            wv = self.w[stopped]
+            self.ledger.park(wv, np.full(wv.size, self.batch))
+            self.w[stopped] = wv
+
+    def bin_events(self, w: int, t1: float, st) -> list[Telemetry]:
+        """One telemetry event per GPU summarising the bin that ends at t1: its highest rps and
+        worst p99s over the bin's windows (what `pool_view` keeps of a bin's events), the
+        replica's state now. Then the bin's maxima start again."""
+        slo, total, tp = self.ctx.slo, st.mem_total_bytes, self.tp
+        rps, ttft, tpot = (self.bin_max[k].tolist() for k in ("rps", "ttft", "tpot"))
+        util, used, rmem = (
+            np.clip(st.gpu_util, 0.0, 1.0).tolist(),
+            st.mem_used_bytes.tolist(),
+            st.rollout_mem_bytes.tolist(),
+        )
+        qd = st.queue_depth.tolist()
+        out = [
+            Telemetry(
+                f"sim/{g}@{w}", t1, f"node-{g // NODE_GPUS}", f"sim/{g}", "sim", util[g], total, used[g], rmem[g],
+                Latency(ttft[g], tpot[g]), slo, rps[g], qd[g], replica=f"r{g // tp:05d}",
+                serving_state=STATES[self.state[g // tp]],
+            )
+            for g in range(len(rps))
+        ]  # fmt: skip
+        for v in self.bin_max.values():
+            v[:] = 0.0
+        return out
