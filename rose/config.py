@@ -13,6 +13,7 @@ Secrets (passwords, HMAC keys) may be given as `*_file` paths and are never logg
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -198,6 +199,24 @@ class ExecutorConfig:
     mem_cap_samples: int = 2  # consecutive samples over the grant that stop the worker (a fork's double count is 1)
     mem_cap_grace_s: float = 1.0  # SIGKILL an over-cap worker still there this long after its stop
     mem_cap_cgroup: str = "auto"  # cgroup v2 memory.max per worker: auto | off | a delegated cgroup v2 directory
+    # a replica lease's drain: the longest wait, after the replica left its router, for its
+    # requests in flight to finish; past it the grant is rejected and the replica readmitted
+    # (CONTRACT §7). 30 s: Kubernetes' default termination grace period, the time a pod's
+    # in-flight requests get before it is stopped
+    drain_timeout_s: float = 30.0
+
+
+ROUTER_KINDS = ("vllm-router", "readiness")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router a pool's replicas sit behind, which replica leases take a replica out of (docs/router.md)."""
+
+    kind: str = "vllm-router"  # vllm-router (its worker API) | readiness (an endpoint per replica a balancer polls)
+    # vllm-router: its API (30000 is its default port); readiness: where the endpoint listens
+    url: str = "http://127.0.0.1:30000"
+    metrics_url: str = ""  # vllm-router's Prometheus exporter (requests in flight per worker); "" = not read
 
 
 @dataclass(frozen=True)
@@ -273,6 +292,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     stack: StackConfig = field(default_factory=StackConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def redacted(self) -> dict:
         """The config as a dict with secrets replaced, safe to log."""
@@ -459,6 +479,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     cfg = replace(cfg, **changes)
     _check_rollout(cfg.rollout)
     _check_gateway(cfg.gateway)
+    _check_router(cfg.router, cfg.executor)
     _check_clock_skew(cfg.executor, cfg.policy)
     return cfg
 
@@ -497,3 +518,16 @@ def _check_gateway(g: GatewayConfig) -> None:
         )
     if not 0 <= g.pause_patience_s < float("inf"):
         raise ConfigError(f"gateway.pause_patience_s: expected a number of seconds >= 0, got {g.pause_patience_s}")
+
+
+def _check_router(r: RouterConfig, e: ExecutorConfig) -> None:
+    if r.kind not in ROUTER_KINDS:
+        raise ConfigError(f"router.kind: expected {' or '.join(ROUTER_KINDS)}, got {r.kind!r}")
+    scheme, sep, rest = r.url.partition("://")
+    if scheme not in ("http", "https") or not sep or not rest.strip("/"):
+        raise ConfigError(f"router.url: expected an http:// or https:// address, got {r.url!r}")
+    if not e.drain_timeout_s > 0 or math.isinf(e.drain_timeout_s):
+        raise ConfigError(
+            f"executor.drain_timeout_s: expected a number of seconds > 0, got {e.drain_timeout_s:g}; "
+            "set it to how long a lent replica's requests in flight may take to finish"
+        )

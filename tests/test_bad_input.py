@@ -78,6 +78,19 @@ def test_a_wrong_type_in_the_config_file_is_one_line_and_exit_2(tmp_path):
     assert_one_line(rose("topics", "create", env={"ROSE_CONFIG": str(path)}), "policy.ttl_s", "a number", "'soon'")
 
 
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        ('[router]\nkind = "nginx"\n', ("router.kind", "vllm-router or readiness", "'nginx'")),
+        ("[executor]\ndrain_timeout_s = 0\n", ("executor.drain_timeout_s", "> 0")),
+    ],
+)
+def test_a_bad_router_setting_is_one_line_and_exit_2(tmp_path, section, words):
+    path = tmp_path / "rose.toml"
+    path.write_text(section)
+    assert_one_line(rose("topics", "create", env={"ROSE_CONFIG": str(path)}), *words)
+
+
 def test_an_unreadable_config_file_is_a_config_error(tmp_path, monkeypatch):
     import rose.config
 

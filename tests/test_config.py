@@ -60,3 +60,19 @@ def test_a_true_or_false_setting_reads_true_false_1_or_0_and_refuses_anything_el
     for bad in ("yes", "2", ""):
         with pytest.raises(ConfigError, match="executor.worker_sched_idle: expected true or false"):
             load_config(env={"ROSE_EXECUTOR__WORKER_SCHED_IDLE": bad})
+
+
+def test_router_kind_url_and_drain_timeout_are_checked():
+    from rose.config import ConfigError
+
+    c = load_config(env={})
+    assert (c.router.kind, c.executor.drain_timeout_s) == ("vllm-router", 30.0)
+    c = load_config(env={"ROSE_ROUTER__KIND": "readiness", "ROSE_ROUTER__URL": "http://0.0.0.0:8099"})
+    assert (c.router.kind, c.router.url) == ("readiness", "http://0.0.0.0:8099")
+    with pytest.raises(ConfigError, match="router.kind: expected vllm-router or readiness, got 'nginx'"):
+        load_config(env={"ROSE_ROUTER__KIND": "nginx"})
+    with pytest.raises(ConfigError, match="router.url: expected an http:// or https:// address, got '127.0.0.1:30000'"):
+        load_config(env={"ROSE_ROUTER__URL": "127.0.0.1:30000"})
+    for bad in ("0", "-5", "nan", "inf"):
+        with pytest.raises(ConfigError, match="executor.drain_timeout_s: expected a number of seconds > 0"):
+            load_config(env={"ROSE_EXECUTOR__DRAIN_TIMEOUT_S": bad})
