@@ -89,8 +89,8 @@ class ReplicaRun(Run):
         self.bins: deque[list[Telemetry]] = deque(maxlen=math.ceil(self.cfg.window_s / self.cfg.bin_s) + 1)
         self.bin_max = {k: np.zeros(sim.n) for k in ("rps", "ttft", "tpot")}
         self.recent: deque[float] = deque(maxlen=self.per_bin)  # the pool's load per window, one bin
-        self.lends = self.drain_timeouts = self.reclaims_late = self.decisions = 0
-        self.drain_s = 0.0  # summed over lent replicas
+        self.lends = self.drained = self.drain_timeouts = self.reclaims_late = self.decisions = 0
+        self.drain_s = 0.0  # summed over the drains that finished
         self.replica_gpu_s = 0.0
 
     # hooks
@@ -113,11 +113,10 @@ class ReplicaRun(Run):
         self.version[self.state == LENT] = steps
 
     def policy_tallies(self) -> dict:
-        lent = self.lends - self.drain_timeouts
         return {
             "grants": self.lends,
             "drain_timeouts": self.drain_timeouts,
-            "mean_drain_s": round(self.drain_s / lent, 3) if lent else None,
+            "mean_drain_s": round(self.drain_s / self.drained, 3) if self.drained else None,
             "reclaim_to_serving_s": round(self.back_s, 3),
             "pool_decisions": self.decisions,
             "warm_starts": self.warm.warm_starts,
@@ -162,6 +161,7 @@ class ReplicaRun(Run):
         for r in np.flatnonzero(self.state == DRAINING).tolist():
             if sim.N[r] + sim.qn[r] < DRAINED_REQUESTS:
                 self.drain_s += t1 - float(self.since[r])
+                self.drained += 1
                 self.state[r], self.since[r] = LENT, t1
                 self.lend(r, t1)
             elif t1 - self.since[r] >= DRAIN_TIMEOUT_S:
