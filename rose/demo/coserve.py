@@ -30,12 +30,16 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rose.demo.spec_process import JsonSpec, spec_main
+from rose.node.agent_loop import GuardFeed, Window
+from rose.node.lease_view import LeaseView
+from rose.node.telemetry import feed_guard, telemetry_records
 from rose.obs.logs import get_logger
 from rose.obs.stats import percentile
 
@@ -263,7 +267,6 @@ class VllmServerDevice:
 
         self.spec, self.finish, self.period_s = spec, finish, period_s
         self.names = prometheus.metric_names("auto")
-        self.keep = prometheus.all_names(self.names)
         self.pool = ThreadPoolExecutor(spec.clients, thread_name_prefix="coserve-client")
         self.inflight: set[str] = set()
         self.lock = threading.Lock()
@@ -341,25 +344,21 @@ class VllmServerDevice:
         return False  # the server runs the requests; the client threads time them
 
     def _scrape_loop(self) -> None:
-        """A window of the server's metrics every telemetry period, read as `rose agent` reads it:
-        `scrape`, `prometheus.parse/window`, the last measured p99s carried over (`LatencyCarry`)."""
+        """A window of the server's metrics every telemetry period, read as `rose agent` reads it
+        (`EngineMetrics`), the last measured p99s carried over (`LatencyCarry`)."""
         from rose.node import prometheus
-        from rose.node.agent import LatencyCarry, scrape
+        from rose.node.agent import EngineMetrics, LatencyCarry
 
-        url = self.srv.url + "/metrics"
+        metrics = EngineMetrics(self.srv.url + "/metrics", self.names)
         carry = LatencyCarry()
-        prev: tuple[float, prometheus.Scrape] | None = None
         nxt = time.monotonic()
         while not self.closing.is_set():
             try:
-                sc = prometheus.parse(scrape(url, max(1.0, self.period_s)), self.keep)
+                w = metrics.read(max(1.0, self.period_s))
             except (OSError, prometheus.ExpositionError) as e:
                 self.counts["scrape_failed"] += 1
-                log.warning("cannot read the server's metrics", url=url, error=str(e))
+                log.warning("cannot read the server's metrics", url=metrics.url, error=str(e))
             else:
-                t = time.monotonic()
-                w = prometheus.window(sc, prev[1] if prev else None, t - prev[0] if prev else 0.0, self.names)
-                prev = (t, sc)
                 p99 = carry.update(w.ttft_p99_ms, w.tpot_p99_ms)
                 if p99 is not None:
                     with self.lock:
@@ -416,6 +415,9 @@ class CoServed:
         # per request: (finish wall time, ttft ms, mean tpot ms, rollout running on this device)
         self.done: list[tuple[float, float, float, bool]] = []
         self.is_cuda = spec.device.startswith("cuda")
+        self.run_id = uuid.uuid4().hex[:12]
+        self.t0 = self.util_t0 = self.next_guard = 0.0  # the replay's clock (set when serving starts)
+        self.nxt, self.arrivals_in_window = 0, 0  # the trace's next request, arrivals in this window
         self.server: TorchServer | VllmServerDevice
         if spec.server == "vllm":
             self.server = VllmServerDevice(spec, self._finish, cfg.telemetry.period_s)
@@ -442,110 +444,104 @@ class CoServed:
         r.hset(key(spec.status_key), mapping={"state": "starting", **status, "server": spec.server})
         try:
             status.update(server.start())
-            return self._serve(status, slo)
+            return self._serve(status)
         finally:
             server.close()
 
-    def _serve(self, status: dict, slo: tuple[float, float]) -> dict:
-        from rose.contract.events import Latency
-        from rose.executor.guard import LatencySample, write_latency
+    def _serve(self, status: dict) -> dict:
+        """Serve the trace and publish the device's telemetry through the node agent's loop
+        (this device is its source) until `stop`; then leave the summary in the status hash."""
         from rose.kafka.telemetry_publisher import TelemetryPublisher
-        from rose.node.lease_view import LeaseFollower, LeaseView
+        from rose.node.agent_loop import run_agent
 
-        spec, cfg, r, server = self.spec, self.cfg, self.r, self.server
+        spec, cfg, r = self.spec, self.cfg, self.r
         key = cfg.redis.key
-        pub = TelemetryPublisher(cfg.kafka, cfg.kafka.telemetry_topic, linger_ms=cfg.telemetry.linger_ms)
-        view = LeaseView(default_share=cfg.policy.max_compute_share)
-        follower = LeaseFollower(cfg, view)
-        period = cfg.telemetry.period_s
-        run_id = uuid.uuid4().hex[:12]
-
-        def guard(lat: tuple[float, float]) -> None:
-            if spec.latency_dir:
-                write_latency(spec.latency_dir, spec.gpu, LatencySample(time.time(), Latency(*lat), Latency(*slo)))
-
-        t0 = time.monotonic()
-        nxt = 0
-        seq = 0
-        next_tel = t0 + period
-        next_guard = t0
-        util_t0 = t0
-        arrivals_in_window = 0
+        pub = TelemetryPublisher.for_config(cfg)
         r.hset(key(spec.status_key), mapping={"state": "serving", **status})
-        while not self.stop:
-            now = time.monotonic()
-            # arrivals (the replay clock is the process's own; it loops over the trace)
-            t_rel = now - t0
-            while nxt < len(self.arrival) and self.arrival[nxt] <= t_rel:
-                n = int(self.p_len[nxt])
-                server.submit(
-                    _Req(
-                        f"r{nxt}",
-                        t0 + float(self.arrival[nxt]),
-                        self.rng.integers(1, 256, n).tolist(),
-                        int(self.o_len[nxt]),
-                    )
-                )
-                nxt += 1
-                arrivals_in_window += 1
-            if not server.step():
-                wait = 0.005
-                if nxt < len(self.arrival):
-                    wait = min(wait, max(0.0, t0 + float(self.arrival[nxt]) - time.monotonic()))
-                time.sleep(wait)
-            now = time.monotonic()
-            if server.continuous_guard and now >= next_guard:
-                next_guard = now + spec.guard_every_s
-                if (g := server.reading(now)) is not None:
-                    guard((g.ttft_ms, g.tpot_ms))
-            if now >= next_tel:
-                next_tel += period
-                if next_tel < now:  # fell behind (a stall): keep the period, skip the missed ticks
-                    next_tel = now + period
-                follower.poll()
-                share, running, rmem = view.rollout(spec.gpu)
-                self.rollout_now = running
-                util = server.util(max(1e-6, now - util_t0))
-                util_t0 = now
-                reading = server.reading(now)
-                if reading is not None:  # None: no window of the server's metrics yet (nothing published)
-                    if not server.continuous_guard and reading.measured:
-                        guard((reading.ttft_ms, reading.tpot_ms))
-                    recs = self._records(reading, (run_id, seq), slo, util, rmem, arrivals_in_window / period)
-                    pub.publish(recs, ts_ms=int(time.time() * 1000))
-                seq += 1
-                arrivals_in_window = 0
-                pub.tick()
-            if nxt >= len(self.arrival) and not server.pending():
-                t0, nxt = time.monotonic(), 0  # replay the trace again
+        run_agent(cfg, self, stop=lambda: self.stop, publisher=pub, leases=True, guard_dir=spec.latency_dir or None)
         pub.flush(5.0)
-        follower.close()
         done = list(self.done)
         summary = latency_summary(done)
         rows = [(round(t, 3), round(a, 3), round(b, 3), int(f)) for t, a, b, f in done]
-        extra = getattr(server, "counts", {})
+        extra = getattr(self.server, "counts", {})
         r.hset(
             key(spec.status_key),
             mapping={"state": "stopped", "summary": json.dumps(summary), "requests": json.dumps(rows), **extra},
         )
         return summary
 
+    # ---- the device as a telemetry source of the node agent's loop (rose.node.agent_loop) ----
+    def deadlines(self) -> Iterator[float]:
+        """A window every telemetry period from the replay's start; after a stall the period is
+        kept and the missed windows skipped."""
+        period = self.cfg.telemetry.period_s
+        self.t0 = self.util_t0 = self.next_guard = time.monotonic()
+        self.nxt, self.arrivals_in_window = 0, 0
+        due = self.t0 + period
+        while True:
+            yield due
+            due += period
+            if due < (now := time.monotonic()):
+                due = now + period
+
+    def idle(self, budget_s: float) -> None:
+        """Between windows: submit the trace's arrivals (the replay clock is the process's own;
+        it loops over the trace), run an engine step and keep the guard file fresh."""
+        server, now = self.server, time.monotonic()
+        while self.nxt < len(self.arrival) and self.arrival[self.nxt] <= now - self.t0:
+            n = int(self.p_len[self.nxt])
+            arrival = self.t0 + float(self.arrival[self.nxt])
+            server.submit(
+                _Req(f"r{self.nxt}", arrival, self.rng.integers(1, 256, n).tolist(), int(self.o_len[self.nxt]))
+            )
+            self.nxt += 1
+            self.arrivals_in_window += 1
+        if not server.step():
+            wait = min(0.005, budget_s)
+            if self.nxt < len(self.arrival):
+                wait = min(wait, max(0.0, self.t0 + float(self.arrival[self.nxt]) - time.monotonic()))
+            time.sleep(wait)
+        now = time.monotonic()
+        if server.continuous_guard and now >= self.next_guard and self.spec.latency_dir:
+            self.next_guard = now + self.spec.guard_every_s
+            if (g := server.reading(now)) is not None:
+                feed_guard(self.spec.latency_dir, [self.spec.gpu], time.time(), [g.ttft_ms], [g.tpot_ms], self._slo())
+        if self.nxt >= len(self.arrival) and not server.pending():
+            self.t0, self.nxt = time.monotonic(), 0  # replay the trace again
+
+    def window(self, seq: int, view: LeaseView | None) -> Window | None:
+        """The window's record of this device (None: no window of the server's metrics yet)."""
+        period, server, now = self.cfg.telemetry.period_s, self.server, time.monotonic()
+        share, running, rmem = view.rollout(self.spec.gpu) if view is not None else (0.0, False, 0)
+        self.rollout_now = running
+        util = server.util(max(1e-6, now - self.util_t0))
+        self.util_t0 = now
+        rps, self.arrivals_in_window = self.arrivals_in_window / period, 0
+        reading = server.reading(now)
+        if reading is None:
+            return None
+        ts = time.time()
+        fed = not server.continuous_guard and reading.measured  # a continuous guard is fed between windows
+        guard = GuardFeed([self.spec.gpu], [reading.ttft_ms], [reading.tpot_ms]) if fed else None
+        return Window(ts, self._records(reading, ts, seq, util, rmem, rps), guard)
+
+    def _slo(self) -> tuple[float, float]:
+        return self.cfg.telemetry.slo_ttft_ms, self.cfg.telemetry.slo_tpot_ms
+
     def _records(
-        self, reading: Reading, run_seq: tuple[str, int], slo: tuple[float, float], util: float, rmem: int, rps: float
+        self, reading: Reading, ts: float, seq: int, util: float, rmem: int, rps: float
     ) -> list[tuple[bytes, bytes]]:
         """The window's rose.telemetry.v1 record of this device."""
-        from rose.node.telemetry import telemetry_records
-
         spec = self.spec
         total, used = self._memory()
         return telemetry_records(
-            ts=time.time(),
+            ts=ts,
             node=spec.node,
             gpus=[spec.gpu],
             pool=self.cfg.telemetry.pool,
-            slo=slo,
-            run_id=run_seq[0],
-            seq=run_seq[1],
+            slo=self._slo(),
+            run_id=self.run_id,
+            seq=seq,
             util=[min(1.0, util)],
             mem_total=total,
             mem_used=[max(used, rmem)],

@@ -7,17 +7,21 @@ engine that spans all of the node's GPUs (tensor parallel). A GPU whose engine c
 publishes nothing that period: without telemetry its lease is not renewed and expires (safe). A
 window in which no request finished carries the last measured p99 (`LatencyCarry`), never 0 ms.
 With `--feed-guard` each measured window's p99 also goes to the executor's local guard.
-The simulated agent is rose.node.simulated_agent."""
+`NvmlSource` is a source of the agent's loop (rose.node.agent_loop), as is the simulated agent
+(rose.node.simulated_agent)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rose.config import Config
-from rose.node.telemetry import feed_guard, telemetry_records, window_span
+from rose.node import prometheus
+from rose.node.agent_loop import GuardFeed, Window, run_agent
+from rose.node.lease_view import LeaseView
+from rose.node.telemetry import telemetry_records
 from rose.obs.logs import get_logger
 
 log = get_logger("rose.agent")
@@ -66,104 +70,137 @@ def scrape(url: str, timeout_s: float) -> str:
         return r.read().decode("utf-8", "replace")
 
 
-def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lambda: False, publisher=None) -> dict:
-    """Sample NVML + the engines' metrics every period until `stop()`; returns counters."""
-    from rose.kafka.telemetry_publisher import TelemetryPublisher
-    from rose.node import prometheus
-    from rose.node.nvml import MIN_PERIOD_S, read_pids
+class EngineMetrics:
+    """One engine's /metrics read window by window: each read is a window of the histogram
+    deltas since the previous read."""
 
-    tc = cfg.telemetry
-    period = max(MIN_PERIOD_S, opt.period_s or tc.period_s)
-    names = prometheus.metric_names(tc.engine, tc.metrics)
-    keep = prometheus.all_names(names)
-    n = len(nvml)
-    gpus = [f"{opt.node}/{i}" for i in range(n)]
-    urls = opt.metrics_urls if len(opt.metrics_urls) == n else [opt.metrics_urls[0]] * n
-    pub = publisher or TelemetryPublisher.for_config(cfg)
-    prev: dict[str, tuple[float, prometheus.Scrape]] = {}
-    carry = [LatencyCarry() for _ in range(n)]
-    counts = {"carried": 0, "no_latency_yet": 0}  # GPU-windows published with carried p99s / not published
-    warned_missing: set[tuple[str, str]] = set()
-    run_id = uuid.uuid4().hex[:12]
-    slo = (tc.slo_ttft_ms, tc.slo_tpot_ms)
-    seq, next_t, last_warn = 0, time.monotonic(), 0.0
-    while not stop():
-        next_t += period
+    def __init__(self, url: str, names: dict[str, tuple[str, ...]]):
+        self.url, self.names, self.keep = url, names, prometheus.all_names(names)
+        self.prev: tuple[float, prometheus.Scrape] | None = None
+
+    def read(self, timeout_s: float) -> prometheus.ServingWindow:
+        """This read's `prometheus.ServingWindow`; raises OSError or prometheus.ExpositionError
+        when the page cannot be read."""
+        sc = prometheus.parse(scrape(self.url, timeout_s), self.keep)
+        t, p = time.monotonic(), self.prev
+        self.prev = (t, sc)
+        return prometheus.window(sc, p[1] if p else None, t - p[0] if p else 0.0, self.names)
+
+
+class NvmlSource:
+    """NVML and the engines' metrics as a telemetry source: every period a window of each
+    engine's metrics, and one record for each GPU whose engine has measured both p99s."""
+
+    def __init__(self, cfg: Config, opt: NvmlOptions, nvml):
+        from rose.node.nvml import MIN_PERIOD_S
+
+        tc = cfg.telemetry
+        self.cfg, self.opt, self.nvml = cfg, opt, nvml
+        self.period = max(MIN_PERIOD_S, opt.period_s or tc.period_s)
+        self.names = prometheus.metric_names(tc.engine, tc.metrics)
+        self.n = n = len(nvml)
+        self.gpus = [f"{opt.node}/{i}" for i in range(n)]
+        self.urls = opt.metrics_urls if len(opt.metrics_urls) == n else [opt.metrics_urls[0]] * n
+        self.engines = {url: EngineMetrics(url, self.names) for url in self.urls}
+        self.carry = [LatencyCarry() for _ in range(n)]
+        self.counts = {"carried": 0, "no_latency_yet": 0}  # GPU-windows published with carried p99s / not published
+        self.warned_missing: set[tuple[str, str]] = set()
+        self.run_id = uuid.uuid4().hex[:12]
+        self.last_warn = 0.0
+
+    def deadlines(self) -> Iterator[float]:
+        t = time.monotonic()
+        while True:
+            yield t
+            t += self.period
+
+    def idle(self, budget_s: float) -> None:
+        time.sleep(budget_s)
+
+    def _scrape(self, url: str) -> prometheus.ServingWindow | None:
+        """This period's window of `url`'s metrics; None when it cannot be read."""
+        try:
+            w = self.engines[url].read(min(self.opt.scrape_timeout_s, self.period))
+        except (OSError, prometheus.ExpositionError) as e:
+            if time.monotonic() - self.last_warn > 5.0:
+                self.last_warn = time.monotonic()
+                log.warning("cannot read serving metrics", url=url, error=str(e))
+            return None
+        for role in w.missing:
+            if (url, role) not in self.warned_missing:
+                self.warned_missing.add((url, role))
+                log.warning(
+                    "serving metrics lack a latency histogram: no p99 from it (a GPU publishes "
+                    "nothing until both have been measured)",
+                    url=url,
+                    role=role,
+                    looked_for=list(self.names[role]),
+                )
+        return w
+
+    def window(self, seq: int, view: LeaseView | None) -> Window | None:
+        from rose.node.nvml import read_pids
+
         now_wall = time.time()
-        windows_by_url: dict[str, prometheus.ServingWindow | None] = {}
-        for url in dict.fromkeys(urls):
-            try:
-                text = scrape(url, min(opt.scrape_timeout_s, period))
-                sc = prometheus.parse(text, keep)
-            except (OSError, prometheus.ExpositionError) as e:
-                windows_by_url[url] = None
-                if time.monotonic() - last_warn > 5.0:
-                    last_warn = time.monotonic()
-                    log.warning("cannot read serving metrics", url=url, error=str(e))
-                continue
-            t = time.monotonic()
-            p = prev.get(url)
-            scraped = windows_by_url[url] = prometheus.window(sc, p[1] if p else None, t - p[0] if p else 0.0, names)
-            prev[url] = (t, sc)
-            for role in scraped.missing:
-                if (url, role) not in warned_missing:
-                    warned_missing.add((url, role))
-                    log.warning(
-                        "serving metrics lack a latency histogram: no p99 from it (a GPU publishes "
-                        "nothing until both have been measured)",
-                        url=url,
-                        role=role,
-                        looked_for=list(names[role]),
-                    )
-        pids = read_pids(opt.rollout_pids)
-        idx, lat = [], []
-        ws = []  # the window of each GPU that publishes
-        for i in range(n):
-            w = windows_by_url.get(urls[i])
+        by_url = {url: self._scrape(url) for url in dict.fromkeys(self.urls)}
+        pids = read_pids(self.opt.rollout_pids)
+        idx, lat, ws = [], [], []  # the GPUs that publish, their p99s and windows
+        for i in range(self.n):
+            w = by_url.get(self.urls[i])
             if w is None:
                 continue
-            p99 = carry[i].update(w.ttft_p99_ms, w.tpot_p99_ms)
+            p99 = self.carry[i].update(w.ttft_p99_ms, w.tpot_p99_ms)
             if p99 is None:
-                counts["no_latency_yet"] += 1
+                self.counts["no_latency_yet"] += 1
                 continue
-            counts["carried"] += not p99[2]
+            self.counts["carried"] += not p99[2]
             idx.append(i)
             lat.append(p99)
             ws.append(w)
-        if idx:
-            samples = [nvml.sample(i, pids) for i in idx]
-            recs = telemetry_records(
-                ts=now_wall,
-                node=opt.node,
-                gpus=[gpus[i] for i in idx],
-                pool=tc.pool,
-                slo=slo,
-                run_id=run_id,
-                seq=seq,
-                util=[s.util for s in samples],
-                mem_total=[s.mem_total_bytes for s in samples],
-                mem_used=[s.mem_used_bytes for s in samples],
-                rollout_mem=[s.rollout_mem_bytes for s in samples],
-                ttft_ms=[x[0] for x in lat],
-                tpot_ms=[x[1] for x in lat],
-                rps=[w.rps or 0.0 for w in ws],
-                queue=[w.queue_depth or 0 for w in ws],
-                kv_cache_usage=[w.kv_cache_usage for w in ws],
-            )
-            with window_span("telemetry.sample", gpus=len(idx)):
-                pub.publish(recs, ts_ms=int(now_wall * 1000))
-            fed = [k for k, x in enumerate(lat) if x[2]]  # windows that measured something
-            if opt.guard_dir and fed:
-                feed_guard(
-                    opt.guard_dir,
-                    [gpus[idx[k]] for k in fed],
-                    now_wall,
-                    [lat[k][0] for k in fed],
-                    [lat[k][1] for k in fed],
-                    slo,
-                )
-        seq += 1
-        while (left := next_t - time.monotonic()) > 0 and not stop():
-            pub.tick()
-            time.sleep(min(left, 0.02))
-    return {"samples": seq, "gpus": n, **counts, **pub.counters()}
+        if not idx:
+            return None
+        return Window(
+            now_wall,
+            self._records(now_wall, seq, idx, lat, ws, pids),
+            self._fed(idx, lat),
+            "telemetry.sample",
+            {"gpus": len(idx)},
+        )
+
+    def _records(
+        self, now_wall: float, seq: int, idx: list[int], lat: list, ws: list, pids
+    ) -> list[tuple[bytes, bytes]]:
+        tc = self.cfg.telemetry
+        samples = [self.nvml.sample(i, pids) for i in idx]
+        return telemetry_records(
+            ts=now_wall,
+            node=self.opt.node,
+            gpus=[self.gpus[i] for i in idx],
+            pool=tc.pool,
+            slo=(tc.slo_ttft_ms, tc.slo_tpot_ms),
+            run_id=self.run_id,
+            seq=seq,
+            util=[s.util for s in samples],
+            mem_total=[s.mem_total_bytes for s in samples],
+            mem_used=[s.mem_used_bytes for s in samples],
+            rollout_mem=[s.rollout_mem_bytes for s in samples],
+            ttft_ms=[x[0] for x in lat],
+            tpot_ms=[x[1] for x in lat],
+            rps=[w.rps or 0.0 for w in ws],
+            queue=[w.queue_depth or 0 for w in ws],
+            kv_cache_usage=[w.kv_cache_usage for w in ws],
+        )
+
+    def _fed(self, idx: list[int], lat: list) -> GuardFeed | None:
+        """The windows that measured something: only those go to the local guard."""
+        fed = [k for k, x in enumerate(lat) if x[2]]
+        if not fed:
+            return None
+        return GuardFeed([self.gpus[idx[k]] for k in fed], [lat[k][0] for k in fed], [lat[k][1] for k in fed])
+
+
+def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lambda: False, publisher=None) -> dict:
+    """Sample NVML + the engines' metrics every period until `stop()`; returns counters."""
+    source = NvmlSource(cfg, opt, nvml)
+    out = run_agent(cfg, source, stop=stop, publisher=publisher, guard_dir=opt.guard_dir)
+    return {"samples": out.pop("windows"), "gpus": source.n, **source.counts, **out}

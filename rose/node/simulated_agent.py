@@ -8,18 +8,17 @@ the next window."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from rose.config import Config
-from rose.node.lease_view import LeaseFollower, LeaseView
-from rose.node.telemetry import feed_guard, telemetry_records, window_span
-from rose.obs.logs import get_logger
-
-log = get_logger("rose.agent")
+from rose.node.agent_loop import GuardFeed, Window, run_agent
+from rose.node.lease_view import LeaseView
+from rose.node.telemetry import telemetry_records
 
 
 @dataclass
@@ -36,91 +35,79 @@ class SimOptions:
     guard_dir: str | None = None  # also feed each window's p99 to the executor's local guard here
 
 
+class SimulatedSource:
+    """The trace-driven serving model as a telemetry source: the trace's arrivals window by
+    window, the GPUs' rollout set from the lease view, event time on the wall clock at start."""
+
+    def __init__(self, cfg: Config, opt: SimOptions):
+        from rose.sim.interference import read_profile
+        from rose.sim.models import gpu_spec, model_size
+        from rose.sim.serving_model import ServingSim, spread
+        from rose.sim.traces import load_trace
+
+        tc = cfg.telemetry
+        self.cfg, self.opt = cfg, opt
+        self.trace = load_trace(opt.trace).scaled(opt.speed)
+        self.sim = ServingSim(
+            gpu_spec(opt.gpu_type or tc.gpu_type),
+            model_size(opt.model_size or tc.model_size),
+            opt.gpus,
+            alpha=tc.interference_alpha,
+            profile=read_profile(Path(tc.interference_profile)) if tc.interference_profile else None,
+        )
+        self.gpu_of = spread(self.trace, self.sim.replicas, seed=opt.seed)  # a replica per GPU unless tensor parallel
+        self.gpus = [f"{opt.node}/{i}" for i in range(opt.gpus)]
+        self.duration = opt.duration_s if opt.duration_s is not None else self.trace.duration_s
+        self.run_id = uuid.uuid4().hex[:12]
+        self.wall0 = time.time()
+        self.t_end, self.sl = 0.0, slice(0, 0)  # the window now due: its end (simulation time) and arrivals
+
+    def deadlines(self) -> Iterator[float]:
+        from rose.sim.serving_model import windows
+
+        self.wall0, mono0 = time.time(), time.monotonic()
+        for t_end, sl in windows(self.trace.arrival_s, self.cfg.telemetry.period_s, t_end=self.duration):
+            self.t_end, self.sl = t_end, sl
+            yield mono0 + t_end if self.opt.pace else -math.inf
+
+    def idle(self, budget_s: float) -> None:
+        time.sleep(budget_s)
+
+    def window(self, seq: int, view: LeaseView | None) -> Window:
+        sim, tc, sl, tr = self.sim, self.cfg.telemetry, self.sl, self.trace
+        if view is not None:
+            for i, g in enumerate(self.gpus):
+                if g in view.states or sim.rollout_running[i] or sim.rollout_mem[i]:
+                    share, running, mem = view.rollout(g)
+                    sim.set_rollout(i, share, running, mem)
+        s = sim.advance(self.t_end, self.gpu_of[sl], tr.arrival_s[sl], tr.prompt_tokens[sl], tr.output_tokens[sl])
+        ts = self.wall0 + self.t_end
+        recs = telemetry_records(
+            ts=ts,
+            node=self.opt.node,
+            gpus=self.gpus,
+            pool=tc.pool,
+            slo=(tc.slo_ttft_ms, tc.slo_tpot_ms),
+            run_id=self.run_id,
+            seq=seq,
+            util=s.gpu_util.tolist(),
+            mem_total=int(s.mem_total_bytes),
+            mem_used=s.mem_used_bytes.tolist(),
+            rollout_mem=s.rollout_mem_bytes.tolist(),
+            ttft_ms=s.ttft_p99_ms.tolist(),
+            tpot_ms=s.tpot_p99_ms.tolist(),
+            rps=s.rps.tolist(),
+            queue=s.queue_depth.tolist(),
+        )
+        guard = GuardFeed(self.gpus, s.ttft_p99_ms, s.tpot_p99_ms)
+        return Window(ts, recs, guard, "telemetry.window", {"gpus": len(self.gpus), "window": seq})
+
+
 def run_simulated(
     cfg: Config, opt: SimOptions, stop: Callable[[], bool] = lambda: False, publisher=None, follow_leases: bool = True
 ) -> dict:
     """Publish simulated telemetry until the duration ends or `stop()`; returns counters."""
-    from rose.kafka.telemetry_publisher import TelemetryPublisher
-    from rose.sim.interference import read_profile
-    from rose.sim.models import gpu_spec, model_size
-    from rose.sim.serving_model import ServingSim, spread, windows
-    from rose.sim.traces import load_trace
-
-    tc = cfg.telemetry
-    trace = load_trace(opt.trace).scaled(opt.speed)
-    sim = ServingSim(
-        gpu_spec(opt.gpu_type or tc.gpu_type),
-        model_size(opt.model_size or tc.model_size),
-        opt.gpus,
-        alpha=tc.interference_alpha,
-        profile=read_profile(Path(tc.interference_profile)) if tc.interference_profile else None,
+    out = run_agent(
+        cfg, SimulatedSource(cfg, opt), stop=stop, publisher=publisher, leases=follow_leases, guard_dir=opt.guard_dir
     )
-    gpu_of = spread(trace, sim.replicas, seed=opt.seed)  # a replica per GPU unless tensor parallel
-    gpus = [f"{opt.node}/{i}" for i in range(opt.gpus)]
-    duration = opt.duration_s if opt.duration_s is not None else trace.duration_s
-    pub = publisher or TelemetryPublisher.for_config(cfg)
-    view = LeaseView(default_share=cfg.policy.max_compute_share)
-    follower = None
-    if follow_leases:
-        from rose.kafka.producer import dead_letter
-
-        follower = LeaseFollower(
-            cfg,
-            view,
-            dlq=lambda m, reason, fld: dead_letter(
-                pub.producer, cfg.kafka.dlq_topic, m, reason, fld, consumer="rose-agent"
-            ),
-        )
-    run_id = uuid.uuid4().hex[:12]
-    slo = (tc.slo_ttft_ms, tc.slo_tpot_ms)
-    wall0, mono0 = time.time(), time.monotonic()
-    last_health = mono0
-    windows_done = 0
-    a, pt, ot = trace.arrival_s, trace.prompt_tokens, trace.output_tokens
-    try:
-        for w, (t_end, sl) in enumerate(windows(a, tc.period_s, t_end=duration)):
-            if stop():
-                break
-            if opt.pace:
-                while (left := mono0 + t_end - time.monotonic()) > 0 and not stop():
-                    pub.tick()
-                    time.sleep(min(left, 0.02))
-                if stop():
-                    break
-            if follower is not None:
-                follower.poll()
-                for i, g in enumerate(gpus):
-                    if g in view.states or sim.rollout_running[i] or sim.rollout_mem[i]:
-                        share, running, mem = view.rollout(g)
-                        sim.set_rollout(i, share, running, mem)
-            s = sim.advance(t_end, gpu_of[sl], a[sl], pt[sl], ot[sl])
-            ts = wall0 + t_end
-            recs = telemetry_records(
-                ts=ts,
-                node=opt.node,
-                gpus=gpus,
-                pool=tc.pool,
-                slo=slo,
-                run_id=run_id,
-                seq=w,
-                util=s.gpu_util.tolist(),
-                mem_total=int(s.mem_total_bytes),
-                mem_used=s.mem_used_bytes.tolist(),
-                rollout_mem=s.rollout_mem_bytes.tolist(),
-                ttft_ms=s.ttft_p99_ms.tolist(),
-                tpot_ms=s.tpot_p99_ms.tolist(),
-                rps=s.rps.tolist(),
-                queue=s.queue_depth.tolist(),
-            )
-            with window_span("telemetry.window", gpus=len(gpus), window=w):
-                pub.publish(recs, ts_ms=int(ts * 1000))
-            if opt.guard_dir:
-                feed_guard(opt.guard_dir, gpus, ts, s.ttft_p99_ms, s.tpot_p99_ms, slo)
-            windows_done += 1
-            if time.monotonic() - last_health >= 10.0:
-                last_health = time.monotonic()
-                log.info("agent health", windows=windows_done, **pub.counters())
-    finally:
-        if follower is not None:
-            follower.close()
-    return {"windows": windows_done, "gpus": opt.gpus, **pub.counters()}
+    return {"windows": out.pop("windows"), "gpus": opt.gpus, **out}
