@@ -52,6 +52,9 @@ def _workers(router: RouterProcess) -> list[str]:
     return list(argv[argv.index("--worker-urls") + 1 :])
 
 
+MAX_STREAM_TOKENS = 1000  # with the 3-token prompt, within the server's max_model_len (1024)
+
+
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int = 4) -> list[int]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True}
     req = urllib.request.Request(
@@ -83,15 +86,16 @@ def test_requests_through_the_router_are_answered_by_both_workers(router, adapte
 def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_readmitted(router, adapter, vllm_server):
     """Remove the worker a streaming completion runs on: the stream ends with every token asked
     for, every request sent meanwhile is answered, and the router sends none of them to the
-    removed worker; readmitted, the worker is in the routing set again."""
+    removed worker; readmitted, the worker is in the routing set again. The client stops reading
+    after its first tokens until the removal is done, so the stream is still open then."""
     streamed: dict[str, object] = {}
-    first_tokens = threading.Event()
+    first_tokens, removed = threading.Event(), threading.Event()
 
     def stream() -> None:
         body = {
             "model": vllm_server.model,
             "prompt": [5, 6, 7],
-            "max_tokens": 200,
+            "max_tokens": MAX_STREAM_TOKENS,
             "ignore_eos": True,
             "stream": True,
             "return_token_ids": True,
@@ -108,8 +112,9 @@ def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_read
                         done = True
                     elif line.startswith(b"data:"):
                         n += sum(len(c.get("token_ids") or ()) for c in json.loads(line[5:])["choices"])
-                        if n >= 3:
+                        if n >= 3 and not first_tokens.is_set():
                             first_tokens.set()
+                            removed.wait(120)
         except OSError as e:
             streamed["error"] = repr(e)
         streamed.update(tokens=n, done=done)
@@ -124,13 +129,18 @@ def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_read
     adapter.remove(gone)
     assert gone not in adapter.serving()
     adapter.remove(gone)  # a second removal is a no-op
+    (other,) = set(_workers(router)) - {gone}
+    with pytest.raises(RouterError, match="last worker"):
+        adapter.remove(other)
     before = _processed(router).get(gone, 0.0)
     for i in range(4):
         assert len(_complete(router.url, vllm_server.model, [9, 8, i])) == 4
     assert _processed(router).get(gone, 0.0) == before, "the router sent a new request to the removed worker"
+    assert adapter.in_flight(gone) == 1, "the stream is not in flight on the removed worker"
+    removed.set()
     assert adapter.wait_drained(gone, timeout_s=240), "the removed worker's stream never finished"
     t.join(60)
-    assert streamed == {"tokens": 200, "done": True}
+    assert streamed == {"tokens": MAX_STREAM_TOKENS, "done": True}
     adapter.readmit(gone)
     assert adapter.serving() == frozenset(_workers(router))
     assert len(_complete(router.url, vllm_server.model, [1, 1, 1])) == 4

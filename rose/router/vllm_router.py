@@ -53,10 +53,15 @@ class VllmRouterAdapter:
             raise RouterError(f"router at {self.url}: /list_workers gave no url list: {body[:200]!r}") from None
 
     def remove(self, replica: str) -> None:
-        """The router answers 200 even for a URL it does not hold, so the set is read first."""
+        """The router answers 200 even for a URL it does not hold, so the set is read first. The
+        last worker is never removed: the router would answer every new request 503."""
         url = replica_url(replica)
-        if url in self.serving():
-            self._call("POST", "/remove_worker?" + urllib.parse.urlencode({"url": url}), self.timeout_s)
+        held = self.serving()
+        if url not in held:
+            return
+        if held == {url}:
+            raise RouterError(f"router at {self.url}: {url} is its last worker; a pool keeps one replica serving")
+        self._call("POST", "/remove_worker?" + urllib.parse.urlencode({"url": url}), self.timeout_s)
 
     def readmit(self, replica: str) -> None:
         url = replica_url(replica)
