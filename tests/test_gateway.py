@@ -448,8 +448,17 @@ def test_min_weight_version_is_served_at_or_above_it_or_refused_naming_it(module
     task = Task(task_id=f"minv-{uuid.uuid4().hex}", prompt=PROMPT, max_turns=1, tokens_per_turn=4, min_version=1)
     entry = q.submit(task)
     try:
-        wait_for(lambda: rc.xpending(q.stream, "rollout")["pending"] >= 1, 5, "a worker holding the task")
-        time.sleep(0.5)
+        held = wait_for(lambda: rc.xpending_range(q.stream, "rollout", "-", "+", 10), 5, "a worker holding the task")
+        holder = module_cfg.redis.key("workers", held[0]["consumer"].decode())
+        beats: set[bytes] = set()
+
+        def holding_beats() -> bool:  # heartbeats, each one pass of its loop, with the task held
+            ts, active = rc.hmget(holder, "ts", "active")
+            if ts is not None and int(active or 0) >= 1:
+                beats.add(ts)
+            return len(beats) >= 3
+
+        wait_for(holding_beats, 10, "three heartbeats of the worker holding the task")
         assert all(f[b"task_id"].decode() != task.task_id for _i, f in rc.xrange(q.results_stream))
     finally:
         q.cancel(q.stream, entry)

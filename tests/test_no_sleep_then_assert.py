@@ -18,10 +18,6 @@ EXCEPTIONS: dict[str, str] = {
         "the sleep is the fault itself (the broker stays down 5 s) and the assert that the agent is still "
         "there is the check of that fault; delivery of what it buffered is asserted after the broker is back"
     ),
-    "tests/test_gateway.py:test_min_weight_version_is_served_at_or_above_it_or_refused_naming_it": (
-        "not yet converted: a worker below a task's min_version holds it without starting the turn; "
-        "the check should wait on that worker's heartbeat 0.5 s on before asserting that no result came"
-    ),
 }
 
 
