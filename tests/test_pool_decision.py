@@ -134,6 +134,68 @@ def test_more_load_never_lends_more(pool, cfg, factor):
         assert len(d3.lend) <= len(d.lend)
 
 
+def noisy_events(n_replicas, tp, means, rng, period=0.5, bin_s=5.0, bins=6):
+    """Telemetry of `n_replicas` replicas of `tp` GPUs each: every `period` one sample per GPU of
+    a Poisson count over the period as its rps, replica i's mean rate `means[i]` (the GPUs of a
+    replica report the same requests)."""
+    out, per_bin = [], round(bin_s / period)
+    for i in range(n_replicas):
+        for k in range(bins * per_bin):
+            rps = _poisson(rng, means[i] * period) / period
+            for g in range(tp):
+                out.append(
+                    telemetry_example(
+                        event_id=f"r{i}g{g}s{k}", ts=T0 + period * (k + 1) - 0.001 * (g + 1), node=f"node-{i}",
+                        gpu=f"node-{i}/{g}", replica=f"r{i}", serving_state="serving", rps=rps,
+                    )
+                )  # fmt: skip
+    return out
+
+
+def _poisson(rng, lam):
+    """Knuth's method: a Poisson draw of mean `lam` from a seeded `random.Random`."""
+    k, p, limit = 0, 1.0, pow(2.718281828459045, -lam)
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
+def test_the_pool_load_is_the_sum_of_replica_means_not_of_sample_maxima():
+    """64 replicas of 2 GPUs at 4.6 rps each (the Azure conv trace's 294 rps over 64), sampled
+    every 0.5 s: the pool's load per bin is within 5 % of 64 × 4.6, not the sum of each replica's
+    highest sample (over twice that), nor twice it for the two GPUs."""
+    rng = random.Random(7)
+    evs = noisy_events(64, 2, [4.6] * 64, rng)
+    view = pool_view(evs, PoolConfig(replica_capacity_rps=10.0, window_s=30.0))
+    assert view is not None and len(view.load) == 6
+    for load in view.load:
+        assert load == pytest.approx(64 * 4.6, rel=0.05)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 40.0, allow_nan=False), min_size=1, max_size=5),
+    st.integers(1, 2),
+    st.integers(0, 2**32 - 1),
+)
+def test_a_bins_pool_load_lies_between_its_smallest_and_largest_summed_sample(means, tp, seed):
+    """Per bin, the pool's load lies between the smallest and the largest over the bin's sample
+    instants of the replicas' rps summed (a mean lies between its extremes)."""
+    rng = random.Random(seed)
+    evs = noisy_events(len(means), tp, means, rng, bins=2)
+    view = pool_view(evs, PoolConfig(replica_capacity_rps=10.0, window_s=10.0))
+    assert view is not None and len(view.load) == 2
+    for b, load in enumerate(view.load):
+        summed: dict[str, float] = {}  # per sample instant, over the replicas' first GPUs
+        for e in evs:
+            if max(0, 1 - int((view.now - e.ts) / 5.0)) == b and e.gpu.endswith("/0"):
+                instant = e.event_id.split("s")[-1]
+                summed[instant] = summed.get(instant, 0.0) + e.rps
+        assert min(summed.values()) - 1e-6 <= load <= max(summed.values()) + 1e-6
+
+
 def test_the_trough_lends_only_once_the_peak_leaves_the_window():
     """Four replicas at 8 rps each, then a trough at 1 rps each: with capacity 10 rps a replica,
     the peak forecast keeps all four until the window no longer holds the high samples, then

@@ -119,25 +119,28 @@ class PoolView:
     cause_event_id: str  # the newest event: the cause of every command of this decision
     replicas: tuple[Replica, ...]  # sorted by id
     load: tuple[float, ...]  # requests/s summed over replicas, per bin, oldest first
-    observed_capacity_rps: float  # highest replica rps with the headroom on every metric; 0: none
+    observed_capacity_rps: float  # highest per-bin replica rps with the headroom on every sample; 0: none
 
 
 def pool_view(events: Iterable[Telemetry], cfg: PoolConfig) -> PoolView | None:
     """The view of one pool's events (any order) over `cfg.window_s` before the newest; None
-    without events. A replica's rps in a bin is the highest its GPUs reported (the GPUs of a
-    tensor-parallel replica serve the same requests); a bin without its telemetry carries its
-    previous value (a missing sample is not a quiet replica); bins before the first sample of any
-    replica are left out (no history is not zero load)."""
+    without events. A replica's rps in a bin is the mean of each GPU's samples in the bin (each
+    sample is a rate over one telemetry window of the same period, so the mean is the bin's rate;
+    the highest of noisy short counts is biased up, and summed over replicas the bias adds up),
+    the highest over its GPUs (the GPUs of a tensor-parallel replica serve the same requests); a
+    bin without its telemetry carries its previous value (a missing sample is not a quiet
+    replica); bins before the first sample of any replica are left out (no history is not zero
+    load). The pool's load is the sum over replicas; the forecast's peak over bins holds the
+    burstiness."""
     evs = sorted(events, key=lambda e: (e.ts, e.event_id))
     if not evs:
         return None
     newest = evs[-1]
     now, start = newest.ts, newest.ts - cfg.window_s
     nbins = max(1, math.ceil(cfg.window_s / cfg.bin_s - 1e-9))
-    per: dict[str, list[float | None]] = {}
+    acc: dict[tuple[str, str, int], _BinSum] = {}
     latest: dict[str, Telemetry] = {}
     gpus: dict[str, dict[str, int]] = {}
-    observed = 0.0
     for e in evs:
         if e.ts <= start and e.ts != now:
             continue
@@ -145,11 +148,16 @@ def pool_view(events: Iterable[Telemetry], cfg: PoolConfig) -> PoolView | None:
         latest[rid] = e
         gpus.setdefault(rid, {})[e.gpu] = e.mem_total_bytes
         k = min(nbins - 1, max(0, nbins - 1 - int((now - e.ts) / cfg.bin_s)))
-        row = per.setdefault(rid, [None] * nbins)
-        prev = row[k]
-        row[k] = e.rps if prev is None else max(prev, e.rps)
-        if e.serving_state == "serving" and _has_headroom(e, cfg.headroom):
-            observed = max(observed, e.rps)
+        acc.setdefault((rid, e.gpu, k), _BinSum()).add(
+            e, e.serving_state == "serving" and _has_headroom(e, cfg.headroom)
+        )
+    per: dict[str, list[float | None]] = {rid: [None] * nbins for rid in latest}
+    observed = 0.0
+    for (rid, _, k), b in acc.items():
+        prev, mean = per[rid][k], b.total / b.count
+        per[rid][k] = mean if prev is None else max(prev, mean)
+        if b.all_headroom:
+            observed = max(observed, mean)
     first = min(next(k for k, v in enumerate(row) if v is not None) for row in per.values())
     load = [0.0] * nbins
     for row in per.values():
@@ -159,6 +167,21 @@ def pool_view(events: Iterable[Telemetry], cfg: PoolConfig) -> PoolView | None:
             load[k] += carried
     reps = tuple(_replica(latest[rid], gpus[rid]) for rid in sorted(latest))
     return PoolView(newest.pool, now, newest.event_id, reps, tuple(load[first:]), observed)
+
+
+class _BinSum:
+    """One GPU's samples in one bin: their rps summed and counted, and whether every one was
+    serving with the headroom on every SLO metric (the bin then counts towards the capacity)."""
+
+    __slots__ = ("total", "count", "all_headroom")
+
+    def __init__(self) -> None:
+        self.total, self.count, self.all_headroom = 0.0, 0, True
+
+    def add(self, e: Telemetry, headroom: bool) -> None:
+        self.total += e.rps
+        self.count += 1
+        self.all_headroom = self.all_headroom and headroom
 
 
 def _replica(newest: Telemetry, gpus: dict[str, int]) -> Replica:

@@ -87,7 +87,8 @@ class ReplicaRun(Run):
             -(-sim.n // NODE_GPUS), ctx.warm_workers, ctx.lease_start_s, ctx.cold_start_s, ctx.warm_build_s
         )
         self.bins: deque[list[Telemetry]] = deque(maxlen=math.ceil(self.cfg.window_s / self.cfg.bin_s) + 1)
-        self.bin_max = {k: np.zeros(sim.n) for k in ("rps", "ttft", "tpot")}
+        self.bin_max = {k: np.zeros(sim.n) for k in ("ttft", "tpot")}
+        self.bin_rps = np.zeros(sim.n)  # summed over the bin's windows
         self.recent: deque[float] = deque(maxlen=self.per_bin)  # the pool's load per window, one bin
         self.lends = self.drained = self.drain_timeouts = self.reclaims_late = self.decisions = 0
         self.drain_s = 0.0  # summed over the drains that finished
@@ -138,8 +139,9 @@ class ReplicaRun(Run):
         self.lease_share_s += self.usable * int(lent.sum()) * c.dt
         self.account_need(st)
         self.advance_replicas(t1)
-        for k, v in (("rps", st.rps), ("ttft", st.ttft_p99_ms), ("tpot", st.tpot_p99_ms)):
+        for k, v in (("ttft", st.ttft_p99_ms), ("tpot", st.tpot_p99_ms)):
             np.maximum(self.bin_max[k], v, out=self.bin_max[k])
+        self.bin_rps += st.rps
         if (w + 1) % self.per_bin == 0:
             self.decide(w, t1, st)
 
@@ -211,11 +213,12 @@ class ReplicaRun(Run):
             self.w[stopped] = wv
 
     def bin_events(self, w: int, t1: float, st) -> list[Telemetry]:
-        """One telemetry event per GPU summarising the bin that ends at t1: its highest rps and
+        """One telemetry event per GPU summarising the bin that ends at t1: its mean rps and
         worst p99s over the bin's windows (what `pool_view` keeps of a bin's events), the
-        replica's state now. Then the bin's maxima start again."""
+        replica's state now. Then the bin's figures start again."""
         slo, total, tp = self.ctx.slo, st.mem_total_bytes, self.tp
-        rps, ttft, tpot = (self.bin_max[k].tolist() for k in ("rps", "ttft", "tpot"))
+        rps = (self.bin_rps / self.per_bin).tolist()
+        ttft, tpot = (self.bin_max[k].tolist() for k in ("ttft", "tpot"))
         util, used, rmem = (
             np.clip(st.gpu_util, 0.0, 1.0).tolist(),
             st.mem_used_bytes.tolist(),
@@ -232,4 +235,5 @@ class ReplicaRun(Run):
         ]  # fmt: skip
         for v in self.bin_max.values():
             v[:] = 0.0
+        self.bin_rps[:] = 0.0
         return out
