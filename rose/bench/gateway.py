@@ -310,7 +310,7 @@ class _Served:
 
         import uvicorn
 
-        from rose.demo.vllm_server import free_port
+        from rose.child_server import free_port
         from rose.gateway.app import create_app
 
         port = free_port()

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from rose.child_server import free_port, stop_session, wait_http_ok
 
 
 class ServerError(RuntimeError):
@@ -35,12 +33,6 @@ class VllmServer:
     model: str  # the checkpoint directory, also the model name requests give
     log: Path
     proc: subprocess.Popen | None = None  # None: a server started elsewhere
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_argv(model: str, port: int, max_model_len: int, python: str = "") -> list[str]:
@@ -61,14 +53,6 @@ def server_argv(model: str, port: int, max_model_len: int, python: str = "") -> 
         "--host",
         "127.0.0.1",
     ]
-
-
-def last_lines(path: Path, n: int = 40) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError:
-        return ""
 
 
 def start_server(
@@ -110,43 +94,13 @@ def start_server(
 
 
 def wait_healthy(srv: VllmServer, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if srv.proc is not None and srv.proc.poll() is not None:
-            raise ServerError(
-                f"vLLM server exited with {srv.proc.returncode} while starting (log {srv.log}):\n{last_lines(srv.log)}"
-            )
-        try:
-            with urllib.request.urlopen(srv.url + "/health", timeout=2) as r:  # noqa: S310 - local server
-                if r.status == 200:
-                    return
-        except (OSError, urllib.error.URLError):
-            pass
-        if time.monotonic() > deadline:
-            raise ServerError(
-                f"vLLM server at {srv.url} not healthy after {timeout_s:.0f} s (log {srv.log}):\n{last_lines(srv.log)}"
-            )
-        time.sleep(1.0)
+    wait_http_ok(srv.url + "/health", srv.proc, srv.log, timeout_s, what="vLLM server", error=ServerError)
 
 
 def stop_server(srv: VllmServer) -> None:
     """SIGTERM the server's session, SIGKILL it after 30 s; also whatever of it outlived the server."""
-    proc = srv.proc
-    if proc is None:
-        return
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        except ProcessLookupError:
-            pass
-    try:  # the engine core, should it have outlived the server
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    if srv.proc is not None:
+        stop_session(srv.proc, 30)
 
 
 def stream_tokens(srv: VllmServer, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> Iterator[int]:

@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rose.child_server import free_port, stop_session, wait_http_ok
 from rose.router.base import RouterError, replica_url
 
 
@@ -33,12 +28,6 @@ class RouterProcess:
     metrics_url: str  # its Prometheus exporter, http://127.0.0.1:M
     log: Path
     proc: subprocess.Popen
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def router_argv(worker_urls: Sequence[str], port: int, metrics_port: int, admit_timeout_s: float) -> list[str]:
@@ -68,62 +57,27 @@ def router_argv(worker_urls: Sequence[str], port: int, metrics_port: int, admit_
     ]
 
 
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError:
-        return ""
-
-
 def start_router(worker_urls: Sequence[str], log: Path, *, admit_timeout_s: float = 120.0) -> RouterProcess:
     """Start the router over `worker_urls` (each must answer /health: the router waits for them)
     and wait until it answers /liveness; RouterError, with its log's last lines, when it exits
     first or does not answer within `admit_timeout_s`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    argv = router_argv(worker_urls, _free_port(), _free_port(), admit_timeout_s)
+    argv = router_argv(worker_urls, free_port(), free_port(), admit_timeout_s)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     rp = RouterProcess(f"http://127.0.0.1:{argv[4]}", f"http://127.0.0.1:{argv[8]}", log, proc)
     try:
-        _wait_live(rp, admit_timeout_s)
+        wait_http_ok(
+            rp.url + "/liveness", proc, log, admit_timeout_s, what="vllm-router", error=RouterError, poll_s=0.2
+        )
     except BaseException:
         stop_router(rp)
         raise
     return rp
 
 
-def _wait_live(rp: RouterProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if rp.proc.poll() is not None:
-            raise RouterError(
-                f"vllm-router exited with {rp.proc.returncode} while starting (log {rp.log}):\n{_tail(rp.log)}"
-            )
-        try:
-            with urllib.request.urlopen(rp.url + "/liveness", timeout=2) as r:  # noqa: S310 - local router
-                if r.status == 200:
-                    return
-        except (OSError, urllib.error.URLError):
-            pass
-        if time.monotonic() > deadline:
-            raise RouterError(
-                f"vllm-router at {rp.url} not live after {timeout_s:.0f} s (log {rp.log}):\n{_tail(rp.log)}"
-            )
-        time.sleep(0.2)
-
-
 def stop_router(rp: RouterProcess) -> None:
     """SIGTERM the router's session, SIGKILL it after 10 s."""
-    if rp.proc.poll() is not None:
-        return
-    try:
-        os.killpg(rp.proc.pid, signal.SIGTERM)
-        rp.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(rp.proc.pid, signal.SIGKILL)
-        rp.proc.wait(10)
-    except ProcessLookupError:
-        pass
+    stop_session(rp.proc, 10)

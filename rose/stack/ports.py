@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import socket
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from rose.child_server import free_port as free_port  # the one definition, re-exported
 
 # the environment variables that set each service's ports (`ROSE_STACK__<NAME>`)
 PORT_ENV = {
