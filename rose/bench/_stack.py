@@ -8,10 +8,13 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rose.config import Config
-from rose.contract.records import Heartbeat, WorkerRegistry
 from rose.obs.stats import percentile
+
+if TYPE_CHECKING:  # the GPU check imports this module with nothing but torch (tests/test_gpu_check.py)
+    from rose.contract.records import Heartbeat
 
 
 @contextlib.contextmanager
@@ -129,6 +132,8 @@ def publish_test_version(cfg: Config, version: int) -> None:
 
 def last_heartbeat(r, cfg: Config, worker_id: str) -> Heartbeat | None:
     """A worker's heartbeat as it is now (None once it expired)."""
+    from rose.contract.records import WorkerRegistry
+
     return WorkerRegistry(r, cfg.redis.key).read(worker_id)
 
 

@@ -7,7 +7,6 @@ import subprocess
 import threading
 import time
 
-from rose.contract.records import WorkerRegistry
 from rose.obs.stats import percentile
 
 GOAL_PROTECTED_OVER_ALONE = 1.05  # at most: serving p99 beside protected rollout / alone
@@ -129,6 +128,8 @@ class _Rollout:
             seed=1,
         )
         self.worker_id = config.worker_id
+        from rose.contract.records import WorkerRegistry  # not at import: the GPU check has no orjson
+
         self.workers = WorkerRegistry(r, c.redis.key)
         self.proc = launch(config, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
