@@ -204,12 +204,13 @@ def initial(gpu: str) -> GpuLease:
 def restore(gpu: str, last: Record | None) -> tuple[GpuLease, tuple[Action, ...]]:
     """State after a restart, from the GPU's newest record on the compacted lease-state topic.
     A lease that was active or revoking when the executor died has no worker now (workers die
-    with their executor): it is declared `expired`, and the scheduler grants a new epoch."""
+    with their executor): it is declared `expired`, and the scheduler grants a new epoch. So is a
+    replica lease left draining or reclaiming (its replica is readmitted: rose.executor.replica_lease)."""
     s = GpuLease(gpu=gpu)
     if last is None:
         return s, ()
     s = replace(s, highest_epoch=last.epoch, truth=last)
-    if last.state in ("active", "paused", "revoking"):
+    if last.state in ("active", "paused", "revoking", "draining", "reclaiming"):
         rec = Record(last.lease_id, last.epoch, "expired", last.command_id)
         return replace(s, truth=rec), (Publish(gpu, rec),)
     return s, ()

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from rose.contract.wire import decode, encode
 from rose.executor import lease_machine as lm
 from rose.executor.guard import FileLatencySource, Guard, LatencySource
 from rose.executor.memory_cap import MemoryWatchdog
+from rose.executor.replica_shell import ReplicaShell
 from rose.executor.warm_pool import WarmPool, lease_file_for
 from rose.executor.workers import (
     STARTS,
@@ -61,6 +63,7 @@ from rose.obs.logs import get_logger
 from rose.obs.tracing import carried_traceparent, inject_headers, process_span, send_span, tracer
 from rose.rollout.launcher import WorkerConfig
 from rose.rollout.pause_flag import PAUSE, RUN
+from rose.router.base import Router
 from rose.shutdown import Shutdown
 
 if TYPE_CHECKING:
@@ -100,6 +103,8 @@ class Executor:
         guard: bool = True,
         worker_config=worker_config,
         log_name: str = "rose.executor",
+        replicas: Mapping[str, str] | None = None,
+        router: Router | None = None,
     ):
         if not gpus:
             raise ValueError("executor: no GPUs to manage")
@@ -158,11 +163,14 @@ class Executor:
         self.consumer: Consumer | None = None
         self.group = command_group(self.gpus)
         self._lease_partitions: int | None = None  # partition count of lease-state, for spans
+        # replica leases (CONTRACT §7): each GPU that is a serving replica, by its URL in the router
+        self.replica = ReplicaShell(self, dict(replicas or {}), router)
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self) -> Executor:
         self.producer = make_producer(self.k)
         retrying(self._rebuild)
+        self.replica.reconcile()
         self.consumer = make_consumer(self.k, self.group, **{"fetch.wait.max.ms": 10})
         retrying(self._assign)
         self.pool.start()
@@ -248,6 +256,7 @@ class Executor:
             self._revoke_itself(breach.gpu)
         for gpu in self.gpus:
             self._apply(gpu, lm.Tick(), None, quiet=True)
+        self.replica.tick()
         WORKERS.set(len(self.workers))
         if self.pool.on or self.pool.workers:
             self.pool.tend()
@@ -266,6 +275,7 @@ class Executor:
         self.pool.stop_all()  # nothing to drain: STOP and SIGTERM end a warm worker at once
         for gpu in self.gpus:
             self._apply(gpu, lm.Shutdown(), None)
+        self.replica.shutdown()
         deadline = time.monotonic() + (timeout_s or self.params.revoke_deadline_s + 1.0)
         while (self.workers or self.pool.workers) and time.monotonic() < deadline:
             self._housekeeping()
@@ -340,7 +350,9 @@ class Executor:
                 ahead_s=round(-age, 3),
                 max_clock_skew_s=self.cfg.executor.max_clock_skew_s,
             )
-        self._apply(cmd.gpu, lm.Received(cmd, age_s=max(0.0, age)), None)  # a child of the `process` span
+        received = lm.Received(cmd, age_s=max(0.0, age))
+        if not self.replica.receive(received):  # a replica's GPU: its path hands it on when due
+            self._apply(cmd.gpu, received, None)  # a child of the `process` span
 
     def _dlq(self, m: Message, reason: str, field_: str) -> None:
         DLQ.inc()
@@ -354,6 +366,7 @@ class Executor:
         before = self.states[gpu]
         after, actions = lm.step(before, inp, now, self.params)
         self.states[gpu] = after
+        actions = self.replica.on_lease_actions(gpu, actions, now)
         if quiet and not actions:
             return actions
         attrs: dict[str, AttributeValue] = {
@@ -396,6 +409,8 @@ class Executor:
                 self._start_worker(a)
             elif isinstance(a, lm.Publish):
                 self._publish(a)
+            else:
+                self.replica.act(a)
 
     def _publish(self, a: lm.Publish) -> None:
         """Publish a lease state with the memory its worker holds, read now: a terminal state, published
@@ -458,11 +473,13 @@ class Executor:
             if warm is not None:
                 h = self.workers[a.gpu] = self.pool.hand_lease(warm, a, wc)
                 self.mem_watch.watch(a.gpu, h.proc, a.mem_bytes)
+                self.replica.lent_to(a.gpu, h.proc.pid)
                 return
         h = self.workers[a.gpu] = start_worker(a, name, wc)
         self.mem_watch.watch(a.gpu, h.proc, a.mem_bytes)
         STARTS.inc(how="cold")
         log_started(self.log, a, h.proc.pid, warm=False)
+        self.replica.lent_to(a.gpu, h.proc.pid)
 
     def _with_lease(self, wc: WorkerConfig, a: lm.Start) -> WorkerConfig:
         """`wc` told its lease: the id, and the grant command's trace context when it is known."""
