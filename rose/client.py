@@ -480,7 +480,8 @@ class RoseClient:
 
     def _weights_publisher(self) -> WeightPublisher:
         if self._publisher is None:
-            from rose.weights.stream import WeightPublisher, weights_client
+            from rose.weights.clients import weights_client
+            from rose.weights.stream import WeightPublisher
 
             self._weights_redis = weights_client(self.config.redis, self.redis)
             self._publisher = WeightPublisher(

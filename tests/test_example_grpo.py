@@ -19,7 +19,7 @@ import redis
 
 from rose.config import Config
 from rose.rollout.pause_flag import PauseFlag
-from rose.weights.stream import weight_keys
+from rose.weights.clients import weight_keys
 from tests.test_gateway import (
     KEY,
     MODEL,

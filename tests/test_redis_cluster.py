@@ -30,17 +30,11 @@ from rose.config import RedisConfig, StackConfig
 from rose.stack import LocalStack, free_port
 from rose.stack.ports import listening
 from rose.stack.redis_cluster import CLUSTER_SIZE, MASTERS, NODE_TIMEOUT_MS
+from rose.weights.clients import ClusterUnavailable, redis_client, unavailable_errors, weight_keys
 from rose.weights.entries import to_fields
 from rose.weights.follower import FileStateStore, WeightFollower
 from rose.weights.layout import flatten, make_layout
-from rose.weights.stream import (
-    ClusterUnavailable,
-    ReplicationTimeout,
-    WeightPublisher,
-    redis_client,
-    unavailable_errors,
-    weight_keys,
-)
+from rose.weights.stream import ReplicationTimeout, WeightPublisher
 
 SHARD = 16 << 10
 SPECS = {"w": ("bfloat16", (40_000,)), "b": ("float32", (3_000,)), "step": ("int64", ())}

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from rose.weights.checkpoint import from_state_dict
+from rose.weights.clients import weight_keys
 from rose.weights.follower import REJECTED, FileStateStore, Receiver, WeightFollower
 from rose.weights.layout import flatten, make_layout
-from rose.weights.stream import ReplicationTimeout, VersionConflict, WeightPublisher, weight_keys
+from rose.weights.stream import ReplicationTimeout, VersionConflict, WeightPublisher
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.stack

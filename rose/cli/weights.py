@@ -118,7 +118,7 @@ def _weights_side(cfg, make: Callable[[Any], T]) -> T:
     cluster that is not usable, 2 for settings that cannot be (malformed nodes, shard_streams
     out of range, a brace in the model name or key prefix)."""
     from rose.cli import fail
-    from rose.weights.stream import ClusterUnavailable, redis_client
+    from rose.weights.clients import ClusterUnavailable, redis_client
 
     try:
         return make(redis_client(cfg.redis))
@@ -141,7 +141,8 @@ def publish(
 ) -> None:
     """Publish checkpoints as versions of the weight stream."""
     from rose.cli import cli_config, fail
-    from rose.weights.stream import WeightPublisher, unavailable_errors
+    from rose.weights.clients import unavailable_errors
+    from rose.weights.stream import WeightPublisher
 
     if codec_name not in ("zdelta", "xor", "topk", "int8"):
         fail(f"--codec: unknown codec {codec_name!r} (zdelta, xor, topk, int8)")

@@ -69,7 +69,8 @@ class Trainer:
 
         from rose.rollout.policy_model import ModelSpec, PolicyModel, init_state_dict
         from rose.rollout.tasks import TaskQueue
-        from rose.weights.stream import WeightPublisher, weights_client
+        from rose.weights.clients import weights_client
+        from rose.weights.stream import WeightPublisher
 
         torch.set_num_threads(spec.threads)
         self.spec, self.cfg, self.r = spec, cfg, r

@@ -207,7 +207,7 @@ class Worker:
     def run(self) -> int:
         """The worker loop; a Redis outage pauses it (episodes stay in memory, their entries
         stay pending in the stream) until Redis answers again, instead of killing the worker."""
-        from rose.weights.stream import unavailable_errors
+        from rose.weights.clients import unavailable_errors
 
         backoff = 0.0
         while True:

@@ -42,7 +42,7 @@ EXIT_UNAVAILABLE = 4  # redis.cluster_nodes set, and that Redis Cluster not usab
 EXIT_DEVICE_CHECK = 5  # the lease refused: the GEMM check failed, or MPS is meant and not attached
 
 # TASKS_ON_URL: a worker holds two Redis clients. The weight streams are read through
-# `weight_source` (rose.weights.stream.weights_client: the Redis Cluster of redis.cluster_nodes
+# `weight_source` (rose.weights.clients.weights_client: the Redis Cluster of redis.cluster_nodes
 # when set, else the client below). The task queue, heartbeats and worker views stay on the
 # single Redis at redis.url even then: TaskQueue's Lua scripts and MULTI blocks span keys of
 # different hash slots (tasks, results, done set, stats), which a cluster refuses (CROSSSLOT).
@@ -91,7 +91,7 @@ def wait_for_lease(
     they commit (so it starts at the newest), poll the flag's assignment counter, and return
     the lease record the executor announced; None on STOP or `stop` (a threading.Event).
     Raises ValueError for a record that is not valid."""
-    from rose.weights.stream import unavailable_errors
+    from rose.weights.clients import unavailable_errors
 
     stats = {} if stats is None else stats
     next_weights = 0.0
@@ -175,8 +175,8 @@ def weight_source(config: WorkerConfig, r):
 
     if config.weights == "static":
         return StaticWeights(initial_weights(config))
+    from rose.weights.clients import weights_client
     from rose.weights.follower import WeightFollower
-    from rose.weights.stream import weights_client
 
     # the weight streams on their own client: a RedisCluster with redis.cluster_nodes, else `r`
     f = WeightFollower(weights_client(config.redis, r), config.redis, config.model, hmac_key=config.weights_hmac_key)
@@ -233,7 +233,7 @@ def _redis_and_weights(config: WorkerConfig):
     failure (a bad weights setting, an unreachable weights cluster)."""
     import redis
 
-    from rose.weights.stream import ClusterUnavailable
+    from rose.weights.clients import ClusterUnavailable
 
     r = redis.Redis.from_url(config.redis.url)  # the task streams: TASKS_ON_URL
     try:

@@ -28,10 +28,10 @@ import orjson
 from rose.config import RedisConfig
 from rose.obs import metrics
 from rose.obs.logs import get_logger
+from rose.weights.clients import MAX_SHARD_STREAMS, failed_over, node_failed_over, unavailable_errors, weight_keys
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
 from rose.weights.layout import Layout, layout_from_json
-from rose.weights.stream import MAX_SHARD_STREAMS, failed_over, node_failed_over, unavailable_errors, weight_keys
 
 REJECTED = metrics.counter(
     "rose_weights_entries_rejected_total",
