@@ -10,7 +10,9 @@ import orjson
 import pytest
 
 from rose.sim.interference import default_profile, linear_profile, simulation_profile
-from rose.sim.paper_check import RATIO_GOAL, CheckConfig, Job, Results, plan, tables, targets
+from rose.sim.paper_plan import CheckConfig, Job, plan
+from rose.sim.paper_results import RATIO_GOAL, Results, targets
+from rose.sim.paper_tables import tables
 from rose.sim.sim_config import SimConfig
 
 MAIN = "separate_process"

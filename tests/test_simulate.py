@@ -421,7 +421,7 @@ def test_cli_seeds_and_harvest(traces_dir):
 def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_path):
     """A small paper check through the CLI: every table, a pass/miss per target with what holds a
     miss back, and --doc rewrites only the generated block of a document."""
-    from rose.sim.paper_check import BEGIN, END
+    from rose.sim.paper_tables import BEGIN, END
 
     doc = tmp_path / "doc.md"
     doc.write_text(f"# Title\n\nBefore.\n\n{BEGIN}\nOLD-BLOCK\n{END}\n\nAfter.\n")

@@ -274,7 +274,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         import orjson
 
         from rose.cli import cli_config, fail
-        from rose.sim.paper_check import TRACES, CheckConfig, check, from_record, replace_block
+        from rose.sim.paper_check import check, from_record, replace_block
+        from rose.sim.paper_plan import TRACES, CheckConfig
 
         def floats(flag: str, text: str) -> tuple[float, ...]:
             try:
