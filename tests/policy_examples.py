@@ -8,6 +8,7 @@ import orjson
 
 from rose.config import GiB, PolicyConfig
 from rose.contract.events import Latency, Telemetry
+from rose.policy.core import Batch, SchedulingCore
 from rose.policy.lease_policy import Decision, GpuView, decide
 
 CFG = PolicyConfig()
@@ -74,3 +75,8 @@ def lease_state_record(gpu: str, epoch: int, state: str, ts: float, command_id: 
         "rollout_mem_bytes": 0,
         "command_id": command_id,
     }
+
+
+def core_decide(core: SchedulingCore, event: Telemetry) -> Decision:
+    """One telemetry event through the core's one entry (`SchedulingCore.apply`)."""
+    return core.apply(Batch(telemetry=(event,))).decisions[0]

@@ -217,7 +217,7 @@ def test_the_scheduler_names_missing_topics_and_how_to_create_them(stack, base_c
     """No topics: one line naming them and `rose topics create`, not a client replaced (and
     restarted) forever; the scheduler stays up waiting, and starts once they exist."""
     from rose.kafka.topics import delete_topics, topic_specs
-    from rose.scheduler.service import RESTARTS, run_scheduler
+    from rose.scheduler.supervisor import RESTARTS, run_scheduler
     from rose.shutdown import Shutdown
 
     kafka = dataclasses.replace(

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from rose.config import PolicyConfig
 from rose.contract.events import LeaseState
-from rose.policy.core import SchedulingCore
+from rose.policy.core import Batch, SchedulingCore
 from rose.policy.lease_policy import GpuView
-from tests.policy_examples import tel
+from tests.policy_examples import core_decide, tel
 
 K = 2
 CFG = PolicyConfig(group_size=K)
@@ -42,7 +42,7 @@ def events_of(steps):
 
 def run_core(events, cfg=CFG):
     core = SchedulingCore(cfg)
-    return core, [core.decide(e) for e in events]
+    return core, [core_decide(core, e) for e in events]
 
 
 def live_groups(views) -> dict[str, list[GpuView]]:
@@ -59,7 +59,7 @@ def live_groups(views) -> dict[str, list[GpuView]]:
 def test_groups_are_all_or_none(steps):
     core = SchedulingCore(CFG)
     for e in events_of(steps):
-        d = core.decide(e)
+        d = core_decide(core, e)
         by_kind = Counter(c.kind for c in d.commands)
         for c in d.commands:
             assert c.group_size == K and c.group_id, c
@@ -100,7 +100,7 @@ def calm(core, gpus, i0, ts0, n=4, lat=0.2, mem=30):
     for _ in range(n):
         for g in gpus:
             ts += 0.25
-            cmds += core.decide(tel(i, ts, lat, lat / 2, 80, 80 * mem / 100, gpu=g)).commands
+            cmds += core_decide(core, tel(i, ts, lat, lat / 2, 80, 80 * mem / 100, gpu=g)).commands
             i += 1
     return cmds, i, ts
 
@@ -122,7 +122,7 @@ def test_gang_granted_paused_resumed_and_revoked_together():
     assert grants[0].cause_event_id == grants[1].cause_event_id  # one step: one transaction
 
     # a spike on one member pauses both on that very event
-    d = core.decide(tel(i, ts + 0.25, 0.95, 0.1, 80, 24, gpu="n/1"))
+    d = core_decide(core, tel(i, ts + 0.25, 0.95, 0.1, 80, 24, gpu="n/1"))
     assert sorted((c.gpu, c.kind, c.compute_share) for c in d.commands) == [
         ("n/0", "throttle", 0.0),
         ("n/1", "throttle", 0.0),
@@ -136,7 +136,7 @@ def test_gang_granted_paused_resumed_and_revoked_together():
     resumes = [c for c in cmds if c.kind == "throttle" and c.compute_share > 0]
     assert sorted(c.gpu for c in resumes) == ["n/0", "n/1"] and len({c.compute_share for c in resumes}) == 1
     # memory pressure on one member revokes both in one step
-    d = core.decide(tel(i, ts + 0.25, 0.2, 0.1, 80, 78, gpu="n/0"))
+    d = core_decide(core, tel(i, ts + 0.25, 0.2, 0.1, 80, 78, gpu="n/0"))
     assert sorted((c.gpu, c.kind) for c in d.commands) == [("n/0", "revoke"), ("n/1", "revoke")]
     assert all(v.lease_id is None for v in core.views.values())
 
@@ -149,20 +149,21 @@ def test_group_size_one_keeps_v1_commands():
     assert "group_id" not in orjson.loads(orjson.dumps(cmds[0].to_dict()))
 
 
-def test_a_batch_step_leaves_the_views_as_they_were_until_committed():
-    """`step` decides a batch over an overlay: the same decisions as one `decide` after another,
-    and the core's views change only at `commit` (an uncommitted batch is simply dropped)."""
+def test_a_held_batch_leaves_the_views_as_they_were_until_committed():
+    """A held batch is decided over an overlay: the same decisions as one event after another,
+    and the core's views change only once its views come back as `committed` (a held batch
+    never committed is simply dropped)."""
     events = events_of([(g, 0.25, 20, 30) for _ in range(5) for g in GPUS] + [("n/1", 0.25, 95, 30)])
     one_by_one, decided = run_core(events)
     core = SchedulingCore(CFG)
-    first = core.step(events[:7])
+    first = core.apply(Batch(telemetry=events[:7], hold=True))
     assert core.views == {} and first.views
-    core.commit(first)
-    rest = core.step(events[7:])
+    core.apply(Batch(committed=first.views))
+    rest = core.apply(Batch(telemetry=events[7:], hold=True))
     kept = dict(core.views)
-    dropped = core.step(events[7:])
+    dropped = core.apply(Batch(telemetry=events[7:], hold=True))
     assert core.views == kept and dropped == rest
-    core.commit(rest)
+    core.apply(Batch(committed=rest.views))
     assert core.views == one_by_one.views
     assert first.decisions + rest.decisions == tuple(decided)
     assert any(c.kind == "grant" for d in decided for c in d.commands)
@@ -174,9 +175,9 @@ def test_a_member_rejected_by_its_executor_ends_the_gang_on_the_next_event_of_an
     cmds, i, ts = calm(core, ["n/0", "n/1"], 0, 1000.0)
     grants = {c.gpu: c for c in cmds if c.kind == "grant"}
     g = grants["n/1"]
-    core.observe(LeaseState("n/1", g.lease_id, g.epoch, "rejected", ts, 0, g.command_id))
+    core.apply(Batch(lease_states=(LeaseState("n/1", g.lease_id, g.epoch, "rejected", ts, 0, g.command_id),)))
     assert core.views["n/1"].lease_id is None and core.views["n/0"].lease_id == grants["n/0"].lease_id
-    d = core.decide(tel(i, ts + 0.25, 0.2, 0.1, 80, 24, gpu="n/0"))
+    d = core_decide(core, tel(i, ts + 0.25, 0.2, 0.1, 80, 24, gpu="n/0"))
     assert [(c.gpu, c.kind, c.lease_id, c.group_id) for c in d.commands] == [
         ("n/0", "revoke", grants["n/0"].lease_id, g.group_id)
     ]

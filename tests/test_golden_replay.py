@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from rose.cli import app
 from rose.config import GiB, PolicyConfig
 from rose.contract.events import Latency, Telemetry
+from rose.policy.core import Arrival, Batch, SchedulingCore
 from rose.policy.replay import encode_commands, read_log, replay
 from tests.policy_examples import lease_state_record
 
@@ -291,6 +292,27 @@ def test_replay_is_byte_identical_to_the_stored_commands(name):
             f"  replayed: {got[i] if i < len(got) else b'(none)'!r}\n  stored:   {want[i] if i < len(want) else b'(none)'!r}"
         )
     assert {k: seen[k] for k in COVERAGE[name]} == COVERAGE[name]
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_held_batches_as_the_scheduler_applies_them_give_the_stored_bytes(name):
+    """The stored log through `SchedulingCore.apply` the scheduler's way: each event admitted
+    by its record time and key and decided in a held batch, its views handed back as committed,
+    every lease state in the batch of its GPU's first event recorded at or after it."""
+    cfg = SCENARIOS[name][0]
+    log = read_log(log_path(name).read_bytes().splitlines(), cfg, lambda n, m: None)
+    pending = sorted(log.lease_states, key=lambda x: log.record_ms[x[0]])
+    core = SchedulingCore(cfg)
+    commands = []
+    for lineno, ev in log.telemetry:
+        t = log.record_ms[lineno]
+        seen = [ls for n, ls in pending if ls.gpu == ev.gpu and log.record_ms[n] <= t]
+        pending = [(n, ls) for n, ls in pending if not (ls.gpu == ev.gpu and log.record_ms[n] <= t)]
+        applied = core.apply(Batch(lease_states=seen, telemetry=(Arrival(ev, t, ev.gpu.encode()),), hold=True))
+        assert applied.admitted == (ev,)
+        core.apply(Batch(committed=applied.views))
+        commands += applied.commands
+    assert encode_commands(commands) == commands_path(name).read_bytes()
 
 
 def test_rose_replay_cli_writes_the_same_bytes(tmp_path):

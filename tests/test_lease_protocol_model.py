@@ -3,7 +3,7 @@
 A hypothesis state machine runs the pure halves of both ends of the protocol against a model of
 everything between them, and checks the contract's lease invariants after every step:
 
-- the scheduler: the policy through `SchedulingCore` (admit, step, commit), as the scheduler
+- the scheduler: the policy through `SchedulingCore.apply` (a held batch, then committed), as the scheduler
   service runs it, over telemetry of three GPUs (calm, between the thresholds, slow, short of
   memory, or silent), with gang leases of two GPUs in `TestGangLeaseProtocol`; a restart rebuilds
   the core with `SchedulingCore.restore` from the `scheduler-state` changelog (the last view per
@@ -58,9 +58,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from rose.config import ExecutorConfig, GiB, PolicyConfig
-from rose.contract.events import Command, LeaseState
+from rose.contract.events import Command, LeaseState, Telemetry
 from rose.executor import lease_machine as lm
-from rose.policy.core import SchedulingCore
+from rose.policy.core import Arrival, Batch, SchedulingCore
 from rose.policy.lease_policy import GpuView
 from tests.policy_examples import tel
 
@@ -166,10 +166,10 @@ class LeaseProtocol(RuleBasedStateMachine):
             rollout = min(self.rollout_mem(gpu) / GiB, TOTAL_GIB - serving)
             self.events += 1
             ev = tel(self.events, self.t, ttft, tpot, TOTAL_GIB, serving, rollout, gpu=gpu)
-            self.core.admit(ev, int(self.t * 1000), gpu)
-            events.append(ev)
-        batch = self.core.step(events)
-        self.core.commit(batch)
+            events.append(Arrival(ev, int(self.t * 1000), gpu))
+        batch = self.core.apply(Batch(telemetry=events, hold=True))
+        assert all(isinstance(ev, Telemetry) for ev in batch.admitted), batch.admitted  # none to the dlq
+        self.core.apply(Batch(committed=batch.views))
         self.txn += 1
         grants: dict[str, list[Command]] = {}
         for c in (c for d in batch.decisions for c in d.commands):
@@ -187,8 +187,7 @@ class LeaseProtocol(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def scheduler_reads_lease_states(self, n: int) -> None:
-        for ls in self.lease_log[self.folded : self.folded + n]:
-            self.core.observe(ls)
+        self.core.apply(Batch(lease_states=self.lease_log[self.folded : self.folded + n]))
         self.folded = min(len(self.lease_log), self.folded + n)
 
     @rule()

@@ -168,7 +168,7 @@ def test_the_scheduler_stays_up_while_the_broker_cannot_be_reached(cfg):
     retried, not fatal: the scheduler outlives an outage of any length."""
     import dataclasses
 
-    from rose.scheduler.service import RESTARTS, run_scheduler
+    from rose.scheduler.supervisor import RESTARTS, run_scheduler
     from rose.stack import free_port
 
     dead = dataclasses.replace(

@@ -259,13 +259,13 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
 
 
 def _pure_rate(cfg: Config, events) -> dict:
-    """decode + admit + decide() over the same messages in this process, without Kafka and
+    """decode + the core's apply (admit, decide) over the same messages in this process, without Kafka and
     without spans: what the per-event Python work alone allows one process."""
     from collections import Counter
 
     from rose.contract.events import Telemetry
     from rose.contract.wire import decode, encode
-    from rose.policy.core import SchedulingCore
+    from rose.policy.core import Arrival, Batch, SchedulingCore
 
     records = [(encode(ev), ev.gpu.encode(), int(ev.ts * 1000)) for ev in events]
     kinds: Counter[str] = Counter()
@@ -275,9 +275,7 @@ def _pure_rate(cfg: Config, events) -> dict:
         kinds.clear()
         t0 = time.perf_counter()
         for value, key, ts_ms in records:
-            ev = decode(value, Telemetry)
-            core.admit(ev, ts_ms, key)
-            for c in core.decide(ev).commands:
+            for c in core.apply(Batch(telemetry=(Arrival(decode(value, Telemetry), ts_ms, key),))).commands:
                 kinds[c.kind] += 1
         runs.append(round(len(records) / (time.perf_counter() - t0)))
     return {"events_per_s": runs[0], "runs_events_per_s": runs, "commands_by_kind": dict(kinds)}

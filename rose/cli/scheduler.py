@@ -20,7 +20,8 @@ def register(app: typer.Typer) -> None:
         from rose.kafka.admin import wait_for_broker
         from rose.obs.logs import setup_logging
         from rose.obs.tracing import setup_tracing
-        from rose.scheduler.service import FatalSchedulerError, run_scheduler
+        from rose.scheduler.service import FatalSchedulerError
+        from rose.scheduler.supervisor import run_scheduler
         from rose.shutdown import Shutdown
 
         cfg = cli_config()

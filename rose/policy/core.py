@@ -1,7 +1,9 @@
 """The scheduling core: per-GPU views, the executors' lease states folded into them, admission,
 and the calls to `decide()`. The scheduler service (Kafka records in, commands out), `rose
 replay` (a recorded log) and `rose simulate` (a simulated fleet and its executors) run this
-one fold; they differ only in where events come from and where commands go.
+one fold through its one entry, `SchedulingCore.apply(Batch) -> Applied` (the shape of
+Temporal's workflow activation: one poll's inputs in, its commands out); they differ only in
+where events come from and where commands go.
 
 Pure like the policy: no I/O, no clock. The folding rules are docs/policy.md "Folding lease
 states" (and docs/contract.md §4).
@@ -10,12 +12,12 @@ states" (and docs/contract.md §4).
 from __future__ import annotations
 
 from collections import ChainMap
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rose.config import PolicyConfig
-from rose.contract.events import InvalidEvent, LeaseState, Telemetry
+from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
 from rose.policy import gang
 from rose.policy.lease_policy import Decision, GpuView, cooldown_for, decide
 
@@ -73,17 +75,51 @@ def observe_lease_state(view: GpuView | None, state: LeaseState, cfg: PolicyConf
 
 
 @dataclass(frozen=True)
-class BatchStep:
-    """A batch decided over an overlay of the views (`SchedulingCore.step`)."""
+class Arrival:
+    """A telemetry event as it arrived, with what admission checks it against: its Kafka
+    record time (ms) and message key (`check_admission`)."""
 
-    decisions: tuple[Decision, ...]  # one per event, in order
-    views: dict[str, GpuView]  # every view the batch changed, as the batch left it
+    event: Telemetry
+    record_ts_ms: int | None = None
+    key: bytes | str | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One activation of the core, applied in this order: views the caller has committed, GPUs
+    it no longer decides for, executors' lease states, then telemetry. A bare `Telemetry` in
+    `telemetry` is admitted unchecked (it did not come through Kafka)."""
+
+    committed: Mapping[str, GpuView] = field(default_factory=dict)  # an earlier held batch's `Applied.views`
+    forget: Iterable[str] = ()  # GPUs whose partitions went elsewhere: their views are dropped
+    lease_states: Sequence[LeaseState] = ()
+    telemetry: Sequence[Telemetry | Arrival] = ()
+    # decide over an overlay of the views and keep none of them: the caller publishes
+    # `Applied.views` with its commands and hands them back as `committed` once that commits
+    hold: bool = False
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a batch decided: the commands to send are in `decisions`, the views to publish in
+    `views`."""
+
+    admitted: tuple[Telemetry | InvalidEvent, ...]  # per arrival: its event, or why not (the dlq)
+    decisions: tuple[Decision, ...]  # one per admitted event, in order
+    met: tuple[GpuView | None, ...]  # per decision, the view of its GPU it met
+    folded: tuple[tuple[GpuView | None, GpuView], ...]  # per lease state: its GPU's next view before, after
+    # held: every view the telemetry changed, as the batch left it (else none: the core kept them)
+    views: dict[str, GpuView]
+
+    @property
+    def commands(self) -> list[Command]:
+        return [c for d in self.decisions for c in d.commands]
 
 
 class SchedulingCore:
     """The views of the GPUs a caller decides for, and the lease floor: the newest lease state
-    each executor published per GPU (any GPU, owned or not). `views` and `lease_floor` may be
-    the caller's own dicts: the core folds into them in place."""
+    each executor published per GPU (any GPU, owned or not). `apply` is the one step, `restore`
+    the takeover of a (re)assignment."""
 
     __slots__ = ("cfg", "views", "lease_floor")
 
@@ -97,12 +133,31 @@ class SchedulingCore:
         self.views: dict[str, GpuView] = {} if views is None else views
         self.lease_floor: dict[str, LeaseState] = {} if lease_floor is None else lease_floor
 
-    def admit(self, event: Telemetry, record_ts_ms: int | None, key: bytes | str | None) -> None:
-        """InvalidEvent for telemetry not to decide on (`check_admission`)."""
-        check_admission(event, record_ts_ms, key, self.cfg)
+    def apply(self, batch: Batch) -> Applied:
+        """One batch (`Batch` says in which order its parts apply). Telemetry is decided in
+        order, each step meeting the views the steps before it left; with `hold` over an
+        overlay, so that a batch whose commands never commit is simply dropped."""
+        self.views.update(batch.committed)
+        for gpu in batch.forget:
+            self.views.pop(gpu, None)
+        folded = tuple(self._observe(ls) for ls in batch.lease_states)
+        admitted = tuple(self._admit(a) for a in batch.telemetry)
+        into: dict[str, GpuView] = {} if batch.hold else self.views
+        steps = [self._decide(ev, into) for ev in admitted if isinstance(ev, Telemetry)]
+        met = tuple(m for m, _ in steps)
+        return Applied(admitted, tuple(d for _, d in steps), met, folded, into if batch.hold else {})
 
-    def view_for(self, gpu: str) -> GpuView | None:
-        """The view `decide` meets next for `gpu`: its own, or for a GPU without one, the view
+    def _admit(self, arrival: Telemetry | Arrival) -> Telemetry | InvalidEvent:
+        if not isinstance(arrival, Arrival):
+            return arrival
+        try:
+            check_admission(arrival.event, arrival.record_ts_ms, arrival.key, self.cfg)
+        except InvalidEvent as e:
+            return e
+        return arrival.event
+
+    def _view_for(self, gpu: str) -> GpuView | None:
+        """The view a decision meets next for `gpu`: its own, or for a GPU without one, the view
         its lease floor starts it from (None: neither)."""
         v = self.views.get(gpu)
         if v is None:
@@ -111,51 +166,34 @@ class SchedulingCore:
                 v = observe_lease_state(None, floor, self.cfg)
         return v
 
-    def decide(self, event: Telemetry) -> Decision:
-        """One policy step for the event's GPU; the new views are kept at once."""
-        return self._decide(event, self.views)
-
-    def step(self, events: Iterable[Telemetry]) -> BatchStep:
-        """A batch of policy steps, in order, over an overlay of the views: each step meets the
-        views the steps before it left, and the core's own views stay as they were until
-        `commit(batch)` (a batch that is not committed is simply dropped)."""
-        overlay: dict[str, GpuView] = {}
-        return BatchStep(tuple(self._decide(ev, overlay) for ev in events), overlay)
-
-    def commit(self, batch: BatchStep) -> None:
-        """Keep the views a batch left."""
-        self.views.update(batch.views)
-
-    def _decide(self, event: Telemetry, into: dict[str, GpuView]) -> Decision:
+    def _decide(self, event: Telemetry, into: dict[str, GpuView]) -> tuple[GpuView | None, Decision]:
         """One step: it reads `into` over the core's views and writes every view it changes to
-        `into` (the core's views themselves, or a batch's overlay)."""
+        `into` (the core's views themselves, or a held batch's overlay). The view it met, and
+        the decision."""
         gpu = event.gpu
-        old = into[gpu] if gpu in into else self.view_for(gpu)
+        old = into[gpu] if gpu in into else self._view_for(gpu)
         d = decide(old, event, self.cfg)
         if self.cfg.group_size > 1 and d.explain.action != "ignored":
             d = gang.combine(into if into is self.views else ChainMap(into, self.views), old, event, d, self.cfg)
             for v in d.others:
                 into[v.gpu] = v
         into[gpu] = d.view
-        return d
+        return old, d
 
-    def observe(self, state: LeaseState) -> tuple[GpuView, GpuView] | None:
+    def _observe(self, state: LeaseState) -> tuple[GpuView | None, GpuView]:
         """One lease state: it becomes its GPU's floor and is folded into the GPU's view, if
-        there is one: then (view before, view after), else None."""
-        self.lease_floor[state.gpu] = state
-        v = self.views.get(state.gpu)
+        there is one. The view the GPU's next decision meets, before and after."""
+        gpu = state.gpu
+        before = self._view_for(gpu)
+        self.lease_floor[gpu] = state
+        v = self.views.get(gpu)
         if v is None:
-            return None
+            return before, observe_lease_state(None, state, self.cfg)
         nv = observe_lease_state(v, state, self.cfg)
         if nv.lease_id is None and nv.group_id:
             nv = replace(nv, group_id="", group_size=0)
-        self.views[state.gpu] = nv
-        return v, nv
-
-    def forget(self, gpus: Iterable[str]) -> None:
-        """Drop the views of GPUs no longer decided for here (their partitions went elsewhere)."""
-        for gpu in gpus:
-            self.views.pop(gpu, None)
+        self.views[gpu] = nv
+        return before, nv
 
     def restore(self, views: Iterable[GpuView], lease_states: Iterable[LeaseState]) -> None:
         """After a (re)assignment: `views` as last committed (a later one of a GPU wins), the

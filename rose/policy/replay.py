@@ -2,8 +2,8 @@
 lease policy over its telemetry, compare with the commands it recorded, explain decisions.
 
 Offline by design (no Kafka client here): a log from production can be replayed on a laptop.
-Replay feeds the log through `rose.policy.core.SchedulingCore`, the very fold the scheduler
-runs: telemetry admitted by the scheduler's rule, in log order, and the executors' lease
+Replay feeds the log through `rose.policy.core.SchedulingCore.apply`, the very fold the
+scheduler runs: telemetry admitted by the scheduler's rule, in log order, and the executors' lease
 states placed by their Kafka record time. So on a log recorded after the scheduler caught up,
 the replayed commands equal the recorded ones byte for byte. The one thing a log cannot tell
 exactly is when the live scheduler saw a lease state relative to the telemetry it was deciding
@@ -29,7 +29,7 @@ from rose.contract.events import (
     Telemetry,
 )
 from rose.contract.wire import load_object
-from rose.policy.core import SchedulingCore, check_admission
+from rose.policy.core import Batch, SchedulingCore, check_admission
 from rose.policy.lease_policy import Decision, GpuView
 
 _PLAIN: dict[str, type[Event]] = {TELEMETRY_SCHEMA: Telemetry, COMMAND_SCHEMA: Command, LEASE_STATE_SCHEMA: LeaseState}
@@ -152,37 +152,36 @@ def replay(
     core = SchedulingCore(cfg)
     out: list[Command] = []
     for lineno, ev in telemetry:
-        gpu = ev.gpu
-        if pending and gpu in pending:
-            _feed_lease_states(pending, core, gpu, lineno, record_ms, on_lease_state)
-        before = core.view_for(gpu) if on_decision is not None else None
-        d = core.decide(ev)
+        seen = _seen_lease_states(pending, ev.gpu, lineno, record_ms) if pending and ev.gpu in pending else []
+        a = core.apply(Batch(lease_states=[ls for _, ls in seen], telemetry=(ev,)))
+        if on_lease_state is not None:
+            for (n, ls), (before, after) in zip(seen, a.folded, strict=True):
+                on_lease_state(n, ls, before, after)
+        d = a.decisions[0]
         if d.commands:
             out.extend(d.commands)
         if on_decision is not None:
-            on_decision(lineno, ev, before, d)
+            on_decision(lineno, ev, a.met[0], d)
     return out, core.views
 
 
-def _feed_lease_states(pending, core: SchedulingCore, gpu, lineno, record_ms, on_lease_state) -> None:
-    """Feed the core the lease states of `gpu` that the scheduler had seen before telemetry line `lineno`."""
+def _seen_lease_states(pending, gpu, lineno, record_ms) -> list[tuple[int, LeaseState]]:
+    """Take from `pending` the lease states of `gpu` that the scheduler had seen before telemetry line `lineno`."""
     queue = pending[gpu]
     t = record_ms.get(lineno)
     i = 0
-    for n, ls in queue:
+    for n, _ in queue:
         ls_ms = record_ms.get(n)
         seen = ls_ms <= t if (t is not None and ls_ms is not None) else n < lineno
         if not seen:
             break
-        before = core.view_for(gpu) if on_lease_state is not None else None
-        core.observe(ls)
-        if on_lease_state is not None:
-            on_lease_state(n, ls, before, core.view_for(gpu))
         i += 1
+    taken = queue[:i]
     if i:
         del queue[:i]
         if not queue:
             del pending[gpu]
+    return taken
 
 
 def encode_commands(commands: Iterable[Command]) -> bytes:

@@ -42,7 +42,6 @@ from rose.kafka.consumer import (
     rewind,
 )
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
-from rose.kafka.topics import missing_topics, report_missing_topics
 from rose.kafka.transactional import FatalTransactionError, GroupMembershipLost, Transactor, bounded
 from rose.obs import metrics
 from rose.obs.logs import get_logger
@@ -53,9 +52,8 @@ from rose.obs.tracing import (
     tracer,
     unsampled_headers,
 )
-from rose.policy.core import BatchStep, SchedulingCore
+from rose.policy.core import Applied, Arrival, Batch, SchedulingCore
 from rose.policy.lease_policy import POLICY_VERSION, Decision, GpuView
-from rose.shutdown import Shutdown
 
 SCHEDULER_GROUP = "rose-scheduler"  # the consumer group id of every scheduler instance, after the topic prefix
 
@@ -71,7 +69,6 @@ LATENCY = metrics.histogram(
 )
 LEASES = metrics.gauge("rose_scheduler_leases", "GPUs holding a lease in the view")
 VIEWS = metrics.gauge("rose_scheduler_gpus", "GPUs in the view (assigned partitions)")
-RESTARTS = metrics.counter("rose_scheduler_client_restarts_total", "Kafka clients replaced after fencing or a wedge")
 LAG = metrics.gauge("rose_scheduler_lag_messages", "Consumer lag over assigned telemetry partitions")
 
 
@@ -98,11 +95,11 @@ class SchedulerStats:
 @dataclass(frozen=True)
 class _Batch:
     """A consumed batch, decided: per message its telemetry or why it goes to the dlq, and the
-    core's step over the telemetry (decisions in message order, the views it changed)."""
+    core's held step over the telemetry (decisions in message order, the views it changed)."""
 
     msgs: list[Message]
     parsed: list[Telemetry | InvalidEvent]
-    step: BatchStep
+    applied: Applied
 
 
 @dataclass
@@ -207,7 +204,7 @@ class Scheduler:
         gone = [g for g, p in self.gpu_partition.items() if p in ps]
         for gpu in gone:
             self.gpu_partition.pop(gpu, None)
-        self.core.forget(gone)
+        self.core.apply(Batch(forget=gone))
         consumer.incremental_unassign(parts)
 
     def _rebuild(self, partitions: list[int]) -> None:
@@ -235,23 +232,26 @@ class Scheduler:
     # ---- the loop ----------------------------------------------------------------------
     def _fold_lease_states(self) -> None:
         """Fold newly published lease states into the owned views (see module docstring)."""
-        core = self.core
+        states = []
         for m in self.lease_consumer.consume(1000, timeout=0):
             if m.error() or m.value() is None:
                 continue
             try:
-                ls = decode(m.value(), LeaseState)
+                states.append(decode(m.value(), LeaseState))
             except InvalidEvent:
                 continue
-            folded = core.observe(ls)
-            if folded is not None and folded[1] != folded[0]:
+        if not states:
+            return
+        views = self.core.views
+        for ls, (before, after) in zip(states, self.core.apply(Batch(lease_states=states)).folded, strict=True):
+            if ls.gpu in views and after != before:  # an owned GPU's view changed
                 self.log.info(
                     "lease.observed",
                     gpu=ls.gpu,
                     lease_id=ls.lease_id,
                     state=ls.state,
                     epoch=ls.epoch,
-                    view_lease=folded[1].lease_id,
+                    view_lease=after.lease_id,
                 )
 
     def start(self) -> None:
@@ -367,7 +367,7 @@ class Scheduler:
 
         pending_latency = self.tx.run(msgs, process, aborted)
         self._count(self._tally)
-        self.core.commit(batch.step)
+        self.core.apply(Batch(committed=batch.applied.views))
         views = self.core.views
         LEASES.set(sum(1 for v in views.values() if v.lease_id is not None))
         VIEWS.set(len(views))
@@ -397,22 +397,20 @@ class Scheduler:
         self.stats.traced_commands += t.traced_commands
 
     def _decide(self, msgs: list[Message]) -> _Batch:
-        """Decode and admit every message, and decide the admitted telemetry in one core step
-        (`SchedulingCore.step`): nothing here is produced, and no view is kept yet."""
+        """Decode every message, and admit and decide the telemetry in one held core step
+        (`Batch.hold`): nothing here is produced, and no view is kept yet."""
         self.stats.events += len(msgs)
         EVENTS_IN.inc(len(msgs))
-        core = self.core
-        parsed: list[Telemetry | InvalidEvent] = []
+        decoded: list[Arrival | InvalidEvent] = []
         for m in msgs:
             try:
-                ev = decode(m.value(), Telemetry)
-                core.admit(ev, m.timestamp()[1], m.key())
+                decoded.append(Arrival(decode(m.value(), Telemetry), m.timestamp()[1], m.key()))
             except InvalidEvent as e:
-                parsed.append(e)
-                continue
-            parsed.append(ev)
-        step = core.step(ev for ev in parsed if isinstance(ev, Telemetry))
-        return _Batch(msgs, parsed, step)
+                decoded.append(e)
+        applied = self.core.apply(Batch(telemetry=[a for a in decoded if type(a) is Arrival], hold=True))
+        admitted = iter(applied.admitted)
+        parsed = [e if isinstance(e, InvalidEvent) else next(admitted) for e in decoded]
+        return _Batch(msgs, parsed, applied)
 
     def _produce(self, batch: _Batch, plans: list) -> list[int]:
         """Produce a decided batch into the open transaction: per message its dlq record or its
@@ -423,7 +421,7 @@ class Scheduler:
         gpu_partition = self.gpu_partition
         time_ns = time.time_ns
         traced_of = self._traced
-        decisions = iter(batch.step.decisions)
+        decisions = iter(batch.applied.decisions)
         tally = self._tally
         for m, ev in zip(batch.msgs, batch.parsed, strict=True):
             t0 = time_ns()
@@ -460,7 +458,7 @@ class Scheduler:
             tally.traced_commands += len(traced)
             ts_ms = m.timestamp()[1]
             latency_ts.extend(ts_ms for _ in d.commands)
-        views = batch.step.views
+        views = batch.applied.views
         for gpu, p in dirty.items():
             produce(self.producer, self.state_topic, orjson.dumps(views[gpu].to_dict()), gpu, partition=p)
         return latency_ts
@@ -547,87 +545,3 @@ class Scheduler:
             except (KafkaException, RuntimeError):
                 pass
         self.producer.flush(5)
-
-
-TOPICS_RECHECK_S = 2.0  # how often a scheduler waiting for its topics looks again
-
-
-def _topics_missing(cfg: Config, log, left: float | None) -> bool:
-    """Whether the contract's topics are missing (said in one line, at most every 30 s). That
-    is a setup step not yet done, not a client failure: nothing is replaced or counted, and
-    the process stays up until `rose topics create` has run. A cluster that does not answer
-    is left to the client path, which reports and retries it."""
-    try:
-        missing = missing_topics(cfg.kafka, timeout_s=5.0 if left is None else max(0.5, min(5.0, left)))
-    except KafkaException:
-        return False
-    if missing:
-        report_missing_topics(cfg.kafka, missing, log, "scheduler")
-    return bool(missing)
-
-
-def run_scheduler(
-    cfg: Config,
-    instance: str,
-    metrics_port: int | None = None,
-    max_seconds: float | None = None,
-    max_failures: int | None = None,
-    shutdown: Shutdown | None = None,
-) -> SchedulerStats:
-    """Run until SIGTERM. A client that is fenced, wedged, or cannot start (the broker is
-    down) is replaced by a fresh one (new producer and consumer; init_transactions fences the
-    old producer), which rebuilds its view from the log like any new instance. Replacement
-    backs off up to 5 s and never gives up by default: a broker outage of any length leaves
-    the process up, reporting unhealthy on /healthz until a client works again.
-    `max_failures` bounds consecutive failed clients (none of whose transactions committed).
-    `shutdown`: the process's SIGTERM handling, when the caller installed it already."""
-    current: list[Scheduler] = []
-    shutdown = shutdown or Shutdown.install(name="rose-scheduler")
-
-    def stop_current() -> None:
-        for s in current:
-            s.stop()
-
-    shutdown.hooks.append(stop_current)
-    stop = shutdown.stop
-    health = {"ok": True}
-    if metrics_port is not None:
-        metrics.serve(metrics_port, health=lambda: health["ok"] and not stop.is_set())
-    deadline = None if max_seconds is None else time.monotonic() + max_seconds
-    total = SchedulerStats()
-    restarts = failures = 0
-    log = get_logger("rose.scheduler", instance=instance)
-    log.info("scheduler.start", config=cfg.redacted()["policy"], policy_version=POLICY_VERSION)
-    while not stop.is_set():
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            break
-        if _topics_missing(cfg, log, left):
-            health["ok"] = False
-            stop.wait(TOPICS_RECHECK_S)
-            continue
-        s = None
-        try:
-            s = Scheduler(cfg, instance=instance, init_timeout_s=30 if left is None else max(1.0, min(30.0, left)))
-            current[:] = [s]
-            health["ok"] = True  # its transactional producer is registered: the broker answers
-            if stop.is_set():
-                s.stop()
-            s.run(max_seconds=left)
-            break
-        except (FatalSchedulerError, KafkaException) as e:
-            restarts += 1
-            RESTARTS.inc()
-            health["ok"] = False
-            failures = 1 if s is not None and s.stats.transactions else failures + 1
-            log.error("scheduler.client_replaced", error=str(e), restarts=restarts, consecutive_failures=failures)
-            if max_failures is not None and failures > max_failures:
-                raise
-            stop.wait(min(5.0, 0.5 * failures))
-        finally:
-            if s is not None:
-                total.events += s.stats.events
-                total.commands += s.stats.commands
-                total.dlq += s.stats.dlq
-    log.info("scheduler.stop", events=total.events, commands=total.commands, dlq=total.dlq, restarts=restarts)
-    return total

@@ -15,10 +15,10 @@ from typing import cast
 import numpy as np
 
 from rose.config import PolicyConfig
-from rose.contract.events import Latency, Telemetry
+from rose.contract.events import Latency, LeaseState, Telemetry
 from rose.executor import lease_machine as lm
 from rose.executor.guard import tripped_next
-from rose.policy.core import SchedulingCore
+from rose.policy.core import Batch, SchedulingCore
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import free_memory, memory_margin
 from rose.policy.pool import PoolConfig
@@ -272,6 +272,7 @@ class RoseRun(Run):
         super().__init__(name, ctx, sim)
         G = ctx.G
         self.core = SchedulingCore(ctx.policy)
+        self._published: list[LeaseState] = []  # lease states, until the next window's core batch
         self.names = [f"sim/{g}" for g in range(G)]  # GPU ids as the policy and the executors know them
         self.nodes = [f"node-{g // NODE_GPUS}" for g in range(G)]
         self.machines = [lm.initial(name) for name in self.names]
@@ -426,12 +427,12 @@ class RoseRun(Run):
         total = st.mem_total_bytes
         util, used, rmem = st.gpu_util.tolist(), st.mem_used_bytes.tolist(), st.rollout_mem_bytes.tolist()
         rps, qd, lt, lp = st.rps.tolist(), st.queue_depth.tolist(), ttft.tolist(), tpot.tolist()
-        out = []
-        core, names, nodes, view_lease = self.core, self.names, self.nodes, self.view_lease
-        calls = 0
-        for g, n in zip(call.tolist(), held):
+        names, nodes, view_lease = self.names, self.nodes, self.view_lease
+        events: list[Telemetry] = []
+        gpus = call.tolist()
+        for g, n in zip(gpus, held):
             for p in pend[n - 1 :: -1] if n else ():  # the held-back events first, oldest first
-                core.decide(
+                events.append(
                     _telemetry(
                         g,
                         f"d{int(p['ts'][g] / c.dt)}",
@@ -447,11 +448,10 @@ class RoseRun(Run):
                         int(p["qd"][g]),
                     )
                 )
-                calls += 1
             # this window's event: _telemetry(g, w, ...) with the GPU's names built once
             u = util[g]
             name = names[g]
-            d = core.decide(
+            events.append(
                 Telemetry(
                     f"{name}@{w}",
                     ts,
@@ -468,7 +468,14 @@ class RoseRun(Run):
                     qd[g],
                 )
             )
-            calls += 1
+        # with the lease states the executors published since the last window, as they reach a scheduler
+        decisions = self.core.apply(Batch(lease_states=self._published, telemetry=events)).decisions
+        self._published = []
+        out = []
+        i = -1
+        for g, n in zip(gpus, held):
+            i += 1 + n  # this window's event comes after its held-back ones
+            d = decisions[i]
             view_lease[g] = d.view.lease_id is not None
             if not view_lease[g]:
                 self.why_none[g] = no_lease_why(d.explain.reason)
@@ -479,7 +486,7 @@ class RoseRun(Run):
                 out.append((m, cmd))
                 if cmd.kind == "grant":
                     self.grant_room[m] = free_memory(total, used[m] - rmem[m], 0, rmem[m]) - memory_margin(total, pc)
-        self.decide_calls += calls
+        self.decide_calls += len(events)
         return out
 
     def apply(self, commands: list, t1: float) -> None:
@@ -558,7 +565,7 @@ class RoseRun(Run):
             elif t is lm.Stop:
                 self.worker[g] = self.worker_paused[g] = False
             elif t is lm.Publish:
-                self.core.observe(a.state(now))
+                self._published.append(a.state(now))
 
     def start_wait(self, g: int, a, now: float) -> float:
         """Seconds from a Start on GPU g to its worker decoding: a ready warm worker of the node's

@@ -8,7 +8,7 @@ import time
 
 from rose.config import GiB
 from rose.contract.events import Latency, Telemetry
-from rose.policy.core import SchedulingCore
+from rose.policy.core import Batch, SchedulingCore
 
 MEM_LOW, MEM_HIGH = 0.35, 0.55  # serving memory stays in this fraction of total
 MEM_STEP = 0.005  # ... moving at most this fraction of total per event (a KV cache filling and draining)
@@ -58,9 +58,7 @@ def workload(
 
 def expected_commands(events: list[Telemetry], policy) -> dict[str, list[dict]]:
     """What the pure scheduling core decides, per GPU, in order: the reference for exactly-once."""
-    core = SchedulingCore(policy)
     out: dict[str, list[dict]] = {}
-    for ev in events:
-        for c in core.decide(ev).commands:
-            out.setdefault(c.gpu, []).append(c.to_dict())
+    for c in SchedulingCore(policy).apply(Batch(telemetry=events)).commands:
+        out.setdefault(c.gpu, []).append(c.to_dict())
     return out

@@ -47,7 +47,7 @@ from rose.config import Config, PolicyConfig
 from rose.contract.events import LEASE_SETTING_KINDS, InvalidEvent, LeaseState, Telemetry
 from rose.contract.wire import decode
 from rose.kafka.consumer import message_record, read_all
-from rose.policy.core import SchedulingCore, check_admission
+from rose.policy.core import Batch, SchedulingCore, check_admission
 from tests.kafka_checks import duplicate_ids
 
 LEASE_ENDS = ("revoked", "expired")
@@ -166,11 +166,11 @@ def admissible_replay(  # noqa: C901 - the search over admissible fold orders, o
         fold = decided = None
         if i < m and lo[i] <= k:  # state i may be seen before event k is decided
             core = SchedulingCore(policy, dict(views), {})
-            core.observe(states[i][0])
+            core.apply(Batch(lease_states=(states[i][0],)))
             fold = (k, i + 1, j, core.views.get(gpu), states[i][0], placed + ((i, k, 0),))
         if i == m or k < hi[i]:  # event k may be decided before state i is seen
             core = SchedulingCore(policy, dict(views), {gpu: floor} if floor else {})
-            got = [c.to_dict() for c in core.decide(events[k][0]).commands]
+            got = [c.to_dict() for c in core.apply(Batch(telemetry=(events[k][0],))).commands]
             want = [c for c, _ in recorded[j : j + len(got)]]
             if got == want:
                 decided = (k + 1, i, j + len(got), core.views[gpu], floor, placed)
