@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rose.contract.records import Heartbeat
-from rose.demo import report, windows
+from rose.demo import report, report_files, windows
 from rose.demo.coserve import CoserveSpec, LatencyWindow, latency_summary, scaled_lengths
 from rose.demo.observed import ClaimClock, Observed
 from rose.demo.run_setup import DemoOptions
@@ -209,11 +209,11 @@ def test_the_device_core_is_summed_per_kind_of_window_and_printed_beside_it():
         "with_leases": {"idle_s": 3.0, "serving_s": 7.0, "rollout_s": 10.0, "counted_s": 20.0, "windows": 2},
     }
     assert report.core_by_window_kind(_windows((0, 10, False), (10, 20, True))) is None  # no core sampled
-    rows = report._core_rows(core)
+    rows = report_files._core_rows(core)
     assert "| device core idle (idle + iowait), core-s | 11.0 | 3.0 |" in rows
     assert "| device core rollout (nice: the leased workers), core-s | 0.0 | 10.0 |" in rows
-    assert report._core_rows(None) == ["| device core | not sampled (no CPU core of its own) | |"]
-    assert (report._yes(True), report._yes(False), report._yes(None)) == ("yes", "no", "n/a")
+    assert report_files._core_rows(None) == ["| device core | not sampled (no CPU core of its own) | |"]
+    assert (report_files._yes(True), report_files._yes(False), report_files._yes(None)) == ("yes", "no", "n/a")
 
 
 def _promise_report(by_window, ci_on, off_mean, core):
@@ -227,7 +227,7 @@ def test_the_promise_holds_when_serving_keeps_its_slo_and_leases_add_episodes():
     rep = _promise_report({"dedicated_only": 0.95, "with_leases": 0.94}, [30.0, 40.0], 25.0, core)
     p = rep["promise"]
     assert p["measured_slo_with_leases_within_0_01"] and p["episodes_ci95_above_leases_off_mean"] and p["held"]
-    lines = "\n".join(report._promise_lines(rep))
+    lines = "\n".join(report_files._promise_lines(rep))
     assert "| both | yes |" in lines and "Not held" not in lines
     assert "(0.9400 against 0.9500) | yes |" in lines and "([30.0, 40.0] against 25.0) | yes |" in lines
 
@@ -239,7 +239,7 @@ def test_the_promise_fails_on_either_half_and_then_shows_the_idle_time_left():
     p = rep["promise"]
     assert not p["measured_slo_with_leases_within_0_01"] and p["episodes_ci95_above_leases_off_mean"]
     assert not p["held"] and p["core_idle_s_with_leases"] == 3.5 and p["core_rollout_s_with_leases"] == 9.5
-    lines = "\n".join(report._promise_lines(rep))
+    lines = "\n".join(report_files._promise_lines(rep))
     assert "| both | no |" in lines
     assert (
         "device core was idle for 3.5 core-s of 20.0 core-s, and the leased workers took 9.5 core-s: "
@@ -248,12 +248,12 @@ def test_the_promise_fails_on_either_half_and_then_shows_the_idle_time_left():
     # a core serving kept busy (idle under 5 % of the time) had next to nothing to harvest
     busy = {"dedicated_only": _core(0.0, 20.0, 0.0), "with_leases": _core(0.5, 19.0, 0.5)}
     rep = _promise_report({"dedicated_only": 0.0, "with_leases": 0.0}, [10.0, 40.0], 25.0, busy)
-    assert "idle for 0.5 core-s of 20.0 core-s" in "\n".join(report._promise_lines(rep))
-    assert "serving kept the core busy" in "\n".join(report._promise_lines(rep))
+    assert "idle for 0.5 core-s of 20.0 core-s" in "\n".join(report_files._promise_lines(rep))
+    assert "serving kept the core busy" in "\n".join(report_files._promise_lines(rep))
     # little idle left because the leases took it
     took = {"dedicated_only": _core(11.0, 9.0, 0.0), "with_leases": _core(0.5, 9.0, 10.5)}
     rep = _promise_report({"dedicated_only": 1.0, "with_leases": 0.98}, [10.0, 40.0], 25.0, took)
-    assert "the leases took nearly all the time serving left" in "\n".join(report._promise_lines(rep))
+    assert "the leases took nearly all the time serving left" in "\n".join(report_files._promise_lines(rep))
     # the interval with leases reaches down to the leases-off mean: not above it
     p = report.promise(rep["measured_device"], {"dedicated_only": 30.0, "ci95_with_leases": [30.0, 40.0]})
     assert not p["episodes_ci95_above_leases_off_mean"] and not p["held"]
@@ -261,7 +261,7 @@ def test_the_promise_fails_on_either_half_and_then_shows_the_idle_time_left():
     md = {"slo_attainment_by_window": {"dedicated_only": None, "with_leases": 1.0}}
     p = report.promise(md, {"dedicated_only": 30.0, "ci95_with_leases": None})
     assert p == {**p, "measured_slo_with_leases_within_0_01": False, "episodes_ci95_above_leases_off_mean": False}
-    lines = "\n".join(report._promise_lines({"measured_device": {"gpu": "real/0", **md}, "promise": p}))
+    lines = "\n".join(report_files._promise_lines({"measured_device": {"gpu": "real/0", **md}, "promise": p}))
     assert "not sampled" in lines and "its idle time is not known" in lines
 
 
@@ -296,7 +296,7 @@ def test_report_builds_and_prints_from_a_small_run():
     rep = report.build(obs, tl, meta)
     assert rep["trainer_lr"] == 0.003 and rep["measured_device"]["p99_leased_ms"]["ttft"] == 20.0
     assert set(rep["episodes_per_min"]) == {"dedicated_only", "with_leases", "ci95_dedicated_only", "ci95_with_leases"}
-    md = report.markdown({**rep, "plots": []})
+    md = report_files.markdown({**rep, "plots": []})
     assert "leases on (mean of 2 windows, 95 % CI)" in md and "trainer lr 0.003" in md and "rose bench weights" in md
     assert rep["engine"] == {"name": None, "version": None, "device": None} and rep["rl"]["reward_by_step"] == []
     assert rep["measured_device"]["slo_attainment_by_window"] == {"dedicated_only": 1.0, "with_leases": 1.0}
@@ -325,7 +325,7 @@ def test_report_names_the_engine_and_shows_samples_and_reward_by_step():
     assert report.engine(obs, {}) == {"name": "vllm", "version": "0.32.0", "device": "cpu"}
     meta = {"rollout": {"engine": "vllm", "engine_version": "0.32", "device": "cpu"}}
     assert report.engine(Observed(), meta)["name"] == "vllm"  # no heartbeat left: the run's configuration
-    lines = "\n".join(report._rl_lines({"engine": report.engine(obs, {}), "model": "m", "rl": r}))
+    lines = "\n".join(report_files._rl_lines({"engine": report.engine(obs, {}), "model": "m", "rl": r}))
     assert "Engine `vllm` 0.32.0 on `cpu`" in lines and "`42\\|x`" in lines and "What is 12 + 30?" in lines
 
 

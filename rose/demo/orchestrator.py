@@ -98,7 +98,7 @@ class Demo(DemoPhases):
         """Stop every process (so the executors' final lease states are in), then read and report."""
         import platform
 
-        from rose.demo import report
+        from rose.demo import report, report_files
         from rose.demo.observed import read_final
         from rose.kafka.admin import KafkaException
 
@@ -154,7 +154,7 @@ class Demo(DemoPhases):
             now = time.time()
             self.timeline = {"t0": now, "t_end": now, "windows": []}
         rep = report.build(obs, self.timeline, meta)
-        report.write(self.report_dir, rep, obs)
+        report_files.write(self.report_dir, rep, obs)
         return rep
 
     def _cleanup(self) -> None:
