@@ -112,17 +112,25 @@ class Rose:
         self.http = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=120)
         self.model = model or self.client.models.list().data[0].id
 
-    def sample(self, prompt: list[int], seed: int, session: str, version: int, max_tokens: int) -> dict:
+    def sample(
+        self, prompt: list[int], seed: int, session: str, version: int, max_tokens: int, logprobs: bool = False
+    ) -> dict:
+        """One completion served at `version` or newer; with `logprobs`, the engine's log-probability
+        of each sampled token too (`logprobs`)."""
         r = self.client.completions.create(
             model=self.model,
             prompt=prompt,
             max_tokens=max_tokens,
             seed=seed,
+            logprobs=1 if logprobs else None,
             extra_headers={"X-Rose-Session": session},
             extra_body={"min_weight_version": version},
         )
         ch = r.choices[0]
-        return {"ids": list(ch.token_ids), "spans": list(ch.weight_versions), "worker": ch.worker}  # type: ignore[attr-defined]
+        out = {"ids": list(ch.token_ids), "spans": list(ch.weight_versions), "worker": ch.worker}  # type: ignore[attr-defined]
+        if logprobs:
+            out["logprobs"] = list(ch.logprobs.token_logprobs) if ch.logprobs else []
+        return out
 
     def publish(self, checkpoint: Path, dtype: str | None = None) -> int:
         """POST /v1/weights: the gateway reads `checkpoint` and publishes it; the new version."""
