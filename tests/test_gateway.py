@@ -304,13 +304,24 @@ class Revoked:
         return int(self.after[worker].get(counter, 0)) - int(self.before[worker].get(counter, 0))
 
 
-def revoke_midway(url: str, cfg: Config, flags: dict[str, PauseFlag], body: dict, received: int = 10) -> Revoked:
-    """Stream the completion `body` and revoke its worker midway. The client decides "midway":
+def revoke_midway(
+    url: str,
+    cfg: Config,
+    flags: dict[str, PauseFlag],
+    body: dict,
+    received: int = 10,
+    path: str = "/v1/completions",
+    shape: tuple[Callable[[list], list[int]], Callable[[dict], str]] | None = None,
+) -> Revoked:
+    """Stream the completion `body` (to `path`; `shape`: how to read the token ids the events
+    hold and the task id from the first, OpenAI's by default) and revoke its worker midway. The
+    client decides "midway":
     once it holds `received` tokens, the worker that published them (the turn's token stream
     names it) is paused (share 0: it launches no more decode step, so it cannot finish the turn)
     and, once its heartbeat says it is paused still holding the turn, stopped; the other worker,
     at full share, finishes the turn. Both workers are idle before the turn and after it, so the
     difference of their heartbeat counters is this turn's."""
+    got_ids, task_of = shape or (lambda ev: streamed_ids(ev)[0], lambda e: e["id"].removeprefix("cmpl-"))
     r = redis.Redis.from_url(cfg.redis.url)
 
     def hb(w: str) -> dict[str, str]:
@@ -335,7 +346,7 @@ def revoke_midway(url: str, cfg: Config, flags: dict[str, PauseFlag], body: dict
     try:
         with (
             httpx.Client(timeout=60) as h,
-            h.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as sr,
+            h.stream("POST", url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}) as sr,
         ):
             assert sr.status_code == 200
             lines = sr.iter_lines()
@@ -344,14 +355,14 @@ def revoke_midway(url: str, cfg: Config, flags: dict[str, PauseFlag], body: dict
                 for line in lines:
                     if line.startswith("data: {"):
                         events.append((time.monotonic() - t0, orjson.loads(line[6:])))
-                        assert "choices" in events[-1][1], events[-1][1]  # not an error (a timeout, ...)
+                        assert "error" not in events[-1][1], events[-1][1]  # not an error (a timeout, ...)
                         if enough():
                             return
 
-            read(lambda: len(streamed_ids(events)[0]) >= received)
-            got = len(streamed_ids(events)[0])
+            read(lambda: len(got_ids(events)) >= received)
+            got = len(got_ids(events))
             assert got >= received, f"the turn ended after {got} tokens"
-            tokens = cfg.redis.key("tasks", JOB, "tokens", events[0][1]["id"].removeprefix("cmpl-"))
+            tokens = cfg.redis.key("tasks", JOB, "tokens", task_of(events[0][1]))
             [held] = {f[b"worker"].decode() for _i, f in r.xrange(tokens) if b"worker" in f}
             [other] = [w for w in flags if w != held]
             paused_at = time.time()

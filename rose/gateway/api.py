@@ -72,6 +72,10 @@ class TurnRequest(BaseModel):
     def tokens(self) -> int:
         return self.max_tokens or DEFAULT_MAX_TOKENS
 
+    def pin(self) -> Pin | None:
+        v = self.min_weight_version
+        return None if v is None else Pin(v, False, "min_weight_version")
+
     def wants_logprobs(self) -> bool:
         """Whether the answer carries the sampled tokens' log-probabilities."""
         return False
@@ -130,6 +134,19 @@ class ChatRequest(TurnRequest):
     def prompt(self) -> list[int]:
         """The messages' token ids, in order (no chat template: the caller's ids are the prompt)."""
         return [t for m in self.messages for t in m.content]
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A request's weight-version pin: every token at `version` (`exact`) or at it or newer, as
+    the request's field `field` asked."""
+
+    version: int
+    exact: bool
+    field: str
+
+    def met(self, v: int) -> bool:
+        return v == self.version if self.exact else v >= self.version
 
 
 class WeightsRequest(BaseModel):
@@ -303,6 +320,10 @@ class StreamShape:
         else:
             last["text"] = ""
         return self._chunk(last, usage=_usage(r))
+
+    def error(self, message: str, param: str | None, kind: str, code: str | None) -> dict[str, Any]:
+        """The event that ends a stream the turn could not finish (OpenAI's error object)."""
+        return error(message, param, kind, code)
 
 
 def stream_chunks(rid: str, model: str, r: TurnResult, chat: bool, logprobs: bool = False) -> list[dict[str, Any]]:

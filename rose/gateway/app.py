@@ -1,9 +1,10 @@
-"""The gateway's ASGI app (FastAPI): the OpenAI endpoints over the dispatcher, bearer-token
-auth, admission, errors in OpenAI's shape, and `serve` (uvicorn) for `rose gateway`.
+"""The gateway's ASGI app (FastAPI): the OpenAI endpoints and SGLang's `/generate` (with the
+weight endpoints of a trainer that only publishes, `rose.gateway.sglang`) over the dispatcher,
+bearer-token auth, admission, errors in OpenAI's shape, and `serve` (uvicorn) for `rose gateway`.
 
 Status codes: 400 a request the gateway refuses (the message and `param` name the field), 401
 a missing or wrong bearer token, 404 an unknown model, 409 no running worker at the request's
-`min_weight_version`, 429 overload or no running worker (with `Retry-After`), 503 Redis
+`min_weight_version` (`/generate`: its pin), 429 overload or no running worker (with `Retry-After`), 503 Redis
 unreachable while publishing weights, 504 a turn not finished by the request's deadline.
 
 `POST /v1/weights` publishes a safetensors checkpoint the gateway can read as the model's next
@@ -38,7 +39,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from rose.config import Config
-from rose.gateway import api
+from rose.gateway import api, sglang
 from rose.gateway.admission import Admission, Overloaded
 from rose.gateway.dispatch import Dispatcher, PendingTurn, TurnFailed
 from rose.obs import metrics
@@ -109,7 +110,9 @@ class Gateway:
         INFLIGHT.set(self.admission.inflight)
         WAITING.set(self.admission.waiting)
 
-    async def admit(self, req: api.TurnRequest, deadline: float) -> None:
+    async def admit(self, req: api.TurnRequest, deadline: float, pin: api.Pin | None = None) -> None:
+        """Checks `req`, waits for a worker that meets `pin` (absent: the request's own) and for
+        an in-flight place; GatewayError when refused."""
         try:
             req.check_supported()
         except api.Unsupported as e:
@@ -129,8 +132,9 @@ class Gateway:
                 kind="overloaded",
                 headers={"Retry-After": str(max(1, round(self.g.pause_patience_s)))},
             )
-        if req.min_weight_version is not None:
-            await self.await_version(req.min_weight_version)
+        pin = pin or req.pin()
+        if pin is not None:
+            await self.await_version(pin)
         try:
             await self.admission.acquire(max(0.0, deadline - time.monotonic()))
         except Overloaded as e:
@@ -140,21 +144,24 @@ class Gateway:
         finally:
             self._gauges()
 
-    async def await_version(self, v: int) -> None:
-        """Until a running worker reports policy version `v` or newer; 409 naming
-        `min_weight_version` when none does within `gateway.pause_patience_s`."""
+    async def await_version(self, pin: api.Pin) -> None:
+        """Until a running worker reports a policy version that meets `pin`; 409 naming the
+        pin's field when none does within `gateway.pause_patience_s`."""
         until = time.monotonic() + self.g.pause_patience_s
-        while not self.dispatcher.workers_at(v):
+        while not self.dispatcher.workers_at(pin.version, pin.exact):
             if time.monotonic() >= until:
-                raise GatewayError(
-                    409,
-                    f"min_weight_version: no running worker of job {self.dispatcher.job!r} has applied policy "
-                    f"version {v} or newer within {self.g.pause_patience_s:g}s (gateway.pause_patience_s); "
-                    "GET /v1/weights shows each worker's version",
-                    "min_weight_version",
-                    code="weight_version_unavailable",
-                )
+                raise self.pin_refused(pin, f"within {self.g.pause_patience_s:g}s (gateway.pause_patience_s)")
             await asyncio.sleep(VERSION_POLL_S)
+
+    def pin_refused(self, pin: api.Pin, when: str) -> GatewayError:
+        at = f"version {pin.version}" if pin.exact else f"version {pin.version} or newer"
+        return GatewayError(
+            409,
+            f"{pin.field}: no running worker of job {self.dispatcher.job!r} served policy {at} {when}; "
+            "GET /v1/weights shows each worker's version",
+            pin.field,
+            code="weight_version_unavailable",
+        )
 
     def publish(self, req: api.WeightsRequest) -> dict:
         """`POST /v1/weights`, on a worker thread: the checkpoint's tensors (`rose.weights.inputs`,
@@ -204,16 +211,26 @@ class Gateway:
             self.admission.observe(time.monotonic() - turn.submitted)
         self._gauges()
 
-    async def start_turn(self, request: Request, req: api.TurnRequest, prompt: list[int]) -> tuple[PendingTurn, float]:
+    async def start_turn(
+        self, request: Request, req: api.TurnRequest, prompt: list[int], pin: api.Pin | None = None
+    ) -> tuple[PendingTurn, float]:
+        """Admits `req` (its own pin, or `pin`) and queues its turn."""
+        pin = pin or req.pin()
         deadline = time.monotonic() + self.g.request_timeout_s
-        await self.admit(req, deadline)
+        await self.admit(req, deadline, pin)
         session = request.headers.get(SESSION_HEADER) or req.user
         if session:
             trace.get_current_span().set_attribute("rose.session", session)
         seed = req.seed if req.seed is not None else secrets.randbelow(api.MAX_SEED)
         try:
             turn = await self.dispatcher.submit(
-                prompt, req.tokens(), seed, session, stream=req.stream, min_version=req.min_weight_version or 0
+                prompt,
+                req.tokens(),
+                seed,
+                session,
+                stream=req.stream,
+                min_version=pin.version if pin else 0,
+                exact=bool(pin and pin.exact),
             )
             return turn, deadline
         except BaseException:
@@ -280,7 +297,7 @@ def _stream(
             r = waiting.result()
         except GatewayError as e:
             span.set_attribute("error.type", str(e.status))
-            yield _sse(api.error(str(e), e.param, e.kind, e.code))
+            yield _sse(shape.error(str(e), e.param, e.kind, e.code))
             yield b"data: [DONE]\n\n"
             return
         finally:
@@ -394,7 +411,57 @@ async def _turn(gw: Gateway, request: Request, req: api.TurnRequest, prompt: lis
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/weights", "/health", "/metrics"})
+def _renamed(e: GatewayError, names: dict[str, str]) -> GatewayError:
+    """`e` naming the field of an SGLang endpoint's body (`names`: ours to theirs)."""
+    if e.param not in names:
+        return e
+    param = names[e.param]
+    return GatewayError(e.status, param + str(e)[len(e.param) :], param, kind=e.kind, code=e.code, headers=e.headers)
+
+
+async def _generate(gw: Gateway, request: Request, req: sglang.GenerateRequest) -> Response:
+    """`POST /generate` (SGLang's shape) as one turn, through the same admission, queue, revoke
+    hand-over and version pin as the OpenAI endpoints."""
+    try:
+        prompt = req.check_supported()
+    except api.Unsupported as e:
+        raise GatewayError(400, str(e), e.field) from None
+    sp, pin = req.sampling_params, req.pin()
+    turn_req = api.TurnRequest(model=gw.model, max_tokens=sp.max_new_tokens, seed=sp.the_seed(), stream=req.stream)
+    span = trace.get_current_span()
+    _requested(span, turn_req, prompt, chat=False)
+    if pin is not None:
+        span.set_attribute(f"rose.{pin.field}", pin.version)
+    turn, deadline = await gw.start_turn(request, turn_req, prompt, pin)
+    span.set_attribute("rose.task_id", turn.task_id)
+    answer = sglang.Answer(req.rid or turn.task_id, req, len(prompt))
+    if req.stream:
+        shape = sglang.GenerateStream(answer, prompt)
+        return StreamingResponse(_stream(gw, turn, deadline, shape, span), media_type="text/event-stream")
+    try:
+        r = await gw.wait(turn, deadline, request)
+    except GatewayError as e:
+        raise _renamed(e, {"prompt": "input_ids"}) from None
+    _answered(span, r)
+    answer.end(r)
+    if pin is not None and answer.aborted():
+        raise gw.pin_refused(pin, "for the whole turn (its worker changed version mid-turn)")
+    return Response(orjson.dumps(answer.body(final=True)), media_type="application/json")
+
+
+ENDPOINTS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/weights",
+        "/generate",
+        "/get_weight_version",
+        "/update_weights_from_disk",
+        "/health",
+        "/metrics",
+    }
+)
 
 
 class _Counted:
@@ -418,7 +485,7 @@ class _Counted:
         await self.app(scope, receive, counted)
 
 
-TRACED = frozenset({"/v1/completions", "/v1/chat/completions"})
+TRACED = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 _propagator = TraceContextTextMapPropagator()
 
 
@@ -497,6 +564,23 @@ def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
     @app.post("/v1/weights", dependencies=auth)
     async def publish(req: api.WeightsRequest) -> dict:
         return await asyncio.to_thread(gw.publish, req)
+
+    @app.post("/generate", dependencies=auth)
+    async def generate(req: sglang.GenerateRequest, request: Request) -> Response:
+        return await _generate(gw, request, req)
+
+    @app.get("/get_weight_version", dependencies=auth)
+    async def get_weight_version() -> dict:
+        ws, latest = await asyncio.to_thread(gw.dispatcher.weights)
+        return sglang.fleet_version(ws, latest)
+
+    @app.post("/update_weights_from_disk", dependencies=auth)
+    async def update_weights_from_disk(req: sglang.DiskWeightsRequest) -> dict:
+        try:
+            done = await asyncio.to_thread(gw.publish, req.publish())
+        except GatewayError as e:
+            raise _renamed(e, {"checkpoint": "model_path", "version": "weight_version"}) from None
+        return {"success": True, "message": f"published as version {done['version']}", **done}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -166,9 +166,11 @@ class Dispatcher:
         session: str | None,
         stream: bool = False,
         min_version: int = 0,
+        exact: bool = False,
     ) -> PendingTurn:
         """Queue one turn (to the session's worker while it is live and has applied `min_version`,
-        else, with a `min_version`, to a running worker that has); its result resolves the future."""
+        else, with a `min_version`, to a running worker that has; `exact`: to one at that very
+        version, while one is); its result resolves the future."""
         task = Task(
             task_id=f"{TASK_PREFIX}{uuid.uuid4().hex}",
             prompt=prompt,
@@ -187,8 +189,8 @@ class Dispatcher:
         with self._lock:
             self._waiters[task.task_id] = _Waiter(loop, fut, session, key)
         to = self.session_worker(session)
-        if min_version > 0:
-            at = self.workers_at(min_version)
+        if min_version > 0 or exact:
+            at = self.workers_at(min_version, exact)
             if to not in at:
                 to = random.choice(at) if at else None
         dst = self.queue.directed(to) if to else self.queue.stream
@@ -264,15 +266,16 @@ class Dispatcher:
         """Running workers (fresh heartbeat) at any policy version."""
         return self.workers_at(None)
 
-    def workers_at(self, min_version: int | None) -> list[str]:
+    def workers_at(self, min_version: int | None, exact: bool = False) -> list[str]:
         """Running workers (fresh heartbeat) that have applied policy version `min_version` or
-        newer (None: at any version)."""
+        newer (`exact`: that very version; None: at any version)."""
         now = time.time()
         with self._lock:
             return sorted(
                 w
                 for w, hb in self._workers.items()
-                if hb.running(now) and (min_version is None or hb.version >= min_version)
+                if hb.running(now)
+                and (min_version is None or (hb.version == min_version if exact else hb.version >= min_version))
             )
 
     def weights(self) -> tuple[list[WorkerWeights], int | None]:
