@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from rose.config import PolicyConfig
 from rose.contract.events import Command, Telemetry
 from rose.contract.immutable import immutable
 from rose.policy.lease_policy import lease_command, lease_id_for, memory_margin
+
+if TYPE_CHECKING:
+    from rose.policy.pool_records import PoolSample
 
 FORECASTS = ("last", "peak", "peak_trend")  # "last" is the evaluation's baseline, not a product choice
 LEASE_NONE, LEASE_REPLICA, LEASE_CORESIDENT = "none", "replica", "coresident"
@@ -122,7 +126,7 @@ class PoolView:
     observed_capacity_rps: float  # highest per-bin replica rps with the headroom on every sample; 0: none
 
 
-def pool_view(events: Iterable[Telemetry], cfg: PoolConfig) -> PoolView | None:
+def pool_view(events: Iterable[Telemetry | PoolSample], cfg: PoolConfig) -> PoolView | None:
     """The view of one pool's events (any order) over `cfg.window_s` before the newest; None
     without events. A replica's rps in a bin is the mean of each GPU's samples in the bin (each
     sample is a rate over one telemetry window of the same period, so the mean is the bin's rate;
@@ -139,7 +143,7 @@ def pool_view(events: Iterable[Telemetry], cfg: PoolConfig) -> PoolView | None:
     now, start = newest.ts, newest.ts - cfg.window_s
     nbins = max(1, math.ceil(cfg.window_s / cfg.bin_s - 1e-9))
     acc: dict[tuple[str, str, int], _BinSum] = {}
-    latest: dict[str, Telemetry] = {}
+    latest: dict[str, Telemetry | PoolSample] = {}
     gpus: dict[str, dict[str, int]] = {}
     for e in evs:
         if e.ts <= start and e.ts != now:
@@ -149,7 +153,7 @@ def pool_view(events: Iterable[Telemetry], cfg: PoolConfig) -> PoolView | None:
         gpus.setdefault(rid, {})[e.gpu] = e.mem_total_bytes
         k = min(nbins - 1, max(0, nbins - 1 - int((now - e.ts) / cfg.bin_s)))
         acc.setdefault((rid, e.gpu, k), _BinSum()).add(
-            e, e.serving_state == "serving" and _has_headroom(e, cfg.headroom)
+            e, e.serving_state == "serving" and has_headroom(e, cfg.headroom)
         )
     per: dict[str, list[float | None]] = {rid: [None] * nbins for rid in latest}
     observed = 0.0
@@ -178,18 +182,21 @@ class _BinSum:
     def __init__(self) -> None:
         self.total, self.count, self.all_headroom = 0.0, 0, True
 
-    def add(self, e: Telemetry, headroom: bool) -> None:
+    def add(self, e: Telemetry | PoolSample, headroom: bool) -> None:
         self.total += e.rps
         self.count += 1
         self.all_headroom = self.all_headroom and headroom
 
 
-def _replica(newest: Telemetry, gpus: dict[str, int]) -> Replica:
+def _replica(newest: Telemetry | PoolSample, gpus: dict[str, int]) -> Replica:
     ids = tuple(sorted(gpus))
     return Replica(newest.replica_id, newest.serving_state, newest.rps, ids, tuple(gpus[g] for g in ids))
 
 
-def _has_headroom(e: Telemetry, headroom: float) -> bool:
+def has_headroom(e: Telemetry | PoolSample, headroom: float) -> bool:
+    """A pool stage's sample carries it, computed by the GPU stage with the pool's headroom."""
+    if not isinstance(e, Telemetry):
+        return e.headroom_ok
     lat, slo = e.latency_ms, e.slo_ms
     return lat.ttft_p99 <= (1 - headroom) * slo.ttft_p99 and lat.tpot_p99 <= (1 - headroom) * slo.tpot_p99
 
