@@ -173,7 +173,8 @@ class ReplicaShell:
         try:
             note = json.loads(path.read_text())
             proc = psutil.Process(int(note["pid"]))
-            alive = abs(proc.create_time() - float(note["create_time"])) < 0.01 and proc.is_running()
+            same = abs(proc.create_time() - float(note["create_time"])) < 0.01
+            alive = same and proc.status() != psutil.STATUS_ZOMBIE  # a zombie has exited: its memory is back
         except (OSError, ValueError, KeyError, TypeError, psutil.Error):
             alive = False
         if not alive:
