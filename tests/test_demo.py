@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rose.contract.records import Heartbeat
 from rose.demo import report, report_files, windows
-from rose.demo.coserve import CoserveSpec, LatencyWindow, latency_summary, scaled_lengths
+from rose.demo.coserve_device import CoserveSpec, LatencyWindow, latency_summary, scaled_lengths
 from rose.demo.observed import ClaimClock, Observed
 from rose.demo.run_setup import DemoOptions
 from rose.demo.trainer import advantages, reward, sequence_and_mask, staleness

@@ -39,7 +39,7 @@ import json
 import statistics
 
 from rose.demo import device_core
-from rose.demo.coserve import latency_summary
+from rose.demo.coserve_device import latency_summary
 from rose.demo.observed import Observed, lease_intervals
 from rose.demo.windows import started_at, window_rates
 from rose.obs.stats import mean_ci95, percentile

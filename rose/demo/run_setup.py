@@ -165,7 +165,7 @@ class DemoSetup:
         return env
 
     def _argv(self) -> dict[str, list[str] | WorkerConfig]:
-        from rose.demo.coserve import CoserveSpec
+        from rose.demo.coserve_device import CoserveSpec
 
         py, o = sys.executable, self.opts
         worker = ["--max-batch", str(o.max_batch)]
