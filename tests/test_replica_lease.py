@@ -5,14 +5,20 @@ each step's action (ok or failed, as drawn) and feeds the result back."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rose.child_server import free_port
 from rose.config import GiB
 from rose.executor import lease_machine as lm
 from rose.executor import replica_lease as rl
+from tests.test_executor import env_for
 from tests.test_lease_machine import GPU
 from tests.test_lease_machine import cmd as lease_cmd
 
@@ -191,3 +197,25 @@ def test_rollout_never_runs_in_the_router_and_the_replica_always_comes_back(even
         w.tick(25.0)
         w.worker_exits()
     assert w.r.phase == "serving" and w.in_router and not w.worker and w.s.lease is None
+
+
+def _rose_executor(env: dict, *args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "rose", "executor", "--simulate", "1", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_malformed_replica_option_is_one_line_and_exit_2():
+    r = _rose_executor(dict(os.environ), "--replica", "sim/0:8000")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "rose: --replica: expected GPU=http://host:port, got 'sim/0:8000'"
+    ]
+
+
+@pytest.mark.stack
+def test_a_router_that_does_not_answer_at_start_is_one_line_naming_router_url(cfg, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    env = env_for(cfg, tmp_path, ROSE_ROUTER__URL=url)
+    r = _rose_executor(env, "--replica", "sim/0=http://127.0.0.1:1", "--log-level", "ERROR")
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("rose:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert url in lines[0] and "router.url" in lines[0]

@@ -25,6 +25,12 @@ def register(app: typer.Typer) -> None:
         ),
         metrics_port: int = typer.Option(None, "--metrics-port", help="Serve /metrics and /healthz on this port."),
         no_guard: bool = typer.Option(False, "--no-guard", help="Turn the local fast guard off."),
+        replica: list[str] = typer.Option(
+            [],
+            "--replica",
+            help="GPU=URL: the GPU is the serving replica at URL (as its router knows it), lent whole "
+            "on replica leases through [router] (docs/executor.md); repeat per replica.",
+        ),
         log_level: str = typer.Option("INFO"),
     ) -> None:
         """Obey the lease command stream for this node's GPUs and run rollout workers inside the leases."""
@@ -45,6 +51,7 @@ def register(app: typer.Typer) -> None:
         ):
             fail(f"--device: expected cpu, cuda or cuda:N, got {device!r}")
 
+        replicas = _replicas(replica, fail)
         from rose.executor.service import Executor, simulated_gpus
         from rose.kafka.admin import wait_for_broker
         from rose.obs import metrics
@@ -66,11 +73,34 @@ def register(app: typer.Typer) -> None:
         # while Kafka is down: one line saying so, then retries until it answers or SIGTERM
         if not wait_for_broker(cfg.kafka, timeout_s=None, stop=shutdown.stop):
             return
-        ex = Executor(cfg, ids, device=dev, guard=not no_guard)
+        from rose.router.base import RouterError
+        from rose.router.configured import router_for
+
+        try:
+            router = router_for(cfg.router, replicas.values()) if replicas else None
+            ex = Executor(cfg, ids, device=dev, guard=not no_guard, replicas=replicas, router=router)
+        except (ValueError, RouterError) as e:
+            fail(str(e))
         port = metrics_port if metrics_port is not None else (cfg.executor.metrics_port or None)
         if port is not None:
             metrics.serve(port, health=lambda: ex.consumer is not None)
-        ex.start().run(shutdown.stop)
+        try:
+            ex.start()
+        except RouterError as e:  # the router does not answer: one line, naming router.url
+            ex.shutdown()
+            fail(str(e))
+        ex.run(shutdown.stop)
+
+
+def _replicas(values: list[str], fail) -> dict[str, str]:
+    """`--replica GPU=URL` values as {gpu: url}; a malformed one is a one-line error."""
+    out: dict[str, str] = {}
+    for v in values:
+        gpu, sep, url = v.partition("=")
+        if not sep or not gpu.strip() or not url.strip().startswith(("http://", "https://")):
+            fail(f"--replica: expected GPU=http://host:port, got {v!r}")
+        out[gpu.strip()] = url.strip()
+    return out
 
 
 def _default_device(ids: list[str]) -> str:
