@@ -152,6 +152,15 @@ def test_a_failed_wake_is_retried_and_the_replica_comes_back():
     assert w.done.count("wake") == 3 and w.in_router and w.states()[-1] == "revoked"
 
 
+def test_a_grant_the_replica_cannot_take_is_rejected_and_fenced_without_leaving_the_router():
+    gang = replace(cmd("grant", 1, "g1"), group_id="g", group_size=2)
+    late = replace(cmd("grant", 2, "g2"), expires_at=900.0)
+    for c, why in ((gang, "gang"), (late, "expired")):
+        w = World()
+        w.send(lm.Received(c))
+        assert w.states() == ["rejected"] and w.in_router and w.done == [] and w.s.highest_epoch == c.epoch, why
+
+
 def test_a_restart_readmits_a_replica_the_router_does_not_list():
     r, acts = rl.restart(GPU, URL, listed=False)
     assert r.phase == "reclaiming" and rl.Do(GPU, "leftover") in acts

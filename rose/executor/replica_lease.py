@@ -178,8 +178,16 @@ def _command(r: Replica, inp: lm.Received, now: float, lease: lm.GpuLease, p: Pa
             out.append(Forward(r.gpu, inp))  # the lease machine's (a co-resident lease, a stale or fenced one)
             return r
         ttl_left = (c.expires_at - c.ts) - max(0.0, inp.age_s)
-        if lease.lease is not None or ttl_left <= 0:
-            why = "a co-resident lease holds the GPU" if lease.lease is not None else "it arrived expired"
+        why = (
+            "a co-resident lease holds the GPU"
+            if lease.lease is not None
+            else "it arrived expired"
+            if ttl_left <= 0
+            else "a replica over several GPUs (a gang) is not lent yet"
+            if c.group_size > 1
+            else ""
+        )
+        if why:
             out.append(Report(r.gpu, "replica.grant_rejected", why))
             out.append(Fence(r.gpu, lm.Record(c.lease_id, c.epoch, "rejected", c.command_id)))
             return r

@@ -48,6 +48,9 @@ class ReplicaShell:
         unknown = sorted(set(replicas) - set(ex.gpus))
         if unknown:
             raise ValueError(f"executor replicas: {', '.join(unknown)} not among this executor's GPUs")
+        urls = [replica_url(u) for u in replicas.values()]
+        if len(set(urls)) < len(urls):
+            raise ValueError("executor replicas: one replica on several GPUs is not lent yet; give each GPU its own")
         if replicas and router is None:
             raise ValueError("executor replicas: a router is needed to lend a replica (router.kind)")
         self.ex = ex
