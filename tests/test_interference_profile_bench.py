@@ -10,6 +10,7 @@ import stat
 
 import pytest
 
+from rose.bench import interference_decode as idec
 from rose.bench import interference_profile as ip
 from rose.sim.interference import read_profile
 
@@ -113,11 +114,11 @@ def test_launches_are_halved_until_one_fits_the_bound_or_stops_shortening():
         seen.append(n)
         return n * 1e-3
 
-    assert ip._halve(64, per_row, 2.5e-3) == (2, 2e-3)
+    assert idec._halve(64, per_row, 2.5e-3) == (2, 2e-3)
     assert seen == [64, 32, 16, 8, 4, 2]
-    rows, t = ip._halve(64, lambda n: 10e-3 + n * 1e-5, 2.5e-3)
+    rows, t = idec._halve(64, lambda n: 10e-3 + n * 1e-5, 2.5e-3)
     assert rows == 64 and t > 2.5e-3
-    assert ip._halve(8, per_row, 1.0) == (8, 8e-3)  # within the bound at once: nothing halved
+    assert idec._halve(8, per_row, 1.0) == (8, 8e-3)  # within the bound at once: nothing halved
 
 
 def test_warm_up_decodes_a_whole_batch_to_its_full_context():
