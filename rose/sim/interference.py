@@ -97,10 +97,6 @@ class InterferenceProfile:
     def rollout_fraction(self, share) -> np.ndarray:
         return self._at(share, 3, 0.0)
 
-    def multiplier(self, share: float) -> StepMultiplier:
-        """Serving's per-step slowdown at `share`, as a distribution."""
-        return StepMultiplier(float(self.serving_mean_ratio(share)), float(self.serving_p99_ratio(share)))
-
     def label(self) -> dict:
         return {"source": self.source, "mechanism": self.mechanism}
 

@@ -53,10 +53,6 @@ class Trace:
         """Time from the first to the last arrival."""
         return float(self.arrival_s[-1]) if len(self) else 0.0
 
-    @property
-    def rate_rps(self) -> float:
-        return len(self) / self.duration_s if self.duration_s > 0 else 0.0
-
     def scaled(self, speed: float) -> Trace:
         """The same requests played `speed` times faster (speed 60 turns 1 h into 1 min)."""
         if not speed > 0:

@@ -189,9 +189,6 @@ exporters:
         except (OSError, ValueError, urllib.error.URLError):
             return False
 
-    def jaeger_down(self, timeout_s: float = 10.0) -> bool:
-        return self._stop("jaeger", timeout_s)
-
     def jaeger_started(self) -> bool:
         """`up --jaeger` started Jaeger and `down` has not stopped it (its pid file is there)."""
         return self._pidfile("jaeger").exists()
