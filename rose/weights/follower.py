@@ -322,7 +322,7 @@ class WeightFollower:
         self.redis = redis
         self.keys = weight_keys(rcfg, model)
         self.stream = self.keys.stream  # with shard streams: the commit stream
-        self.cluster = bool(rcfg.cluster_nodes.strip())  # `redis` is a RedisCluster (stream.weights_client)
+        self.cluster = bool(rcfg.cluster_nodes.strip())  # `redis` is a RedisCluster (clients.weights_client)
         self.redis_url = rcfg.cluster_nodes if self.cluster else rcfg.safe_url
         self.meta = self.keys.meta
         self.store = state_store
