@@ -136,6 +136,24 @@ def test_a_streamed_answer_grows_chunk_by_chunk_to_the_whole_one(gw):  # noqa: F
     assert last.log_probs == slime_reads(whole).log_probs and last.weight_version == "0"
 
 
+def test_slimes_routing_key_keeps_a_sessions_turns_on_one_worker(gw, workers):  # noqa: F811 - the imported fixtures
+    """slime sends a sample's session as `X-SMG-Routing-Key` (consistent hashing): its turns go
+    to one worker, as an OpenAI request's `X-Rose-Session`."""
+    seen = {
+        key: {
+            httpx.post(
+                gw.url + "/generate",
+                json=slime_payload(PROMPT + [i], 4),
+                headers={**AUTH, "X-SMG-Routing-Key": key},
+                timeout=60,
+            ).json()["meta_info"]["worker"]
+            for i in range(4)
+        }
+        for key in ("sample-1", "sample-2")
+    }
+    assert all(len(w) == 1 and w <= set(workers) for w in seen.values()), seen
+
+
 def test_stop_token_ids_end_the_answer_after_the_first(gw):  # noqa: F811 - the imported fixtures
     ids = generate(gw.url, slime_payload(PROMPT, 16)).json()["output_ids"]
     stop = ids[5]

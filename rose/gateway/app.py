@@ -427,7 +427,10 @@ async def _generate(gw: Gateway, request: Request, req: sglang.GenerateRequest) 
     except api.Unsupported as e:
         raise GatewayError(400, str(e), e.field) from None
     sp, pin = req.sampling_params, req.pin()
-    turn_req = api.TurnRequest(model=gw.model, max_tokens=sp.max_new_tokens, seed=sp.the_seed(), stream=req.stream)
+    session = request.headers.get(sglang.ROUTING_KEY_HEADER)  # X-Rose-Session, when given, comes first
+    turn_req = api.TurnRequest(
+        model=gw.model, max_tokens=sp.max_new_tokens, seed=sp.the_seed(), stream=req.stream, user=session
+    )
     span = trace.get_current_span()
     _requested(span, turn_req, prompt, chat=False)
     if pin is not None:

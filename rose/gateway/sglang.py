@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 # SGLang's SamplingParams default, the length a request that names none gets
 SGLANG_MAX_NEW_TOKENS = 128
+# the header slime sends a sample's session in for SGLang Model Gateway's consistent hashing;
+# here it is the turn's session (its turns go to one worker while it runs)
+ROUTING_KEY_HEADER = "x-smg-routing-key"
 Version = int | str  # SGLang names weight versions by strings; ROSE's are ints
 
 
