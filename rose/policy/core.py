@@ -20,6 +20,8 @@ from rose.config import PolicyConfig
 from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
 from rose.policy import gang
 from rose.policy.lease_policy import Decision, GpuView, cooldown_for, decide
+from rose.policy.pool_records import PoolIntent
+from rose.policy.replica_intents import apply_intent, holds_replica_lease, replica_step
 
 _LEASE_ENDING_STATES = frozenset(("revoking", "revoked", "expired", "rejected"))
 
@@ -87,12 +89,14 @@ class Arrival:
 @dataclass(frozen=True)
 class Batch:
     """One activation of the core, applied in this order: views the caller has committed, GPUs
-    it no longer decides for, executors' lease states, then telemetry. A bare `Telemetry` in
+    it no longer decides for, executors' lease states, pool intents, then telemetry. A bare `Telemetry` in
     `telemetry` is admitted unchecked (it did not come through Kafka)."""
 
     committed: Mapping[str, GpuView] = field(default_factory=dict)  # an earlier held batch's `Applied.views`
     forget: Iterable[str] = ()  # GPUs whose partitions went elsewhere: their views are dropped
     lease_states: Sequence[LeaseState] = ()
+    # the pool stage's intents for these GPUs (docs/scheduler.md "Pool decisions and partitioning")
+    intents: Sequence[PoolIntent] = ()
     telemetry: Sequence[Telemetry | Arrival] = ()
     # decide over an overlay of the views and keep none of them: the caller publishes
     # `Applied.views` with its commands and hands them back as `committed` once that commits
@@ -110,10 +114,11 @@ class Applied:
     folded: tuple[tuple[GpuView | None, GpuView], ...]  # per lease state: its GPU's next view before, after
     # held: every view the telemetry changed, as the batch left it (else none: the core kept them)
     views: dict[str, GpuView]
+    intent_commands: tuple[Command, ...] = ()  # the intents' commands, before the decisions'
 
     @property
     def commands(self) -> list[Command]:
-        return [c for d in self.decisions for c in d.commands]
+        return [*self.intent_commands, *(c for d in self.decisions for c in d.commands)]
 
 
 class SchedulingCore:
@@ -143,9 +148,18 @@ class SchedulingCore:
         folded = tuple(self._observe(ls) for ls in batch.lease_states)
         admitted = tuple(self._admit(a) for a in batch.telemetry)
         into: dict[str, GpuView] = {} if batch.hold else self.views
+        intent_commands = tuple(c for i in batch.intents for c in self._apply_intent(i, into))
         steps = [self._decide(ev, into) for ev in admitted if isinstance(ev, Telemetry)]
         met = tuple(m for m, _ in steps)
-        return Applied(admitted, tuple(d for _, d in steps), met, folded, into if batch.hold else {})
+        views = into if batch.hold else {}
+        return Applied(admitted, tuple(d for _, d in steps), met, folded, views, intent_commands)
+
+    def _apply_intent(self, intent: PoolIntent, into: dict[str, GpuView]) -> tuple[Command, ...]:
+        """One pool intent on its GPU's view (read from `into` over the core's views)."""
+        gpu = intent.gpu
+        view, commands = apply_intent(into[gpu] if gpu in into else self._view_for(gpu), intent, self.cfg)
+        into[gpu] = view
+        return commands
 
     def _admit(self, arrival: Telemetry | Arrival) -> Telemetry | InvalidEvent:
         if not isinstance(arrival, Arrival):
@@ -172,7 +186,13 @@ class SchedulingCore:
         the decision."""
         gpu = event.gpu
         old = into[gpu] if gpu in into else self._view_for(gpu)
+        if old is not None and holds_replica_lease(old):  # lent: the co-resident rule stays off
+            d = replica_step(old, event, self.cfg)
+            into[gpu] = d.view
+            return old, d
         d = decide(old, event, self.cfg)
+        if old is not None and old.intent_id:  # the last intent applied stays known (applied once)
+            d = replace(d, view=replace(d.view, intent_id=old.intent_id))
         if self.cfg.group_size > 1 and d.explain.action != "ignored":
             d = gang.combine(into if into is self.views else ChainMap(into, self.views), old, event, d, self.cfg)
             for v in d.others:
@@ -190,8 +210,8 @@ class SchedulingCore:
         if v is None:
             return before, observe_lease_state(None, state, self.cfg)
         nv = observe_lease_state(v, state, self.cfg)
-        if nv.lease_id is None and nv.group_id:
-            nv = replace(nv, group_id="", group_size=0)
+        if nv.lease_id is None and (nv.group_id or nv.lease_kind != "coresident"):
+            nv = replace(nv, group_id="", group_size=0, lease_kind="coresident")
         self.views[gpu] = nv
         return before, nv
 

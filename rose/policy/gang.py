@@ -26,22 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from rose.config import PolicyConfig
 from rose.contract.events import Command, Telemetry
-from rose.policy.lease_policy import NEVER, Decision, Explanation, GpuView, lease_command, lease_id_for
-
-_NO_LEASE: dict[str, Any] = {
-    "lease_id": None,
-    "lease_expires_at": 0.0,
-    "lease_mem_bytes": 0,
-    "lease_compute_share": 0.0,
-    "lease_granted_at": 0.0,
-    "paused_since": NEVER,
-    "group_id": "",
-    "group_size": 0,
-}
+from rose.policy.lease_policy import NEVER, NO_LEASE, Decision, Explanation, GpuView, lease_command, lease_id_for
 
 
 def combine(
@@ -67,7 +55,7 @@ def combine(
         # a member's lease ended outside a step (its executor rejected it, or it expired there)
         why = f"gang {gang.group_id}: {lost} member(s) lost their lease"
         own = (_command(event, v, "revoke", 0, 0.0, event.ts, why),)
-        v = replace(v, **_NO_LEASE)
+        v = replace(v, **NO_LEASE)
         ended, others = _end(views, gang, v, event, why)
         explain = replace(explain, action="revoke", reason=why)
         gang = None
@@ -128,7 +116,7 @@ def _end(
     sibs = _siblings(views, event.gpu, gang.group_id)
     cmds = tuple(_command(event, w, "revoke", 0, 0.0, event.ts, why) for w in sibs)
     others = tuple(
-        replace(w, cooldown_until=max(w.cooldown_until, v.cooldown_until), ready_mem_bytes=0, **_NO_LEASE) for w in sibs
+        replace(w, cooldown_until=max(w.cooldown_until, v.cooldown_until), ready_mem_bytes=0, **NO_LEASE) for w in sibs
     )
     return cmds, others
 
@@ -146,7 +134,7 @@ def _form(
     """`grant` is what the event's GPU alone would be granted: grant it with k - 1 other GPUs of
     its node that would be granted too (live, out of cooldown, no lease), or keep it waiting."""
     k, ts, node = cfg.group_size, event.ts, event.node
-    v = replace(v, epoch=grant.epoch - 1, ready_mem_bytes=grant.mem_bytes, ready_share=grant.compute_share, **_NO_LEASE)
+    v = replace(v, epoch=grant.epoch - 1, ready_mem_bytes=grant.mem_bytes, ready_share=grant.compute_share, **NO_LEASE)
     busy = {w.gpu for w in others}
     ready = sorted(
         (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import fields, replace
+from typing import Any, Protocol
 
 from rose.config import GiB, PolicyConfig
 from rose.contract.events import Command, Telemetry
@@ -21,6 +22,17 @@ POLICY_VERSION = "1.1"
 
 _NEVER = -1.0  # "no previous sample" for ts, p99 and memory fields (real values are ≥ 0)
 NEVER = _NEVER
+# a view's lease fields once its lease ended (a gang's with them)
+NO_LEASE: dict[str, Any] = {
+    "lease_id": None,
+    "lease_expires_at": 0.0,
+    "lease_mem_bytes": 0,
+    "lease_compute_share": 0.0,
+    "lease_granted_at": 0.0,
+    "paused_since": NEVER,
+    "group_id": "",
+    "group_size": 0,
+}
 
 
 @immutable
@@ -61,6 +73,10 @@ class GpuView:
     group_size: int = 0
     ready_mem_bytes: int = 0
     ready_share: float = 0.0
+    # replica leases (docs/scheduler.md "Pool decisions and partitioning", kept by
+    # rose.policy.core): the held lease's kind, and the last pool intent applied to this GPU
+    lease_kind: str = "coresident"
+    intent_id: str = ""
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in _VIEW_FIELDS}
@@ -110,8 +126,17 @@ def command_id(cause_event_id: str, kind: str, gpu: str, epoch: int) -> str:
     return hashlib.sha256(f"{cause_event_id}\x1f{kind}\x1f{gpu}\x1f{epoch}".encode()).hexdigest()[:32]
 
 
+class Cause(Protocol):
+    """What a command is decided on: a telemetry event, or a pool intent's cause."""
+
+    @property
+    def event_id(self) -> str: ...
+    @property
+    def ts(self) -> float: ...
+
+
 def lease_command(
-    cause: Telemetry,
+    cause: Cause,
     kind: str,
     gpu: str,
     lease_id: str,

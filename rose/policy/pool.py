@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from rose.config import PolicyConfig
 from rose.contract.events import Command, Telemetry
 from rose.contract.immutable import immutable
-from rose.policy.lease_policy import lease_command, lease_id_for, memory_margin
+from rose.policy.lease_policy import Cause, lease_command, lease_id_for, memory_margin
 
 if TYPE_CHECKING:
     from rose.policy.pool_records import PoolSample
@@ -305,23 +305,32 @@ def replica_commands(
         gpus = by_id[rid].gpus
         epoch = max(epochs.get(g, 0) for g in gpus) + 1  # one epoch for the gang: above every member's
         for g, total in zip(gpus, by_id[rid].mem_total_bytes, strict=True):
-            out.append(
-                lease_command(
-                    cause, "grant", g, lease_id_for(g, epoch), epoch,
-                    mem_bytes=total - memory_margin(total, policy), compute_share=1.0,
-                    expires_at=cause.ts + policy.ttl_s, reason=f"replica lease: {decision.explain()}",
-                    group_id=f"{rid}#{epoch}", group_size=len(gpus), lease_kind=LEASE_REPLICA,
-                )
-            )  # fmt: skip
+            out.append(replica_grant(cause, g, total, epoch, f"{rid}#{epoch}", len(gpus), decision.explain(), policy))
     for rid in decision.reclaim:
         for g in by_id[rid].gpus:
             lease = leases.get(g)
             if lease is None:
                 continue  # nothing live here: the executor readmits a replica with no lease (fail-safe)
-            out.append(
-                lease_command(
-                    cause, "revoke", g, lease.lease_id, lease.epoch, mem_bytes=0, compute_share=0.0,
-                    expires_at=cause.ts, reason=f"reclaim: {decision.explain()}", lease_kind=LEASE_REPLICA,
-                )
-            )  # fmt: skip
+            out.append(replica_revoke(cause, g, lease.lease_id, lease.epoch, decision.explain()))
     return tuple(out)
+
+
+def replica_grant(
+    cause: Cause, gpu: str, mem_total: int, epoch: int, group_id: str, group_size: int, why: str, policy: PolicyConfig
+) -> Command:
+    """One GPU's grant of a replica lease: compute share 1, memory the whole GPU less the margin
+    (the executor caps it to what the sleeping engine frees), a gang of the replica's GPUs."""
+    return lease_command(
+        cause, "grant", gpu, lease_id_for(gpu, epoch), epoch,
+        mem_bytes=mem_total - memory_margin(mem_total, policy), compute_share=1.0,
+        expires_at=cause.ts + policy.ttl_s, reason=f"replica lease: {why}",
+        group_id=group_id, group_size=group_size, lease_kind=LEASE_REPLICA,
+    )  # fmt: skip
+
+
+def replica_revoke(cause: Cause, gpu: str, lease_id: str, epoch: int, why: str) -> Command:
+    """The revoke of one GPU's replica lease: the replica comes back to serving."""
+    return lease_command(
+        cause, "revoke", gpu, lease_id, epoch, mem_bytes=0, compute_share=0.0,
+        expires_at=cause.ts, reason=f"reclaim: {why}", lease_kind=LEASE_REPLICA,
+    )  # fmt: skip
