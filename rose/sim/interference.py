@@ -39,7 +39,6 @@ MECHANISMS = (
     "separate_process_bounded_launch",
     "separate_process_mps",
 )
-DEFAULT_MECHANISM = "separate_process"  # what the executor runs: each rollout worker is its own process
 POINT_FIELDS = ("share", "serving_p99_ratio", "serving_mean_ratio", "rollout_fraction")
 REPO = Path(__file__).resolve().parents[2]
 H200_BENCH = REPO / "docs" / "measured" / "h200" / "interference.json"

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-FORMATS = ("azure", "burstgpt", "mooncake")
 _MAX_TOKENS = 1 << 24  # 16M tokens in one request is corrupt input, not a prompt
 
 
