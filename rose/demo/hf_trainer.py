@@ -23,7 +23,14 @@ import time
 from collections import deque
 
 from rose.demo import math_task as mt
-from rose.demo.training import MASTER_DTYPE, PUBLISH_DTYPE, TrainerSpec, policy_gradient_step, version_record
+from rose.demo.training import (
+    MASTER_DTYPE,
+    PUBLISH_DTYPE,
+    TrainerSpec,
+    policy_gradient_step,
+    record_version,
+    version_record,
+)
 
 SAMPLES_KEPT = 8
 
@@ -90,33 +97,26 @@ class HFTrainer:
         assert st is not None
         self.version = v
         rec = version_record(v, st, extra)
-        p = self.r.pipeline(transaction=False)
-        p.rpush(self.cfg.redis.key(self.spec.versions_key), json.dumps(rec))
-        p.hset(
-            self.cfg.redis.key(self.spec.status_key),
-            mapping={
-                "version": v,
-                "submitted": self.submitted,
-                "received": self.received,
-                "last": json.dumps(rec),
-                "lr": self.spec.lr,
-                "master_dtype": MASTER_DTYPE,
-                "publish_dtype": PUBLISH_DTYPE,
-                "checkpoint": self.spec.checkpoint,
-                "task": "two-digit addition: 'What is A + B?' in the chat template; reward 1 if the first "
-                "integer of the answer is A + B",
-                "trained": json.dumps(
-                    {
-                        "parameters": self.n_trained,
-                        "of": sum(p.numel() for p in self.model.parameters()),
-                        "layers": f"last {self.spec.train_layers} decoder layer(s) + final norm",
-                    }
-                ),
-                "group": self.spec.group,
-                "samples": json.dumps(list(self.samples)),
-            },
+        record_version(
+            self.r,
+            self.cfg.redis.key,
+            self.spec,
+            rec,
+            submitted=self.submitted,
+            received=self.received,
+            checkpoint=self.spec.checkpoint,
+            task="two-digit addition: 'What is A + B?' in the chat template; reward 1 if the first "
+            "integer of the answer is A + B",
+            trained=json.dumps(
+                {
+                    "parameters": self.n_trained,
+                    "of": sum(p.numel() for p in self.model.parameters()),
+                    "layers": f"last {self.spec.train_layers} decoder layer(s) + final norm",
+                }
+            ),
+            group=self.spec.group,
+            samples=json.dumps(list(self.samples)),
         )
-        p.execute()
 
     def answer_text(self, action: list[int]) -> str:
         """The assistant's turn: the action up to its end-of-turn token, decoded."""

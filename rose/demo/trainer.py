@@ -14,12 +14,18 @@ run the same code. The loop, the loss and what it reports to Redis: docs/demo.md
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 from rose.demo.spec_process import spec_main
-from rose.demo.training import MASTER_DTYPE, PUBLISH_DTYPE, TrainerSpec, policy_gradient_step, version_record
+from rose.demo.training import (
+    MASTER_DTYPE,
+    PUBLISH_DTYPE,
+    TrainerSpec,
+    policy_gradient_step,
+    record_version,
+    version_record,
+)
 
 TARGET = frozenset(range(ord("a"), ord("z") + 1))
 
@@ -101,21 +107,7 @@ class Trainer:
         st = self.pub.publish(sd)
         self.version = st.version
         rec = version_record(st.version, st, extra)
-        p = self.r.pipeline(transaction=False)
-        p.rpush(self.cfg.redis.key(self.spec.versions_key), json.dumps(rec))
-        p.hset(
-            self.cfg.redis.key(self.spec.status_key),
-            mapping={
-                "version": st.version,
-                "submitted": self.submitted,
-                "received": self.received,
-                "last": json.dumps(rec),
-                "lr": self.spec.lr,
-                "master_dtype": MASTER_DTYPE,
-                "publish_dtype": PUBLISH_DTYPE,
-            },
-        )
-        p.execute()
+        record_version(self.r, self.cfg.redis.key, self.spec, rec, submitted=self.submitted, received=self.received)
 
     def top_up(self) -> None:
         import random

@@ -4,8 +4,11 @@ and the published weights, the REINFORCE step and the record a published version
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rose.demo.spec_process import JsonSpec
 
@@ -69,3 +72,14 @@ def version_record(version: int, st, extra: dict) -> dict:
         "ts": time.time(),
         **extra,
     }
+
+
+def record_version(r: Any, key: Callable[[str], str], spec: TrainerSpec, rec: dict, **status: Any) -> None:
+    """Append a published version's record (`version_record`) to the run's versions list and set
+    the trainer's status hash: the version, its record as `last`, the learning rate and dtypes,
+    and the trainer's own `status` fields (its counts, what it trains)."""
+    p = r.pipeline(transaction=False)
+    p.rpush(key(spec.versions_key), json.dumps(rec))
+    fields = {"version": rec["version"], **status, "last": json.dumps(rec), "lr": spec.lr}
+    p.hset(key(spec.status_key), mapping={**fields, "master_dtype": MASTER_DTYPE, "publish_dtype": PUBLISH_DTYPE})
+    p.execute()
