@@ -12,7 +12,9 @@ from rose.config import GiB, PolicyConfig
 from rose.contract.events import Latency
 from rose.policy.core import Batch, SchedulingCore
 from rose.policy.lease_policy import GpuView
+from rose.policy.pool import PoolConfig
 from rose.policy.pool_records import LEND, RECLAIM, PoolIntent, intent_id
+from rose.policy.pool_stage import run_stage
 from tests.examples import telemetry_example
 
 T0 = 1_700_000_000.0
@@ -96,3 +98,27 @@ def test_epochs_rise_intents_apply_once_and_lent_gpus_get_no_coresident_lease(st
     k = data.draw(st.integers(0, len(steps)))
     assert run(steps, restart_at=k) == cmds  # a takeover from the published views
     assert run(steps, hold=True) == cmds
+
+
+def test_samples_of_a_pool_become_intents_and_replica_grants():
+    """Three one-GPU replicas of a pool with replica leases at 1 rps each, 10 rps a replica: the
+    GPU stage writes a sample per event, the pool stage lends the two it can spare, and the GPU
+    stage grants them replica leases. A pool without replica leases writes no samples."""
+    pool = PoolConfig(replica_capacity_rps=10.0, window_s=20.0)
+    core = SchedulingCore(CFG, pools={"serving": pool})
+    gpus = ("n/0", "n/1", "n/2")
+    evs = [
+        telemetry_example(event_id=f"{g}-{k}", ts=T0 + k, gpu=g, rps=1.0, latency_ms=CALM)
+        for k in range(3)
+        for g in gpus
+    ]
+    applied = core.apply(Batch(telemetry=evs))
+    assert [s.event_id for s in applied.samples] == [e.event_id for e in evs]
+    assert all(s.headroom_ok and s.replica == s.gpu for s in applied.samples)
+    intents = run_stage(applied.samples, pool)[1]
+    assert sorted((i.gpu, i.action) for i in intents) == [("n/1", LEND), ("n/2", LEND)]
+    cmds = core.apply(Batch(intents=intents)).commands
+    for g in ("n/1", "n/2"):  # the co-resident lease decide() granted on the calm events goes first
+        assert [(c.kind, c.lease_kind) for c in cmds if c.gpu == g] == [("revoke", "coresident"), ("grant", "replica")]
+    assert not [c for c in cmds if c.gpu == "n/0"]
+    assert SchedulingCore(CFG).apply(Batch(telemetry=evs)).samples == ()

@@ -20,7 +20,9 @@ from rose.config import PolicyConfig
 from rose.contract.events import Command, InvalidEvent, LeaseState, Telemetry
 from rose.policy import gang
 from rose.policy.lease_policy import Decision, GpuView, cooldown_for, decide
-from rose.policy.pool_records import PoolIntent
+from rose.policy.pool import PoolConfig
+from rose.policy.pool_records import PoolIntent, PoolSample
+from rose.policy.pool_stage import sample_of
 from rose.policy.replica_intents import apply_intent, holds_replica_lease, replica_step
 
 _LEASE_ENDING_STATES = frozenset(("revoking", "revoked", "expired", "rejected"))
@@ -115,6 +117,8 @@ class Applied:
     # held: every view the telemetry changed, as the batch left it (else none: the core kept them)
     views: dict[str, GpuView]
     intent_commands: tuple[Command, ...] = ()  # the intents' commands, before the decisions'
+    # one per decided event of a pool with replica leases, for `<prefix>pool-samples`
+    samples: tuple[PoolSample, ...] = ()
 
     @property
     def commands(self) -> list[Command]:
@@ -126,15 +130,17 @@ class SchedulingCore:
     each executor published per GPU (any GPU, owned or not). `apply` is the one step, `restore`
     the takeover of a (re)assignment."""
 
-    __slots__ = ("cfg", "views", "lease_floor")
+    __slots__ = ("cfg", "views", "lease_floor", "pools")
 
     def __init__(
         self,
         cfg: PolicyConfig,
         views: dict[str, GpuView] | None = None,
         lease_floor: dict[str, LeaseState] | None = None,
+        pools: Mapping[str, PoolConfig] | None = None,
     ):
         self.cfg = cfg
+        self.pools: Mapping[str, PoolConfig] = {} if pools is None else pools  # pools with replica leases
         self.views: dict[str, GpuView] = {} if views is None else views
         self.lease_floor: dict[str, LeaseState] = {} if lease_floor is None else lease_floor
 
@@ -149,10 +155,25 @@ class SchedulingCore:
         admitted = tuple(self._admit(a) for a in batch.telemetry)
         into: dict[str, GpuView] = {} if batch.hold else self.views
         intent_commands = tuple(c for i in batch.intents for c in self._apply_intent(i, into))
-        steps = [self._decide(ev, into) for ev in admitted if isinstance(ev, Telemetry)]
+        steps = [self._decide(ev, into) for ev in _decided(admitted)]
         met = tuple(m for m, _ in steps)
         views = into if batch.hold else {}
-        return Applied(admitted, tuple(d for _, d in steps), met, folded, views, intent_commands)
+        decisions = tuple(d for _, d in steps)
+        samples = tuple(
+            self._sample(ev, d.view)
+            for ev, d in zip(_decided(admitted), decisions, strict=True)
+            if d.explain.action != "ignored"  # a duplicate or stale event: its sample went before
+        )
+        kept = tuple(s for s in samples if s is not None)
+        return Applied(admitted, decisions, met, folded, views, intent_commands, kept)
+
+    def _sample(self, event: Telemetry, view: GpuView) -> PoolSample | None:
+        """The pool sample of a decided event (its GPU's view after it), if its pool lends replicas."""
+        pool = self.pools.get(event.pool)
+        if pool is None:
+            return None
+        lease = (view.lease_id, view.epoch) if holds_replica_lease(view) and view.lease_id else None
+        return sample_of(event, view.epoch, lease, pool.headroom)
 
     def _apply_intent(self, intent: PoolIntent, into: dict[str, GpuView]) -> tuple[Command, ...]:
         """One pool intent on its GPU's view (read from `into` over the core's views)."""
@@ -227,3 +248,7 @@ class SchedulingCore:
             view = self.views.get(gpu)
             if view is not None:
                 self.views[gpu] = observe_lease_state(view, ls, self.cfg)
+
+
+def _decided(admitted: Iterable[Telemetry | InvalidEvent]) -> list[Telemetry]:
+    return [ev for ev in admitted if isinstance(ev, Telemetry)]
