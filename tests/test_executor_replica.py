@@ -51,11 +51,11 @@ class Running:
         while not self.stop.is_set():
             self.ex.run_once()
 
-    def states(self) -> list[str]:
-        return [s.state for s in list(self.ex.published) if s.gpu == GPU]
+    def states(self, gpu: str = GPU) -> list[str]:
+        return [s.state for s in list(self.ex.published) if s.gpu == gpu]
 
-    def wait_state(self, state: str, timeout: float = 60) -> None:
-        wait_until(lambda: state in self.states(), timeout, f"lease state {state} (seen {self.states()})")
+    def wait_state(self, state: str, timeout: float = 60, gpu: str = GPU) -> None:
+        wait_until(lambda: state in self.states(gpu), timeout, f"lease state {state} of {gpu}")
 
     def crash(self) -> None:
         self.stop.set()
@@ -69,26 +69,28 @@ class Running:
         self.ex.shutdown(timeout_s=10)
 
 
-def executor(cfg, router, replica: str, **executor_settings) -> Executor:  # noqa: F811 - the imported fixture
-    """An executor of GPU, the serving replica `replica` behind `router`, on cold-started workers."""
+def executor(cfg, router, replica: str | dict[str, str], **executor_settings) -> Executor:  # noqa: F811
+    """An executor of GPU, the serving replica `replica` behind `router` (or of each GPU of a
+    {gpu: replica}), on cold-started workers."""
+    replicas = replica if isinstance(replica, dict) else {GPU: replica}
     e = dataclasses.replace(cfg.executor, warm_workers=0, **executor_settings)
     return Executor(
         dataclasses.replace(cfg, executor=e),
-        [GPU],
+        list(replicas),
         guard=False,
-        replicas={GPU: replica},
+        replicas=replicas,
         router=VllmRouterAdapter(router.url, router.metrics_url),
     )
 
 
-def send(cfg, kind: str, epoch: int, cid: str, ttl: float = 120.0) -> None:
+def send(cfg, kind: str, epoch: int, cid: str, ttl: float = 120.0, gpu: str = GPU) -> None:
     now = time.time()
     c = command_example(
         kind=kind,
-        gpu=GPU,
+        gpu=gpu,
         epoch=epoch,
         command_id=cid,
-        lease_id=f"{GPU}#{epoch}",
+        lease_id=f"{gpu}#{epoch}",
         mem_bytes=GiB,
         compute_share=1.0,
         ts=now,
@@ -96,7 +98,7 @@ def send(cfg, kind: str, epoch: int, cid: str, ttl: float = 120.0) -> None:
         lease_kind="replica",
     )
     p = make_producer(cfg.kafka)
-    produce(p, cfg.kafka.commands_topic, encode(c), GPU)
+    produce(p, cfg.kafka.commands_topic, encode(c), gpu)
     p.flush(10)
 
 
@@ -128,7 +130,7 @@ def test_grant_drains_and_lends_the_replica_and_revoke_brings_it_back(cfg, route
 def _stream(url: str, model: str, first_tokens: threading.Event, release: threading.Event, out: dict) -> None:
     """A long streaming completion through the router that stops reading after its first tokens
     until `release`, so it is surely in flight on its worker meanwhile."""
-    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1000, "n": 4, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -150,27 +152,28 @@ def test_a_replica_that_does_not_drain_in_time_is_readmitted_and_its_grant_rejec
     adapter,
     vllm_server,
 ):
+    """Both replicas are the executor's (GPUs sim/0 and sim/1), so the grant goes, at once, to the
+    one the stream runs on."""
+    by_gpu = dict(zip((GPU, "sim/1"), _workers(router), strict=True))
+    run = Running(executor(cfg, router, by_gpu, drain_timeout_s=0.5))
     first_tokens, release, streamed = threading.Event(), threading.Event(), {}
     t = threading.Thread(target=_stream, args=(router.url, vllm_server.model, first_tokens, release, streamed))
     t.start()
     try:
         assert first_tokens.wait(120), f"the stream gave no tokens: {streamed}"
-        (busy,) = [w for w in _workers(router) if adapter.in_flight(w)]
-        run = Running(executor(cfg, router, busy, drain_timeout_s=0.5))
-        try:
-            send(cfg, "grant", 1, "g1")
-            run.wait_state("rejected")
-            assert run.states() == ["draining", "rejected"]
-            assert busy in adapter.serving(), "the replica that did not drain was not readmitted"
-            assert GPU not in run.ex.workers, "rollout ran on a replica that did not drain"
-            send(cfg, "renew", 1, "n1")  # the rejected lease stays fenced
-            wait_until(lambda: len(run.states()) >= 3, 60, "the renewal's answer")
-            assert run.states()[2] == "rejected" and GPU not in run.ex.workers
-        finally:
-            run.close()
+        (gpu,) = [g for g, w in by_gpu.items() if adapter.in_flight(w)]
+        send(cfg, "grant", 1, "g1", gpu=gpu)
+        run.wait_state("rejected", gpu=gpu)
+        assert run.states(gpu) == ["draining", "rejected"]
+        assert by_gpu[gpu] in adapter.serving(), "the replica that did not drain was not readmitted"
+        assert gpu not in run.ex.workers, "rollout ran on a replica that did not drain"
+        send(cfg, "renew", 1, "n1", gpu=gpu)  # the rejected lease stays fenced
+        wait_until(lambda: len(run.states(gpu)) >= 3, 60, "the renewal's answer")
+        assert run.states(gpu)[2] == "rejected" and gpu not in run.ex.workers
     finally:
         release.set()
         t.join(300)
+        run.close()
     assert streamed.get("done") and "error" not in streamed, f"the stream in flight failed: {streamed}"
 
 
