@@ -16,6 +16,7 @@ Why assignment rather than a group, and the rest in full: docs/executor.md.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -69,6 +70,7 @@ from rose.shutdown import Shutdown
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue
 
+_FLAG_NUMBERS = itertools.count(1)  # pause-flag names, unique in the process (see _next_flag_name)
 SHUTDOWN_KAFKA_S = 1.5  # each Kafka call of a shutdown (flush, commit, close): with the revoke deadline + 1 s, within rose.shutdown's grace (8 s)
 COMMANDS_IN = metrics.counter("rose_executor_commands_total", "Commands for this node's GPUs, by kind")
 TRANSITIONS = metrics.counter("rose_executor_transitions_total", "Lease states published, by state")
@@ -143,7 +145,6 @@ class Executor:
         self._grants: dict[str, tuple[str, str]] = {}
         self._hmac = cfg.security.command_hmac_key or None
         self._stopping = False
-        self._flag_seq = 0
         self._seed = 0
         self._last_commit = 0.0
         self._next_housekeeping = 0.0
@@ -441,10 +442,11 @@ class Executor:
 
     # ---- workers ---------------------------------------------------------------------------
     def _next_flag_name(self) -> tuple[str, int]:
-        """A new worker's pause flag name and seed."""
-        self._flag_seq += 1
+        """A new worker's pause flag name and seed. The name's number counts in the process, not
+        in the executor: an executor that died without unlinking its flags (killed, or an earlier
+        one in the same process) must not leave a name the next one would take."""
         self._seed += 1
-        return f"rose-{os.getpid()}-{self._flag_seq}", self._seed
+        return f"rose-{os.getpid()}-{next(_FLAG_NUMBERS)}", self._seed
 
     def _start_worker(self, a: lm.Start) -> None:
         """Carry out `Start`. A gang member's waits until every member of its group has said
