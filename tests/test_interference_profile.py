@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from rose.config import ConfigError, PolicyConfig, load_config
 from rose.contract.events import Latency
-from rose.policy.lease_policy import compute_share_for, profile_ratio
+from rose.policy.compute_share import compute_share_for, profile_ratio
 from rose.sim.engine import SimConfig, calibration, simulate
 from rose.sim.interference import (
     DEFAULT_PROFILE_PATH,

@@ -208,7 +208,7 @@ def test_observe_lease_state_ends_the_lease_and_keeps_the_epoch_floor():
 def test_the_share_follows_the_interference_this_gpu_shows():
     """The online estimate: a GPU whose serving p99 rises a lot per unit of leased share gets a
     smaller share when it resumes than one whose p99 does not move; both stay within the cap."""
-    from rose.policy.lease_policy import compute_share_for
+    from rose.policy.compute_share import compute_share_for
 
     cfg = dataclasses.replace(CFG, max_compute_share=1.0)  # so the estimate, not the cap, sizes it
 

@@ -29,7 +29,8 @@ from dataclasses import replace
 
 from rose.config import PolicyConfig
 from rose.contract.events import Command, Telemetry
-from rose.policy.lease_policy import NEVER, NO_LEASE, Decision, Explanation, GpuView, lease_command, lease_id_for
+from rose.policy.lease_commands import lease_command, lease_id_for
+from rose.policy.lease_policy import NEVER, NO_LEASE, Decision, Explanation, GpuView
 
 
 def combine(

@@ -10,13 +10,14 @@ per-GPU views, the executors' lease states folded into them, admission.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import fields, replace
-from typing import Any, Protocol
+from typing import Any
 
 from rose.config import GiB, PolicyConfig
 from rose.contract.events import Command, Telemetry
 from rose.contract.immutable import immutable
+from rose.policy.compute_share import compute_share_for
+from rose.policy.lease_commands import lease_command, lease_id_for
 
 POLICY_VERSION = "1.1"
 
@@ -121,59 +122,6 @@ class Decision:
     others: tuple[GpuView, ...] = ()  # views of other GPUs the step changed (a gang's members)
 
 
-def command_id(cause_event_id: str, kind: str, gpu: str, epoch: int) -> str:
-    """Deterministic from the cause: a replay of the same log gives the same id."""
-    return hashlib.sha256(f"{cause_event_id}\x1f{kind}\x1f{gpu}\x1f{epoch}".encode()).hexdigest()[:32]
-
-
-class Cause(Protocol):
-    """What a command is decided on: a telemetry event, or a pool intent's cause."""
-
-    @property
-    def event_id(self) -> str: ...
-    @property
-    def ts(self) -> float: ...
-
-
-def lease_command(
-    cause: Cause,
-    kind: str,
-    gpu: str,
-    lease_id: str,
-    epoch: int,
-    *,
-    mem_bytes: int,
-    compute_share: float,
-    expires_at: float,
-    reason: str,
-    group_id: str = "",
-    group_size: int = 0,
-    lease_kind: str = "coresident",
-) -> Command:
-    """A command about lease `lease_id` (epoch `epoch`) of `gpu`, decided on telemetry `cause`:
-    its time is the event's, its id a hash of the cause (`command_id`)."""
-    return Command(
-        command_id=command_id(cause.event_id, kind, gpu, epoch),
-        ts=cause.ts,
-        kind=kind,
-        gpu=gpu,
-        lease_id=lease_id,
-        epoch=epoch,
-        mem_bytes=mem_bytes,
-        compute_share=compute_share,
-        expires_at=expires_at,
-        reason=reason,
-        cause_event_id=cause.event_id,
-        group_id=group_id,
-        group_size=group_size,
-        lease_kind=lease_kind,
-    )
-
-
-def lease_id_for(gpu: str, epoch: int) -> str:
-    return f"{gpu}#{epoch}"
-
-
 def cooldown_for(revokes_in_row: int, cfg: PolicyConfig) -> float:
     """Cooldown after the n-th revoke in a row (n ≥ 1)."""
     return min(cfg.cooldown_s * cfg.cooldown_backoff ** (revokes_in_row - 1), cfg.cooldown_max_s)
@@ -204,51 +152,6 @@ def _lease_mem(avail: int, h: float, cfg: PolicyConfig) -> int:
     if gran > 0:
         mem -= mem % gran
     return max(cfg.min_lease_bytes, mem)
-
-
-def compute_share_for(load: float, slowdown_per_share: float, cfg: PolicyConfig) -> float:
-    """The compute share that lands serving's headroom mid-hysteresis, `target = (grant_headroom
-    + revoke_headroom) / 2`, given its load now (worst p99 / SLO, rollout not running) and its
-    slowdown `1 + a * share` (`a`: the GPU's estimate, the prior before it has one). No credit
-    is taken for a time-slicing bound: the estimate is what this GPU showed."""
-    a = slowdown_per_share if slowdown_per_share > 0.0 else cfg.interference_prior
-    target = (cfg.grant_headroom + cfg.revoke_headroom) / 2.0
-    room = (1.0 - target) / load if load > 0.0 else float("inf")  # slowdown serving can take
-    if room <= 1.0:
-        return 0.0
-    share = min((room - 1.0) / a, cfg.max_compute_share)
-    share = 0.0 if share < 0.0 else 1.0 if share > 1.0 else round(share, 4)
-    return profile_share(share, load, slowdown_per_share, cfg) if cfg.interference_profile else share
-
-
-def profile_ratio(points: tuple[tuple[float, float], ...], share: float) -> float:
-    """Serving's p99 ratio at `share` from the profile's (share, ratio) points: piecewise linear
-    between them, the nearest point outside them, 1 at share 0."""
-    if share <= 0.0 or not points:
-        return 1.0
-    if share <= points[0][0]:
-        return points[0][1]
-    for (s0, r0), (s1, r1) in zip(points, points[1:]):
-        if share <= s1:
-            return r0 + (r1 - r0) * (share - s0) / (s1 - s0)
-    return points[-1][1]
-
-
-def profile_share(share: float, load: float, per_share: float, cfg: PolicyConfig) -> float:
-    """The largest of `share` and the profile's measured shares below it whose predicted p99
-    keeps grant_headroom; 0: none does (no grant). Predicted: `load` (worst p99 / SLO now) × the
-    larger of the profile's ratio at that share and what this GPU has shown, ``1 + per_share ×
-    share`` (`per_share` > 0: its online estimate): the profile is the prior, the GPU's own
-    slowdown overrides it where it is worse."""
-    limit = 1.0 - cfg.grant_headroom
-    pts = cfg.interference_profile
-    for s in (share, *sorted((p for p, _ in pts if p < share), reverse=True)):
-        ratio = profile_ratio(pts, s)
-        if per_share > 0.0 and 1.0 + per_share * s > ratio:
-            ratio = 1.0 + per_share * s
-        if s > 0.0 and load * ratio <= limit:
-            return s
-    return 0.0
 
 
 def _ewma(old: float, x: float, w: float) -> float:

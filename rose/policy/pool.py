@@ -3,7 +3,7 @@ replicas a replica lease may take, which lent replicas come back, and per replic
 lease (replica, co-resident or none).
 
 Pure like `decide()`: no I/O, no clock, no randomness. Time is the newest telemetry event's `ts`,
-command ids are hashes of their cause (`lease_policy.command_id`), and every choice among
+command ids are hashes of their cause (`lease_commands.command_id`), and every choice among
 replicas is by sorted replica id, so the same telemetry and config always give byte-identical
 commands. The design (forecast, capacity, reclaim order) is docs/policy.md "Pool decisions";
 how a scheduler instance comes to hold a whole pool's telemetry is docs/scheduler.md "Pool
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from rose.config import PolicyConfig
 from rose.contract.events import Command, Telemetry
 from rose.contract.immutable import immutable
-from rose.policy.lease_policy import Cause, lease_command, lease_id_for, memory_margin
+from rose.policy.lease_commands import Cause, lease_command, lease_id_for
+from rose.policy.lease_policy import memory_margin
 
 if TYPE_CHECKING:
     from rose.policy.pool_records import PoolSample

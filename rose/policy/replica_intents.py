@@ -16,7 +16,8 @@ from typing import Any
 from rose.config import PolicyConfig
 from rose.contract.events import Command, Telemetry
 from rose.contract.immutable import immutable
-from rose.policy.lease_policy import NO_LEASE, Decision, Explanation, GpuView, lease_command
+from rose.policy.lease_commands import lease_command
+from rose.policy.lease_policy import NO_LEASE, Decision, Explanation, GpuView
 from rose.policy.pool import LEASE_REPLICA, replica_grant, replica_revoke
 from rose.policy.pool_records import LEND, PoolIntent
 

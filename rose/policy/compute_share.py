@@ -1,0 +1,51 @@
+"""The compute share of a new lease: apart from `decide()` because the interference profile's
+tests and benchmarks size shares with it on their own."""
+
+from __future__ import annotations
+
+from rose.config import PolicyConfig
+
+
+def compute_share_for(load: float, slowdown_per_share: float, cfg: PolicyConfig) -> float:
+    """The compute share that lands serving's headroom mid-hysteresis, `target = (grant_headroom
+    + revoke_headroom) / 2`, given its load now (worst p99 / SLO, rollout not running) and its
+    slowdown `1 + a * share` (`a`: the GPU's estimate, the prior before it has one). No credit
+    is taken for a time-slicing bound: the estimate is what this GPU showed."""
+    a = slowdown_per_share if slowdown_per_share > 0.0 else cfg.interference_prior
+    target = (cfg.grant_headroom + cfg.revoke_headroom) / 2.0
+    room = (1.0 - target) / load if load > 0.0 else float("inf")  # slowdown serving can take
+    if room <= 1.0:
+        return 0.0
+    share = min((room - 1.0) / a, cfg.max_compute_share)
+    share = 0.0 if share < 0.0 else 1.0 if share > 1.0 else round(share, 4)
+    return profile_share(share, load, slowdown_per_share, cfg) if cfg.interference_profile else share
+
+
+def profile_ratio(points: tuple[tuple[float, float], ...], share: float) -> float:
+    """Serving's p99 ratio at `share` from the profile's (share, ratio) points: piecewise linear
+    between them, the nearest point outside them, 1 at share 0."""
+    if share <= 0.0 or not points:
+        return 1.0
+    if share <= points[0][0]:
+        return points[0][1]
+    for (s0, r0), (s1, r1) in zip(points, points[1:]):
+        if share <= s1:
+            return r0 + (r1 - r0) * (share - s0) / (s1 - s0)
+    return points[-1][1]
+
+
+def profile_share(share: float, load: float, per_share: float, cfg: PolicyConfig) -> float:
+    """The largest of `share` and the profile's measured shares below it whose predicted p99
+    keeps grant_headroom; 0: none does (no grant). Predicted: `load` (worst p99 / SLO now) × the
+    larger of the profile's ratio at that share and what this GPU has shown, ``1 + per_share ×
+    share`` (`per_share` > 0: its online estimate): the profile is the prior, the GPU's own
+    slowdown overrides it where it is worse."""
+    limit = 1.0 - cfg.grant_headroom
+    pts = cfg.interference_profile
+    for s in (share, *sorted((p for p, _ in pts if p < share), reverse=True)):
+        ratio = profile_ratio(pts, s)
+        if per_share > 0.0 and 1.0 + per_share * s > ratio:
+            ratio = 1.0 + per_share * s
+        if s > 0.0 and load * ratio <= limit:
+            return s
+    return 0.0
