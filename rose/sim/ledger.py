@@ -15,6 +15,12 @@ import numpy as np
 from rose.sim.models import EpisodeModel
 
 
+def trainer_rate(episodes_per_step: int, train_step_s: float) -> float:
+    """The most episodes a second the trainer consumes: a step's episodes per step's training
+    (inf when training is free, `train_step_s` 0). The bound on every policy's RL throughput."""
+    return math.inf if train_step_s <= 0.0 else episodes_per_step / train_step_s
+
+
 class Ledger:
     """Episode work of one policy: produced = completed + in flight + parked + recomputed."""
 
@@ -57,10 +63,11 @@ class Ledger:
         """The trainer over `dt` s, beside rollout (the trainer's loop steps on what has arrived
         while the workers keep rolling out: docs/simulator.md "Training"): it consumes completed
         episodes at most at `episodes_per_step / train_step_s` a second."""
-        if self.train_step_s <= 0.0:
+        rate = trainer_rate(self.ep.episodes_per_step, self.train_step_s)
+        if math.isinf(rate):
             self.trained = float(self.completed)
         else:
-            self.trained = min(float(self.completed), self.trained + dt * self.ep.episodes_per_step / self.train_step_s)
+            self.trained = min(float(self.completed), self.trained + dt * rate)
 
     def steps(self) -> int:
         """RL steps trained."""

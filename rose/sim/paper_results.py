@@ -10,6 +10,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from rose.obs.stats import mean_ci95
+from rose.sim.ledger import trainer_rate
 from rose.sim.paper_plan import LINEAR, CheckConfig, Job, model_cell
 from rose.sim.report import VALID_STATIC_SLO, rose_vs_share_all
 from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S
@@ -278,11 +279,66 @@ def _ratio_why(res: Results, t: str, m: str) -> str:
     return f"{where}; {_held_back(g)} ({_gap_text(g)})"
 
 
+def trainer_bound(r: dict) -> float | None:
+    """The most RL throughput a run's trainer allows, over static's: the episodes it consumes at
+    its rate (rose.sim.ledger.trainer_rate) over the whole run, over static's episodes; None where
+    the record lacks the figures or training is free."""
+    c = r.get("config") or {}
+    try:
+        rate = trainer_rate(c["episode"]["episodes_per_step"], c["costs"]["train_step_s"])
+        bound = rate * c["duration_s"] / r["policies"]["static"]["episodes"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+    return bound if math.isfinite(bound) else None
+
+
+def at_trainer_bound(r: dict, policy: str) -> bool:
+    """Whether the trainer, not rollout, set the policy's pace in run `r`: its rollout left at
+    least one step's episodes waiting for the trainer at the end (the ledger's `buffered`)."""
+    try:
+        return bool(r["policies"][policy]["work"]["buffered"] >= r["config"]["episode"]["episodes_per_step"])
+    except (KeyError, TypeError):
+        return False
+
+
+def _trainer_constants(r: dict) -> str:
+    """The constants that size a run's trainer, with their values."""
+    costs = r["config"]["costs"]
+    if str(costs.get("train_step_source", "")).startswith("set"):
+        return f"SimConfig.train_step_s ({costs['train_step_s']:g} s a step)"
+    mfu = f" {costs['train_mfu']:g}" if "train_mfu" in costs else ""
+    return f"its size and speed, SimConfig.train_gpus {costs['train_gpus']} and models.TRAIN_MFU{mfu}"
+
+
+def _trainer_why(res: Results, t: str, m: str, goal: float) -> str | None:
+    """For a gain held back by the trainer (ROSE at its bound in every main run): the constants
+    behind it, the bound's gain over static against the goal, and the rollout it left waiting."""
+    main = res.main(t, m)
+    bounds = [trainer_bound(r) for r in main]
+    if not main or not all(at_trainer_bound(r, "rose") for r in main) or None in bounds:
+        return None
+    bound = statistics.fmean(b for b in bounds if b is not None)
+    c = main[0]["config"]
+    rollout = statistics.fmean(
+        r["policies"]["rose"]["rollout_episodes"] / r["policies"]["static"]["episodes"] for r in main
+    )
+    waiting = statistics.fmean(r["policies"]["rose"]["work"]["buffered"] for r in main)
+    return (
+        f"the trainer holds it back ({_trainer_constants(main[0])}): a step of {c['episode']['episodes_per_step']} episodes "
+        f"trains in {c['costs']['train_step_s']:.1f} s, at most ×{bound:.3f} of static's episodes in the run "
+        f"against the goal ×{goal:g} (×{bound / goal:.2f} of it); ROSE's rollout completed ×{rollout:.3f} of "
+        f"static's, {waiting:.0f} episodes left waiting for the trainer"
+    )
+
+
 def _gain_why(res: Results, t: str, m: str, goal: float) -> str:
     cc = res.cc
     h = statistics.fmean(res.fig(t, m, "rose", "harvest_per_serving_gpu"))
     need = (goal - 1.0) / cc.gm
-    parts = [f"harvest {h:.4f} per serving GPU, {need:.4f} needed at G/M {cc.gm} (×{h / need:.2f} of it)"]
+    harvest = f"harvest {h:.4f} per serving GPU, {need:.4f} needed at G/M {cc.gm} (×{h / need:.2f} of it)"
+    if trainer := _trainer_why(res, t, m, goal):
+        return "; ".join([trainer, f"{harvest}, not binding", *_memory_why(res, t, m, h)])
+    parts = [harvest]
 
     def gain(rs: list[dict]) -> float:
         return statistics.fmean(figures(rs, "rose", "gain_vs_static"))
@@ -348,9 +404,18 @@ def _growth_why(res: Results, t: str, small: str, large: str) -> str:
 
     h = {m: statistics.fmean(res.fig(t, m, "rose", "harvest_per_serving_gpu")) for m in (small, large)}
     keys = [k for k in res.profile_keys() if gain(large, k) > gain(small, k)]
-    return (
+    harvest = (
         f"harvest per serving GPU {h[small]:.4f} at {small}, {h[large]:.4f} at {large} "
         f"(gain ≈ 1 + (G/M) × harvest); {res.where(keys)}"
+    )
+    bounds = {m: [trainer_bound(r) for r in res.main(t, m)] for m in (small, large)}
+    at = all(at_trainer_bound(r, "rose") for m in (small, large) for r in res.main(t, m))
+    if not at or any(None in b for b in bounds.values()):
+        return harvest
+    b = {m: statistics.fmean(x for x in xs if x is not None) for m, xs in bounds.items()}
+    return (
+        f"the trainer holds it back ({_trainer_constants(res.main(t, large)[0])}): ROSE sits at the trainer's bound in both "
+        f"cells, at most ×{b[small]:.3f} of static's episodes at {small}, ×{b[large]:.3f} at {large}; {harvest}"
     )
 
 

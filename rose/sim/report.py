@@ -155,6 +155,7 @@ def start_costs(cfg: SimConfig, ctx: RunContext) -> dict:
         "train_step_s": round(ctx.train_step_s, 4),  # one RL step's training, beside rollout
         "train_step_source": TRAIN_SOURCE if cfg.train_step_s is None else "set (train_step_s)",
         "train_gpus": cfg.train_gpus or ctx.M,
+        "train_mfu": cfg.train_mfu,
         "resume_s": ctx.resume_s,
         "resume_source": RESUME_SOURCE if cfg.resume_s == RESUME_S else "set (--resume-s)",
         "elastic_provision_s": ctx.elastic_provision_s,
@@ -186,7 +187,7 @@ def share_all_gap(rose: Run, share_all: Run) -> dict:
     `unfinished`: work ROSE produced but did not complete beyond share-all's (in flight, parked,
     recomputed), so that the causes, `unfinished` and `residual` add up to the episode gap
     (share-all's completed minus ROSE's) over share-all's harvest."""
-    from rose.sim.runs import GAP_CAUSES, NO_LEASE_WHY
+    from rose.sim.rose_run import GAP_CAUSES, NO_LEASE_WHY
 
     sa = share_all.harvested
     rg, by = getattr(rose, "gap", {}), getattr(rose, "no_lease_gap", {})
