@@ -101,3 +101,17 @@ def test_at_the_bound_reads_the_ledgers_buffered_episodes():
     r["policies"]["rose"]["work"]["buffered"] = EP.episodes_per_step - 0.5
     assert not at_trainer_bound(r, "rose")
     assert not at_trainer_bound({"policies": {"rose": {}}}, "rose")
+
+
+def test_growth_with_both_cells_at_the_trainers_bound_names_the_trainer():
+    models = ("8B", "70B")
+    cc = CheckConfig(traces=("t.csv",), models=models, gpus=16, gm=8, seeds=3, alphas=(0.3,), gm_sweep=(8,))
+    jobs = [Job("main", "t.csv", m, MAIN, s, SimConfig()) for m in models for s in range(3)]
+    train = {"train_gpus": 2, "train_mfu": 0.4}
+    runs = [_trainer_run(s, 8900.0 + 10 * s, float(EP.episodes_per_step), train) for _m in models for s in range(3)]
+    rows = [r for r in targets(Results(cc, jobs, runs)) if r["target"] == "ROSE's gain grows with model size"]
+    assert len(rows) == 1 and not rows[0]["met"]
+    bound = _trained(DURATION_S) / STATIC
+    why = rows[0]["held_back_by"]
+    assert why.startswith("the trainer holds it back (its size and speed, SimConfig.train_gpus 2"), why
+    assert f"at most ×{bound:.3f} of static's episodes at 8B, ×{bound:.3f} at 70B" in why
