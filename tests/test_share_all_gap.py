@@ -13,7 +13,7 @@ from rose.config import PolicyConfig
 from rose.sim.engine import SimConfig, simulate
 from rose.sim.interference import InterferenceProfile, ProfilePoint, default_profile
 from rose.sim.report import GAP_TOLERANCE, across_seeds
-from rose.sim.runs import GAP_CAUSES, NO_LEASE_WHY, no_lease_why
+from rose.sim.rose_run import GAP_CAUSES, NO_LEASE_WHY, no_lease_why
 from rose.sim.traces import load_trace
 
 PARTS = ("rose", *GAP_CAUSES)

@@ -46,7 +46,8 @@ from rose.sim.requests import (
     two_choices,
 )
 from rose.sim.rollout_model import RolloutModel
-from rose.sim.runs import RoseRun, Run, RunContext, ShareAllRun
+from rose.sim.rose_run import RoseRun
+from rose.sim.runs import Run, RunContext, ShareAllRun
 from rose.sim.serving_model import ServingSim
 from rose.sim.sim_config import SimConfig
 from rose.sim.traces import Trace

@@ -6,7 +6,11 @@ only, docs/contract.md §7)."""
 from __future__ import annotations
 
 from rose.sim.replica_run import ReplicaRun
-from rose.sim.runs import POLICIES, RUNS, RoseRun, Run
+from rose.sim.rose_run import RoseRun
+from rose.sim.runs import ElasticRun, Run, ShareAllRun
+
+RUNS = {"static": Run, "elastic": ElasticRun, "share-all": ShareAllRun, "rose": RoseRun}
+POLICIES = tuple(RUNS)
 
 ALL_RUNS: dict[str, type[Run]] = {**RUNS, "rose-coresident": RoseRun, "rose-replica": ReplicaRun}
 ALL_POLICIES = tuple(ALL_RUNS)

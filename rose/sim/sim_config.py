@@ -10,7 +10,8 @@ from rose.config import ExecutorConfig, PolicyConfig
 from rose.policy.pool import PoolConfig
 from rose.sim.interference import InterferenceProfile, linear_profile, simulation_profile
 from rose.sim.models import RESUME_S, TRAIN_MFU, EngineConfig, EpisodeModel
-from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S, POLICIES
+from rose.sim.policies import POLICIES
+from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S
 
 PERIOD_S = 0.5  # telemetry period (TelemetryConfig.period_s), one serving window
 DEFAULT_LOAD = 0.7  # fraction of a GPU's roofline capacity the trace's busiest minute uses

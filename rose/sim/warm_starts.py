@@ -1,6 +1,6 @@
 """The executors' warm pools in the simulator: what starting a lease's rollout worker costs on a
 node (docs/simulator.md "What starting and resuming rollout costs"). Co-resident leases
-(`rose.sim.runs.RoseRun`) and replica leases (`rose.sim.replica_run.ReplicaRun`) start their
+(`rose.sim.rose_run.RoseRun`) and replica leases (`rose.sim.replica_run.ReplicaRun`) start their
 workers by the same rule."""
 
 from __future__ import annotations
