@@ -11,10 +11,11 @@ unreachable while publishing weights, 504 a turn not finished by the request's d
 weight version, through the path `RoseClient.publish_weights` takes (`rose.weights.inputs`,
 then `WeightPublisher.publish_raw`), one publish at a time.
 
-Each turn request is a `POST {path}` span (kind SERVER; a child of the request's own W3C
-`traceparent` header when it has one) with the request's model, max_tokens, stream, session
-and task id and the answer's tokens and worker; the task carries the context of its `send`
-span, a child of it (rose.gateway.dispatch), to the workers. docs/gateway.md."""
+Each turn request is a `POST {path}` span (`rose.gateway.observability`; kind SERVER; a child
+of the request's own W3C `traceparent` header when it has one) with the request's model,
+max_tokens, stream, session and task id and the answer's tokens and worker; the task carries
+the context of its `send` span, a child of it (rose.gateway.dispatch), to the workers.
+docs/gateway.md."""
 
 from __future__ import annotations
 
@@ -35,15 +36,24 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import Span
 
 from rose.config import Config
 from rose.gateway import api, sglang
 from rose.gateway.admission import Admission, Overloaded
 from rose.gateway.dispatch import Dispatcher, PendingTurn, TurnFailed
+from rose.gateway.observability import (
+    CANCELLED,
+    INFLIGHT,
+    TOKENS,
+    TURN_S,
+    WAITING,
+    Counted,
+    Traced,
+    set_answer_attributes,
+    set_request_attributes,
+)
 from rose.obs import metrics
-from rose.obs.tracing import tracer
 
 if TYPE_CHECKING:
     from rose.weights.stream import WeightPublisher
@@ -54,14 +64,6 @@ KEEPALIVE_S = 5.0  # an SSE comment this often while a streamed turn runs (a gon
 CHUNK_BLOCK_MS = 100  # a streamed turn's XREAD wait on its token stream (its end marker cuts it short)
 END_WAIT_S = 1.0  # how long a read pending when the result comes may take to return, before it is cancelled
 VERSION_POLL_S = 0.1  # how often a request with min_weight_version looks for a worker at it
-TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-
-REQUESTS = metrics.counter("rose_gateway_requests_total", "Gateway requests by endpoint and status code.")
-TOKENS = metrics.counter("rose_gateway_completion_tokens_total", "Tokens generated for gateway turns.")
-CANCELLED = metrics.counter("rose_gateway_turns_withdrawn_total", "Turns withdrawn: client gone or deadline.")
-INFLIGHT = metrics.gauge("rose_gateway_inflight_turns", "Gateway turns on the task queue.")
-WAITING = metrics.gauge("rose_gateway_waiting_requests", "Requests waiting for an in-flight place.")
-TURN_S = metrics.histogram("rose_gateway_turn_seconds", "Submit to result of a gateway turn.", TURN_BUCKETS_S)
 
 
 class GatewayError(Exception):
@@ -302,7 +304,7 @@ def _stream(
             return
         finally:
             waiting.cancel()  # a no-op once it is done
-        _answered(span, r)
+        set_answer_attributes(span, r)
         for c in shape.pieces(feed.sent, r.token_ids[feed.sent :], r.versions[feed.sent :], r.logprobs[feed.sent :]):
             yield _sse(c)
         yield _sse(shape.tail(r))
@@ -367,37 +369,9 @@ class _Feed:
         return start, ids, vs, lps if len(lps) == len(ids) else None
 
 
-def _requested(span: Span, req: api.TurnRequest, prompt: list[int], chat: bool) -> None:
-    """The request's attributes on its SERVER span (OpenTelemetry's gen_ai conventions)."""
-    span.set_attributes(
-        {
-            "gen_ai.operation.name": "chat" if chat else "text_completion",
-            "gen_ai.request.model": req.model,
-            "gen_ai.request.max_tokens": req.tokens(),
-            "gen_ai.usage.input_tokens": len(prompt),
-            "rose.stream": bool(req.stream),
-        }
-    )
-    if req.seed is not None:
-        span.set_attribute("gen_ai.request.seed", req.seed)
-    if req.min_weight_version is not None:
-        span.set_attribute("rose.min_weight_version", req.min_weight_version)
-
-
-def _answered(span: Span, r: api.TurnResult) -> None:
-    span.set_attributes(
-        {
-            "gen_ai.usage.output_tokens": len(r.token_ids),
-            "rose.worker": r.worker,
-            "rose.moves": r.moves,
-            "rose.policy_versions": sorted(set(r.versions)),
-        }
-    )
-
-
 async def _turn(gw: Gateway, request: Request, req: api.TurnRequest, prompt: list[int], chat: bool) -> Response:
     span = trace.get_current_span()
-    _requested(span, req, prompt, chat)
+    set_request_attributes(span, req, prompt, chat)
     turn, deadline = await gw.start_turn(request, req, prompt)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{turn.task_id}"
     span.set_attributes({"rose.task_id": turn.task_id, "gen_ai.response.id": rid})
@@ -405,7 +379,7 @@ async def _turn(gw: Gateway, request: Request, req: api.TurnRequest, prompt: lis
         shape = api.StreamShape(rid, gw.model, prompt, chat, req.wants_logprobs())
         return StreamingResponse(_stream(gw, turn, deadline, shape, span), media_type="text/event-stream")
     r = await gw.wait(turn, deadline, request)
-    _answered(span, r)
+    set_answer_attributes(span, r)
     lp = req.wants_logprobs()
     body = api.chat_completion(rid, gw.model, r, lp) if chat else api.completion(rid, gw.model, r, lp)
     return Response(orjson.dumps(body), media_type="application/json")
@@ -432,7 +406,7 @@ async def _generate(gw: Gateway, request: Request, req: sglang.GenerateRequest) 
         model=gw.model, max_tokens=sp.max_new_tokens, seed=sp.the_seed(), stream=req.stream, user=session
     )
     span = trace.get_current_span()
-    _requested(span, turn_req, prompt, chat=False)
+    set_request_attributes(span, turn_req, prompt, chat=False)
     if pin is not None:
         span.set_attribute(f"rose.{pin.field}", pin.version)
     turn, deadline = await gw.start_turn(request, turn_req, prompt, pin)
@@ -445,80 +419,11 @@ async def _generate(gw: Gateway, request: Request, req: sglang.GenerateRequest) 
         r = await gw.wait(turn, deadline, request)
     except GatewayError as e:
         raise _renamed(e, {"prompt": "input_ids"}) from None
-    _answered(span, r)
+    set_answer_attributes(span, r)
     answer.end(r)
     if pin is not None and answer.aborted():
         raise gw.pin_refused(pin, "for the whole turn (its worker changed version mid-turn)")
     return Response(orjson.dumps(answer.body(final=True)), media_type="application/json")
-
-
-ENDPOINTS = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/models",
-        "/v1/weights",
-        "/generate",
-        "/get_weight_version",
-        "/update_weights_from_disk",
-        "/health",
-        "/metrics",
-    }
-)
-
-
-class _Counted:
-    """Counts responses by endpoint and status code (plain ASGI: a request's `is_disconnected`
-    keeps seeing the client, which Starlette's BaseHTTPMiddleware would hide)."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"] if scope["path"] in ENDPOINTS else "other"
-
-        async def counted(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                REQUESTS.inc(endpoint=path, code=str(message["status"]))
-            await send(message)
-
-        await self.app(scope, receive, counted)
-
-
-TRACED = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
-_propagator = TraceContextTextMapPropagator()
-
-
-class _Traced:
-    """A SERVER span `POST {path}` over each turn request, until its last byte is sent (a
-    streamed answer included); a child of the request's `traceparent` header when it has one."""
-
-    def __init__(self, app: Any):
-        self.app = app
-        self.tracer = tracer("rose.gateway")
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] not in TRACED or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        attrs = {"http.request.method": "POST", "http.route": scope["path"], "url.path": scope["path"]}
-        name = f"POST {scope['path']}"
-        with self.tracer.start_as_current_span(
-            name, context=_propagator.extract(headers), kind=SpanKind.SERVER, attributes=attrs
-        ) as span:
-
-            async def traced(message: Any) -> None:
-                if message["type"] == "http.response.start":
-                    span.set_attribute("http.response.status_code", message["status"])
-                    if message["status"] >= 500:
-                        span.set_status(Status(StatusCode.ERROR))
-                await send(message)
-
-            await self.app(scope, receive, traced)
 
 
 def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
@@ -535,8 +440,8 @@ def create_app(cfg: Config, dispatcher: Dispatcher | None = None) -> FastAPI:
             gw.close_publisher()
 
     app = FastAPI(title="ROSE gateway", lifespan=lifespan)
-    app.add_middleware(_Counted)
-    app.add_middleware(_Traced)
+    app.add_middleware(Counted)
+    app.add_middleware(Traced)
     app.state.gateway = gw
     _errors(app)
     auth = [Depends(gw.authorize)]
