@@ -16,15 +16,7 @@ from rose.policy.core import Batch, SchedulingCore
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import free_memory, memory_margin
 from rose.sim.models import NODE_GPUS
-from rose.sim.runs import (
-    SHARE_ALL_MEM_FRAC,
-    SHARE_ALL_SHARE,
-    Run,
-    RunContext,
-    fetch_bytes,
-    lease_hours,
-    ready_fraction,
-)
+from rose.sim.runs import SHARE_ALL_MEM_FRAC, SHARE_ALL_SHARE, Run, RunContext, fetch_bytes, lease_hours, ready_fraction
 from rose.sim.serving_model import ServingSim
 from rose.sim.warm_starts import WarmPools
 
