@@ -55,7 +55,10 @@ class Running:
         return [s.state for s in list(self.ex.published) if s.gpu == gpu]
 
     def wait_state(self, state: str, timeout: float = 60, gpu: str = GPU) -> None:
-        wait_until(lambda: state in self.states(gpu), timeout, f"lease state {state} of {gpu}")
+        try:
+            wait_until(lambda: state in self.states(gpu), timeout, f"lease state {state} of {gpu}")
+        except AssertionError as e:  # say what it went through instead
+            raise AssertionError(f"{e}; its states: {self.states(gpu)}") from None
 
     def crash(self) -> None:
         self.stop.set()
@@ -129,8 +132,11 @@ def test_grant_drains_and_lends_the_replica_and_revoke_brings_it_back(cfg, route
 
 def _stream(url: str, model: str, first_tokens: threading.Event, release: threading.Event, out: dict) -> None:
     """A long streaming completion through the router that stops reading after its first tokens
-    until `release`, so it is surely in flight on its worker meanwhile."""
-    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1000, "n": 4, "ignore_eos": True, "stream": True}
+    until `release`. The router counts a request in flight until the engine has generated all of it
+    (it buffers what the client does not read), so only the engine's time holds it there: 32
+    completions of 1000 tokens stay in flight 12.7 s on the 2-core machine (4 completions: 5.6 s),
+    against well under a second from the grant to the executor's drain deadline."""
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1000, "n": 32, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -161,7 +167,9 @@ def test_a_replica_that_does_not_drain_in_time_is_readmitted_and_its_grant_rejec
     t.start()
     try:
         assert first_tokens.wait(120), f"the stream gave no tokens: {streamed}"
-        (gpu,) = [g for g, w in by_gpu.items() if adapter.in_flight(w)]
+        busy = [g for g, w in by_gpu.items() if adapter.in_flight(w)]
+        assert len(busy) == 1, f"the stream is in flight on {busy}, not on one replica: {streamed}"
+        (gpu,) = busy
         send(cfg, "grant", 1, "g1", gpu=gpu)
         run.wait_state("rejected", gpu=gpu)
         assert run.states(gpu) == ["draining", "rejected"]
