@@ -253,6 +253,13 @@ def has_seen(s: GpuLease, command_id: str) -> bool:
     return command_id in s.seen or command_id in s.seen_before
 
 
+def epoch_seen(s: GpuLease, epoch: int) -> bool:
+    """Whether the GPU has seen `epoch` already: a command of it renews the held lease or is fenced
+    (an older epoch, or a lease of this one that ended or was rejected); only a newer epoch may
+    start a lease (docs/executor.md, fencing by epoch)."""
+    return epoch <= s.highest_epoch
+
+
 def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLease:
     c = inp.command
     if c.gpu != s.gpu:
@@ -271,7 +278,7 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
     if c.kind == "revoke":
         if held:
             return _end(s, "revoked", out, c.command_id)
-        if c.epoch > s.highest_epoch:  # a lease we never saw is over: fence it, end anything older
+        if not epoch_seen(s, c.epoch):  # a lease we never saw is over: fence it, end anything older
             if s.lease is not None:
                 s = _end(s, "revoked", out, c.command_id)
             return _ended_unheld(s, Record(c.lease_id, c.epoch, "revoked", c.command_id))
@@ -295,7 +302,7 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
             out.append(Publish(s.gpu, rec))
             s = replace(s, truth=rec)
         return s
-    if c.epoch == s.highest_epoch:  # this epoch's lease already ended (or was never held): fenced
+    if epoch_seen(s, c.epoch):  # this epoch's lease already ended (or was never held): fenced
         out.append(Publish(s.gpu, Record(c.lease_id, c.epoch, "rejected", c.command_id)))
         return s
     # a newer epoch: it supersedes whatever lease is held
@@ -408,6 +415,7 @@ __all__ = [
     "restore",
     "step",
     "lease_state",
+    "epoch_seen",
     "TERMINAL",
 ]
 

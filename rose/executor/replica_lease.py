@@ -174,7 +174,7 @@ def _command(r: Replica, inp: lm.Received, now: float, lease: lm.GpuLease, p: Pa
         out.append(Forward(r.gpu, inp))
         return r
     if r.phase == "serving":
-        if c.lease_kind != "replica" or c.kind == "revoke" or c.epoch <= lease.highest_epoch:
+        if c.lease_kind != "replica" or c.kind == "revoke" or lm.epoch_seen(lease, c.epoch):
             out.append(Forward(r.gpu, inp))  # the lease machine's (a co-resident lease, a stale or fenced one)
             return r
         ttl_left = (c.expires_at - c.ts) - max(0.0, inp.age_s)
