@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from rose.gateway import api
 from rose.obs import metrics
-from rose.obs.tracing import tracer
+from rose.obs.tracing import extract_context, tracer
 
 TURN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -87,7 +86,6 @@ class Counted:
 
 
 TRACED = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
-_propagator = TraceContextTextMapPropagator()
 
 
 class Traced:
@@ -102,11 +100,10 @@ class Traced:
         if scope["type"] != "http" or scope["path"] not in TRACED or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
         attrs = {"http.request.method": "POST", "http.route": scope["path"], "url.path": scope["path"]}
         name = f"POST {scope['path']}"
         with self.tracer.start_as_current_span(
-            name, context=_propagator.extract(headers), kind=SpanKind.SERVER, attributes=attrs
+            name, context=extract_context(scope.get("headers")), kind=SpanKind.SERVER, attributes=attrs
         ) as span:
 
             async def traced(message: Any) -> None:

@@ -120,25 +120,30 @@ def tracer(name: str = "rose") -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-_Carrier = Sequence[tuple[str, bytes | str | None]]  # a Kafka message's headers
+# a Kafka message's headers, or an HTTP request's as ASGI gives them (names in bytes, lower case)
+_Carrier = Sequence[tuple[str | bytes, bytes | str | None]]
+
+
+def _text(s: str | bytes) -> str:
+    return s.decode("latin-1") if isinstance(s, bytes) else s
 
 
 class _HeaderGetter(Getter[_Carrier]):
     def get(self, carrier: _Carrier, key: str) -> list[str] | None:
         for k, v in carrier or []:
-            if k == key:
+            if _text(k) == key:
                 return [v.decode("latin-1") if isinstance(v, bytes) else str(v)]
         return None
 
     def keys(self, carrier: _Carrier) -> list[str]:
-        return [k for k, _ in carrier or []]
+        return [_text(k) for k, _ in carrier or []]
 
 
 _getter = _HeaderGetter()
 
 
 def extract_context(headers) -> otel_context.Context:
-    """The trace context carried in a Kafka message's headers (empty if none)."""
+    """The trace context carried in a Kafka message's headers, or an ASGI request's (empty if none)."""
     return _propagator.extract(headers or [], getter=_getter)
 
 
