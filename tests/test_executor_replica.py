@@ -173,6 +173,8 @@ def test_a_replica_that_does_not_drain_in_time_is_readmitted_and_its_grant_rejec
         send(cfg, "grant", 1, "g1", gpu=gpu)
         run.wait_state("rejected", gpu=gpu)
         assert run.states(gpu) == ["draining", "rejected"]
+        (rejected,) = [s for s in list(run.ex.published) if s.gpu == gpu and s.state == "rejected"]
+        assert rejected.reason.startswith("drain_timeout: "), rejected  # published with the reason
         assert by_gpu[gpu] in adapter.serving(), "the replica that did not drain was not readmitted"
         assert gpu not in run.ex.workers, "rollout ran on a replica that did not drain"
         send(cfg, "renew", 1, "n1", gpu=gpu)  # the rejected lease stays fenced

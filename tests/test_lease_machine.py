@@ -121,6 +121,7 @@ ops = st.one_of(
     st.tuples(st.just("dup"), st.integers(0, 50)),
     st.tuples(st.just("tick"), st.sampled_from([0.01, 0.5, 1.0, 2.5, 6.0])),
     st.tuples(st.just("crash")),
+    st.tuples(st.just("refuse")),
     st.tuples(st.just("exit_if_stopping")),
     st.tuples(st.just("guard"), st.booleans()),
 )
@@ -150,6 +151,9 @@ def run_ops(w: World, seq) -> None:
         elif kind == "crash" and w.proc is not None:
             w.proc = None
             w.feed(lm.WorkerExited())
+        elif kind == "refuse" and w.proc is not None:  # the worker's device check refused the lease
+            w.proc = None
+            w.feed(lm.WorkerExited(refused="device check"))
         elif kind == "exit_if_stopping" and w.proc is not None and w.proc["stopping"]:
             w.proc = None
             w.feed(lm.WorkerExited())
@@ -275,11 +279,27 @@ def test_a_newer_grant_of_the_same_size_stops_the_old_worker_first():
     assert (start.lease_id, start.epoch) == (f"{GPU}#2", 2)
 
 
-def test_rejected_records_carry_the_stale_command():
+def test_rejected_records_carry_the_stale_command_and_why():
     c = replace(cmd("revoke", 0, "old"))
     s, _ = lm.step(lm.initial(GPU), lm.Received(cmd("grant", 2, "g")), 0.0, P)
     _, acts = lm.step(s, lm.Received(c), 0.0, P)
-    assert acts[0].record == lm.Record(c.lease_id, 0, "rejected", "old")
+    why = "stale epoch: 0 < 2, the newest this GPU has seen"
+    assert acts[0].record == lm.Record(c.lease_id, 0, "rejected", "old", why)
+    assert acts[0].state(1.0).reason == why
+
+
+def test_a_worker_that_refuses_its_lease_ends_it_with_the_reason_and_is_not_restarted():
+    """A worker whose device check refused the lease would be refused again on the same device:
+    the lease ends (revoked, with the worker's reason) instead of a restart after the backoff."""
+    s, acts = lm.step(lm.initial(GPU), lm.Received(cmd("grant", 1, "g")), 0.0, P)
+    assert any(isinstance(a, lm.Start) for a in acts)
+    s, acts = lm.step(s, lm.WorkerExited(refused="the GEMM check failed"), 0.2, P)
+    assert [(a.record.state, a.record.reason) for a in acts if isinstance(a, lm.Publish)] == [
+        ("revoked", "the GEMM check failed")
+    ]
+    assert s.lease is None
+    s, acts = lm.step(s, lm.Tick(), 0.2 + 2 * P.restart_backoff_s, P)
+    assert not any(isinstance(a, lm.Start) for a in acts), "a refused lease's worker was restarted"
 
 
 def test_a_duplicate_is_recognised_among_the_last_half_of_seen_max_commands():

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from rose.config import RedisConfig
+from rose.executor.workers import refused_why
 from rose.rollout import gemm_check as gc
 from rose.rollout import mps
 from rose.rollout.launcher import WorkerConfig
@@ -123,6 +124,8 @@ def test_the_worker_process_refuses_a_cuda_lease_it_cannot_check():
         timeout=120,
     )
     assert p.returncode == EXIT_DEVICE_CHECK, p.stderr
+    # the executor reads that exit as a refusal: the lease ends with this reason, no restart
+    assert "device check refused the lease" in refused_why(p.returncode) and refused_why(0) == refused_why(1) == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         "rose-worker: refusing the lease: the GEMM check could not run on cuda:0"

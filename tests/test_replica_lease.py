@@ -136,6 +136,7 @@ def test_a_drain_past_its_timeout_readmits_and_rejects_the_grant():
         w.tick(0.5)
     assert w.states() == ["draining", "rejected"] and w.in_router and not w.worker
     assert "replica.drain_timeout" in w.reports and w.now >= P.drain_timeout_s
+    assert w.published[-1].reason == "drain_timeout: 1 requests still in flight after executor.drain_timeout_s"
     w.send(lm.Received(cmd("renew", 1, "n1")))  # the rejected lease stays fenced
     assert w.states()[-1] == "rejected" and not w.worker
 
@@ -159,6 +160,7 @@ def test_a_grant_the_replica_cannot_take_is_rejected_and_fenced_without_leaving_
         w = World()
         w.send(lm.Received(c))
         assert w.states() == ["rejected"] and w.in_router and w.done == [] and w.s.highest_epoch == c.epoch, why
+        assert why in w.published[-1].reason, w.published[-1]
 
 
 def test_a_restart_readmits_a_replica_the_router_does_not_list():

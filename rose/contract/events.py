@@ -382,6 +382,7 @@ class LeaseState:
     ts: float
     rollout_mem_bytes: int
     command_id: str
+    reason: str = ""  # v1.3, optional: why a grant was rejected or a lease ended; absent when ""
 
     schema: ClassVar[str] = LEASE_STATE_SCHEMA
 
@@ -390,7 +391,10 @@ class LeaseState:
         return self.gpu
 
     def to_dict(self) -> dict:
-        return _plain(self, LEASE_STATE_SCHEMA)
+        d = _plain(self, LEASE_STATE_SCHEMA)
+        if not self.reason:  # a v1.2 lease state's bytes stay what they were
+            del d["reason"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> LeaseState:
@@ -406,6 +410,7 @@ class LeaseState:
             ts=_num(d, "ts", 0.0, MAX_TS),
             rollout_mem_bytes=_int(d, "rollout_mem_bytes", 0, MAX_BYTES),
             command_id=_str(d, "command_id"),
+            reason=_str(d, "reason", MAX_REASON_LEN) if "reason" in d else "",
         )
 
 

@@ -58,6 +58,7 @@ class Record:
     epoch: int
     state: str
     command_id: str
+    reason: str = ""  # why, where the state alone does not say (a rejected grant); "" = nothing to add
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +82,7 @@ class GpuLease:
 
 @dataclass(frozen=True, slots=True)
 class _Event:
-    """An input with no payload (time passed, the worker exited, the guard tripped or cleared, shutdown)."""
+    """An input with no payload (time passed, the guard tripped or cleared, shutdown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +95,12 @@ class Tick(_Event):
     __slots__ = ()
 
 
-class WorkerExited(_Event):
-    __slots__ = ()
+@dataclass(frozen=True, slots=True)
+class WorkerExited:
+    """The lease's worker is gone; `refused` says why it refused the lease, where it did (a device
+    check failed): restarting it cannot help, so the lease ends with that reason."""
+
+    refused: str = ""
 
 
 class GuardTrip(_Event):
@@ -186,6 +191,7 @@ class Publish:
             ts=ts,
             rollout_mem_bytes=rollout_mem_bytes,
             command_id=r.command_id,
+            reason=r.reason,
         )
 
 
@@ -227,7 +233,10 @@ def step(s: GpuLease, inp: Input, now: float, p: Params = Params()) -> tuple[Gpu
         crashed = s.worker is not None and not s.worker.stopping
         s = replace(s, worker=None)
         if crashed and s.lease is not None:
-            s = replace(s, restart_at=now + p.restart_backoff_s)
+            if inp.refused:
+                s = _end(s, "revoked", out, reason=inp.refused)
+            else:
+                s = replace(s, restart_at=now + p.restart_backoff_s)
     elif isinstance(inp, GuardTrip):
         s = replace(s, guard_paused=True)
         if s.worker is not None and not s.worker.stopping:
@@ -271,7 +280,8 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
     else:
         s = replace(s, seen=s.seen | {c.command_id})
     if c.epoch < s.highest_epoch:
-        out.append(Publish(s.gpu, Record(c.lease_id, c.epoch, "rejected", c.command_id)))
+        why = f"stale epoch: {c.epoch} < {s.highest_epoch}, the newest this GPU has seen"
+        out.append(Publish(s.gpu, Record(c.lease_id, c.epoch, "rejected", c.command_id, why)))
         return s
     ttl_left = (c.expires_at - c.ts) - max(0.0, inp.age_s)
     held = s.lease is not None and s.lease.epoch == c.epoch
@@ -303,7 +313,8 @@ def _command(s: GpuLease, inp: Received, now: float, out: list[Action]) -> GpuLe
             s = replace(s, truth=rec)
         return s
     if epoch_seen(s, c.epoch):  # this epoch's lease already ended (or was never held): fenced
-        out.append(Publish(s.gpu, Record(c.lease_id, c.epoch, "rejected", c.command_id)))
+        why = f"fenced: the lease of epoch {c.epoch} already ended here"
+        out.append(Publish(s.gpu, Record(c.lease_id, c.epoch, "rejected", c.command_id, why)))
         return s
     # a newer epoch: it supersedes whatever lease is held
     if s.lease is not None:
@@ -325,7 +336,7 @@ def _ended_unheld(s: GpuLease, rec: Record) -> GpuLease:
     return replace(s, highest_epoch=rec.epoch, ended=s.ended + (rec,))
 
 
-def _end(s: GpuLease, state: str, out: list[Action], command_id: str | None = None) -> GpuLease:
+def _end(s: GpuLease, state: str, out: list[Action], command_id: str | None = None, reason: str = "") -> GpuLease:
     """End the held lease: pause at once; the terminal state waits until the worker is gone."""
     lease = s.lease
     assert lease is not None and state in TERMINAL
@@ -337,7 +348,7 @@ def _end(s: GpuLease, state: str, out: list[Action], command_id: str | None = No
         out.append(Publish(s.gpu, rec))
         if lease.epoch >= s.highest_epoch:
             s = replace(s, truth=rec)
-    return replace(s, lease=None, ended=s.ended + (Record(lease.lease_id, lease.epoch, state, cid),))
+    return replace(s, lease=None, ended=s.ended + (Record(lease.lease_id, lease.epoch, state, cid, reason),))
 
 
 def lease_state(compute_share: float) -> str:

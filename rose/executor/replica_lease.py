@@ -189,7 +189,7 @@ def _command(r: Replica, inp: lm.Received, now: float, lease: lm.GpuLease, p: Pa
         )
         if why:
             out.append(Report(r.gpu, "replica.grant_rejected", why))
-            out.append(Fence(r.gpu, lm.Record(c.lease_id, c.epoch, "rejected", c.command_id)))
+            out.append(Fence(r.gpu, lm.Record(c.lease_id, c.epoch, "rejected", c.command_id, why)))
             return r
         out.append(lm.Publish(r.gpu, lm.Record(c.lease_id, c.epoch, "draining", c.command_id)))
         out.append(Do(r.gpu, "remove"))
@@ -208,7 +208,8 @@ def _command(r: Replica, inp: lm.Received, now: float, lease: lm.GpuLease, p: Pa
     # draining or reclaiming: the replica is out; only its own lease's words count
     if c.epoch != r.epoch or c.lease_id != r.lease_id:
         if c.kind != "revoke":  # a grant while the replica is out: the scheduler asks again once it serves
-            out.append(lm.Publish(r.gpu, lm.Record(c.lease_id, c.epoch, "rejected", c.command_id)))
+            why = f"the replica is {r.phase} for lease {r.lease_id}"
+            out.append(lm.Publish(r.gpu, lm.Record(c.lease_id, c.epoch, "rejected", c.command_id, why)))
             if r.lease_id:  # the GPU's current word again, newest on the compacted topic
                 out.append(lm.Publish(r.gpu, _word(r)))
         return r
@@ -231,15 +232,16 @@ def _drain_read(r: Replica, n: int | None, now: float, out: list[Action]) -> Rep
     assert r.grant is not None  # draining holds its grant
     cid = r.grant.command.command_id
     if now >= r.expires_at:
-        out.append(Report(r.gpu, "replica.grant_expired", "the lease ran out while the replica drained"))
-        return _start_next(_abort(r, lm.Record(r.lease_id, r.epoch, "expired", cid), now), out)
+        why = "the lease ran out while the replica drained"
+        out.append(Report(r.gpu, "replica.grant_expired", why))
+        return _start_next(_abort(r, lm.Record(r.lease_id, r.epoch, "expired", cid, why), now), out)
     if not n:  # 0, or no count to read: the router and the engine see nothing in flight
         out.append(Do(r.gpu, "sleep"))
         return replace(r, next="sleep")
     if now >= r.drain_until:
         why = f"drain_timeout: {n} requests still in flight after executor.drain_timeout_s"
         out.append(Report(r.gpu, "replica.drain_timeout", why))
-        return _start_next(_abort(r, lm.Record(r.lease_id, r.epoch, "rejected", cid), now), out)
+        return _start_next(_abort(r, lm.Record(r.lease_id, r.epoch, "rejected", cid, why), now), out)
     return replace(r, poll_at=now + DRAIN_POLL_S)
 
 
@@ -248,7 +250,8 @@ def _done(r: Replica, d: Done, now: float, p: Params, out: list[Action]) -> Repl
         if d.ok:
             return r
         out.append(Report(r.gpu, "replica.remove_failed", d.detail))
-        rec = lm.Record(r.lease_id, r.epoch, "rejected", r.grant.command.command_id if r.grant else "")
+        why = f"the router did not remove the replica: {d.detail}"
+        rec = lm.Record(r.lease_id, r.epoch, "rejected", r.grant.command.command_id if r.grant else "", why)
         return _start_next(_abort(r, rec, now), out)
     if r.phase == "draining" and d.what == "sleep":
         assert r.grant is not None  # draining holds its grant

@@ -40,6 +40,7 @@ from rose.executor.workers import (
     log_started,
     measure_rollout_mem,
     reap_worker,
+    refused_why,
     start_worker,
     stop_worker,
     worker_config,
@@ -556,6 +557,6 @@ class Executor:
         self.log.info("worker.exited", gpu=gpu, pid=h.proc.pid, code=code)
         self._exited[gpu] = h.proc.pid  # only for the states this exit publishes: a pid is reused later
         try:
-            self._apply(gpu, lm.WorkerExited(), None)
+            self._apply(gpu, lm.WorkerExited(refused_why(code)), None)
         finally:
             del self._exited[gpu]

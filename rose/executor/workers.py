@@ -19,7 +19,7 @@ import psutil
 from rose.config import Config
 from rose.executor import lease_machine as lm
 from rose.obs import metrics
-from rose.rollout.launcher import WorkerConfig, launch, spawn, threads
+from rose.rollout.launcher import EXIT_DEVICE_CHECK, WorkerConfig, launch, spawn, threads
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
 
 STARTS = metrics.counter("rose_executor_worker_starts_total", "Lease workers, by how they started (warm | cold)")
@@ -159,6 +159,14 @@ def _leave_sched_idle(tid: int) -> bool:
     except OSError:  # ProcessLookupError: the thread ended meanwhile
         pass
     return True
+
+
+def refused_why(code: int | None) -> str:
+    """Why a worker that exited with `code` refused its lease, or "" where it did not: a restart on
+    the same device would be refused again, so the lease ends (revoked) with this reason."""
+    if code == EXIT_DEVICE_CHECK:
+        return f"the worker's device check refused the lease (exit {code}: the GEMM check failed, or MPS is meant and not attached; its log says which)"
+    return ""
 
 
 def reap_worker(h: WorkerHandle) -> int:

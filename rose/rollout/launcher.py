@@ -40,6 +40,11 @@ from typing import Any
 from rose.config import Config, GiB, RedisConfig, TracingConfig
 
 WORKER_MODULE = "rose.rollout.worker_process"
+# the worker's exit codes, which its supervisor reads (docs/rollout.md)
+EXIT_BAD_CONFIG = 2
+EXIT_BUDGET = 3
+EXIT_UNAVAILABLE = 4  # redis.cluster_nodes set, and that Redis Cluster not usable at start
+EXIT_DEVICE_CHECK = 5  # the lease refused: the GEMM check failed, or MPS is meant and not attached
 MAX_CONFIG_BYTES = 1 << 20
 _PR_SET_PDEATHSIG = 1
 

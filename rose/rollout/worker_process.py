@@ -31,15 +31,22 @@ from typing import Any
 
 from rose.rollout import mps
 from rose.rollout.gemm_check import GemmResult, first_failure, gemm_check
-from rose.rollout.launcher import LeaseRecord, WorkerConfig, apply_nice, apply_sched_idle, read_config
+from rose.rollout.launcher import (
+    EXIT_BAD_CONFIG,
+    EXIT_BUDGET,
+    EXIT_DEVICE_CHECK,
+    EXIT_UNAVAILABLE,
+    LeaseRecord,
+    WorkerConfig,
+    apply_nice,
+    apply_sched_idle,
+    read_config,
+)
 from rose.rollout.pause_flag import STOP, PauseFlag
 from rose.rollout.worker import Worker, apply_version
 from rose.shutdown import Shutdown
 
-EXIT_BAD_CONFIG = 2
-EXIT_BUDGET = 3
-EXIT_UNAVAILABLE = 4  # redis.cluster_nodes set, and that Redis Cluster not usable at start
-EXIT_DEVICE_CHECK = 5  # the lease refused: the GEMM check failed, or MPS is meant and not attached
+__all__ = ["EXIT_BAD_CONFIG", "EXIT_BUDGET", "EXIT_DEVICE_CHECK", "EXIT_UNAVAILABLE"]  # rose.rollout.launcher's
 
 # TASKS_ON_URL: a worker holds two Redis clients. The weight streams are read through
 # `weight_source` (rose.weights.clients.weights_client: the Redis Cluster of redis.cluster_nodes
