@@ -17,8 +17,8 @@ from rose.config import RedisConfig
 from rose.executor.workers import refused_why
 from rose.rollout import gemm_check as gc
 from rose.rollout import mps
-from rose.rollout.launcher import WorkerConfig
-from rose.rollout.worker_process import EXIT_DEVICE_CHECK, check_device
+from rose.rollout.launcher import EXIT_DEVICE_CHECK, WorkerConfig
+from rose.rollout.worker_process import check_device
 
 SMALL = ((1, 512, 256), (32, 1024, 256))  # small enough for a test, K as large as a few heads
 

@@ -14,10 +14,9 @@ import pytest
 
 from rose.config import RedisConfig
 from rose.rollout.episode import Task, ToolLatency
-from rose.rollout.launcher import WorkerConfig, launch
+from rose.rollout.launcher import EXIT_BAD_CONFIG, EXIT_BUDGET, WorkerConfig, launch
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
 from rose.rollout.tasks import TaskQueue
-from rose.rollout.worker_process import EXIT_BAD_CONFIG, EXIT_BUDGET
 
 SMALL = {"d_model": 64, "n_heads": 4, "d_ff": 128, "n_layers": 2, "max_seq": 512}
 JOB = "job"

@@ -46,8 +46,6 @@ from rose.rollout.pause_flag import STOP, PauseFlag
 from rose.rollout.worker import Worker, apply_version
 from rose.shutdown import Shutdown
 
-__all__ = ["EXIT_BAD_CONFIG", "EXIT_BUDGET", "EXIT_DEVICE_CHECK", "EXIT_UNAVAILABLE"]  # rose.rollout.launcher's
-
 # TASKS_ON_URL: a worker holds two Redis clients. The weight streams are read through
 # `weight_source` (rose.weights.clients.weights_client: the Redis Cluster of redis.cluster_nodes
 # when set, else the client below). The task queue, heartbeats and worker views stay on the
