@@ -301,6 +301,15 @@ def at_trainer_bound(r: dict, policy: str) -> bool:
         return False
 
 
+def _mean_trainer_bound(runs: list[dict]) -> float | None:
+    """The trainer's bound (`trainer_bound`) averaged over `runs`, or None unless ROSE sits at
+    it in every one of them and each has a bound."""
+    bounds = [trainer_bound(r) for r in runs]
+    if not runs or not all(at_trainer_bound(r, "rose") for r in runs) or None in bounds:
+        return None
+    return statistics.fmean(b for b in bounds if b is not None)
+
+
 def _trainer_constants(r: dict) -> str:
     """The constants that size a run's trainer, with their values."""
     costs = r["config"]["costs"]
@@ -314,10 +323,8 @@ def _trainer_why(res: Results, t: str, m: str, goal: float) -> str | None:
     """For a gain held back by the trainer (ROSE at its bound in every main run): the constants
     behind it, the bound's gain over static against the goal, and the rollout it left waiting."""
     main = res.main(t, m)
-    bounds = [trainer_bound(r) for r in main]
-    if not main or not all(at_trainer_bound(r, "rose") for r in main) or None in bounds:
+    if (bound := _mean_trainer_bound(main)) is None:
         return None
-    bound = statistics.fmean(b for b in bounds if b is not None)
     c = main[0]["config"]
     rollout = statistics.fmean(
         r["policies"]["rose"]["rollout_episodes"] / r["policies"]["static"]["episodes"] for r in main
@@ -408,14 +415,12 @@ def _growth_why(res: Results, t: str, small: str, large: str) -> str:
         f"harvest per serving GPU {h[small]:.4f} at {small}, {h[large]:.4f} at {large} "
         f"(gain ≈ 1 + (G/M) × harvest); {res.where(keys)}"
     )
-    bounds = {m: [trainer_bound(r) for r in res.main(t, m)] for m in (small, large)}
-    at = all(at_trainer_bound(r, "rose") for m in (small, large) for r in res.main(t, m))
-    if not at or any(None in b for b in bounds.values()):
+    at_small, at_large = (_mean_trainer_bound(res.main(t, m)) for m in (small, large))
+    if at_small is None or at_large is None:
         return harvest
-    b = {m: statistics.fmean(x for x in xs if x is not None) for m, xs in bounds.items()}
     return (
         f"the trainer holds it back ({_trainer_constants(res.main(t, large)[0])}): ROSE sits at the trainer's bound in both "
-        f"cells, at most ×{b[small]:.3f} of static's episodes at {small}, ×{b[large]:.3f} at {large}; {harvest}"
+        f"cells, at most ×{at_small:.3f} of static's episodes at {small}, ×{at_large:.3f} at {large}; {harvest}"
     )
 
 
