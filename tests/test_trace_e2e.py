@@ -14,7 +14,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from rose.contract.wire import encode
-from rose.executor.service import Executor, command_group
+from rose.executor.partitions import command_group
+from rose.executor.service import Executor
 from rose.kafka.producer import make_producer, partition_for, produce
 from rose.obs.tracing import inject_headers, memory_exporter, send_span, setup_tracing
 from rose.scheduler.service import Scheduler

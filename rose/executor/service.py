@@ -9,13 +9,13 @@ monotonic clock from receipt, less its transit age. Workers get PR_SET_PDEATHSIG
 they drain and exit with their executor. Every command is a `process {topic}` span, each
 transition a `lease.apply` span; malformed or badly signed commands go to the dead-letter topic.
 A lease's worker process (start, stop, reap, its memory) is rose.executor.workers; the pool of
-warm workers a `Start` may take instead, rose.executor.warm_pool.
+warm workers a `Start` may take instead, rose.executor.warm_pool; the partitions it reads and the
+rebuild from them, rose.executor.partitions.
 Why assignment rather than a group, and the rest in full: docs/executor.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import sys
@@ -32,6 +32,7 @@ from rose.contract.wire import decode, encode
 from rose.executor import lease_machine as lm
 from rose.executor.guard import FileLatencySource, Guard, LatencySource
 from rose.executor.memory_cap import MemoryWatchdog
+from rose.executor.partitions import command_assignment, command_group, rebuilt_records
 from rose.executor.replica_shell import ReplicaShell
 from rose.executor.warm_pool import WarmPool, lease_file_for
 from rose.executor.workers import (
@@ -45,18 +46,15 @@ from rose.executor.workers import (
     stop_worker,
     worker_config,
 )
-from rose.kafka.admin import partitions_of, retrying
+from rose.kafka.admin import retrying
 from rose.kafka.consumer import (
-    OFFSET_END,
     Consumer,
     KafkaError,
     KafkaException,
     Message,
-    TopicPartition,
     consume_batch,
     header,
     make_consumer,
-    read_partitions,
 )
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
 from rose.kafka.transactional import bounded
@@ -87,11 +85,6 @@ ROLLOUT_MEM = metrics.gauge("rose_executor_rollout_mem_bytes", "Measured rollout
 
 def simulated_gpus(n: int) -> list[str]:
     return [f"sim/{i}" for i in range(n)]
-
-
-def command_group(gpus: list[str]) -> str:
-    """Offsets are committed under a group id that is stable for a node's set of GPUs."""
-    return "rose-executor-" + hashlib.sha1(",".join(sorted(gpus)).encode()).hexdigest()[:16]
 
 
 class Executor:
@@ -185,45 +178,16 @@ class Executor:
         return self
 
     def _rebuild(self) -> None:
-        topic = self.k.lease_state_topic
-        n = self._lease_partitions = len(partitions_of(self.k, topic))
-        mine = sorted({partition_for(g, n) for g in self.gpus})
-        last: dict[str, LeaseState] = {}
-        highest: dict[str, int] = {}
-        for m in read_partitions(self.k, [(topic, p) for p in mine]):
-            raw_key = m.key()
-            key = raw_key.decode("utf-8", "replace") if raw_key else None
-            if key not in self.states:
-                continue
-            try:
-                ls = decode(m.value(), expect=LeaseState)
-            except InvalidEvent:
-                continue  # not ours to judge here; the topic's producers are executors
-            last[key] = ls
-            highest[key] = max(highest.get(key, -1), ls.epoch)
-        for gpu, ls in last.items():
-            rec = lm.Record(ls.lease_id, max(ls.epoch, highest[gpu]), ls.state, ls.command_id)
+        self._lease_partitions, records = rebuilt_records(self.k, self.states)
+        for gpu, rec in records.items():
             self.states[gpu], actions = lm.restore(gpu, rec)
             self._act(actions)
-        self.log.info("executor.rebuilt", gpus_with_history=len(last))
+        self.log.info("executor.rebuilt", gpus_with_history=len(records))
 
     def _assign(self) -> None:
-        topic = self.k.commands_topic
-        n = len(partitions_of(self.k, topic))
-        parts = sorted({partition_for(g, n) for g in self.gpus})
         consumer = self.consumer
         assert consumer is not None  # start() made it
-        committed = consumer.committed([TopicPartition(topic, p) for p in parts], timeout=10)
-        since_ms = int((time.time() - self.cfg.executor.lookback_s) * 1000)
-        need_time = [TopicPartition(topic, tp.partition, since_ms) for tp in committed if tp.offset < 0]
-        by_time = {
-            tp.partition: tp.offset for tp in (consumer.offsets_for_times(need_time, timeout=10) if need_time else [])
-        }
-        assign = []
-        for tp in committed:
-            off = tp.offset if tp.offset >= 0 else by_time.get(tp.partition, OFFSET_END)
-            assign.append(TopicPartition(topic, tp.partition, off if off >= 0 else OFFSET_END))
-        consumer.assign(assign)
+        consumer.assign(command_assignment(self.k, consumer, self.gpus, self.cfg.executor.lookback_s))
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Until SIGTERM/SIGINT (or `stop` is set); then drain and exit cleanly. A caller that
