@@ -108,8 +108,9 @@ class RoseGeneration:
         }
 
 
-def publishing_callback(rose: Rose, gen: RoseGeneration, out: Path, dtype: str | None) -> Any:
-    """A TrainerCallback that publishes the model after each optimizer step and prints the step's line."""
+def publishing_callback(rose: Rose, gen: RoseGeneration, out: Path, dtype: str | None, stop_at: float) -> Any:
+    """A TrainerCallback that publishes the model after each optimizer step, prints the step's line
+    and ends training once the clock passes `stop_at` (monotonic seconds; 0 = never)."""
     from transformers import TrainerCallback
 
     class PublishEachStep(TrainerCallback):
@@ -125,6 +126,8 @@ def publishing_callback(rose: Rose, gen: RoseGeneration, out: Path, dtype: str |
                 f" (rollout {s['rollout_s']:.2f}s)  published {gen.version}",
                 flush=True,
             )
+            if stop_at and time.monotonic() >= stop_at:
+                control.should_training_stop = True  # the wall-time budget (--max-minutes) is spent
 
     return PublishEachStep()
 
@@ -153,6 +156,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", required=True, help="the HF checkpoint (with a tokenizer) the workers were started on")
     ap.add_argument("--served-model", default=None, help="the gateway's model name (default: the first of /v1/models)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="end after the step that passes this wall time since the start (default 0: run every step)",
+    )
     ap.add_argument("--group", type=int, default=4, help="completions per prompt, G (default 4)")
     ap.add_argument("--prompts", type=int, default=2, choices=range(1, len(PROMPTS) + 1), help="prompts per step")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per completion (default 8)")
@@ -210,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * args.steps}),
         rollout_func=gen,
     )
-    trainer.add_callback(publishing_callback(rose, gen, out, stored_dtype(args.model)))
+    stop_at = t_start + 60 * args.max_minutes if args.max_minutes > 0 else 0.0
+    trainer.add_callback(publishing_callback(rose, gen, out, stored_dtype(args.model), stop_at))
     trainer.train()
     gen.pool.shutdown()
     at = ", ".join(f"{w} {v}" for w, v in sorted(rose.workers(gen.version).items()))

@@ -23,6 +23,7 @@ def register(app: typer.Typer) -> None:
         rounds: int = typer.Option(
             0, "--rounds", help="gateway: rounds alternating the sides (0: the bench's default)."
         ),
+        plot: str = typer.Option("", "--plot", help="trl: write the reward curve to this PNG."),
     ) -> None:
         """Run a benchmark; figures are measured in this run, goals shown beside them."""
         from rose import bench as benches
@@ -43,10 +44,15 @@ def register(app: typer.Typer) -> None:
         if name == "gateway":
             extra = _gateway_args(mod, engine, model, (turns, max_tokens, concurrency, rounds), cfg.rollout.python)
             model = engine = ""
+        elif name == "trl":
+            extra = _trl_args(model, engine, plot)
+            model = engine = ""
         elif turns or max_tokens or concurrency != 8 or rounds:
             fail(f"--turns/--max-tokens/--concurrency/--rounds: bench {name!r} does not take them (gateway does)")
         else:
             extra = {"cycles": cycles} if cycles and name == "coelastic" else {}
+        if plot and name != "trl":
+            fail(f"--plot: bench {name!r} draws no plot (trl does)")
         if engine or model:
             import dataclasses
             from pathlib import Path
@@ -72,6 +78,23 @@ def register(app: typer.Typer) -> None:
         else:
             for k, v in result.items():
                 typer.echo(f"{k}: {v}")
+
+
+def _trl_args(model: str, engine: str, plot: str) -> dict:
+    """`rose bench trl`'s options, checked: its workers run the hf engine on `model` (with a tokenizer)."""
+    from pathlib import Path
+
+    from rose.cli import fail
+
+    if engine not in ("", "hf"):
+        fail(f"--engine {engine!r}: bench trl runs hf-engine workers that follow the trainer's weights")
+    if model and not (Path(model) / "config.json").is_file():
+        fail(
+            f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init --tokenizer`"
+        )
+    if plot and not plot.endswith(".png"):
+        fail(f"--plot {plot!r}: expected a path ending in .png")
+    return {"model": str(Path(model).resolve()) if model else "", "plot": plot}
 
 
 def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int, int], python: str) -> dict:
