@@ -48,14 +48,14 @@ class InvalidEvent(ValueError):
         self.reason = reason
 
 
-def _get(d: dict, key: str, path: str = "") -> Any:
+def _get(d: dict[str, Any], key: str, path: str = "") -> Any:
     try:
         return d[key]
     except KeyError:
         raise InvalidEvent(path + key, "missing required field") from None
 
 
-def _str(d: dict, key: str, max_len: int = MAX_ID_LEN, path: str = "") -> str:
+def _str(d: dict[str, Any], key: str, max_len: int = MAX_ID_LEN, path: str = "") -> str:
     v = _get(d, key, path)
     if not isinstance(v, str):
         raise InvalidEvent(path + key, f"expected string, got {type(v).__name__}")
@@ -66,7 +66,7 @@ def _str(d: dict, key: str, max_len: int = MAX_ID_LEN, path: str = "") -> str:
     return v
 
 
-def _num(d: dict, key: str, lo: float, hi: float, path: str = "", lo_open: bool = False) -> float:
+def _num(d: dict[str, Any], key: str, lo: float, hi: float, path: str = "", lo_open: bool = False) -> float:
     v = _get(d, key, path)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidEvent(path + key, f"expected number, got {type(v).__name__}")
@@ -78,7 +78,7 @@ def _num(d: dict, key: str, lo: float, hi: float, path: str = "", lo_open: bool 
     return float(v)
 
 
-def _int(d: dict, key: str, lo: int, hi: int, path: str = "") -> int:
+def _int(d: dict[str, Any], key: str, lo: int, hi: int, path: str = "") -> int:
     v = _get(d, key, path)
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer():
@@ -90,13 +90,13 @@ def _int(d: dict, key: str, lo: int, hi: int, path: str = "") -> int:
     return v
 
 
-def _schema(d: dict, expected: str) -> None:
+def _schema(d: dict[str, Any], expected: str) -> None:
     s = _get(d, "schema")
     if s != expected:
         raise InvalidEvent("schema", f"expected {expected!r}, got {s!r}")
 
 
-def _plain(event: Any, schema: str) -> dict:
+def _plain(event: Any, schema: str) -> dict[str, Any]:
     """What dataclasses.asdict gives (schema first, then the fields in order), without its
     recursive deep copies, which cost more than the encoding on the scheduler's hot path."""
     d: dict[str, Any] = {"schema": schema}
@@ -161,7 +161,7 @@ class Telemetry:
         """The replica this GPU serves in: a GPU that names none is a replica of its own."""
         return self.replica or self.gpu
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = _plain(self, TELEMETRY_SCHEMA)
         if self.kv_cache_usage is None:
             del d["kv_cache_usage"]
@@ -208,7 +208,7 @@ class Telemetry:
         )
 
 
-def _enum(d: dict, key: str, allowed: tuple[str, ...]) -> str:
+def _enum(d: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
     v = _str(d, key)
     if v not in allowed:
         raise InvalidEvent(key, f"expected one of {allowed}, got {v!r}")
@@ -330,7 +330,7 @@ class Command:
     def key(self) -> str:
         return self.gpu
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = _plain(self, COMMAND_SCHEMA)
         if not self.group_id:  # a v1 command's bytes stay what they were
             del d["group_id"], d["group_size"]
@@ -361,7 +361,7 @@ class Command:
         )
 
 
-def _group(d: dict) -> dict:
+def _group(d: dict[str, Any]) -> dict[str, Any]:
     """The optional gang fields of a command: both or neither."""
     has_id, has_size = "group_id" in d, "group_size" in d
     if not has_id and not has_size:
@@ -390,7 +390,7 @@ class LeaseState:
     def key(self) -> str:
         return self.gpu
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = _plain(self, LEASE_STATE_SCHEMA)
         if not self.reason:  # a v1.2 lease state's bytes stay what they were
             del d["reason"]

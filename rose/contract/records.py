@@ -157,7 +157,7 @@ class Trajectory:
     type its contents)."""
 
     task_id: str
-    body: dict
+    body: dict[str, Any]
 
     def to_fields(self) -> dict[str, str | bytes]:
         """The entry's fields, in the order of the stream entry (task_id, trajectory)."""

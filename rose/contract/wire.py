@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import orjson
 
@@ -39,7 +39,7 @@ def decode(value: bytes | None, expect: type[_E] | None = None) -> Event:
     return expect.from_dict(d)
 
 
-def load_object(value: bytes) -> dict:
+def load_object(value: bytes) -> dict[str, Any]:
     """One JSON object from bytes (a message value, a log line); InvalidEvent otherwise."""
     if len(value) > MAX_VALUE_BYTES:
         raise InvalidEvent("$", f"value of {len(value)} bytes exceeds {MAX_VALUE_BYTES}")
