@@ -274,6 +274,9 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # a request's deadline: admission wait and turn together
     # no worker of the job running (all paused, revoked or gone) this long: new turns get 429
     pause_patience_s: float = 30.0
+    # a Hugging Face checkpoint or tokenizer directory: /generate then takes `text` prompts and
+    # answers with the decoded text (rose.gateway.text); "" = token ids only
+    tokenizer: str = ""
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -518,6 +521,11 @@ def _check_gateway(g: GatewayConfig) -> None:
         )
     if not 0 <= g.pause_patience_s < float("inf"):
         raise ConfigError(f"gateway.pause_patience_s: expected a number of seconds >= 0, got {g.pause_patience_s}")
+    if g.tokenizer and not any((Path(g.tokenizer) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(
+            f"gateway.tokenizer: {g.tokenizer!r} holds no tokenizer.json or tokenizer_config.json; "
+            "give the checkpoint's directory, or leave it empty for token ids only"
+        )
 
 
 def _check_router(r: RouterConfig, e: ExecutorConfig) -> None:

@@ -115,6 +115,7 @@ def test_an_answer_has_every_field_slime_reads(gw, workers):  # noqa: F811 - the
     assert len(got.log_probs) == 12 and all(item[2] is None for item in out["meta_info"]["output_token_logprobs"])
     assert (got.prompt_tokens, got.completion_tokens) == (len(PROMPT), 12)
     assert got.weight_version == "0" and out["meta_info"]["output_token_weight_versions"] == [0] * 12
+    assert out["meta_info"]["weight_versions"] == [{"version": 0, "start": 0, "end": 12}]  # CONTRACT §6's spans
     assert out["meta_info"]["worker"] in workers
     again = slime_reads(generate(gw.url, slime_payload(PROMPT, 12)).json())
     assert again.tokens == got.tokens  # the seed alone decides the tokens
@@ -187,7 +188,8 @@ def test_publish_only_a_version_the_workers_pull_and_a_pin_served_at_it(module_c
 
     after = wait_for(pulled, 60, "every worker at version 1")
     assert after["latest_published"] == "1" and after["newest"] == "1"
-    for pin in ({"min_required_version": "1"}, {"exact_version": 1}):
+    nested = [{"weight_version": {"min_required_version": 1}}, {"weight_version": {"exact_version": "1"}}]
+    for pin in [{"min_required_version": "1"}, {"exact_version": 1}, *nested]:  # slime's and CONTRACT §8's
         got = slime_reads(generate(gw.url, slime_payload(PROMPT, 8, **pin)).json())
         assert got.weight_version == "1" and len(got.tokens) == 8, pin
         chunks = streamed(gw.url, slime_payload(PROMPT, 8, stream=True, **pin))
@@ -203,6 +205,7 @@ def test_a_pin_no_worker_meets_is_a_409_naming_it(module_cfg, gw):  # noqa: F811
         for pin, field in [
             ({"exact_version": 98}, "exact_version"),
             ({"min_required_version": 99}, "min_required_version"),
+            ({"weight_version": {"exact_version": 98}}, "weight_version.exact_version"),
         ]:
             for stream in (False, True):
                 r = generate(quick.url, slime_payload(PROMPT, 4, stream=stream, **pin))
@@ -226,6 +229,12 @@ def test_a_pin_no_worker_meets_is_a_409_naming_it(module_cfg, gw):  # noqa: F811
         ({"input_ids": PROMPT, "exact_version": "one"}, "exact_version"),
         ({"input_ids": PROMPT, "exact_version": 1, "min_required_version": 1}, "min_required_version"),
         ({"input_ids": PROMPT, "image_data": ["x"]}, "image_data"),
+        ({"input_ids": PROMPT, "weight_version": {"newest_version": 1}}, "weight_version"),
+        ({"input_ids": PROMPT, "weight_version": 3}, "weight_version"),
+        (
+            {"input_ids": PROMPT, "exact_version": 1, "weight_version": {"min_required_version": 1}},
+            "weight_version.min_required_version",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(gw, body, field):  # noqa: F811 - the imported fixtures

@@ -53,6 +53,7 @@ from rose.gateway.observability import (
     set_answer_attributes,
     set_request_attributes,
 )
+from rose.gateway.text import text_codec
 from rose.obs import metrics
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class Gateway:
         self.model = cfg.executor.model
         self.dispatcher = dispatcher or Dispatcher(cfg)
         self.admission = Admission(self.g.max_inflight, self.g.max_queue)
+        self.text = text_codec(self.g.tokenizer)  # /generate's text in and out; None: token ids only
         self._publish_lock = threading.Lock()  # one publish at a time: the publisher holds the receivers' view
         self._publisher: WeightPublisher | None = None
         self._weights_redis: Any = None
@@ -397,7 +399,7 @@ async def _generate(gw: Gateway, request: Request, req: sglang.GenerateRequest) 
     """`POST /generate` (SGLang's shape) as one turn, through the same admission, queue, revoke
     hand-over and version pin as the OpenAI endpoints."""
     try:
-        prompt = req.check_supported()
+        prompt = req.check_supported(gw.text)
     except api.Unsupported as e:
         raise GatewayError(400, str(e), e.field) from None
     sp, pin = req.sampling_params, req.pin()
@@ -411,7 +413,7 @@ async def _generate(gw: Gateway, request: Request, req: sglang.GenerateRequest) 
         span.set_attribute(f"rose.{pin.field}", pin.version)
     turn, deadline = await gw.start_turn(request, turn_req, prompt, pin)
     span.set_attribute("rose.task_id", turn.task_id)
-    answer = sglang.Answer(req.rid or turn.task_id, req, len(prompt))
+    answer = sglang.Answer(req.rid or turn.task_id, req, len(prompt), gw.text)
     if req.stream:
         shape = sglang.GenerateStream(answer, prompt)
         return StreamingResponse(_stream(gw, turn, deadline, shape, span), media_type="text/event-stream")

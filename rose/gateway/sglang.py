@@ -1,14 +1,17 @@
 """SGLang's native `POST /generate` shape over the gateway's turns, as slime's rollout sends it
 (`slime/rollout/sglang_rollout.py`, `sglang_streaming_rollout.py`) and reads the answer.
 
-A request carries `input_ids` and `sampling_params`; the answer carries `text` ("" here: the
-gateway has no tokenizer), `output_ids` and `meta_info` (`finish_reason` `{"type": "stop" |
-"length" | "abort"}`, `prompt_tokens`, `completion_tokens`, `output_token_logprobs` as
-`[logprob, token_id, null]` per token, `weight_version` and each token's version). Streamed, each
-SSE chunk is the whole answer so far (SGLang's default, cumulative), then `data: [DONE]`.
+A request carries `input_ids` (or `text` where the gateway has the checkpoint's tokenizer,
+rose.gateway.text) and `sampling_params`; the answer carries `text` (the decoded answer; "" without
+a tokenizer), `output_ids` and `meta_info` (`finish_reason` `{"type": "stop" | "length" |
+"abort"}`, `prompt_tokens`, `completion_tokens`, `output_token_logprobs` as `[logprob, token_id,
+text-or-null]` per token, `weight_version`, each token's version and their spans,
+`weight_versions`). Streamed, each SSE chunk is the whole answer so far (SGLang's default,
+cumulative), then `data: [DONE]`.
 
 A request may pin the policy version: `min_required_version` (every token at it or newer) or
-`exact_version` (every token at it). `stop_token_ids` cut the answer after the first one the
+`exact_version` (every token at it), at the top level as slime sends them or inside
+`weight_version` (`{"exact_version": N}` or `{"min_required_version": N}`). `stop_token_ids` cut the answer after the first one the
 turn samples (the worker samples on to `max_new_tokens`; what follows the stop is dropped: the
 prefix is sampled as it would have been). docs/gateway.md, "SGLang's /generate"."""
 
@@ -23,6 +26,7 @@ from rose.rollout.episode import MAX_TOKEN_ID, MAX_TOKENS
 
 if TYPE_CHECKING:
     from rose.gateway.dispatch import WorkerWeights
+    from rose.gateway.text import TextCodec
 
 # SGLang's SamplingParams default, the length a request that names none gets
 SGLANG_MAX_NEW_TOKENS = 128
@@ -30,6 +34,7 @@ SGLANG_MAX_NEW_TOKENS = 128
 # here it is the turn's session (its turns go to one worker while it runs)
 ROUTING_KEY_HEADER = "x-smg-routing-key"
 Version = int | str  # SGLang names weight versions by strings; ROSE's are ints
+PIN_FIELDS = ("exact_version", "min_required_version", "min_weight_version")
 
 
 def _version(v: Any) -> int | None:
@@ -57,7 +62,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(default=None, ge=0, le=api.MAX_SEED)
     sampling_seed: int | None = Field(default=None, ge=0, le=api.MAX_SEED)  # SGLang's name for it
-    # how SGLang turns ids into text; the gateway makes no text, so they change nothing here
+    # how SGLang turns ids into text: the first is honoured where the gateway has a tokenizer
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -79,7 +84,7 @@ class SamplingParams(BaseModel):
         if self.top_k not in (None, -1, 0):
             raise api.Unsupported("sampling_params.top_k", "workers sample the whole distribution (-1)")
         if self.stop:
-            raise api.Unsupported("sampling_params.stop", "stop strings need a tokenizer; use stop_token_ids")
+            raise api.Unsupported("sampling_params.stop", "stop strings are not applied; use stop_token_ids")
         if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
             raise api.Unsupported("sampling_params.seed", "seed and sampling_seed disagree; send one")
 
@@ -102,6 +107,7 @@ class GenerateRequest(BaseModel):
     exact_version: Version | None = None
     min_required_version: Version | None = None
     min_weight_version: Version | None = None  # the OpenAI endpoints' name for the minimum
+    weight_version: Any = None  # {"exact_version": N} or {"min_required_version": N} (CONTRACT §8)
     image_data: Any = None
     return_routed_experts: bool = False
 
@@ -115,31 +121,58 @@ class GenerateRequest(BaseModel):
     def _pin(cls, v: Any) -> int | None:
         return _version(v)
 
-    def check_supported(self) -> list[int]:
-        """The prompt's token ids; refuses what the gateway cannot honour, naming the field."""
-        if self.text is not None:
-            raise api.Unsupported("text", "a text prompt needs a tokenizer, which this gateway has not; send input_ids")
-        if self.input_ids is None:
-            raise api.Unsupported("input_ids", "required: the prompt as a list of token ids")
+    @field_validator("weight_version")
+    @classmethod
+    def _nested_pin(cls, v: Any) -> dict[str, int] | None:
+        if v is None:
+            return None
+        if not isinstance(v, dict) or len(v) != 1 or not set(v) <= set(PIN_FIELDS[:2]):
+            raise ValueError(f"expected {{'exact_version': N}} or {{'min_required_version': N}}, got {v!r}")
+        ((k, n),) = v.items()
+        version = _version(n)
+        if version is None:
+            raise ValueError(f"weight_version.{k}: expected a weight version, got null")
+        return {k: version}
+
+    def _pins(self) -> dict[str, int]:
+        """The pins given, by the field that gave them."""
+        pins = {f: int(getattr(self, f)) for f in PIN_FIELDS if getattr(self, f) is not None}
+        for k, n in (self.weight_version or {}).items():
+            pins[f"weight_version.{k}"] = n
+        return pins
+
+    def check_supported(self, text: TextCodec | None = None) -> list[int]:
+        """The prompt's token ids (`text` tokenized where the gateway has a tokenizer); refuses what
+        the gateway cannot honour, naming the field."""
+        if self.text is not None and self.input_ids is not None:
+            raise api.Unsupported("text", "send the prompt once: text or input_ids")
+        if self.text is not None and text is None:
+            raise api.Unsupported(
+                "text", "a text prompt needs gateway.tokenizer, which this gateway has not; send input_ids"
+            )
+        if self.text is not None and not (isinstance(self.text, str) and self.text):
+            raise api.Unsupported("text", "expected the prompt as a non-empty string")
+        if self.input_ids is None and self.text is None:
+            raise api.Unsupported("input_ids", "required: the prompt as a list of token ids (or text)")
         if self.image_data is not None:
             raise api.Unsupported("image_data", "images are not supported")
         if self.return_routed_experts:
             raise api.Unsupported("return_routed_experts", "the workers do not report routed experts")
-        pins = [
-            f for f in ("exact_version", "min_required_version", "min_weight_version") if getattr(self, f) is not None
-        ]
+        pins = list(self._pins())
         if len(pins) > 1:
             raise api.Unsupported(pins[1], f"one version pin per request; {pins[0]} is given too")
         self.sampling_params.check_supported()
-        return list(self.input_ids)
+        if self.input_ids is not None:
+            return list(self.input_ids)
+        assert text is not None and isinstance(self.text, str)
+        try:  # the tokenizer's ids within what the workers take
+            return api._token_ids(text.encode(self.text), "text")
+        except ValueError as e:
+            raise api.Unsupported("text", str(e)) from None
 
     def pin(self) -> api.Pin | None:
-        if self.exact_version is not None:
-            return api.Pin(int(self.exact_version), True, "exact_version")
-        for f in ("min_required_version", "min_weight_version"):
-            v = getattr(self, f)
-            if v is not None:
-                return api.Pin(int(v), False, f)
+        for f, n in self._pins().items():
+            return api.Pin(n, f.endswith("exact_version"), f)
         return None
 
 
@@ -154,8 +187,8 @@ class Answer:
     order, ignoring those past a stop token or the first of a version the pin does not meet;
     `body` is the answer so far, or the final one once `finish` (or `abort`) has been said."""
 
-    def __init__(self, rid: str, req: GenerateRequest, prompt_tokens: int):
-        self.rid, self.req, self.prompt_tokens = rid, req, prompt_tokens
+    def __init__(self, rid: str, req: GenerateRequest, prompt_tokens: int, text: TextCodec | None = None):
+        self.rid, self.req, self.prompt_tokens, self.text = rid, req, prompt_tokens, text
         self.pin = req.pin()
         self.ids: list[int] = []
         self.versions: list[int] = []
@@ -202,14 +235,22 @@ class Answer:
             "cached_tokens": 0,
             "weight_version": str(self.versions[-1]) if self.versions else None,
             "output_token_weight_versions": self.versions,
+            "weight_versions": api.version_spans(self.versions),
             "worker": self.worker or None,
         }
         if self.req.return_logprob:
             lps: list[float | None] = (
                 list(self.logprobs) if len(self.logprobs) == len(self.ids) else [None] * len(self.ids)
             )
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, self.ids)]
-        return {"text": "", "output_ids": self.ids, "meta_info": meta}
+            texts: list[str | None] = (
+                list(self.text.pieces(self.ids))
+                if self.text and self.req.return_text_in_logprobs
+                else [None] * len(self.ids)
+            )
+            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(lps, self.ids, texts)]
+        skip = self.req.sampling_params.skip_special_tokens is not False
+        text = self.text.decode(self.ids, skip_special_tokens=skip) if self.text else ""
+        return {"text": text, "output_ids": self.ids, "meta_info": meta}
 
 
 class GenerateStream(api.StreamShape):
