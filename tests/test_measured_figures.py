@@ -25,6 +25,12 @@ NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 # the document's number equals the file's value × scale at the document's decimals.
 CPU, H200 = "docs/measured/cpu/", "docs/measured/h200/"
 FIGURES: list[tuple[str, str, str, str, float]] = [
+    # TRL's GRPOTrainer over ROSE on SmolLM2, 10 minutes
+    ("docs/frameworks.md", "**Wall time:** {} s for", CPU + "trl-smollm2.json", "wall_s", 1),
+    ("docs/frameworks.md", "606 s for {} optimizer steps", CPU + "trl-smollm2.json", "optimizer_steps", 1),
+    ("docs/frameworks.md", "optimizer steps, {} s a step", CPU + "trl-smollm2.json", "seconds_per_step.mean", 1),
+    ("docs/frameworks.md", "completions {} s (0.59", CPU + "trl-smollm2.json", "rollout_seconds_per_step.mean", 1),
+    ("docs/frameworks.md", "first third's mean\n  {} (", CPU + "trl-smollm2.json", "reward_first_third.mean", 1),
     # gateway / direct turns/s, three runs
     (
         "README.md",
