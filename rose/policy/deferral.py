@@ -13,15 +13,29 @@ cooldown). tests/test_lease_policy.py checks the equivalence against `decide()`;
 
 from __future__ import annotations
 
+from typing import Any, overload
+
 import numpy as np
+import numpy.typing as npt
 
 from rose.config import PolicyConfig
 
 DEFERRED_KEPT = 2  # the newest deferred events to hand decide() before the next call: its trend history
 
 
-def deferrable(holds_lease, min_headroom, cfg: PolicyConfig):
+@overload
+def deferrable(
+    holds_lease: npt.NDArray[np.bool_], min_headroom: npt.NDArray[Any], cfg: PolicyConfig
+) -> npt.NDArray[np.bool_]: ...
+@overload
+def deferrable(holds_lease: bool, min_headroom: float, cfg: PolicyConfig) -> np.bool_: ...
+def deferrable(
+    holds_lease: npt.ArrayLike, min_headroom: npt.ArrayLike, cfg: PolicyConfig
+) -> npt.NDArray[np.bool_] | np.bool_:
     """Elementwise over numpy arrays (or scalars): True where the event may be held back.
     `holds_lease`: the GPU's view has a lease (`lease_id` set); `min_headroom`: the event's
     smallest headroom over the SLO metrics, `1 - p99 / slo`."""
-    return np.logical_and(np.logical_not(holds_lease), np.less(min_headroom, cfg.grant_headroom))
+    held_back: npt.NDArray[np.bool_] | np.bool_ = np.logical_and(
+        np.logical_not(holds_lease), np.less(min_headroom, cfg.grant_headroom)
+    )
+    return held_back

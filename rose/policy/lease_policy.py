@@ -79,11 +79,11 @@ class GpuView:
     lease_kind: str = "coresident"
     intent_id: str = ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _VIEW_FIELDS}
 
     @classmethod
-    def from_dict(cls, d: dict) -> GpuView:
+    def from_dict(cls, d: dict[str, Any]) -> GpuView:
         return cls(**{k: d[k] for k in _VIEW_FIELDS if k in d})
 
     def holds_lease(self, ts: float) -> bool:
@@ -104,7 +104,7 @@ class Explanation:
     action: str  # grant | renew | throttle | revoke | hold | none | ignored
     reason: str
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "action": self.action,
             "reason": self.reason,
@@ -353,7 +353,9 @@ def _predicted(
     )
 
 
-def _kv_growth(prev_mem: int, serving: int, free: int, margin: int, dt: float, cfg: PolicyConfig, short: list[str]):
+def _kv_growth(
+    prev_mem: int, serving: int, free: int, margin: int, dt: float, cfg: PolicyConfig, short: list[str]
+) -> None:
     """Appends a memory condition when serving's memory, grown from `prev_mem` (≥ 0) to `serving`,
     grows fast enough to eat the (positive) margin."""
     horizon = cfg.trend_horizon_s

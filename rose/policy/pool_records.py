@@ -90,14 +90,14 @@ _INTENT_TYPES: dict[str, tuple[type, ...]] = {
 }  # fmt: skip
 
 
-def _fields(record: object) -> dict:
+def _fields(record: object) -> dict[str, Any]:
     return {name: getattr(record, name) for name in record.__slots__}  # type: ignore[attr-defined]
 
 
-def _parse(raw: bytes, types: dict[str, tuple[type, ...]], what: str) -> dict:
+def _parse(raw: bytes, types: dict[str, tuple[type, ...]], what: str) -> dict[str, Any]:
     """The record's fields, checked: InvalidEvent naming the first bad field."""
     d = load_object(raw)
-    out: dict = {}
+    out: dict[str, Any] = {}
     for name, ok in types.items():
         v: Any = d.get(name)
         if not isinstance(v, ok) or (bool not in ok and isinstance(v, bool)):

@@ -165,7 +165,9 @@ def replay(
     return out, core.views
 
 
-def _seen_lease_states(pending, gpu, lineno, record_ms) -> list[tuple[int, LeaseState]]:
+def _seen_lease_states(
+    pending: dict[str, list[tuple[int, LeaseState]]], gpu: str, lineno: int, record_ms: dict[int, int]
+) -> list[tuple[int, LeaseState]]:
     """Take from `pending` the lease states of `gpu` that the scheduler had seen before telemetry line `lineno`."""
     queue = pending[gpu]
     t = record_ms.get(lineno)
