@@ -26,6 +26,9 @@ NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 CPU, H200 = "docs/measured/cpu/", "docs/measured/h200/"
 FIGURES: list[tuple[str, str, str, str, float]] = [
     # TRL's GRPOTrainer over ROSE on SmolLM2, 10 minutes
+    ("README.md", "load average {} ([trl", CPU + "trl-smollm2.json", "provenance.load_average.1m", 1),
+    ("README.md", "{} optimizer steps in 606 s", CPU + "trl-smollm2.json", "optimizer_steps", 1),
+    ("README.md", "optimizer steps in {} s, 13.8", CPU + "trl-smollm2.json", "wall_s", 1),
     ("docs/frameworks.md", "**Wall time:** {} s for", CPU + "trl-smollm2.json", "wall_s", 1),
     ("docs/frameworks.md", "606 s for {} optimizer steps", CPU + "trl-smollm2.json", "optimizer_steps", 1),
     ("docs/frameworks.md", "optimizer steps, {} s a step", CPU + "trl-smollm2.json", "seconds_per_step.mean", 1),
