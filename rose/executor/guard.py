@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import orjson
@@ -41,9 +42,10 @@ class LatencySample:
     @property
     def headroom(self) -> float:
         """The smallest headroom over the SLO metrics: 1 - p99/SLO (negative when violated)."""
-        return min(1.0 - getattr(self.latency_ms, m) / getattr(self.slo_ms, m) for m in Latency.METRICS)
+        worst: float = min(1.0 - getattr(self.latency_ms, m) / getattr(self.slo_ms, m) for m in Latency.METRICS)
+        return worst
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "ts": self.ts,
             "latency_ms": {m: getattr(self.latency_ms, m) for m in Latency.METRICS},
@@ -51,7 +53,7 @@ class LatencySample:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> LatencySample:
+    def from_dict(cls, d: dict[str, Any]) -> LatencySample:
         if not isinstance(d, dict):
             raise InvalidEvent("$", "expected JSON object")
         ts = d.get("ts", 0.0)

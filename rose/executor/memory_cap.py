@@ -135,7 +135,8 @@ def _ppid_map() -> dict[int, list[int]]:
 
 def _rss(pid: int) -> int | None:
     try:
-        return psutil.Process(pid).memory_info().rss
+        rss: int = psutil.Process(pid).memory_info().rss
+        return rss
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
 
@@ -286,7 +287,7 @@ class Breach:
 @dataclass
 class _Watched:
     gpu: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     cap_bytes: int
     samples: deque[int]
     cgroup: Path | None = None
@@ -309,7 +310,7 @@ class MemoryWatchdog:
     next_poll: float = 0.0
 
     @classmethod
-    def from_config(cls, ex: ExecutorConfig, device: str, log) -> MemoryWatchdog:
+    def from_config(cls, ex: ExecutorConfig, device: str, log: Any) -> MemoryWatchdog:
         rule = CapRule.from_config(ex)
         on = rule.poll_s > 0 and device == "cpu" and ex.worker == "rollout"
         return cls(rule, log, on=on, cgroup_setting=ex.mem_cap_cgroup)
@@ -333,7 +334,7 @@ class MemoryWatchdog:
                 cgroup_dir=str(self.cgroup.base),
             )
 
-    def watch(self, gpu: str, proc: subprocess.Popen, cap_bytes: int) -> None:
+    def watch(self, gpu: str, proc: subprocess.Popen[bytes], cap_bytes: int) -> None:
         """Start watching `gpu`'s lease worker, capped at `cap_bytes` (and put it in its cgroup)."""
         if not self.on:
             return

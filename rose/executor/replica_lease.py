@@ -127,6 +127,7 @@ class Report:
 
 
 Action = Do | ReadDrain | Forward | Fence | Report | lm.Publish
+ShellAction = lm.Action | Action  # what the executor carries out for a GPU with a replica
 
 
 # ---- the step -----------------------------------------------------------------------------------
@@ -273,7 +274,7 @@ def _done(r: Replica, d: Done, now: float, p: Params, out: list[Action]) -> Repl
     return _start_next(replace(r, next=after, retry_at=now), out)
 
 
-def _start_next(r: Replica, out: list[Action]) -> Replica:
+def _start_next(r: Replica, out: list[Action] | list[ShellAction]) -> Replica:
     """Do the next reclaim step now; its `Done` says how it went (no retry before)."""
     out.append(Do(r.gpu, r.next))
     return replace(r, retry_at=float("inf"))
@@ -288,13 +289,13 @@ def _tick(r: Replica, now: float, out: list[Action]) -> Replica:
     return r
 
 
-def on_lease_actions(r: Replica, actions: tuple[lm.Action, ...], now: float) -> tuple[Replica, tuple]:
+def on_lease_actions(r: Replica, actions: tuple[lm.Action, ...], now: float) -> tuple[Replica, tuple[ShellAction, ...]]:
     """The lease machine's actions for a lent replica's GPU, seen before the shell does them: its
     terminal word on the lent lease is held (published once the replica serves again) and
     `reclaiming` published in its place; the first reclaim step follows."""
     if r.phase not in ("lent", "reclaiming"):
         return r, actions
-    out: list = []
+    out: list[ShellAction] = []
     for a in actions:
         if not (isinstance(a, lm.Publish) and a.record.lease_id == r.lease_id and a.record.epoch == r.epoch):
             out.append(a)

@@ -34,7 +34,7 @@ class Executor(Protocol):
     log: Any
 
     def _act(self, actions: Any) -> None: ...
-    def _apply(self, gpu: str, inp: lm.Input, parent: Any, quiet: bool = False) -> tuple[lm.Action, ...]: ...
+    def _apply(self, gpu: str, inp: lm.Input, parent: Any, quiet: bool = False) -> tuple[rl.ShellAction, ...]: ...
     def _publish(self, a: lm.Publish) -> None: ...
 
 
@@ -88,7 +88,7 @@ class ReplicaShell:
             self.replicas[gpu], actions = rl.restart(gpu, r.url, r.url in listed)
             self.ex._act(actions)
 
-    def on_lease_actions(self, gpu: str, actions: tuple[lm.Action, ...], now: float) -> tuple:
+    def on_lease_actions(self, gpu: str, actions: tuple[lm.Action, ...], now: float) -> tuple[rl.ShellAction, ...]:
         if gpu not in self.replicas:
             return actions
         self.replicas[gpu], out = rl.on_lease_actions(self.replicas[gpu], actions, now)
@@ -110,7 +110,7 @@ class ReplicaShell:
         )
         self.ex._act(actions)
 
-    def act(self, a) -> None:
+    def act(self, a: rl.Action) -> None:
         """Carry out one of rose.executor.replica_lease's actions."""
         if isinstance(a, rl.Forward):
             self.ex._apply(a.gpu, a.received, None)

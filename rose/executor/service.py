@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from rose.contract.events import Command, InvalidEvent, LeaseState
 from rose.contract.signing import SIGNATURE_HEADER, verify
 from rose.contract.wire import decode, encode
 from rose.executor import lease_machine as lm
+from rose.executor import replica_lease as rl
 from rose.executor.guard import FileLatencySource, Guard, LatencySource
 from rose.executor.memory_cap import MemoryWatchdog
 from rose.executor.partitions import command_assignment, command_group, rebuilt_records
@@ -67,6 +68,7 @@ from rose.router.base import Router
 from rose.shutdown import Shutdown
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.util.types import AttributeValue
 
 _FLAG_NUMBERS = itertools.count(1)  # pause-flag names, unique in the process (see _next_flag_name)
@@ -97,7 +99,7 @@ class Executor:
         device: str = "cpu",
         latency_source: LatencySource | None = None,
         guard: bool = True,
-        worker_config=worker_config,
+        worker_config: Callable[[Config, lm.Start, str, str, int], WorkerConfig] = worker_config,
         log_name: str = "rose.executor",
         replicas: Mapping[str, str] | None = None,
         router: Router | None = None,
@@ -327,12 +329,14 @@ class Executor:
         dead_letter(self.producer, self.k.dlq_topic, m, reason, field_, consumer="rose-executor")
 
     # ---- the machine -----------------------------------------------------------------------
-    def _apply(self, gpu: str, inp: lm.Input, parent, quiet: bool = False) -> tuple[lm.Action, ...]:
+    def _apply(
+        self, gpu: str, inp: lm.Input, parent: Context | None, quiet: bool = False
+    ) -> tuple[rl.ShellAction, ...]:
         now = time.monotonic()
         before = self.states[gpu]
-        after, actions = lm.step(before, inp, now, self.params)
+        after, machine_actions = lm.step(before, inp, now, self.params)
         self.states[gpu] = after
-        actions = self.replica.on_lease_actions(gpu, actions, now)
+        actions = self.replica.on_lease_actions(gpu, machine_actions, now)
         if quiet and not actions:
             return actions
         attrs: dict[str, AttributeValue] = {
@@ -359,7 +363,7 @@ class Executor:
             self._apply(g, deferred, None)
         return actions
 
-    def _act(self, actions) -> None:
+    def _act(self, actions: Iterable[rl.ShellAction]) -> None:
         for a in actions:
             if isinstance(a, lm.Pause):
                 self._signal_flag(a.gpu, PAUSE)

@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rose.executor import lease_machine as lm
 from rose.executor.workers import STARTS, WorkerHandle, launch_worker, log_started, unlink_quietly
@@ -35,7 +36,7 @@ class WarmWorker:
     and applies the newest weights, then says so in its flag (`ready_ns`); a grant hands it the
     lease through a `LeaseRecord` in `lease_file` and the flag's assignment counter."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     flag: PauseFlag
     config: WorkerConfig
     started_ns: int = field(default_factory=time.monotonic_ns)
@@ -58,7 +59,7 @@ class WarmPool:
     `log` is the executor's logger."""
 
     def __init__(
-        self, size: int, restart_backoff_s: float, new_worker: Callable[[], tuple[str, WorkerConfig]], log
+        self, size: int, restart_backoff_s: float, new_worker: Callable[[], tuple[str, WorkerConfig]], log: Any
     ) -> None:
         self.size = size
         self.workers: list[WarmWorker] = []

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 
@@ -75,7 +76,7 @@ def measure_rollout_mem(pid: int, device: str) -> int:
 @dataclass
 class WorkerHandle:
     gpu: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     flag: PauseFlag | None  # None once the worker is reaped
     epoch: int
     started_ns: int = field(default_factory=time.monotonic_ns)
@@ -92,7 +93,7 @@ def unlink_quietly(path: str) -> None:
             pass
 
 
-def launch_worker(wc: WorkerConfig | None) -> subprocess.Popen:
+def launch_worker(wc: WorkerConfig | None) -> subprocess.Popen[bytes]:
     """A worker process: `python -m rose.rollout.worker_process` for `wc`, or the placeholder (None)."""
     if wc is None:
         return spawn(PLACEHOLDER_ARGV, stdin=subprocess.DEVNULL)
@@ -108,7 +109,7 @@ def start_worker(a: lm.Start, flag_name: str, wc: WorkerConfig | None) -> Worker
     return WorkerHandle(a.gpu, launch_worker(wc), flag, a.epoch)
 
 
-def log_started(log, a: lm.Start, pid: int, warm: bool, **extra) -> None:
+def log_started(log: Any, a: lm.Start, pid: int, warm: bool, **extra: object) -> None:
     """The `worker.started` line of a lease's worker, started cold or handed from the warm pool."""
     log.info(
         "worker.started",
@@ -123,7 +124,7 @@ def log_started(log, a: lm.Start, pid: int, warm: bool, **extra) -> None:
     )
 
 
-def stop_worker(h: WorkerHandle, log=None) -> None:
+def stop_worker(h: WorkerHandle, log: Any = None) -> None:
     """Ask the worker to drain and exit: STOP in its flag, SCHED_OTHER back if it ran under
     SCHED_IDLE, its niceness back to 0, SIGTERM. `log`: where a priority it could not give back
     is reported (the executor's logger; None: nowhere)."""
