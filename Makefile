@@ -65,7 +65,7 @@ stack-down:
 
 # Lint, format and types: what CI and the pre-commit hooks check; then the layers of
 # docs/architecture.md (every import down the floors, no import cycle, the names the docs give exist)
-# and the 80-line limit on functions of the policy, the scheduler and the executor.
+# and the 80-line limit on functions of the policy, the scheduler, the executor, the node agent and the demo.
 lint: install
 	ruff check rose tests consumers producers examples
 	ruff format --check rose tests consumers producers examples

@@ -126,8 +126,8 @@ VLLM_STARTUP_TIMEOUT_S = 240.0  # a cold start on a busy 2-core machine (about 4
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_checkpoint, tmp_path_factory):
-    """vLLM's OpenAI server (`rose.demo.vllm_server`) on the tiny checkpoint, up until the session ends."""
-    from rose.demo.vllm_server import ServerError, start_server, stop_server
+    """vLLM's OpenAI server (`rose.vllm_server`) on the tiny checkpoint, up until the session ends."""
+    from rose.vllm_server import ServerError, start_server, stop_server
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     try:

@@ -28,7 +28,7 @@ import jsonschema
 import pytest
 
 from rose.contract.events import Telemetry
-from rose.demo.vllm_server import VllmServer as Server
+from rose.vllm_server import VllmServer as Server
 from rose.node import prometheus as prom
 from rose.node.agent import scrape
 from rose.node.telemetry import telemetry_records

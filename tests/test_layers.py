@@ -305,6 +305,19 @@ def test_rose_never_imports_its_entry_points_or_confluent_kafka_outside_rose_kaf
     assert not bad, bad
 
 
+def test_no_benchmark_imports_the_demo():
+    """The benches measure the system's parts, the demo composes them: what both need (vLLM's
+    server, the co-served device's readers) sits below both, so a bench never runs demo code."""
+    bad = [
+        f"{n} imports {t}"
+        for n in modules()
+        if n.startswith("rose.bench")
+        for t in imports(n)
+        if t.startswith("rose.demo")
+    ]
+    assert not bad, bad
+
+
 def test_the_import_graph_sees_what_python_imports():
     """Function-level, relative and plugin imports are edges of the graph."""
     assert "rose.bench" in imports("rose.cli.bench")

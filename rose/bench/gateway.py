@@ -9,7 +9,7 @@ in `rounds` rounds (the side that goes first alternates too; a round's turns are
 seeds, the same on both sides), so a drift of the machine falls on both sides alike; one side's
 load never runs with the other's:
 
-- direct: vLLM's OpenAI server (`rose.demo.vllm_server`) on the checkpoint;
+- direct: vLLM's OpenAI server (`rose.vllm_server`) on the checkpoint;
 - gateway: the gateway (uvicorn, in this process) over two vLLM rollout workers on the same checkpoint,
   each leased with a pause flag; the second is held at PAUSE while the load runs, so one engine
   serves it, as on the direct side. Both sides: one OMP thread per engine, unbound (vLLM's CPU
@@ -337,7 +337,7 @@ def run_sides(cfg: Any, model: str, logs: Path, plan: Plan, say: Callable[[str],
     import redis
 
     from rose.bench._stack import last_heartbeat, private_stack
-    from rose.demo.vllm_server import start_server, stop_server
+    from rose.vllm_server import start_server, stop_server
 
     warm = load(plan.vocab, plan.concurrency, seed0=1_000_000)
     with private_stack(cfg, "gateway", kafka=False) as c:

@@ -9,7 +9,7 @@ Two engines (`server`):
   continuous batching); the device measures TTFT and TPOT of every request by the wall clock and
   publishes the p99 of each over the last `lookback_s` seconds every telemetry period (and writes
   it for the executor's local guard every `guard_every_s`).
-- "vllm": vLLM's OpenAI server on the checkpoint `model` (rose.demo.vllm_server), started here in
+- "vllm": vLLM's OpenAI server on the checkpoint `model` (rose.vllm_server), started here in
   a session of its own; each request is a streaming `/v1/completions` of token ids. The published
   p99s and KV-cache usage are the server's own, read from its /metrics every telemetry period by
   the agent's reader (`rose.node.agent.scrape`, `rose.node.prometheus`), and each measured window

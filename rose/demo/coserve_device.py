@@ -255,7 +255,7 @@ class VllmServerDevice:
         import tempfile
         from pathlib import Path
 
-        from rose.demo.vllm_server import VllmServer, start_server, wait_healthy
+        from rose.vllm_server import VllmServer, start_server, wait_healthy
 
         spec = self.spec
         if spec.url:
@@ -279,7 +279,7 @@ class VllmServerDevice:
         return {"server": "vllm", "model": spec.model, "server_url": self.srv.url, "server_log": str(self.srv.log)}
 
     def _stream(self, prompt: list[int], n: int):
-        from rose.demo.vllm_server import stream_tokens
+        from rose.vllm_server import stream_tokens
 
         return stream_tokens(self.srv, prompt, n, timeout_s=self.spec.request_timeout_s)
 
@@ -358,7 +358,7 @@ class VllmServerDevice:
         return busy / dt
 
     def close(self) -> None:
-        from rose.demo.vllm_server import stop_server
+        from rose.vllm_server import stop_server
 
         self.closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)

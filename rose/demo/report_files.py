@@ -38,6 +38,17 @@ def _ci(ci, nd: int = 1) -> str:
 
 
 def markdown(rep: dict) -> str:
+    """report.md: the summary table, the windows, each GPU, the measured device, the promise, the
+    RL task, the plots and how each figure is measured."""
+    lines = _summary_lines(rep) + _window_lines(rep) + _per_gpu_lines(rep) + _device_lines(rep)
+    lines += _promise_lines(rep)
+    lines += _rl_lines(rep)
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in rep["plots"]]
+    lines += _method_lines(rep)
+    return "\n".join(lines) + "\n"
+
+
+def _summary_lines(rep: dict) -> list[str]:
     tp, slo, rv, w, ls = rep["throughput"], rep["slo"], rep["revoke"], rep["weights"], rep["leases"]
     md, tl = rep["measured_device"], rep["timeline"]
     off, on = tp["by_kind"]["dedicated_only"], tp["by_kind"]["with_leases"]
@@ -88,6 +99,13 @@ def markdown(rep: dict) -> str:
         f"weights published as {w.get('publish_dtype')}); each step changed {_f(w['changed_fraction_per_step'], '', 3)} "
         "of the published elements on average. `rose bench weights` measures the ratio at learning rates of "
         "large-model RL fine-tuning.",
+    ]
+    return lines
+
+
+def _window_lines(rep: dict) -> list[str]:
+    tp = rep["throughput"]
+    lines = [
         "",
         "## Windows",
         "",
@@ -95,7 +113,7 @@ def markdown(rep: dict) -> str:
         "| lease GPU-seconds | first lease after |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for i, x in enumerate(wins, 1):
+    for i, x in enumerate(tp["windows"], 1):
         lines.append(
             f"| {i} | {'on' if x['leases'] else 'off'} | {x['start_s']:.1f} – {x['end_s']:.1f} | {x['episodes']} | "
             f"{x['by_dedicated']} / {x['by_leased']} | {_f(x['episodes_per_min'], '', 1)} | "
@@ -106,6 +124,13 @@ def markdown(rep: dict) -> str:
         f"Starts seen for {_f(tp['starts_seen'], '', 3)} of the run's episodes (the rest started and finished "
         f"between two looks at the task stream: their finish time stands for their start); "
         f"{tp['unfinished_at_end']} episode(s) started in the run were still unfinished after the drain.",
+    ]
+    return lines
+
+
+def _per_gpu_lines(rep: dict) -> list[str]:
+    tp, slo, ls, md = rep["throughput"], rep["slo"], rep["leases"], rep["measured_device"]
+    lines = [
         "",
         "## Per GPU",
         "",
@@ -118,6 +143,12 @@ def markdown(rep: dict) -> str:
             f"| {gpu} | {src} | {g['windows']} | {_f(g['attainment'], '', 4)} | "
             f"{ls['lease_seconds_by_gpu'].get(gpu, 0.0)} | {tp['episodes_by_gpu'].get(gpu, 0)} |"
         )
+    return lines
+
+
+def _device_lines(rep: dict) -> list[str]:
+    md = rep["measured_device"]
+    lines: list[str] = []
     s = md.get("summary") or {}
     if s.get("requests"):
         wr, wo = s.get("with_rollout", {}), s.get("without_rollout", {})
@@ -136,10 +167,12 @@ def markdown(rep: dict) -> str:
             f"| alone | {wo.get('requests')} | {_f(wo.get('ttft_p50_ms'), ' ms')} | {_f(wo.get('ttft_p99_ms'), ' ms')} | "
             f"{_f(wo.get('tpot_p50_ms'), ' ms')} | {_f(wo.get('tpot_p99_ms'), ' ms')} |",
         ]
-    lines += _promise_lines(rep)
-    lines += _rl_lines(rep)
-    inter = rep.get("interference") or {}
-    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in rep["plots"]]
+    return lines
+
+
+def _method_lines(rep: dict) -> list[str]:
+    md, inter = rep["measured_device"], rep.get("interference") or {}
+    lines: list[str] = []
     lines += [
         "",
         "## How each figure is measured",
@@ -158,7 +191,7 @@ def markdown(rep: dict) -> str:
         "",
         f"Process logs: `logs/` beside this file. Problems seen: {', '.join(rep['problems']) or 'none'}.",
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _replica_share(n: int) -> str:
