@@ -35,10 +35,6 @@ def _flat(ck, shard_bytes: int):
     return layout, flatten(layout, ck.arrays)
 
 
-def _out_format(path: Path) -> str:
-    return "safetensors" if path.suffix == ".safetensors" else "torch"
-
-
 @weights_app.command("diff")
 def diff(
     base: Path = typer.Argument(..., help="The checkpoint the receiver has (.safetensors, .pt, .bin)."),

@@ -326,11 +326,5 @@ class StreamShape:
         return error(message, param, kind, code)
 
 
-def stream_chunks(rid: str, model: str, r: TurnResult, chat: bool, logprobs: bool = False) -> list[dict[str, Any]]:
-    """The whole finished turn as stream chunks (`StreamShape`)."""
-    shape = StreamShape(rid, model, r.prompt, chat, logprobs)
-    return [*shape.head(), *shape.pieces(0, r.token_ids, r.versions, r.logprobs), shape.tail(r)]
-
-
 def error(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
