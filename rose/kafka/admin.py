@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from confluent_kafka.admin import (
     AdminClient,
@@ -33,12 +35,14 @@ __all__ = [
     "wait_for_broker",
 ]
 
+T = TypeVar("T")
 
-def make_admin(kcfg: KafkaConfig, **overrides) -> AdminClient:
+
+def make_admin(kcfg: KafkaConfig, **overrides: Any) -> AdminClient:
     return AdminClient(client_conf(kcfg, **overrides))
 
 
-def retrying(fn, timeout_s: float = 30.0):
+def retrying(fn: Callable[[], T], timeout_s: float = 30.0) -> T:
     """Run a start-up step, retrying while the cluster is still settling (a new topic without a
     leader yet, a broker restarting); the last error is raised after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, cast
 
 from confluent_kafka import KafkaError, KafkaException, Message
@@ -64,7 +64,7 @@ CONNECTION_ERRORS = _UNREACHABLE | _QUIET  # what `error_callback` reports itsel
 _PY_CALLBACKS = frozenset({"on_delivery", "error_cb", "stats_cb", "throttle_cb", "oauth_cb", "logger"})
 
 
-def _log():
+def _log() -> Any:
     # looked up when used: a logger bound at import would keep the logging set-up of that moment
     return get_logger("rose.kafka")
 
@@ -75,10 +75,10 @@ class _Every:
     def __init__(self, period_s: float):
         self.period_s = period_s
         self._lock = threading.Lock()
-        self._last: dict = {}
-        self._held: dict = {}
+        self._last: dict[Hashable, float] = {}
+        self._held: dict[Hashable, int] = {}
 
-    def allow(self, key) -> int | None:
+    def allow(self, key: Hashable) -> int | None:
         """None: hold this one back; else how many were held back since the last let through."""
         now = time.monotonic()
         with self._lock:
@@ -128,7 +128,7 @@ class LibrdkafkaLog:
     """librdkafka's log lines as ROSE log lines (`kafka.client_log`), at most one per facility
     and level per `LOG_EVERY_S`, each with the number of like lines left out before it."""
 
-    def log(self, level: int, fmt: str, *args) -> None:
+    def log(self, level: int, fmt: str, *args: object) -> None:
         # confluent-kafka calls log(level, "%s [%s] %s", facility, client name, text)
         fac = args[0] if args else ""
         held = _lines_every.allow((fac, level))
@@ -146,7 +146,7 @@ class LibrdkafkaLog:
 _LIBRDKAFKA_LOG = LibrdkafkaLog()
 
 
-def client_conf(kcfg: KafkaConfig, **overrides) -> dict:
+def client_conf(kcfg: KafkaConfig, **overrides: Any) -> dict[str, Any]:
     """bootstrap + the user's librdkafka pass-through + the caller's overrides, with ROSE's
     `logger` and `error_cb` unless the caller or the config sets its own."""
     conf: dict[str, Any] = {"bootstrap.servers": kcfg.bootstrap, **kcfg.librdkafka}

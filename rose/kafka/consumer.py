@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, TopicPartition
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 
-def make_consumer(kcfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
+def make_consumer(kcfg: KafkaConfig, group_id: str, **overrides: Any) -> Consumer:
     """A consumer with manual commits and read_committed isolation (sees only committed
     transactional output)."""
     conf = {
@@ -46,10 +47,10 @@ def make_consumer(kcfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
     return Consumer(conf)
 
 
-def header(msg_or_headers, name: str) -> bytes | None:
+def header(msg_or_headers: Message | Sequence[tuple[str, bytes | None]], name: str) -> bytes | None:
     """First value of a header, from a Message or a header list."""
-    hs = msg_or_headers.headers() if hasattr(msg_or_headers, "headers") else msg_or_headers
-    for k, v in hs or []:
+    hs = msg_or_headers if isinstance(msg_or_headers, Sequence) else message_headers(msg_or_headers)
+    for k, v in hs:
         if k == name:
             return v
     return None
@@ -96,7 +97,7 @@ def read_partitions(
     partitions: Sequence[tuple[str, int]],
     timeout_s: float = 30.0,
     isolation: str = "read_committed",
-    **overrides,
+    **overrides: Any,
 ) -> list[Message]:
     """Every message now in the given (topic, partition)s, from their start up to their end
     offsets at call time, in partition order. For rebuilding state, record, audits and tests."""
@@ -140,14 +141,18 @@ def read_partitions(
 
 
 def read_all(
-    kcfg: KafkaConfig, topics: Sequence[str], timeout_s: float = 30.0, isolation: str = "read_committed", **overrides
+    kcfg: KafkaConfig,
+    topics: Sequence[str],
+    timeout_s: float = 30.0,
+    isolation: str = "read_committed",
+    **overrides: Any,
 ) -> list[Message]:
     """Every message currently in `topics` (up to their end offsets at call time)."""
     parts = [(t, p) for t in topics for p in partitions_of(kcfg, t)]
     return read_partitions(kcfg, parts, timeout_s, isolation, **overrides)
 
 
-def message_record(m: Message) -> dict:
+def message_record(m: Message) -> dict[str, Any]:
     """A Kafka message as one NDJSON-able dict (the `rose record` line format)."""
     ts_type, ts_ms = m.timestamp()
     key, value = m.key(), m.value()

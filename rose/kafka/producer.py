@@ -30,7 +30,7 @@ __all__ = [
 LOW_LATENCY = {"linger.ms": 2, "batch.num.messages": 10000}
 
 
-def make_producer(kcfg: KafkaConfig, **overrides) -> Producer:
+def make_producer(kcfg: KafkaConfig, **overrides: Any) -> Producer:
     """An idempotent producer (acks=all, ordered per partition) with low-latency batching.
     Keys are partitioned with murmur2 (the Java client's default, not librdkafka's CRC32) so
     that a consumer can compute which partition holds a key: see `partition_for`."""

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
 from rose.config import Config, KafkaConfig
 from rose.kafka.base import CONNECTION_ERRORS, Headers, error_callback
 from rose.obs import metrics
 from rose.obs.logs import get_logger
 from rose.obs.tracing import inject_headers, send_span, tracer
+
+if TYPE_CHECKING:
+    from confluent_kafka import KafkaError, Message, Producer
 
 SENT = metrics.gauge("rose_agent_events_sent", "Telemetry events delivered or in flight to Kafka")
 DROPPED = metrics.counter("rose_agent_events_dropped_total", "Telemetry events dropped (buffer full, oldest first)")
@@ -53,7 +57,7 @@ class TelemetryPublisher:
         queue_max: int = 20_000,
         message_timeout_ms: int = 120_000,
         log_every_s: float = 5.0,
-        **overrides,
+        **overrides: Any,
     ):
         self.kcfg, self.topic = kcfg, topic
         self.buffer: deque[tuple[bytes, bytes, Headers | None, int]] = deque(maxlen=max(1, buffer_max))
@@ -78,17 +82,17 @@ class TelemetryPublisher:
         }
         self.producer = self._make()
 
-    def _make(self):
+    def _make(self) -> Producer:
         from rose.kafka.producer import make_producer
 
         return make_producer(self.kcfg, **{k: v for k, v in self._conf.items()})
 
     # librdkafka callbacks (served inside poll/flush)
-    def _on_delivery(self, err, msg) -> None:
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
         if err is not None:
             self.failed += 1
 
-    def _on_error(self, err) -> None:
+    def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
             self._fatal = True
         if err.code() in CONNECTION_ERRORS and not err.fatal():
@@ -96,7 +100,7 @@ class TelemetryPublisher:
         else:
             self._maybe_log("kafka error", error=str(err))
 
-    def _maybe_log(self, what: str, **kw) -> None:
+    def _maybe_log(self, what: str, **kw: Any) -> None:
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s:
             self._last_log = now
@@ -149,7 +153,8 @@ class TelemetryPublisher:
         try:
             while buf:
                 v, k, h, ts = buf[0]
-                produce(topic, value=v, key=k, headers=h, timestamp=ts)
+                # the stubs type headers as an invariant list of (str, str | bytes | None): ours, (str, bytes), fit
+                produce(topic, value=v, key=k, headers=h, timestamp=ts)  # type: ignore[arg-type]
                 buf.popleft()
                 self.sent_to_client += 1
         except BufferError:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
 
@@ -44,7 +46,7 @@ def missing_topics(kcfg: KafkaConfig, timeout_s: float = 5.0) -> list[str]:
     return absent
 
 
-def report_missing_topics(kcfg: KafkaConfig, missing: list[str], log, service: str) -> bool:
+def report_missing_topics(kcfg: KafkaConfig, missing: list[str], log: Any, service: str) -> bool:
     """One error line naming the missing topics and the command that creates them, at most
     once per `LOG_EVERY_S` for the same topics; True when a line was written."""
     held = _missing_every.allow((kcfg.bootstrap, tuple(missing)))

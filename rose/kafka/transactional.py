@@ -40,7 +40,7 @@ def bounded(what: str, fn: Callable[[], T], timeout_s: float, fatal: type[Except
     has not returned by then (the thread is left behind), else return or raise what it did."""
     out: dict[str, Any] = {}
 
-    def call():
+    def call() -> None:
         try:
             out["v"] = fn()
         except BaseException as e:  # handed to the caller's thread
@@ -53,7 +53,8 @@ def bounded(what: str, fn: Callable[[], T], timeout_s: float, fatal: type[Except
         raise fatal(f"{what} did not return within {timeout_s:.0f}s")
     if "e" in out:
         raise out["e"]
-    return out["v"]  # the thread ended without raising: fn returned
+    value: T = out["v"]  # the thread ended without raising: fn returned
+    return value
 
 
 class GroupMembershipLost(RuntimeError):
@@ -95,7 +96,7 @@ class Transactor:
         self,
         producer: Producer,
         consumer: Consumer,
-        log,
+        log: Any,
         *,
         fatal: type[Exception] = FatalTransactionError,
         call_timeout_s: float = 10.0,
