@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -54,6 +55,9 @@ from rose.obs.tracing import (
 )
 from rose.policy.core import Applied, Arrival, Batch, SchedulingCore
 from rose.policy.lease_policy import POLICY_VERSION, Decision, GpuView
+
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
 
 SCHEDULER_GROUP = "rose-scheduler"  # the consumer group id of every scheduler instance, after the topic prefix
 
@@ -258,7 +262,7 @@ class Scheduler:
         parts = retrying(lambda: partitions_of(self.k, self.k.lease_state_topic))
         self._command_partitions = len(retrying(lambda: partitions_of(self.k, self.k.commands_topic)))
         for topic in (self.k.commands_topic, self.state_topic):  # the first decisions need not wait for it
-            retrying(lambda topic=topic: self.producer.list_topics(topic, timeout=10))
+            retrying(functools.partial(self.producer.list_topics, topic, timeout=10))
         self.lease_consumer.assign([TopicPartition(self.k.lease_state_topic, p, OFFSET_BEGINNING) for p in parts])
         self.consumer.subscribe(
             [self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
@@ -287,7 +291,7 @@ class Scheduler:
             self.consumer.resume(self.consumer.assignment())
         return joined
 
-    def stop(self, *_args) -> None:
+    def stop(self, *_args: object) -> None:
         self._running = False
 
     def run(self, max_seconds: float | None = None) -> SchedulerStats:
@@ -412,7 +416,7 @@ class Scheduler:
         parsed = [e if isinstance(e, InvalidEvent) else next(admitted) for e in decoded]
         return _Batch(msgs, parsed, applied)
 
-    def _produce(self, batch: _Batch, plans: list) -> list[int]:
+    def _produce(self, batch: _Batch, plans: list[tuple[SpanPlan, list[Command]]]) -> list[int]:
         """Produce a decided batch into the open transaction: per message its dlq record or its
         commands (planning the spans of traced ones into `plans`), then the views it changed.
         Returns record timestamps of commands."""
@@ -490,9 +494,9 @@ class Scheduler:
         self._tally.commands[cmd.kind] += 1
 
     @staticmethod
-    def _decision_attrs(cmd: Command, d: Decision) -> dict:
+    def _decision_attrs(cmd: Command, d: Decision) -> dict[str, AttributeValue]:
         ex = d.explain
-        attrs = {
+        attrs: dict[str, AttributeValue] = {
             "rose.gpu": cmd.gpu,
             "rose.kind": cmd.kind,
             "rose.epoch": cmd.epoch,

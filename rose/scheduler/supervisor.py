@@ -5,6 +5,7 @@ length leaves the process up (reporting unhealthy on /healthz) instead of ending
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rose.config import Config
 from rose.kafka.consumer import KafkaException
@@ -20,7 +21,7 @@ RESTARTS = metrics.counter("rose_scheduler_client_restarts_total", "Kafka client
 TOPICS_RECHECK_S = 2.0  # how often a scheduler waiting for its topics looks again
 
 
-def _topics_missing(cfg: Config, log, left: float | None) -> bool:
+def _topics_missing(cfg: Config, log: Any, left: float | None) -> bool:
     """Whether the contract's topics are missing (said in one line, at most every 30 s). That
     is a setup step not yet done, not a client failure: nothing is replaced or counted, and
     the process stays up until `rose topics create` has run. A cluster that does not answer
