@@ -226,7 +226,9 @@ class RolloutConfig:
     engine: str = "reference"  # vllm | hf | reference (the toy byte-level model; a test double)
     model: str = ""  # a local Hugging Face checkpoint directory (vllm, hf); nothing is downloaded
     python: str = ""  # the interpreter of the engine's environment; "" = the executor's own
-    dtype: str = "float32"  # the engine's compute dtype (CPUs without bf16 arithmetic: float32)
+    # the engine's compute dtype; "native": bfloat16 where the CPU has bf16 arithmetic (or on a
+    # GPU), else float32 (rose.rollout.compute_dtype)
+    dtype: str = "float32"
     max_model_len: int = 2048  # longest sequence (prompt, turns, observations) a worker admits
     # vLLM on CPU fixes its KV space when the engine starts (VLLM_CPU_KVCACHE_SPACE, whole GiB):
     # a warm engine holds it before any lease, and the worker's memory counts it

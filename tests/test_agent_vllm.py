@@ -28,10 +28,10 @@ import jsonschema
 import pytest
 
 from rose.contract.events import Telemetry
-from rose.vllm_server import VllmServer as Server
 from rose.node import prometheus as prom
 from rose.node.agent import scrape
 from rose.node.telemetry import telemetry_records
+from rose.vllm_server import VllmServer as Server
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM installed")
 

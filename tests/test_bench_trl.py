@@ -1,5 +1,6 @@
 """`rose bench trl`: its reading of the example's step lines (the pattern itself is checked
-against the example's real output in tests/test_example_trl.py) and its bad arguments."""
+against the example's real output in tests/test_example_trl.py); its and `rose bench decode`'s
+bad arguments."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def test_a_single_step_per_third_has_no_interval():
         (["trl", "--model", "/nowhere"], "--model '/nowhere'"),
         (["trl", "--plot", "curve.svg"], "--plot 'curve.svg'"),
         (["revoke", "--plot", "curve.png"], "--plot: bench 'revoke'"),
+        (["decode", "--engine", "hf"], "--engine 'hf'"),
+        (["decode", "--model", "/nowhere"], "--model '/nowhere'"),
     ],
 )
 def test_bad_arguments_get_one_line_and_exit_2(args, says):

@@ -25,6 +25,13 @@ NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 # the document's number equals the file's value × scale at the document's decimals.
 CPU, H200 = "docs/measured/cpu/", "docs/measured/h200/"
 FIGURES: list[tuple[str, str, str, str, float]] = [
+    # vLLM decode tokens/s by dtype and threads on the AVX2 machine
+    ("docs/engines.md", "float32 {} tokens/s on 1 thread", CPU + "bench-decode.json", "cells.0.tokens_per_s", 1),
+    ("docs/engines.md", "tokens/s on 1 thread and {} on 2", CPU + "bench-decode.json", "cells.1.tokens_per_s", 1),
+    ("docs/engines.md", "bfloat16 {} and 46.8", CPU + "bench-decode.json", "cells.2.tokens_per_s", 1),
+    ("docs/engines.md", "bfloat16 45.2 and {};", CPU + "bench-decode.json", "cells.3.tokens_per_s", 1),
+    ("README.md", "float32 {} tokens/s on 1 thread, 112.7", CPU + "bench-decode.json", "cells.0.tokens_per_s", 1),
+    ("README.md", "load average {} ([bench-decode", CPU + "bench-decode.json", "provenance.load_average.1m", 1),
     # TRL's GRPOTrainer over ROSE on SmolLM2, 10 minutes
     ("README.md", "load average {} ([trl", CPU + "trl-smollm2.json", "provenance.load_average.1m", 1),
     ("README.md", "{} optimizer steps in 606 s", CPU + "trl-smollm2.json", "optimizer_steps", 1),

@@ -41,33 +41,16 @@ def register(app: typer.Typer) -> None:
 
         setup_logging("WARNING")  # stdout carries only the JSON
         cfg = cli_config()
-        if name == "gateway":
-            extra = _gateway_args(mod, engine, model, (turns, max_tokens, concurrency, rounds), cfg.rollout.python)
-            model = engine = ""
-        elif name == "trl":
-            extra = _trl_args(model, engine, plot)
-            model = engine = ""
+        if plot and name != "trl":
+            fail(f"--plot: bench {name!r} draws no plot (trl does)")
+        if name in _OWN_OPTIONS:  # benches that start their own engines take --model as an argument
+            load = (turns, max_tokens, concurrency, rounds)
+            extra = _OWN_OPTIONS[name](mod, engine, model, plot, load, cfg.rollout.python)
         elif turns or max_tokens or concurrency != 8 or rounds:
             fail(f"--turns/--max-tokens/--concurrency/--rounds: bench {name!r} does not take them (gateway does)")
         else:
             extra = {"cycles": cycles} if cycles and name == "coelastic" else {}
-        if plot and name != "trl":
-            fail(f"--plot: bench {name!r} draws no plot (trl does)")
-        if engine or model:
-            import dataclasses
-            from pathlib import Path
-
-            if name not in ("coelastic", "revoke"):
-                fail(f"--engine/--model: bench {name!r} runs no rollout engine (coelastic and revoke do)")
-            if engine not in ("vllm", "hf"):
-                fail(f"--engine {engine!r}: expected vllm or hf")
-            if not (Path(model) / "config.json").is_file():
-                fail(
-                    f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init`"
-                )
-            cfg = dataclasses.replace(
-                cfg, rollout=dataclasses.replace(cfg.rollout, engine=engine, model=str(Path(model).resolve()))
-            )
+            cfg = _with_engine(cfg, name, engine, model)
         from rose.bench._provenance import provenance
 
         started = provenance()  # the load as the run starts; the run itself adds to it
@@ -78,6 +61,46 @@ def register(app: typer.Typer) -> None:
         else:
             for k, v in result.items():
                 typer.echo(f"{k}: {v}")
+
+
+def _with_engine(cfg, name: str, engine: str, model: str):
+    """`cfg` with the rollout engine and checkpoint of `--engine`/`--model` (coelastic, revoke)."""
+    import dataclasses
+    from pathlib import Path
+
+    from rose.cli import fail
+
+    if not (engine or model):
+        return cfg
+    if name not in ("coelastic", "revoke"):
+        fail(f"--engine/--model: bench {name!r} runs no rollout engine (coelastic and revoke do)")
+    if engine not in ("vllm", "hf"):
+        fail(f"--engine {engine!r}: expected vllm or hf")
+    if not (Path(model) / "config.json").is_file():
+        fail(
+            f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init`"
+        )
+    return dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, engine=engine, model=str(Path(model).resolve()))
+    )
+
+
+def _decode_args(model: str, engine: str) -> dict:
+    """`rose bench decode`'s options, checked: vLLM on `model` (default a tiny checkpoint)."""
+    import importlib.util
+    from pathlib import Path
+
+    from rose.cli import fail
+
+    if engine not in ("", "vllm"):
+        fail(f"--engine {engine!r}: bench decode measures vLLM, the engine whose dtype it chooses")
+    if model and not (Path(model) / "config.json").is_file():
+        fail(
+            f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init`"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        fail("bench decode: vLLM is not installed in this environment (docs/engines.md)")
+    return {"model": str(Path(model).resolve()) if model else ""}
 
 
 def _trl_args(model: str, engine: str, plot: str) -> dict:
@@ -129,3 +152,11 @@ def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int, int],
         "concurrency": concurrency,
         "rounds": rounds,
     }
+
+
+# name -> its options checked into `run`'s keyword arguments: (module, engine, model, plot, load, python)
+_OWN_OPTIONS = {
+    "gateway": lambda mod, engine, model, plot, load, python: _gateway_args(mod, engine, model, load, python),
+    "trl": lambda mod, engine, model, plot, load, python: _trl_args(model, engine, plot),
+    "decode": lambda mod, engine, model, plot, load, python: _decode_args(model, engine),
+}

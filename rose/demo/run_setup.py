@@ -115,7 +115,7 @@ class DemoSetup:
                     self.cfg.rollout,
                     engine=opts.engine,
                     model=str(Path(opts.model).resolve()),
-                    dtype="float32",
+                    dtype="native",  # float32 on CPUs without bf16 arithmetic (rose bench decode)
                     max_model_len=opts.max_model_len,
                     threads=1,
                 ),

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from rose.rollout import mps
+from rose.rollout.compute_dtype import resolve_dtype
 from rose.rollout.gemm_check import GemmResult, first_failure, gemm_check
 from rose.rollout.launcher import (
     EXIT_BAD_CONFIG,
@@ -153,7 +154,7 @@ def check_device(
     if config.compute_share >= 1.0 and mps.meant(env) is None:
         return None
     try:
-        why = first_failure(gemm(config.device, ("bfloat16", config.dtype)))
+        why = first_failure(gemm(config.device, ("bfloat16", resolve_dtype(config.dtype, "cuda"))))
     except Exception as e:  # noqa: BLE001 - a check that cannot run must not pass
         return f"the GEMM check could not run on {config.device}: {type(e).__name__}: {e}"
     return why or mps.not_attached(config.device, env, clients)

@@ -19,6 +19,9 @@ def build_engine(config: WorkerConfig, device: str, mem_bytes: int, stream=None)
     has no lease yet). Raises rose.rollout.engine.BudgetError when the budget cannot hold the
     model and one sequence, ValueError naming what is wrong with the configuration, ImportError
     when the engine's library is not installed."""
+    from rose.rollout.compute_dtype import resolve_dtype
+
+    dtype = resolve_dtype(config.dtype, device)
     if config.engine == "vllm":
         from rose.rollout.engines.vllm_engine import CUDA_ACTIVATION_MARGIN, VllmEngine, checkpoint_bytes
 
@@ -33,7 +36,7 @@ def build_engine(config: WorkerConfig, device: str, mem_bytes: int, stream=None)
             config.checkpoint,
             max_batch=config.max_batch,
             max_model_len=config.max_model_len,
-            dtype=config.dtype,
+            dtype=dtype,
             device=device,
             kv_cache_bytes=kv,
             threads=config.threads,
@@ -48,7 +51,7 @@ def build_engine(config: WorkerConfig, device: str, mem_bytes: int, stream=None)
             config.checkpoint,
             max_batch=config.max_batch,
             max_seq=config.max_model_len,
-            dtype=config.dtype,
+            dtype=dtype,
             device=device,
             stream=stream,
             temperature=config.temperature,
