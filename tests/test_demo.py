@@ -363,7 +363,7 @@ def test_demo_with_a_checkpoint_engine_configures_rollout_and_the_trainer(tmp_pa
 
     d = DemoSetup(Config(), DemoOptions(engine="vllm", model=str(tmp_path), max_batch=8))
     ro = d.cfg.rollout
-    assert (ro.engine, ro.model, ro.dtype, ro.max_model_len) == ("vllm", str(tmp_path.resolve()), "float32", 512)
+    assert (ro.engine, ro.model, ro.dtype, ro.max_model_len) == ("vllm", str(tmp_path.resolve()), "native", 512)
     spec = TrainerSpec.from_json(d._trainer_spec().to_json())
     assert (spec.engine, spec.checkpoint, spec.max_turns, spec.obs_tokens) == ("vllm", ro.model, 1, 0)
     assert 12 <= spec.tokens_per_turn <= 16 and spec.group > 1
