@@ -87,6 +87,56 @@ class RedisConfig:
         return _redact_url(self.url)
 
 
+# one pool's forecast of its load: "last" is the evaluation's baseline, not a product choice
+FORECASTS = ("last", "peak", "peak_trend")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool's settings (`policy.pools.<pool>`; a pool named there lends whole replicas by
+    replica leases, docs/policy.md "Pool decisions"). The reclaim horizon is the time from the
+    load rising to a lent replica serving again; each term's source is in docs/policy.md."""
+
+    # requests/s one replica serves within its SLO; 0: estimated from the pool's own telemetry
+    # (the highest rps a serving replica showed with the grant headroom on every SLO metric)
+    replica_capacity_rps: float = 0.0
+    headroom: float = 0.30  # as PolicyConfig.grant_headroom: the kept capacity is forecast × (1 + this)
+    decision_latency_s: float = 1.0  # telemetry period 0.5 s + the scheduler's batch and transaction
+    stop_rollout_s: float = 2.0  # executor.revoke_deadline_s: rollout is gone (or killed) by then
+    wake_s: float = 0.4  # vLLM level-1 wake: 0.1 s + 16 GB (8B, bf16) / 55.3 GB/s host->device
+    readmit_s: float = 1.0  # health check and router add (assumption until `rose bench replica`)
+    forecast: str = "peak"  # one of FORECASTS (docs/policy.md: the traces' evidence)
+    window_s: float = 300.0  # the forecast's look-back; never shorter than the horizon
+    bin_s: float = 5.0  # load is summed over replicas per bin of this length
+
+    @property
+    def horizon_s(self) -> float:
+        return self.decision_latency_s + self.stop_rollout_s + self.wake_s + self.readmit_s
+
+
+def check_pool_config(name: str, c: PoolConfig) -> None:
+    """ConfigError with one line naming the setting and what to do."""
+    where = f"policy.pools.{name}"
+    if c.forecast not in FORECASTS:
+        raise ConfigError(f"{where}.forecast: {c.forecast!r} is not one of {FORECASTS}")
+    if not 0 <= c.replica_capacity_rps < math.inf:
+        raise ConfigError(f"{where}.replica_capacity_rps: {c.replica_capacity_rps} must be ≥ 0 (0: estimate)")
+    if not 0 <= c.headroom < math.inf:
+        raise ConfigError(f"{where}.headroom: {c.headroom} must be ≥ 0")
+    if c.replica_capacity_rps == 0 and c.headroom >= 1:
+        raise ConfigError(
+            f"{where}.replica_capacity_rps: 0 (estimate) cannot be estimated with headroom {c.headroom} ≥ 1 "
+            "(no latency is within (1 - headroom) × SLO); set the rps one replica serves within its SLO"
+        )
+    for term in ("decision_latency_s", "stop_rollout_s", "wake_s", "readmit_s"):
+        if not 0 <= getattr(c, term) < math.inf:
+            raise ConfigError(f"{where}.{term}: {getattr(c, term)} must be a number of seconds ≥ 0")
+    if not 0 < c.bin_s < math.inf:
+        raise ConfigError(f"{where}.bin_s: {c.bin_s} must be > 0")
+    if not c.horizon_s <= c.window_s < math.inf:
+        raise ConfigError(f"{where}.window_s: {c.window_s} s is shorter than the reclaim horizon {c.horizon_s} s")
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """Thresholds of the lease policy (docs/contract.md §4 defaults)."""
@@ -123,6 +173,9 @@ class PolicyConfig:
     # granted. In TOML or the environment: a profile file's path, or an array of [share, ratio]
     # pairs. Empty: no prior (the online estimate alone)
     interference_profile: tuple[tuple[float, float], ...] = ()
+    # the pools whose replicas replica leases may lend, by pool name: `[policy.pools.<pool>]`
+    # tables in TOML (docs/scheduler.md "Pool decisions and partitioning"). Empty: none
+    pools: Mapping[str, PoolConfig] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -414,13 +467,28 @@ def _apply(obj: Any, section: str, values: Mapping[str, Any]) -> Any:
             continue
         if key not in known:
             raise ConfigError(f"{section}.{key}: unknown setting (known: {', '.join(sorted(known))})")
-        if key == "librdkafka":
+        if key == "pools" and section == "policy":
+            changes[key] = _pools(raw)
+        elif key == "librdkafka":
             if not isinstance(raw, Mapping):
                 raise ConfigError(f"{section}.librdkafka: expected a table")
             changes[key] = {**getattr(obj, key), **{str(k): str(v) for k, v in raw.items()}}
         else:
             changes[key] = _coerce(section, known[key], raw)
     return replace(obj, **changes) if changes else obj
+
+
+def _pools(raw: Any) -> dict[str, PoolConfig]:
+    """`[policy.pools.<pool>]` tables, each read as its section (unknown keys and types named)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"policy.pools: expected [policy.pools.<pool>] tables, got {raw!r}")
+    out: dict[str, PoolConfig] = {}
+    for name, values in raw.items():
+        where = f"policy.pools.{name}"
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{where}: expected a [{where}] table, got {values!r}")
+        out[str(name)] = _apply(PoolConfig(), where, values)
+    return out
 
 
 def _read_toml(path: str | Path) -> dict[str, Any]:
@@ -486,6 +554,8 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     _check_gateway(cfg.gateway)
     _check_router(cfg.router, cfg.executor)
     _check_clock_skew(cfg.executor, cfg.policy)
+    for name, pool in cfg.policy.pools.items():
+        check_pool_config(name, pool)
     return cfg
 
 

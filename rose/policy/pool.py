@@ -16,7 +16,11 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+# a pool's settings are configuration (`policy.pools.<pool>`), defined and checked in rose.config
+from rose.config import FORECASTS as FORECASTS
 from rose.config import PolicyConfig
+from rose.config import PoolConfig as PoolConfig
+from rose.config import check_pool_config as check_pool_config
 from rose.contract.events import Command, Telemetry
 from rose.contract.immutable import immutable
 from rose.policy.lease_commands import Cause, lease_command, lease_id_for
@@ -25,45 +29,7 @@ from rose.policy.lease_policy import memory_margin
 if TYPE_CHECKING:
     from rose.policy.pool_records import PoolSample
 
-FORECASTS = ("last", "peak", "peak_trend")  # "last" is the evaluation's baseline, not a product choice
 LEASE_NONE, LEASE_REPLICA, LEASE_CORESIDENT = "none", "replica", "coresident"
-
-
-@immutable
-class PoolConfig:
-    """One pool's settings (`policy.pools.<pool>`). The reclaim horizon is the time from the load
-    rising to a lent replica serving again; each term's source is in docs/policy.md."""
-
-    # requests/s one replica serves within its SLO; 0: estimated from the pool's own telemetry
-    # (the highest rps a serving replica showed with the grant headroom on every SLO metric)
-    replica_capacity_rps: float = 0.0
-    headroom: float = 0.30  # as PolicyConfig.grant_headroom: the kept capacity is forecast × (1 + this)
-    decision_latency_s: float = 1.0  # telemetry period 0.5 s + the scheduler's batch and transaction
-    stop_rollout_s: float = 2.0  # executor.revoke_deadline_s: rollout is gone (or killed) by then
-    wake_s: float = 0.4  # vLLM level-1 wake: 0.1 s + 16 GB (8B, bf16) / 55.3 GB/s host->device
-    readmit_s: float = 1.0  # health check and router add (assumption until `rose bench replica`)
-    forecast: str = "peak"  # one of FORECASTS (docs/policy.md: the traces' evidence)
-    window_s: float = 300.0  # the forecast's look-back; never shorter than the horizon
-    bin_s: float = 5.0  # load is summed over replicas per bin of this length
-
-    @property
-    def horizon_s(self) -> float:
-        return self.decision_latency_s + self.stop_rollout_s + self.wake_s + self.readmit_s
-
-
-def check_pool_config(name: str, c: PoolConfig) -> None:
-    """ValueError with one line naming the setting and what to do."""
-    where = f"policy.pools.{name}"
-    if c.forecast not in FORECASTS:
-        raise ValueError(f"{where}.forecast: {c.forecast!r} is not one of {FORECASTS}")
-    if not c.replica_capacity_rps >= 0:
-        raise ValueError(f"{where}.replica_capacity_rps: {c.replica_capacity_rps} must be ≥ 0 (0: estimate)")
-    if not c.headroom >= 0:
-        raise ValueError(f"{where}.headroom: {c.headroom} must be ≥ 0")
-    if not c.bin_s > 0:
-        raise ValueError(f"{where}.bin_s: {c.bin_s} must be > 0")
-    if not c.window_s >= c.horizon_s:
-        raise ValueError(f"{where}.window_s: {c.window_s} s is shorter than the reclaim horizon {c.horizon_s} s")
 
 
 # ---------------------------------------------------------------- forecasts (the evaluation runs these too)
