@@ -7,7 +7,8 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rose.config import Config
@@ -171,3 +172,67 @@ def step_report(beats: Sequence[Heartbeat | None]) -> dict:
         "p99_ms_max": p99[-1],
         "note": "each worker's last heartbeat: nearest-rank p50/p99 of its last 512 token-producing steps",
     }
+
+
+@contextlib.contextmanager
+def rollout_workers(
+    c: Config, tag: str, logs: Path, fields: dict, paused: Sequence[str] = ()
+) -> Iterator[tuple[dict, dict]]:
+    """Two rollout workers `w0`, `w1` (WorkerConfig fields `fields` beside their own gpu, id and
+    pause flag), each with a pause flag (RUN, or PAUSE for those in `paused`), each logging to
+    `logs/worker-<w>.log`; yields (flags, processes), then sets STOP and reaps them."""
+    import subprocess
+
+    from rose.rollout.launcher import WorkerConfig, launch
+    from rose.rollout.pause_flag import PAUSE, STOP, PauseFlag
+
+    suffix = uuid.uuid4().hex[:8]
+    flags = {w: PauseFlag(f"rose-bench-{tag}-{suffix}-{w}", create=True) for w in ("w0", "w1")}
+    for w in paused:
+        flags[w].set(PAUSE)
+    procs: dict = {}
+    try:
+        for w, f in flags.items():
+            wc = WorkerConfig.from_config(c, **{"gpu": f"cpu/{w}", "worker_id": w, "pause_flag": f.name, **fields})
+            with open(logs / f"worker-{w}.log", "wb") as out:
+                procs[w] = launch(wc, stdout=subprocess.DEVNULL, stderr=out)
+        yield flags, procs
+    finally:
+        for f in flags.values():
+            f.set(STOP)
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for f in flags.values():
+            f.close()
+            f.unlink()
+
+
+class ServedGateway:
+    """The gateway app served by uvicorn in a thread of this process."""
+
+    def __init__(self, cfg: Config):
+        import threading
+
+        import uvicorn
+
+        from rose.child_server import free_port
+        from rose.gateway.app import create_app
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="bench-gateway")
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("bench gateway: the gateway did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)

@@ -135,33 +135,6 @@ def _client(url: str) -> Any:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
-class _Served:
-    """The gateway app served by uvicorn in a thread of this process."""
-
-    def __init__(self, cfg: Any):
-        import threading
-
-        import uvicorn
-
-        from rose.child_server import free_port
-        from rose.gateway.app import create_app
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="bench-gateway")
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("bench gateway: the gateway did not start")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-
-
 @dataclasses.dataclass
 class _Pool:
     """The gateway side's workers: their pause flags, processes and heartbeats."""
@@ -336,7 +309,7 @@ def run_sides(cfg: Any, model: str, logs: Path, plan: Plan, say: Callable[[str],
     run; then the server stopped and the revoke run on the gateway side."""
     import redis
 
-    from rose.bench._stack import last_heartbeat, private_stack
+    from rose.bench._stack import ServedGateway, last_heartbeat, private_stack
     from rose.vllm_server import start_server, stop_server
 
     warm = load(plan.vocab, plan.concurrency, seed0=1_000_000)
@@ -356,7 +329,7 @@ def run_sides(cfg: Any, model: str, logs: Path, plan: Plan, say: Callable[[str],
                 )
                 try:
                     pool.wait_states({"w0": "running", "w1": "paused"}, ENGINE_START_S)
-                    gw = _Served(c)
+                    gw = ServedGateway(c)
                     try:
                         direct, gateway = (_client(srv.url), srv.model), (_client(gw.url), MODEL)
                         say("both sides up; warming each engine (unmeasured)")
@@ -395,42 +368,13 @@ def _gateway_cfg(c: Any) -> Any:
 
 @contextlib.contextmanager
 def _workers(c: Any, r: Any, model: str, logs: Path, concurrency: int) -> Iterator[_Pool]:
-    """Two vLLM rollout workers on `model`, each leased with a pause flag (w1 starts at PAUSE);
-    STOP and reaped after."""
-    import subprocess
-    import uuid
+    """Two vLLM rollout workers on `model`, each leased with a pause flag (w1 starts at PAUSE)."""
+    from rose.bench._stack import ENGINE_LEASE_BYTES, rollout_workers
 
-    from rose.bench._stack import ENGINE_LEASE_BYTES
-    from rose.rollout.launcher import WorkerConfig, launch
-    from rose.rollout.pause_flag import PAUSE, STOP, PauseFlag
-
-    tag = uuid.uuid4().hex[:8]
-    flags = {w: PauseFlag(f"rose-bench-gw-{tag}-{w}", create=True) for w in ("w0", "w1")}
-    flags["w1"].set(PAUSE)
-    procs: dict = {}
-    try:
-        for w, f in flags.items():
-            wc = WorkerConfig.from_config(
-                c,
-                **{"gpu": f"cpu/{w}", "worker_id": w, "engine": "vllm", "checkpoint": model, "nice": 0},
-                **{"max_batch": concurrency, "max_model_len": MAX_MODEL_LEN, "threads": THREADS},
-                **{"mem_bytes": ENGINE_LEASE_BYTES, "pause_flag": f.name},
-            )
-            with open(logs / f"worker-{w}.log", "wb") as out:
-                procs[w] = launch(wc, stdout=subprocess.DEVNULL, stderr=out)
+    fields = {"engine": "vllm", "checkpoint": model, "nice": 0, "max_batch": concurrency}
+    fields |= {"max_model_len": MAX_MODEL_LEN, "threads": THREADS, "mem_bytes": ENGINE_LEASE_BYTES}
+    with rollout_workers(c, "gw", logs, fields, paused=("w1",)) as (flags, procs):
         yield _Pool(c, flags, procs, r)
-    finally:
-        for f in flags.values():
-            f.set(STOP)
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        for f in flags.values():
-            f.close()
-            f.unlink()
 
 
 def run(

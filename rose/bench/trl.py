@@ -39,7 +39,7 @@ def run(cfg: Any, quick: bool, *, model: str = "", plot: str = "") -> dict:
 
             model = str(init_checkpoint(Path(tmp) / "tiny-qwen2-tok", tokenizer=True))
         c = _gateway_cfg(c)
-        with _workers(c, model, Path(tmp)) as procs:
+        with _workers(c, model, Path(tmp)) as (_flags, procs):
             served = _serve_when_running(c, sorted(procs), t0)
             try:
                 lines, wall_s = _run_example(served.url, model, Path(tmp) / "out", minutes, t0)
@@ -65,54 +65,20 @@ def _gateway_cfg(c: Any) -> Any:
     )
 
 
-class _workers:
-    """Two hf-engine rollout workers following `model`'s weights, each with a pause flag at RUN;
-    STOP and reaped after."""
+def _workers(c: Any, model: str, logs: Path) -> Any:
+    """Two hf-engine rollout workers following `model`'s weights, each with a pause flag at RUN."""
+    from rose.bench._stack import rollout_workers
 
-    def __init__(self, c: Any, model: str, logs: Path):
-        self.c, self.model, self.logs = c, model, logs
-
-    def __enter__(self) -> dict:
-        import uuid
-
-        from rose.rollout.launcher import WorkerConfig, launch
-        from rose.rollout.pause_flag import PauseFlag
-
-        tag = uuid.uuid4().hex[:8]
-        self.flags = {w: PauseFlag(f"rose-bench-trl-{tag}-{w}", create=True) for w in ("w0", "w1")}
-        self.procs: dict = {}
-        for w, f in self.flags.items():
-            wc = WorkerConfig.from_config(
-                self.c,
-                **{"gpu": f"cpu/{w}", "worker_id": w, "engine": "hf", "checkpoint": self.model, "nice": 0},
-                **{"weights": "follow", "max_batch": 8, "max_model_len": 256, "pause_flag": f.name},
-            )
-            with open(self.logs / f"worker-{w}.log", "wb") as err:
-                self.procs[w] = launch(wc, stdout=subprocess.DEVNULL, stderr=err)
-        return self.procs
-
-    def __exit__(self, *exc: object) -> None:
-        from rose.rollout.pause_flag import STOP
-
-        for f in self.flags.values():
-            f.set(STOP)
-        for p in self.procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        for f in self.flags.values():
-            f.close()
-            f.unlink()
+    fields = {"engine": "hf", "checkpoint": model, "nice": 0, "weights": "follow", "max_batch": 8, "max_model_len": 256}
+    return rollout_workers(c, "trl", logs, fields)
 
 
 def _serve_when_running(c: Any, workers: list[str], t0: float) -> Any:
     import httpx
 
-    from rose.bench.gateway import _Served
+    from rose.bench._stack import ServedGateway
 
-    served = _Served(c)
+    served = ServedGateway(c)
     deadline = time.monotonic() + 300
     while sorted(httpx.get(served.url + "/health").json()["workers_running"]) != workers:
         if time.monotonic() > deadline:
@@ -129,16 +95,17 @@ def _run_example(url: str, model: str, out: Path, minutes: float, t0: float) -> 
     argv += ["--model", model, "--steps", str(MAX_STEPS), "--max-minutes", str(minutes), "--out", str(out)]
     _say(t0, f"running {EXAMPLE.name} for {minutes:g} min")
     start = time.monotonic()
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=EXAMPLE.parent)
-    assert p.stdout is not None and p.stderr is not None
-    lines = []
-    for line in p.stdout:
-        lines.append(line.rstrip("\n"))
-        if line.startswith(("model ", "step ", "done: ")):  # not TRL's own log dicts
-            _say(t0, line.rstrip("\n"))
-    err = p.stderr.read()
+    log = out.parent / "example.stderr"  # a file, not a pipe: nothing blocks the example however much it logs
+    with open(log, "w") as err:
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=EXAMPLE.parent)
+        assert p.stdout is not None
+        lines = []
+        for line in p.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith(("model ", "step ", "done: ")):  # not TRL's own log dicts
+                _say(t0, line.rstrip("\n"))
     if p.wait() != 0:
-        raise SystemExit(f"bench trl: the example exited {p.returncode}:\n{err[-4000:]}")
+        raise SystemExit(f"bench trl: the example exited {p.returncode}:\n{log.read_text()[-4000:]}")
     return lines, time.monotonic() - start
 
 
