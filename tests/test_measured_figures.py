@@ -1,7 +1,7 @@
 """Every figure the README and docs/ state as measured comes from a file under docs/measured.
 
 A pure file check, no stack: each `docs/measured/...` reference in README.md and docs/*.md
-names a file that exists; every row of the README's bench table names at least one; and each
+names a file that exists; every row of the bench table (docs/status.md) names at least one; and each
 figure listed in `FIGURES` is found in its document as written and equals its file's value at
 the rounding the document uses. Planted bugs it catches: a figure edited in a document without
 its file (or a file re-measured without the document), a link to a file that was never
@@ -30,12 +30,12 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ("docs/engines.md", "tokens/s on 1 thread and {} on 2", CPU + "bench-decode.json", "cells.1.tokens_per_s", 1),
     ("docs/engines.md", "bfloat16 {} and 46.8", CPU + "bench-decode.json", "cells.2.tokens_per_s", 1),
     ("docs/engines.md", "bfloat16 45.2 and {};", CPU + "bench-decode.json", "cells.3.tokens_per_s", 1),
-    ("README.md", "float32 {} tokens/s on 1 thread, 112.7", CPU + "bench-decode.json", "cells.0.tokens_per_s", 1),
-    ("README.md", "load average {} ([bench-decode", CPU + "bench-decode.json", "provenance.load_average.1m", 1),
+    ("docs/status.md", "float32 {} tokens/s on 1 thread, 112.7", CPU + "bench-decode.json", "cells.0.tokens_per_s", 1),
+    ("docs/status.md", "load average {} ([bench-decode", CPU + "bench-decode.json", "provenance.load_average.1m", 1),
     # TRL's GRPOTrainer over ROSE on SmolLM2, 10 minutes
-    ("README.md", "load average {} ([trl", CPU + "trl-smollm2.json", "provenance.load_average.1m", 1),
-    ("README.md", "{} optimizer steps in 606 s", CPU + "trl-smollm2.json", "optimizer_steps", 1),
-    ("README.md", "optimizer steps in {} s, 13.8", CPU + "trl-smollm2.json", "wall_s", 1),
+    ("docs/status.md", "load average {} ([trl", CPU + "trl-smollm2.json", "provenance.load_average.1m", 1),
+    ("docs/status.md", "{} optimizer steps in 606 s", CPU + "trl-smollm2.json", "optimizer_steps", 1),
+    ("docs/status.md", "optimizer steps in {} s, 13.8", CPU + "trl-smollm2.json", "wall_s", 1),
     ("docs/frameworks.md", "**Wall time:** {} s for", CPU + "trl-smollm2.json", "wall_s", 1),
     ("docs/frameworks.md", "606 s for {} optimizer steps", CPU + "trl-smollm2.json", "optimizer_steps", 1),
     ("docs/frameworks.md", "optimizer steps, {} s a step", CPU + "trl-smollm2.json", "seconds_per_step.mean", 1),
@@ -43,21 +43,21 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ("docs/frameworks.md", "first third's mean\n  {} (", CPU + "trl-smollm2.json", "reward_first_third.mean", 1),
     # gateway / direct turns/s, three runs
     (
-        "README.md",
+        "docs/status.md",
         "gateway/direct turns/s {},",
         CPU + "bench-gateway-rounds.json",
         "runs.0.turns_per_s_ratio_gateway_over_direct",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "turns/s 1.13, {},",
         CPU + "bench-gateway-rounds.json",
         "runs.1.turns_per_s_ratio_gateway_over_direct",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "turns/s 1.13, 1.14, {} (goal",
         CPU + "bench-gateway-rounds.json",
         "runs.2.turns_per_s_ratio_gateway_over_direct",
@@ -65,37 +65,43 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ),
     # co-elasticity on vLLM and transformers
     (
-        "README.md",
+        "docs/status.md",
         "vLLM warm first token p50 {} ms",
         CPU + "coelastic-vllm.json",
         "grant_to_first_token_ms.warm.p50_ms",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "vLLM warm first token p50 41 ms, p99 {} ms",
         CPU + "coelastic-vllm.json",
         "grant_to_first_token_ms.warm.p99_ms",
         1,
     ),
-    ("README.md", "vs cold p50 {} s", CPU + "coelastic-vllm.json", "grant_to_first_token_ms.cold.p50_ms", 1e-3),
+    ("docs/status.md", "vs cold p50 {} s", CPU + "coelastic-vllm.json", "grant_to_first_token_ms.cold.p50_ms", 1e-3),
     (
-        "README.md",
+        "docs/status.md",
         "vLLM resume → first token p50 {} ms",
         CPU + "coelastic-vllm.json",
         "resume_to_first_token_ms.p50_ms",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "vLLM resume → first token p50 31 ms, p99 {} ms",
         CPU + "coelastic-vllm.json",
         "resume_to_first_token_ms.p99_ms",
         1,
     ),
-    ("README.md", "hf warm first token p50 {} ms", CPU + "coelastic-hf.json", "grant_to_first_token_ms.warm.p50_ms", 1),
     (
-        "README.md",
+        "docs/status.md",
+        "hf warm first token p50 {} ms",
+        CPU + "coelastic-hf.json",
+        "grant_to_first_token_ms.warm.p50_ms",
+        1,
+    ),
+    (
+        "docs/status.md",
         "hf warm first token p50 106 ms, p99 {} ms",
         CPU + "coelastic-hf.json",
         "grant_to_first_token_ms.warm.p99_ms",
@@ -103,21 +109,21 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ),
     # the one Kafka-cluster run with a file
     (
-        "README.md",
+        "docs/status.md",
         "leader death → next committed decision p50 {} s",
         CPU + "kafka-cluster-faults.json",
         "leader_death_to_next_committed_decision_s.p50",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "committed decision p50 10.2 s, max {} s",
         CPU + "kafka-cluster-faults.json",
         "leader_death_to_next_committed_decision_s.max",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "SIGSTOPped until fenced: {} s",
         CPU + "kafka-cluster-faults.json",
         "sigstop_to_next_committed_decision_s.0",
@@ -125,30 +131,54 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ),
     # revoke and agent, re-measured with their provenance
     (
-        "README.md",
+        "docs/status.md",
         "paused p50 {} ms, p99 236 ms via Kafka",
         CPU + "bench-revoke.json",
         "kafka_worker_paused_ms.p50_ms",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "paused p50 8.9 ms, p99 {} ms via Kafka",
         CPU + "bench-revoke.json",
         "kafka_worker_paused_ms.p99_ms",
         1,
     ),
-    ("README.md", "via the guard p50 {} ms", CPU + "bench-revoke.json", "guard_worker_paused_ms.p50_ms", 1),
-    ("README.md", "via the guard p50 3.4 ms, p99 {} ms", CPU + "bench-revoke.json", "guard_worker_paused_ms.p99_ms", 1),
-    ("README.md", "`revoked` p50 {} ms", CPU + "bench-revoke.json", "kafka_revoked_published_ms.p50_ms", 1),
-    ("README.md", "`revoked` p50 396 ms, p99 {} ms", CPU + "bench-revoke.json", "kafka_revoked_published_ms.p99_ms", 1),
-    ("README.md", "load average from {} to", CPU + "bench-revoke.json", "provenance.load_average.1m", 1),
-    ("README.md", "load average from 2.6 to {}", CPU + "bench-revoke.json", "provenance.load_average_at_end.1m", 1),
-    ("README.md", "load average {} ([bench-agent.json]", CPU + "bench-agent.json", "provenance.load_average.1m", 1),
-    ("README.md", "{}k acknowledged ev/s", CPU + "bench-agent.json", "events_per_s", 1e-3),
-    ("README.md", "acknowledged ev/s (goal 50k), {} dropped", CPU + "bench-agent.json", "dropped", 1),
+    ("docs/status.md", "via the guard p50 {} ms", CPU + "bench-revoke.json", "guard_worker_paused_ms.p50_ms", 1),
     (
-        "README.md",
+        "docs/status.md",
+        "via the guard p50 3.4 ms, p99 {} ms",
+        CPU + "bench-revoke.json",
+        "guard_worker_paused_ms.p99_ms",
+        1,
+    ),
+    ("docs/status.md", "`revoked` p50 {} ms", CPU + "bench-revoke.json", "kafka_revoked_published_ms.p50_ms", 1),
+    (
+        "docs/status.md",
+        "`revoked` p50 396 ms, p99 {} ms",
+        CPU + "bench-revoke.json",
+        "kafka_revoked_published_ms.p99_ms",
+        1,
+    ),
+    ("docs/status.md", "load average from {} to", CPU + "bench-revoke.json", "provenance.load_average.1m", 1),
+    (
+        "docs/status.md",
+        "load average from 2.6 to {}",
+        CPU + "bench-revoke.json",
+        "provenance.load_average_at_end.1m",
+        1,
+    ),
+    (
+        "docs/status.md",
+        "load average {} ([bench-agent.json]",
+        CPU + "bench-agent.json",
+        "provenance.load_average.1m",
+        1,
+    ),
+    ("docs/status.md", "{}k acknowledged ev/s", CPU + "bench-agent.json", "events_per_s", 1e-3),
+    ("docs/status.md", "acknowledged ev/s (goal 50k), {} dropped", CPU + "bench-agent.json", "dropped", 1),
+    (
+        "docs/status.md",
         "the real path (parse a vLLM page, window, build the records) {} µs",
         CPU + "bench-agent.json",
         "real_path_cpu_us_per_event",
@@ -156,40 +186,46 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ),
     # the scheduler
     (
-        "README.md",
+        "docs/status.md",
         "load average 13.7 rising to {}",
         CPU + "bench-scheduler.json",
         "provenance.load_average_at_end.1m",
         1,
     ),
-    ("README.md", "load average {} rising to 17.6", CPU + "bench-scheduler.json", "provenance.load_average.1m", 1),
-    ("README.md", "bench-scheduler.json)): {} ev/s", CPU + "bench-scheduler.json", "scheduler_events_per_s", 1),
-    ("README.md", "ev/s, {}× raw consume+decode", CPU + "bench-scheduler.json", "scheduler_vs_raw_ratio", 1),
+    ("docs/status.md", "load average {} rising to 17.6", CPU + "bench-scheduler.json", "provenance.load_average.1m", 1),
+    ("docs/status.md", "bench-scheduler.json)): {} ev/s", CPU + "bench-scheduler.json", "scheduler_events_per_s", 1),
+    ("docs/status.md", "ev/s, {}× raw consume+decode", CPU + "bench-scheduler.json", "scheduler_vs_raw_ratio", 1),
     (
-        "README.md",
+        "docs/status.md",
         "raw consume+decode of {} (goals",
         CPU + "bench-scheduler.json",
         "raw_consume_decode_events_per_s",
         1,
     ),
-    ("README.md", "the policy alone ran {} ev/s", CPU + "bench-scheduler.json", "policy_alone_events_per_s", 1),
-    ("README.md", "decision latency at 5k ev/s p50 {} ms", CPU + "bench-scheduler.json", "decision_latency.p50_ms", 1),
+    ("docs/status.md", "the policy alone ran {} ev/s", CPU + "bench-scheduler.json", "policy_alone_events_per_s", 1),
     (
-        "README.md",
+        "docs/status.md",
+        "decision latency at 5k ev/s p50 {} ms",
+        CPU + "bench-scheduler.json",
+        "decision_latency.p50_ms",
+        1,
+    ),
+    (
+        "docs/status.md",
         "decision latency at 5k ev/s p50 3021 ms, p99 {} ms",
         CPU + "bench-scheduler.json",
         "decision_latency.p99_ms",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "scale-out ×{} with 2 instances",
         CPU + "bench-scheduler.json",
         "scale_out.instances.2.speedup_vs_1",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "with 2 instances, ×{} with 4",
         CPU + "bench-scheduler.json",
         "scale_out.instances.4.speedup_vs_1",
@@ -229,28 +265,34 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ("docs/scheduler.md", "Renews are most commands (28910 of {} in", CPU + "bench-scheduler.json", "commands", 1),
     # weights: a synthetic update (Adam on noise gradients)
     (
-        "README.md",
+        "docs/status.md",
         "load average {} from other work ([bench-weights.json]",
         CPU + "bench-weights.json",
         "provenance.load_average.1m",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "{} bytes ratio at lr 1e-6 on that synthetic update",
         CPU + "bench-weights.json",
         "bytes_ratio_by_lr.1e-06.bytes_ratio",
         1,
     ),
-    ("README.md", "(goal ≤ 0.01; {} at 1e-7", CPU + "bench-weights.json", "bytes_ratio_by_lr.1e-07.bytes_ratio", 1),
-    ("README.md", "at 1e-7, {} at 1e-5)", CPU + "bench-weights.json", "bytes_ratio_by_lr.1e-05.bytes_ratio", 1),
-    ("README.md", "encode {}× memcpy on 2 threads", CPU + "bench-weights.json", "encode_over_memcpy", 1),
-    ("README.md", "apply {}× the memcpy timed beside it", CPU + "bench-weights.json", "apply_over_memcpy", 1),
-    ("README.md", "({} GB/s apply;", CPU + "bench-weights.json", "apply_gb_per_s", 1),
-    ("README.md", "patch {} s in-process", CPU + "bench-weights.json", "patch_s", 1),
-    ("README.md", "(goal 1.5 s), {} s as a fresh process", CPU + "bench-weights.json", "patch_cli_s", 1),
     (
-        "README.md",
+        "docs/status.md",
+        "(goal ≤ 0.01; {} at 1e-7",
+        CPU + "bench-weights.json",
+        "bytes_ratio_by_lr.1e-07.bytes_ratio",
+        1,
+    ),
+    ("docs/status.md", "at 1e-7, {} at 1e-5)", CPU + "bench-weights.json", "bytes_ratio_by_lr.1e-05.bytes_ratio", 1),
+    ("docs/status.md", "encode {}× memcpy on 2 threads", CPU + "bench-weights.json", "encode_over_memcpy", 1),
+    ("docs/status.md", "apply {}× the memcpy timed beside it", CPU + "bench-weights.json", "apply_over_memcpy", 1),
+    ("docs/status.md", "({} GB/s apply;", CPU + "bench-weights.json", "apply_gb_per_s", 1),
+    ("docs/status.md", "patch {} s in-process", CPU + "bench-weights.json", "patch_s", 1),
+    ("docs/status.md", "(goal 1.5 s), {} s as a fresh process", CPU + "bench-weights.json", "patch_cli_s", 1),
+    (
+        "docs/status.md",
         "Weight encoding runs at {}× memcpy on 2 threads",
         CPU + "bench-weights.json",
         "encode_over_memcpy",
@@ -402,24 +444,30 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ),
     ("README.md", "/ 73.82 / {} |", CPU + "demo-reference.json", "measured_device.core.with_leases.rollout_s", 1),
     (
-        "README.md",
+        "docs/status.md",
         "(TTFT p99 {} ms against the 1 s SLO)",
         CPU + "demo-reference.json",
         "measured_device.p99_alone_ms.ttft",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "Weight bytes ratio {} at the toy trainer's lr 3e-3",
         CPU + "demo-reference.json",
         "weights.weight_bytes_ratio",
         1,
     ),
-    ("README.md", "reward {} → 0.9974", CPU + "demo-reference.json", "weights.reward_first", 1),
-    ("README.md", "reward 0.099 → {} (docs/demo.md)", CPU + "demo-reference.json", "weights.reward_last", 1),
-    ("README.md", "kept the load average at {} to 15.5", CPU + "demo-reference.json", "provenance.load_average.1m", 1),
+    ("docs/status.md", "reward {} → 0.9974", CPU + "demo-reference.json", "weights.reward_first", 1),
+    ("docs/status.md", "reward 0.099 → {} (docs/demo.md)", CPU + "demo-reference.json", "weights.reward_last", 1),
     (
-        "README.md",
+        "docs/status.md",
+        "kept the load average at {} to 15.5",
+        CPU + "demo-reference.json",
+        "provenance.load_average.1m",
+        1,
+    ),
+    (
+        "docs/status.md",
         "kept the load average at 11.0 to {}",
         CPU + "demo-reference.json",
         "provenance.load_average_at_end.1m",
@@ -454,37 +502,49 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
     ("docs/demo.md", "kept the load average at {} to", CPU + "demo-reference.json", "provenance.load_average.1m", 1),
     # the soak, quick
     (
-        "README.md",
+        "docs/status.md",
         "bench-soak.json)): {} telemetry ev/s produced",
         CPU + "bench-soak.json",
         "fleets.0.telemetry_produced_events_per_s",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "telemetry ev/s produced, {} consumed",
         CPU + "bench-soak.json",
         "fleets.0.telemetry_consumed_events_per_s",
         1,
     ),
-    ("README.md", "consumed (2000 modelled), {} commands/s", CPU + "bench-soak.json", "fleets.0.commands_per_s", 1),
-    ("README.md", "decision latency over {} decisions", CPU + "bench-soak.json", "fleets.0.decision_latency_ms.n", 1),
     (
-        "README.md",
+        "docs/status.md",
+        "consumed (2000 modelled), {} commands/s",
+        CPU + "bench-soak.json",
+        "fleets.0.commands_per_s",
+        1,
+    ),
+    (
+        "docs/status.md",
+        "decision latency over {} decisions",
+        CPU + "bench-soak.json",
+        "fleets.0.decision_latency_ms.n",
+        1,
+    ),
+    (
+        "docs/status.md",
         "decisions p50 {} ms, p99 5768.973",
         CPU + "bench-soak.json",
         "fleets.0.decision_latency_ms.p50_ms",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "decisions p50 2912.914 ms, p99 {} ms",
         CPU + "bench-soak.json",
         "fleets.0.decision_latency_ms.p99_ms",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "1,000 GPUs × 40 s, load average {} rising",
         CPU + "bench-soak.json",
         "provenance.load_average.1m",
@@ -519,33 +579,39 @@ FIGURES: list[tuple[str, str, str, str, float]] = [
         1,
     ),
     # CPU interference, quick, under load
-    ("README.md", "load average {} falling to", CPU + "bench-interference-quick.json", "provenance.load_average.1m", 1),
     (
-        "README.md",
+        "docs/status.md",
+        "load average {} falling to",
+        CPU + "bench-interference-quick.json",
+        "provenance.load_average.1m",
+        1,
+    ),
+    (
+        "docs/status.md",
         "falling to {} from other work ([bench-interference-quick",
         CPU + "bench-interference-quick.json",
         "provenance.load_average_at_end.1m",
         1,
     ),
-    ("README.md", "the slowest (p99 {} ms)", CPU + "bench-interference-quick.json", "alone_ms.p99_ms", 1),
+    ("docs/status.md", "the slowest (p99 {} ms)", CPU + "bench-interference-quick.json", "alone_ms.p99_ms", 1),
     (
-        "README.md",
+        "docs/status.md",
         "its ratios, {}× beside unprotected",
         CPU + "bench-interference-quick.json",
         "unprotected_p99_over_alone",
         1,
     ),
     (
-        "README.md",
+        "docs/status.md",
         "beside unprotected rollout and {}× protected",
         CPU + "bench-interference-quick.json",
         "protected_p99_over_alone",
         1,
     ),
     # the H200
-    ("README.md", "the {} CUDA-marked tests of that day", H200 + "cuda-tests.xml", "tests", 1),
-    ("README.md", "drained in p99 {} ms", H200 + "pause.json", "p99_ms", 1),
-    ("README.md", "(fitted alpha {};", H200 + "interference.json", "alpha_per_share", 1),
+    ("docs/status.md", "the {} CUDA-marked tests of that day", H200 + "cuda-tests.xml", "tests", 1),
+    ("docs/status.md", "drained in p99 {} ms", H200 + "pause.json", "p99_ms", 1),
+    ("docs/status.md", "(fitted alpha {};", H200 + "interference.json", "alpha_per_share", 1),
 ]
 
 
@@ -586,14 +652,14 @@ def test_every_measured_reference_names_a_committed_file(doc):
 
 
 def _bench_rows() -> list[str]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs/status.md").read_text()
     table = text.split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
     return [ln for ln in table.splitlines() if ln.startswith("| `")]
 
 
-def test_every_bench_row_of_the_readme_names_its_files():
+def test_every_bench_row_names_its_files():
     rows = _bench_rows()
-    assert len(rows) >= 8, "the README's bench table was not found"
+    assert len(rows) >= 8, "docs/status.md's bench table was not found"
     for row in rows:
         refs = [r for ref in _refs_in(row) for r in _expand(ref)]
         if "no figure is quoted" in row.rsplit(" | ", 1)[-1]:
@@ -608,7 +674,7 @@ def _refs_in(text: str) -> list[str]:
 
 
 def test_files_written_by_the_bench_cli_carry_their_provenance():
-    """Files the README's bench table names that `rose bench NAME --json` wrote since it records
+    """Files docs/status.md's bench table names that `rose bench NAME --json` wrote since it records
     provenance: each says its command, commit, machine and load average."""
     for path in sorted((REPO / "docs/measured/cpu").glob("bench-*.json")):
         data = json.loads(path.read_text())
@@ -638,3 +704,13 @@ def test_each_listed_figure_matches_its_file(figure):
     assert f"{value:.{decimals}f}" == f"{float(written):.{decimals}f}", (
         f"{doc} says {written} where {file} [{key}] gives {value:.{decimals + 2}f}"
     )
+
+
+def test_the_front_page_ends_its_overview_within_80_lines():
+    """README.md: what ROSE is, the two commands, what the demo shows and where to read on come
+    before line 80; the detailed sections follow "Read on"."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
+    read_on = next(i for i in heads if lines[i] == "## Read on")
+    first_detail = next(i for i in heads if i > read_on)
+    assert first_detail < 80, f"README.md's first detailed section starts at line {first_detail + 1}"
