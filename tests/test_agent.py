@@ -13,12 +13,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rose.config import GiB
-from rose.contract.events import Telemetry
+from rose.contract.events import LEASE_KINDS, LEASE_STATES, SERVING_STATES, Telemetry
 from rose.kafka.consumer import header, read_all
 from rose.kafka.producer import make_producer, produce_event
-from rose.node.lease_view import LeaseView
+from rose.node.lease_view import REPLICA_ONLY_STATES, LeaseView, serving_state_of
 from rose.node.simulated_agent import SimOptions, run_simulated
 from rose.node.telemetry import telemetry_records
 from tests.examples import command_example, lease_state_example
@@ -159,6 +161,76 @@ def test_lease_view_state_and_share():
     assert v.rollout("sim/0") == (0.0, False, 0)
     v.on_lease_state(lease_state_example(gpu="sim/0", lease_id="L0", epoch=0, state="active", ts=3e9))
     assert v.rollout("sim/0") == (0.0, False, 0)  # an older epoch does not override
+
+
+@given(st.sampled_from(LEASE_KINDS), st.sampled_from((None, *LEASE_STATES)))
+def test_every_lease_state_is_one_serving_state(kind, state):
+    got = serving_state_of(kind, state)
+    assert got in SERVING_STATES
+    if kind == "coresident" or state in (None, "revoked", "expired", "rejected"):
+        assert got == "serving"  # a co-resident lease keeps serving; a replica lease's end serves again
+    else:
+        assert got == {"draining": "draining", "reclaiming": "reclaiming"}.get(state, "lent")
+
+
+@given(st.lists(st.tuples(st.sampled_from([s for s in LEASE_STATES if s not in REPLICA_ONLY_STATES]), st.booleans())))
+def test_a_coresident_lease_never_changes_serving_state(steps):
+    """Co-resident leases granted, throttled and moved through every state they can have: the GPU's
+    replica serves throughout."""
+    v = LeaseView()
+    for n, (state, grant) in enumerate(steps):
+        if grant:
+            v.on_command(command_example(gpu="g", lease_id=f"L{n}", kind="grant"))
+        v.on_lease_state(lease_state_example(gpu="g", lease_id=f"L{n // 2}", epoch=n // 2, state=state, ts=n))
+        assert v.serving_state("g") == "serving"
+
+
+def test_lease_view_knows_a_replica_lease_by_its_grant_or_its_states():
+    v = LeaseView()
+    v.on_lease_state(lease_state_example(gpu="g", lease_id="R1", state="active", ts=1.0))
+    assert v.serving_state("g") == "serving"  # kind not known yet: nothing says it is lent
+    v.on_command(command_example(gpu="g", lease_id="R1", lease_kind="replica"))
+    assert v.serving_state("g") == "lent"
+    v.on_lease_state(lease_state_example(gpu="g", lease_id="R2", epoch=2, state="reclaiming", ts=2.0))
+    assert v.serving_state("g") == "reclaiming"  # only a replica lease reclaims: no grant needed
+    v.on_lease_state(lease_state_example(gpu="g", lease_id="R2", epoch=2, state="revoked", ts=3.0))
+    assert v.serving_state("g") == "serving" and v.serving_state("other") == "serving"
+
+
+def test_records_name_a_replica_and_its_state_only_where_not_the_default():
+    recs = telemetry_records(
+        ts=1.7e9, node="n", gpus=["n/0", "n/1", "n/2"], pool="serving", slo=(1000.0, 100.0), run_id="r", seq=0,
+        util=[0.5] * 3, mem_total=80 * GiB, mem_used=[GiB] * 3, rollout_mem=[0] * 3, ttft_ms=[1.0] * 3,
+        tpot_ms=[1.0] * 3, rps=[0.0] * 3, queue=[0] * 3,
+        replica={"n/0": "a", "n/1": "a", "n/2": "n/2"}, serving_state=["lent", "serving", "serving"],
+    )  # fmt: skip
+    ds = [json.loads(v) for v, _ in recs]
+    assert [(d.get("replica"), d.get("serving_state")) for d in ds] == [("a", "lent"), ("a", None), (None, None)]
+    evs = [Telemetry.from_dict(d) for d in ds]
+    assert [(e.replica_id, e.serving_state) for e in evs] == [("a", "lent"), ("a", "serving"), ("n/2", "serving")]
+
+
+def test_simulated_tensor_parallel_gpus_name_their_replica():
+    from rose.node.simulated_agent import tensor_parallel_replicas
+
+    gpus = [f"sim/{i}" for i in range(4)]
+    assert tensor_parallel_replicas(gpus, 2) == {"sim/0": "sim/0", "sim/1": "sim/0", "sim/2": "sim/2", "sim/3": "sim/2"}
+    assert tensor_parallel_replicas(gpus, 1) == {g: g for g in gpus}  # each its own: the field stays off
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--nvml", "--metrics-url", "http://127.0.0.1:9/metrics", "--replica", "n/0"], "'n/0'"),
+        (["--nvml", "--metrics-url", "http://127.0.0.1:9/metrics", "--replica", "=a"], "'=a'"),
+        (["--simulate", "trace.csv", "--replica", "sim/0=a"], "--nvml"),
+    ],
+)
+def test_a_malformed_replica_is_one_line_and_exit_2(args, names):
+    r = subprocess.run([sys.executable, "-m", "rose", "agent", *args], capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-600:]
+    assert lines[0].startswith("rose: --replica") and names in lines[0]
 
 
 def test_records_validate():

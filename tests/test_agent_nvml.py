@@ -8,6 +8,7 @@ import dataclasses
 import http.server
 import json
 import threading
+import time
 
 import pytest
 
@@ -15,7 +16,9 @@ from rose.config import GiB, load_config
 from rose.contract.events import Telemetry
 from rose.node import prometheus as prom
 from rose.node.agent import LatencyCarry, NvmlOptions, run_nvml
+from rose.node.lease_view import REPLICA_SERVING_STATE
 from rose.node.nvml import GpuSample
+from tests.examples import command_example, lease_state_example
 from tests.test_agent import REPO, Collect
 from tests.test_prometheus import vllm_text
 
@@ -98,7 +101,7 @@ def run_agent(cfg, urls: list[str], busy, guard_dir, publisher) -> tuple[dict, F
     gpus = FixedGpus(len(urls))
     out = run_nvml(
         cfg,
-        NvmlOptions(urls, "n", period_s=0.1, guard_dir=str(guard_dir)),
+        NvmlOptions(urls, "n", period_s=0.1, guard_dir=str(guard_dir), follow_leases=False),
         gpus,
         stop=lambda: busy.served >= len(busy.pages),
         publisher=publisher,
@@ -148,7 +151,7 @@ def test_no_guard_files_without_feed_guard(engines, tmp_path):
     pub = Collect()
     run_nvml(
         agent_cfg(),
-        NvmlOptions([url0], "n", period_s=0.1),
+        NvmlOptions([url0], "n", period_s=0.1, follow_leases=False),
         gpus,
         stop=lambda: busy.served >= len(busy.pages),
         publisher=pub,
@@ -188,3 +191,80 @@ def test_published_to_kafka_without_zero_latency(cfg, engines, tmp_path):
     evs = [Telemetry.from_dict(json.loads(m.value())) for m in read_all(c.kafka, [c.kafka.telemetry_topic])]
     assert [e.gpu for e in evs] == ["n/0"] * 4
     assert all(e.latency_ms.ttft_p99 > 0 and e.latency_ms.tpot_p99 > 0 for e in evs)
+
+
+class Serving:
+    """An engine that serves 10 requests between scrapes, 3 waiting, for as long as it is read:
+    page k of its cumulative histograms and counters (`Pages` reads it by index)."""
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, k: int) -> str:
+        return vllm_text([0, 0, 10 * k] + Z[3:], [0, 10 * k] + Z[2:], success=10 * k, waiting=3)
+
+
+def published(c, gpu: str) -> list[Telemetry]:
+    from rose.kafka.consumer import read_all
+
+    evs = [Telemetry.from_dict(json.loads(m.value())) for m in read_all(c.kafka, [c.kafka.telemetry_topic])]
+    return [e for e in evs if e.gpu == gpu]
+
+
+def wait_for_telemetry(c, gpu: str, pred, what: str, timeout_s: float = 30.0) -> Telemetry:
+    """The first of `gpu`'s published events that `pred` accepts, read until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if found := [e for e in published(c, gpu) if pred(e)]:
+            return found[0]
+    raise AssertionError(f"{gpu}: no telemetry {what} within {timeout_s}s")
+
+
+@pytest.mark.stack
+def test_telemetry_follows_a_replica_lease(cfg, engines):
+    """A replica lease's states on the lease-state topic, one after the other: the GPU's telemetry
+    goes serving -> draining -> lent -> reclaiming -> serving, naming its replica throughout; lent,
+    it reports no requests (rps 0, queue 0) and the last measured p99. A co-resident lease on the
+    other GPU leaves it serving."""
+    from rose.kafka.producer import make_producer, produce_event
+    from rose.kafka.telemetry_publisher import TelemetryPublisher
+
+    (url0, _), (url1, _) = engines(Serving()), engines(Serving())
+    c = agent_cfg(cfg)
+    pub = TelemetryPublisher(c.kafka, c.kafka.telemetry_topic)
+    stop = threading.Event()
+    opt = NvmlOptions([url0, url1], "n", period_s=0.1, replicas={"n/0": "replica-a"})
+    agent = threading.Thread(target=run_nvml, args=(c, opt, FixedGpus(2), stop.is_set, pub))
+    agent.start()
+    p = make_producer(c.kafka)
+    try:
+        first = wait_for_telemetry(c, "n/0", lambda e: True, "at all")
+        assert first.serving_state == "serving" and first.rps > 0 and first.queue_depth == 3
+        produce_event(p, c.kafka.commands_topic, command_example(gpu="n/0", lease_id="L0", lease_kind="replica"))
+        produce_event(p, c.kafka.commands_topic, command_example(gpu="n/1", lease_id="L1"))
+        produce_event(p, c.kafka.lease_state_topic, lease_state_example(gpu="n/1", lease_id="L1", ts=time.time()))
+        seen = {}
+        for state in ("draining", "active", "reclaiming", "revoked"):
+            t0 = time.time()
+            produce_event(
+                p, c.kafka.lease_state_topic, lease_state_example(gpu="n/0", lease_id="L0", state=state, ts=t0)
+            )
+            p.flush(10)
+            want = REPLICA_SERVING_STATE.get(state, "serving")
+            seen[state] = wait_for_telemetry(c, "n/0", lambda e: e.ts > t0 and e.serving_state == want, want)
+    finally:
+        stop.set()
+        agent.join(30)
+        assert pub.flush(10.0) == 0
+    evs = published(c, "n/0")
+    states = [e.serving_state for e in evs]
+    assert [s for k, s in enumerate(states) if k == 0 or s != states[k - 1]] == [
+        "serving", "draining", "lent", "reclaiming", "serving"
+    ]  # fmt: skip
+    assert all(e.replica == "replica-a" for e in evs)
+    lent = [e for e in evs if e.serving_state == "lent"]
+    assert lent and all(e.rps == 0 and e.queue_depth == 0 for e in lent)
+    assert all(e.latency_ms == first.latency_ms for e in lent)  # carried: nothing was measured lent
+    assert seen["revoked"].rps > 0  # serving again, its engine read again
+    other = published(c, "n/1")
+    assert other and all(e.serving_state == "serving" and e.replica_id == "n/1" for e in other)

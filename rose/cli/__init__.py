@@ -46,6 +46,18 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def gpu_pairs(option: str, values: list[str], expected: str, valid=bool) -> dict[str, str]:
+    """Repeated `GPU=VALUE` options as {gpu: value}; a value without a GPU, or one `valid` refuses,
+    is one line naming `option` and what was `expected`, and exit status 2."""
+    out: dict[str, str] = {}
+    for v in values:
+        gpu, sep, value = v.partition("=")
+        if not sep or not gpu.strip() or not valid(value.strip()):
+            fail(f"{option}: expected {expected}, got {v!r}")
+        out[gpu.strip()] = value.strip()
+    return out
+
+
 for _mod in pkgutil.iter_modules(__path__):
     if _mod.name == "__main__":
         continue

@@ -23,6 +23,12 @@ def register(app: typer.Typer) -> None:
         metrics_url: list[str] = typer.Option(
             [], "--metrics-url", help="Serving engine Prometheus URL; once per GPU, or once for all."
         ),
+        replica: list[str] = typer.Option(
+            [],
+            "--replica",
+            help="GPU=REPLICA: the GPU (e.g. node-3/0) belongs to serving replica REPLICA, as its telemetry "
+            "says (CONTRACT §7; default: each GPU is a replica of its own); repeat per GPU (--nvml).",
+        ),
         rollout_pids: str | None = typer.Option(
             None, "--rollout-pids", metavar="FILE", help="File listing rollout process PIDs (one a line)."
         ),
@@ -41,10 +47,13 @@ def register(app: typer.Typer) -> None:
 
         import orjson
 
-        from rose.cli import cli_config, fail
+        from rose.cli import cli_config, fail, gpu_pairs
 
         if bool(simulate) == nvml:
             fail("give exactly one of --simulate TRACE or --nvml")
+        replicas = gpu_pairs("--replica", replica, "GPU=REPLICA, e.g. node-3/0=replica-a")
+        if replicas and not nvml:
+            fail("--replica goes with --nvml (a simulated GPU's replica follows its model's tensor parallelism)")
         if gpus < 1:
             fail(f"--gpus must be >= 1, got {gpus}")
         if not speed > 0:
@@ -87,6 +96,9 @@ def register(app: typer.Typer) -> None:
                 fail(str(e))
             if len(metric_url_set := metric_url_list(metrics_url)) not in (1, len(nv)):
                 fail(f"--metrics-url given {len(metric_url_set)} times for {len(nv)} GPUs (give 1 or {len(nv)})")
+            node_name = node or socket.gethostname()
+            if unknown := sorted(set(replicas) - {f"{node_name}/{i}" for i in range(len(nv))}):
+                fail(f"--replica: {unknown[0]!r} is no GPU of this node ({node_name}/0 … {node_name}/{len(nv) - 1})")
             from rose.executor.guard import default_latency_dir
             from rose.kafka.telemetry_publisher import TelemetryPublisher
             from rose.node.agent import NvmlOptions, run_nvml
@@ -96,7 +108,7 @@ def register(app: typer.Typer) -> None:
                 guard_dir = (cfg.executor.latency_dir or str(default_latency_dir())) if feed_guard else None
                 summary = run_nvml(
                     cfg,
-                    NvmlOptions(metric_url_set, node or socket.gethostname(), rollout_pids, guard_dir=guard_dir),
+                    NvmlOptions(metric_url_set, node_name, rollout_pids, guard_dir=guard_dir, replicas=replicas),
                     nv,
                     stop,
                     publisher=pub,

@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
         """Obey the lease command stream for this node's GPUs and run rollout workers inside the leases."""
         import dataclasses
 
-        from rose.cli import cli_config, fail
+        from rose.cli import cli_config, fail, gpu_pairs
 
         if (gpus is None) == (simulate is None):
             fail("give exactly one of --gpus ID,… or --simulate N")
@@ -51,7 +51,9 @@ def register(app: typer.Typer) -> None:
         ):
             fail(f"--device: expected cpu, cuda or cuda:N, got {device!r}")
 
-        replicas = _replicas(replica, fail)
+        replicas = gpu_pairs(
+            "--replica", replica, "GPU=http://host:port", lambda u: u.startswith(("http://", "https://"))
+        )
         from rose.executor.service import Executor, simulated_gpus
         from rose.kafka.admin import wait_for_broker
         from rose.obs import metrics
@@ -90,17 +92,6 @@ def register(app: typer.Typer) -> None:
             ex.shutdown()
             fail(str(e))
         ex.run(shutdown.stop)
-
-
-def _replicas(values: list[str], fail) -> dict[str, str]:
-    """`--replica GPU=URL` values as {gpu: url}; a malformed one is a one-line error."""
-    out: dict[str, str] = {}
-    for v in values:
-        gpu, sep, url = v.partition("=")
-        if not sep or not gpu.strip() or not url.strip().startswith(("http://", "https://")):
-            fail(f"--replica: expected GPU=http://host:port, got {v!r}")
-        out[gpu.strip()] = url.strip()
-    return out
 
 
 def _default_device(ids: list[str]) -> str:

@@ -7,6 +7,10 @@ engine that spans all of the node's GPUs (tensor parallel). A GPU whose engine c
 publishes nothing that period: without telemetry its lease is not renewed and expires (safe). A
 window in which no request finished carries the last measured p99 (`LatencyCarry`), never 0 ms.
 With `--feed-guard` each measured window's p99 also goes to the executor's local guard.
+It follows the node's leases (rose.node.lease_view): each GPU's telemetry names its serving replica
+(`--replica GPU=REPLICA`, else the GPU itself) and what the replica is doing (`serving_state`,
+CONTRACT §7). A lent replica is out of its router and serves nothing, so its window is built
+without its engine: rps 0, queue 0, the last measured p99 carried (docs/agent.md).
 `NvmlSource` is a source of the agent's loop (rose.node.agent_loop), as is the simulated agent
 (rose.node.simulated_agent)."""
 
@@ -35,6 +39,8 @@ class NvmlOptions:
     period_s: float | None = None  # default telemetry.period_s (never below nvml.MIN_PERIOD_S)
     scrape_timeout_s: float = 2.0
     guard_dir: str | None = None  # also feed each measured window's p99 to the executor's local guard here
+    replicas: dict[str, str] = field(default_factory=dict)  # GPU id -> its serving replica (absent: the GPU)
+    follow_leases: bool = True  # read lease states and commands for each GPU's serving_state
 
 
 @dataclass
@@ -62,6 +68,12 @@ class LatencyCarry:
             return None
         return self.last["ttft_p99"], self.last["tpot_p99"], measured
 
+    def lent(self, slo: tuple[float, float]) -> tuple[float, float, bool]:
+        """What a lent GPU publishes: nothing is measured (its replica serves no requests), the
+        last measured p99 is carried, and a metric never measured (an agent started while its
+        replica was lent) is published at its SLO, which claims no headroom."""
+        return self.last.get("ttft_p99", slo[0]), self.last.get("tpot_p99", slo[1]), False
+
 
 def scrape(url: str, timeout_s: float) -> str:
     import urllib.request
@@ -87,6 +99,10 @@ class EngineMetrics:
         return prometheus.window(sc, p[1] if p else None, t - p[0] if p else 0.0, self.names)
 
 
+# a lent replica's window: out of its router, its engine serves no requests and is not read
+LENT_WINDOW = prometheus.ServingWindow(None, None, 0.0, 0, 0)
+
+
 class NvmlSource:
     """NVML and the engines' metrics as a telemetry source: every period a window of each
     engine's metrics, and one record for each GPU whose engine has measured both p99s."""
@@ -103,7 +119,9 @@ class NvmlSource:
         self.urls = opt.metrics_urls if len(opt.metrics_urls) == n else [opt.metrics_urls[0]] * n
         self.engines = {url: EngineMetrics(url, self.names) for url in self.urls}
         self.carry = [LatencyCarry() for _ in range(n)]
-        self.counts = {"carried": 0, "no_latency_yet": 0}  # GPU-windows published with carried p99s / not published
+        self.slo = (tc.slo_ttft_ms, tc.slo_tpot_ms)
+        # GPU-windows published with carried p99s / not published yet / published while lent
+        self.counts = {"carried": 0, "no_latency_yet": 0, "lent": 0}
         self.warned_missing: set[tuple[str, str]] = set()
         self.run_id = uuid.uuid4().hex[:12]
         self.last_warn = 0.0
@@ -142,33 +160,46 @@ class NvmlSource:
         from rose.node.nvml import read_pids
 
         now_wall = time.time()
-        by_url = {url: self._scrape(url) for url in dict.fromkeys(self.urls)}
+        states = [view.serving_state(g) if view is not None else "serving" for g in self.gpus]
+        serving = [self.urls[i] for i in range(self.n) if states[i] != "lent"]
+        by_url = {url: self._scrape(url) for url in dict.fromkeys(serving)}
         pids = read_pids(self.opt.rollout_pids)
         idx, lat, ws = [], [], []  # the GPUs that publish, their p99s and windows
         for i in range(self.n):
-            w = by_url.get(self.urls[i])
-            if w is None:
-                continue
-            p99 = self.carry[i].update(w.ttft_p99_ms, w.tpot_p99_ms)
-            if p99 is None:
-                self.counts["no_latency_yet"] += 1
-                continue
-            self.counts["carried"] += not p99[2]
-            idx.append(i)
-            lat.append(p99)
-            ws.append(w)
+            got = self._gpu_window(i, states[i], by_url)
+            if got is not None:
+                idx.append(i)
+                ws.append(got[0])
+                lat.append(got[1])
         if not idx:
             return None
         return Window(
             now_wall,
-            self._records(now_wall, seq, idx, lat, ws, pids),
+            self._records(now_wall, seq, idx, lat, ws, pids, [states[i] for i in idx]),
             self._fed(idx, lat),
             "telemetry.sample",
             {"gpus": len(idx)},
         )
 
+    def _gpu_window(
+        self, i: int, state: str, by_url: dict[str, prometheus.ServingWindow | None]
+    ) -> tuple[prometheus.ServingWindow, tuple[float, float, bool]] | None:
+        """GPU `i`'s window and p99s (ttft, tpot, measured); None: it publishes nothing this window."""
+        if state == "lent":
+            self.counts["lent"] += 1
+            return LENT_WINDOW, self.carry[i].lent(self.slo)
+        w = by_url.get(self.urls[i])
+        if w is None:
+            return None
+        p99 = self.carry[i].update(w.ttft_p99_ms, w.tpot_p99_ms)
+        if p99 is None:
+            self.counts["no_latency_yet"] += 1
+            return None
+        self.counts["carried"] += not p99[2]
+        return w, p99
+
     def _records(
-        self, now_wall: float, seq: int, idx: list[int], lat: list, ws: list, pids
+        self, now_wall: float, seq: int, idx: list[int], lat: list, ws: list, pids, states: list[str]
     ) -> list[tuple[bytes, bytes]]:
         tc = self.cfg.telemetry
         samples = [self.nvml.sample(i, pids) for i in idx]
@@ -177,7 +208,7 @@ class NvmlSource:
             node=self.opt.node,
             gpus=[self.gpus[i] for i in idx],
             pool=tc.pool,
-            slo=(tc.slo_ttft_ms, tc.slo_tpot_ms),
+            slo=self.slo,
             run_id=self.run_id,
             seq=seq,
             util=[s.util for s in samples],
@@ -189,6 +220,8 @@ class NvmlSource:
             rps=[w.rps or 0.0 for w in ws],
             queue=[w.queue_depth or 0 for w in ws],
             kv_cache_usage=[w.kv_cache_usage for w in ws],
+            replica=self.opt.replicas,
+            serving_state=states,
         )
 
     def _fed(self, idx: list[int], lat: list) -> GuardFeed | None:
@@ -202,5 +235,5 @@ class NvmlSource:
 def run_nvml(cfg: Config, opt: NvmlOptions, nvml, stop: Callable[[], bool] = lambda: False, publisher=None) -> dict:
     """Sample NVML + the engines' metrics every period until `stop()`; returns counters."""
     source = NvmlSource(cfg, opt, nvml)
-    out = run_agent(cfg, source, stop=stop, publisher=publisher, guard_dir=opt.guard_dir)
+    out = run_agent(cfg, source, stop=stop, publisher=publisher, leases=opt.follow_leases, guard_dir=opt.guard_dir)
     return {"samples": out.pop("windows"), "gpus": source.n, **source.counts, **out}

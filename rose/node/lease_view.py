@@ -2,7 +2,9 @@
 share each lease was last given (grant, renew or throttle), read from the lease-state and
 commands topics without ever blocking. The simulated agent and the demo's co-served device use
 it to play the rollout side of a GPU: `active` runs at the lease's share, `paused` (v1.1) holds
-the lease's memory and runs nothing, any other state means no rollout."""
+the lease's memory and runs nothing, any other state means no rollout. The NVML agent reads from it what each GPU's serving replica is
+doing (`serving_state`, CONTRACT §7): a replica lease takes the replica out of its router, a
+co-resident lease never does."""
 
 from __future__ import annotations
 
@@ -13,6 +15,28 @@ from dataclasses import dataclass, field
 from rose.config import Config
 from rose.contract.events import LEASE_SETTING_KINDS, Command, LeaseState
 
+# a replica lease's states (CONTRACT §7) as what its replica is doing: draining while it leaves
+# its router, lent while rollout holds it (`paused` and `revoking` too: the replica is still out),
+# reclaiming while its engine wakes; a terminal state (revoked, expired, rejected) is published
+# only once the replica serves again
+REPLICA_SERVING_STATE = {
+    "draining": "draining",
+    "active": "lent",
+    "paused": "lent",
+    "revoking": "lent",
+    "reclaiming": "reclaiming",
+}
+# only a replica lease is ever in these states: they name its kind where its grant was not read
+REPLICA_ONLY_STATES = ("draining", "reclaiming")
+
+
+def serving_state_of(lease_kind: str, lease_state: str | None) -> str:
+    """What a GPU's serving replica is doing, from the kind and newest state of the GPU's lease
+    (None: no lease seen). A co-resident lease leaves its replica serving whatever its state."""
+    if lease_kind != "replica" or lease_state is None:
+        return "serving"
+    return REPLICA_SERVING_STATE.get(lease_state, "serving")
+
 
 @dataclass
 class LeaseView:
@@ -21,12 +45,17 @@ class LeaseView:
     default_share: float = 0.5
     states: dict[str, LeaseState] = field(default_factory=dict)
     shares: dict[str, float] = field(default_factory=dict)  # lease_id -> compute_share
+    replica_leases: set[str] = field(default_factory=set)  # lease_ids known to be replica leases
 
     def on_command(self, c: Command) -> None:
         if c.kind in LEASE_SETTING_KINDS:
             self.shares[c.lease_id] = c.compute_share
+        if c.lease_kind == "replica":
+            self.replica_leases.add(c.lease_id)
 
     def on_lease_state(self, s: LeaseState) -> None:
+        if s.state in REPLICA_ONLY_STATES:
+            self.replica_leases.add(s.lease_id)
         old = self.states.get(s.gpu)
         if old is None or (s.epoch, s.ts) >= (old.epoch, old.ts):
             self.states[s.gpu] = s
@@ -39,6 +68,13 @@ class LeaseView:
         if s is None or s.state != "active":
             return 0.0, False, 0
         return self.shares.get(s.lease_id, self.default_share), True, s.rollout_mem_bytes
+
+    def serving_state(self, gpu: str) -> str:
+        """What `gpu`'s serving replica is doing now (`serving_state_of` its newest lease state)."""
+        s = self.states.get(gpu)
+        if s is None:
+            return "serving"
+        return serving_state_of("replica" if s.lease_id in self.replica_leases else "coresident", s.state)
 
 
 class LeaseFollower:

@@ -4,7 +4,8 @@ rose.sim.serving_model, one window per period, published like the real agent's. 
 the simulation time mapped onto the wall clock at start, so events are monotone per GPU also
 without pacing. It follows the leases (rose.node.lease_view): an `active` lease runs rollout at
 its share, a `paused` one holds memory only, so a pause or a revoke restores serving latency at
-the next window."""
+the next window. The GPUs of a tensor-parallel replica name it as their `replica` (CONTRACT §7):
+the id of its first GPU."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class SimulatedSource:
         )
         self.gpu_of = spread(self.trace, self.sim.replicas, seed=opt.seed)  # a replica per GPU unless tensor parallel
         self.gpus = [f"{opt.node}/{i}" for i in range(opt.gpus)]
+        self.replica = tensor_parallel_replicas(self.gpus, self.sim.tp)
         self.duration = opt.duration_s if opt.duration_s is not None else self.trace.duration_s
         self.run_id = uuid.uuid4().hex[:12]
         self.wall0 = time.time()
@@ -98,9 +100,16 @@ class SimulatedSource:
             tpot_ms=s.tpot_p99_ms.tolist(),
             rps=s.rps.tolist(),
             queue=s.queue_depth.tolist(),
+            replica=self.replica,
         )
         guard = GuardFeed(self.gpus, s.ttft_p99_ms, s.tpot_p99_ms)
         return Window(ts, recs, guard, "telemetry.window", {"gpus": len(self.gpus), "window": seq})
+
+
+def tensor_parallel_replicas(gpus: list[str], tp: int) -> dict[str, str]:
+    """GPU -> its replica, where GPUs `r*tp .. r*tp+tp-1` are replica r (rose.sim.serving_model):
+    the replica is named after its first GPU, so with tp 1 every GPU is a replica of its own."""
+    return {g: gpus[i - i % tp] for i, g in enumerate(gpus)}
 
 
 def run_simulated(

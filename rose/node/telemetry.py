@@ -3,6 +3,8 @@ the hot path, and the same window's p99 handed to the executor's local guard."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import orjson
 
 from rose.contract.events import TELEMETRY_SCHEMA
@@ -26,11 +28,15 @@ def telemetry_records(
     rps,
     queue,
     kv_cache_usage=None,
+    replica: Mapping[str, str] | None = None,
+    serving_state: Sequence[str] | None = None,
 ) -> list[tuple[bytes, bytes]]:
     """(value, key) of one telemetry event per GPU; array-likes hold one entry per GPU
     (`mem_total` may also be one int for all). `kv_cache_usage` (optional) holds each GPU's
     engine KV-cache usage 0..1, None for a GPU whose engine does not report it: the field is
-    then left off that event.
+    then left off that event. `replica` (optional, CONTRACT §7) maps a GPU to the serving replica
+    it belongs to, and `serving_state` holds each GPU's replica's state; a GPU that is its own
+    replica, or whose replica is serving, leaves the field off (the contract's defaults).
 
     Built as plain dicts and encoded with orjson (not through the dataclass) because this
     runs for every GPU every period; tests check the output with Telemetry.from_dict and the
@@ -59,6 +65,10 @@ def telemetry_records(
         }
         if kv_cache_usage is not None and (kv := kv_cache_usage[i]) is not None:
             d["kv_cache_usage"] = min(1.0, max(0.0, float(kv)))
+        if replica is not None and replica.get(g, g) != g:
+            d["replica"] = replica[g]
+        if serving_state is not None and serving_state[i] != "serving":
+            d["serving_state"] = serving_state[i]
         out.append((dumps(d), g.encode()))
     return out
 
