@@ -59,6 +59,16 @@ class KafkaConfig:
     def dlq_topic(self) -> str:
         return self.topic("dlq")
 
+    @property
+    def pool_samples_topic(self) -> str:
+        """The GPU stage's samples of pools with replica leases, key = pool."""
+        return self.topic("pool-samples")
+
+    @property
+    def pool_intents_topic(self) -> str:
+        """The pool stage's intents, key = gpu, co-partitioned with telemetry."""
+        return self.topic("pool-intents")
+
 
 @dataclass(frozen=True)
 class RedisConfig:

@@ -5,7 +5,7 @@ record or a header."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -97,10 +97,12 @@ def read_partitions(
     partitions: Sequence[tuple[str, int]],
     timeout_s: float = 30.0,
     isolation: str = "read_committed",
+    bounds: Mapping[tuple[str, int], tuple[int, int]] | None = None,
     **overrides: Any,
 ) -> list[Message]:
     """Every message now in the given (topic, partition)s, from their start up to their end
-    offsets at call time, in partition order. For rebuilding state, record, audits and tests."""
+    offsets at call time, in partition order; `bounds` narrows a partition to the offsets
+    [from, to) within those (to < 0: its end). For rebuilding state, record, audits and tests."""
     consumer = make_consumer(
         kcfg, group_id=f"rose-reader-{time.monotonic_ns()}", **{"isolation.level": isolation, **overrides}
     )
@@ -109,6 +111,9 @@ def read_partitions(
         assign = []
         for t, p in partitions:
             lo, hi = retrying(lambda: consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10), 30)
+            if bounds is not None and (t, p) in bounds:
+                start, end = bounds[(t, p)]
+                lo, hi = max(lo, start), hi if end < 0 else min(hi, end)
             if hi > lo:
                 remaining[(t, p)] = hi
                 assign.append(TopicPartition(t, p, lo))

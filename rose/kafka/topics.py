@@ -26,6 +26,10 @@ def topic_specs(kcfg: KafkaConfig) -> dict[str, dict[str, str]]:
         kcfg.lease_state_topic: {**COMPACTED, **LARGE, **isr},
         kcfg.topic("scheduler-state"): {**COMPACTED, **LARGE, **isr},
         kcfg.dlq_topic: {"retention.ms": str(14 * 24 * 3600 * 1000), **LARGE, **isr},
+        # the scheduler's pool stage (docs/scheduler.md "Pool decisions and partitioning"): a
+        # takeover reads back a pool's window, so retention exceeds window_s plus the longest takeover
+        kcfg.pool_samples_topic: {"retention.ms": str(24 * 3600 * 1000), **LARGE, **isr},
+        kcfg.pool_intents_topic: {"retention.ms": str(24 * 3600 * 1000), **LARGE, **isr},
     }
 
 
