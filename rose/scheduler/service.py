@@ -21,7 +21,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import orjson
 
@@ -54,10 +53,11 @@ from rose.obs.tracing import (
     unsampled_headers,
 )
 from rose.policy.core import Applied, Arrival, Batch, SchedulingCore
-from rose.policy.lease_policy import POLICY_VERSION, Decision, GpuView
-
-if TYPE_CHECKING:
-    from opentelemetry.util.types import AttributeValue
+from rose.policy.lease_policy import Decision, GpuView
+from rose.policy.pool_records import PoolIntent
+from rose.scheduler.decision_log import decision_attrs, log_decision, log_nth
+from rose.scheduler.pool_intents import IntentReader, intent_partitions, produce_samples
+from rose.scheduler.pool_service import PoolStage
 
 SCHEDULER_GROUP = "rose-scheduler"  # the consumer group id of every scheduler instance, after the topic prefix
 
@@ -104,6 +104,7 @@ class _Batch:
     msgs: list[Message]
     parsed: list[Telemetry | InvalidEvent]
     applied: Applied
+    intents: list[Message] = field(default_factory=list)  # pool-intents records applied before the telemetry
 
 
 @dataclass
@@ -115,6 +116,7 @@ class _Tally:
     dlq: int = 0
     ignored: int = 0
     traced_commands: int = 0
+    logged: list[Command] = field(default_factory=list)  # untraced commands logged once committed
 
 
 class Scheduler:
@@ -139,7 +141,8 @@ class Scheduler:
         # already gathers the next one, and a wait would only delay revokes when it is quiet
         self.batch_linger_s = batch_linger_s
         self.state_topic = self.k.topic("scheduler-state")
-        self.core = SchedulingCore(cfg.policy)  # the views and lease floor of the GPUs this instance owns
+        # the views and lease floor of the GPUs this instance owns; the pools that lend replicas
+        self.core = SchedulingCore(cfg.policy, pools=cfg.policy.pools)
         self.gpu_partition: dict[str, int] = {}
         self.stats = SchedulerStats()
         self.record_latencies = record_latencies
@@ -181,10 +184,15 @@ class Scheduler:
         freeze = os.environ.get(FREEZE_FAULT_ENV)
         self._freeze_at: int | None = int(freeze) if freeze else None  # `_freeze_fault`
         self.tx = Transactor(self.producer, self.consumer, self.log, fatal=FatalSchedulerError)
+        # with pools that lend replicas: their intents beside the telemetry, and the pool stage
+        self.intents = IntentReader(self.k, group, instance, self.log) if cfg.policy.pools else None
+        self.pools: PoolStage | None = None
         try:
             self.tx.init(init_timeout_s)
+            if cfg.policy.pools:
+                self.pools = PoolStage(cfg, instance, group, self.log, FatalSchedulerError, init_timeout_s)
         except FatalSchedulerError:  # e.g. the broker is still coming back: the caller retries
-            for c in (self.consumer, self.lease_consumer):
+            for c in (self.consumer, self.lease_consumer, *([self.intents.consumer] if self.intents else [])):
                 c.close()
             raise
 
@@ -198,6 +206,8 @@ class Scheduler:
             # read after it holds that transaction's views whenever the offsets skip its telemetry
             parts = retrying(lambda: consumer.committed(parts, timeout=10))
             retrying(lambda: self._rebuild(ps))
+            if self.intents is not None:
+                self.intents.assign(consumer, ps)
         consumer.incremental_assign(parts)
         if self._hold and parts:
             consumer.pause(parts)  # before a fetch starts: nothing is consumed until join_paused ends
@@ -209,6 +219,8 @@ class Scheduler:
         for gpu in gone:
             self.gpu_partition.pop(gpu, None)
         self.core.apply(Batch(forget=gone))
+        if self.intents is not None:
+            self.intents.unassign(sorted(ps))
         consumer.incremental_unassign(parts)
 
     def _rebuild(self, partitions: list[int]) -> None:
@@ -267,6 +279,8 @@ class Scheduler:
         self.consumer.subscribe(
             [self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
         )
+        if self.pools is not None:
+            self.pools.start()
 
     def join_paused(self, until: Callable[[bool], bool], timeout_s: float = 240.0) -> float | None:
         """Join the group holding every partition it is given paused (from its assignment on,
@@ -309,9 +323,13 @@ class Scheduler:
         return self.stats
 
     def step(self, timeout: float = 0.05) -> int:
+        """One batch of telemetry (and of pool intents, with pools), then one of the pool stage."""
         self._fold_lease_states()
         msgs = consume_batch(self.consumer, self.batch_max, timeout, linger=self.batch_linger_s)
-        if not msgs:
+        if self.pools is not None:
+            self.pools.step()
+        intent_msgs, intents = self.intents.take() if self.intents is not None else ([], [])
+        if not msgs and not intent_msgs:
             return 0
         good = []
         for m in msgs:
@@ -322,12 +340,14 @@ class Scheduler:
                 if err.fatal() or err.code() == KafkaError._FATAL:  # a consumer that can do nothing more
                     raise FatalSchedulerError(str(err))
                 self.log.warning("consume.error", error=str(err))
-        if good:
+        if good or intent_msgs:
             try:
-                self._transact(good, consumed_at=time.time())
+                self._transact(good, consumed_at=time.time(), intents=(intent_msgs, intents))
             except GroupMembershipLost as e:
                 # the next poll rejoins the group; the batch comes again from the committed offsets
                 self.log.warning("group.rejoin", error=str(e), events=len(good))
+                if self.intents is not None:
+                    self.intents.rewind(intent_msgs)
                 return 0
         return len(good)
 
@@ -346,13 +366,15 @@ class Scheduler:
         self.log.warning("fault.frozen_in_transaction", commands=sum(self._tally.commands.values()))
         os.kill(os.getpid(), signal.SIGSTOP)
 
-    def _transact(self, msgs: list[Message], consumed_at: float) -> None:
+    def _transact(
+        self, msgs: list[Message], consumed_at: float, intents: tuple[list[Message], list[PoolIntent]] = ([], [])
+    ) -> None:
         """Reconcile one batch: decide it (`_decide`: pure over an overlay of the views), have
         the transactor produce its commands, dlq records and changed views with its offsets in
         one transaction (rose.kafka.transactional; an aborted attempt is redone from the same
         decisions), keep its views once committed, then record the spans and log lines of its
         traced commands (`SpanPlan`)."""
-        batch = self._decide(msgs)
+        batch = self._decide(msgs, *intents)
         plans: list[tuple[SpanPlan, list[Command]]] = []
         processed_at = consumed_at
 
@@ -369,7 +391,7 @@ class Scheduler:
             ABORTS.inc()
             plans.clear()
 
-        pending_latency = self.tx.run(msgs, process, aborted)
+        pending_latency = self.tx.run(msgs + batch.intents, process, aborted)
         self._count(self._tally)
         self.core.apply(Batch(committed=batch.applied.views))
         views = self.core.views
@@ -387,7 +409,7 @@ class Scheduler:
         self.stats.transactions += 1
         t_record = time.perf_counter()
         for plan, traced in plans:
-            plan.record(self._tracer, self.group, functools.partial(self._log_nth, traced))
+            plan.record(self._tracer, self.group, functools.partial(log_nth, self.log, traced))
         self.stats.traced_s += time.perf_counter() - t_record
 
     def _count(self, t: _Tally) -> None:
@@ -399,10 +421,12 @@ class Scheduler:
         DLQ.inc(t.dlq)
         IGNORED.inc(t.ignored)
         self.stats.traced_commands += t.traced_commands
+        for cmd in t.logged:
+            log_decision(self.log, cmd)
 
-    def _decide(self, msgs: list[Message]) -> _Batch:
-        """Decode every message, and admit and decide the telemetry in one held core step
-        (`Batch.hold`): nothing here is produced, and no view is kept yet."""
+    def _decide(self, msgs: list[Message], intent_msgs: list[Message], intents: list[PoolIntent]) -> _Batch:
+        """Decode every message, and apply the intents and admit and decide the telemetry in one
+        held core step (`Batch.hold`): nothing here is produced, and no view is kept yet."""
         self.stats.events += len(msgs)
         EVENTS_IN.inc(len(msgs))
         decoded: list[Arrival | InvalidEvent] = []
@@ -411,10 +435,11 @@ class Scheduler:
                 decoded.append(Arrival(decode(m.value(), Telemetry), m.timestamp()[1], m.key()))
             except InvalidEvent as e:
                 decoded.append(e)
-        applied = self.core.apply(Batch(telemetry=[a for a in decoded if type(a) is Arrival], hold=True))
+        arrivals = [a for a in decoded if type(a) is Arrival]
+        applied = self.core.apply(Batch(intents=intents, telemetry=arrivals, hold=True))
         admitted = iter(applied.admitted)
         parsed = [e if isinstance(e, InvalidEvent) else next(admitted) for e in decoded]
-        return _Batch(msgs, parsed, applied)
+        return _Batch(msgs, parsed, applied, intent_msgs)
 
     def _produce(self, batch: _Batch, plans: list[tuple[SpanPlan, list[Command]]]) -> list[int]:
         """Produce a decided batch into the open transaction: per message its dlq record or its
@@ -427,6 +452,13 @@ class Scheduler:
         traced_of = self._traced
         decisions = iter(batch.applied.decisions)
         tally = self._tally
+        for gpu, p in intent_partitions(batch.intents, batch.applied.views).items():  # views an intent changed
+            dirty[gpu] = gpu_partition.setdefault(gpu, p)
+        for cmd in batch.applied.intent_commands:
+            self._produce_command(cmd, encode(cmd), [])
+            tally.logged.append(cmd)
+        if batch.applied.samples:
+            produce_samples(self.producer, self.k.pool_samples_topic, batch.applied.samples)
         for m, ev in zip(batch.msgs, batch.parsed, strict=True):
             t0 = time_ns()
             if isinstance(ev, InvalidEvent):
@@ -483,49 +515,13 @@ class Scheduler:
             return
         topic, n = self.k.commands_topic, self._command_partitions
         partition = partition_for(cmd.gpu, n) if n else None
-        self._produce_command(
-            cmd, value, plan.child("lease.decide", self._decision_attrs(cmd, d), topic, cmd.gpu, partition)
-        )
+        self._produce_command(cmd, value, plan.child("lease.decide", decision_attrs(cmd, d), topic, cmd.gpu, partition))
 
     def _produce_command(self, cmd: Command, value: bytes, headers: list[tuple[str, bytes]]) -> None:
         if self._hmac_key:
             headers += sign_headers(self._hmac_key, value)
         produce(self.producer, self.k.commands_topic, value, cmd.gpu, headers)
         self._tally.commands[cmd.kind] += 1
-
-    @staticmethod
-    def _decision_attrs(cmd: Command, d: Decision) -> dict[str, AttributeValue]:
-        ex = d.explain
-        attrs: dict[str, AttributeValue] = {
-            "rose.gpu": cmd.gpu,
-            "rose.kind": cmd.kind,
-            "rose.epoch": cmd.epoch,
-            "rose.lease_id": cmd.lease_id,
-            "rose.command_id": cmd.command_id,
-            "rose.reason": cmd.reason,
-            "rose.free_mem_bytes": ex.free_mem_bytes,
-            "rose.policy_version": POLICY_VERSION,
-            "rose.cause_event_id": cmd.cause_event_id,
-        }
-        for metric, h in ex.headroom.items():
-            attrs[f"rose.headroom.{metric}"] = h
-        return attrs
-
-    def _log_nth(self, cmds: list[Command], i: int) -> None:
-        self._log_decision(cmds[i])
-
-    def _log_decision(self, cmd: Command) -> None:
-        self.log.info(
-            "lease.decision",
-            gpu=cmd.gpu,
-            kind=cmd.kind,
-            epoch=cmd.epoch,
-            lease_id=cmd.lease_id,
-            command_id=cmd.command_id,
-            reason=cmd.reason,
-            mem_bytes=cmd.mem_bytes,
-            compute_share=cmd.compute_share,
-        )
 
     def _update_lag(self) -> None:
         try:
@@ -543,9 +539,11 @@ class Scheduler:
             pass
 
     def close(self) -> None:
-        for c in (self.consumer, self.lease_consumer):
+        extra = [c.consumer for c in (self.intents, self.pools) if c is not None]
+        for c in (self.consumer, self.lease_consumer, *extra):
             try:
                 bounded("consumer.close", c.close, 5, FatalSchedulerError)
             except (KafkaException, RuntimeError):
                 pass
-        self.producer.flush(5)
+        for p in (self.producer, *([self.pools.producer] if self.pools else [])):
+            p.flush(5)

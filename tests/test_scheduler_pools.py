@@ -1,0 +1,171 @@
+"""The scheduler's pool stage on the real Kafka broker (docs/scheduler.md "Pool decisions and
+partitioning"): telemetry of a pool with replica leases becomes pool samples, the pool stage's
+intents, and the GPU stage's replica commands, each hop exactly once; and `policy.pools` is
+checked at start."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from rose.config import ConfigError, PoolConfig, load_config
+from rose.kafka.consumer import read_all
+from rose.kafka.producer import make_producer, produce_event
+from rose.policy.pool_records import PoolIntent, PoolSample
+from tests.examples import telemetry_example
+from tests.kafka_checks import commands, duplicate_ids
+
+# capacity 10 rps per replica: 3 replicas at 1 rps need one (3 × 1.3 / 10), 25 rps need four
+POOL = PoolConfig(replica_capacity_rps=10.0, window_s=20.0, bin_s=5.0)
+GPUS = {"r0": "pl/0", "r1": "pl/1", "r2": "pl/2"}  # one single-GPU replica each
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_pools_are_read_from_their_tables(tmp_path):
+    f = tmp_path / "rose.toml"
+    f.write_text("[policy.pools.chat]\nreplica_capacity_rps = 12\nwindow_s = 60\n")
+    cfg = load_config(f, env={})
+    assert cfg.policy.pools == {"chat": PoolConfig(replica_capacity_rps=12.0, window_s=60.0)}
+    assert load_config(None, env={}).policy.pools == {}
+
+
+@pytest.mark.parametrize(
+    ("toml", "names"),
+    [
+        ("[policy.pools.chat]\nheadroom = 1.5\n", "policy.pools.chat.replica_capacity_rps"),  # nothing to estimate
+        ("[policy.pools.chat]\nreplica_capacity = 3\n", "policy.pools.chat.replica_capacity:"),
+        ("[policy.pools.chat]\nreplica_capacity_rps = -1\n", "policy.pools.chat.replica_capacity_rps"),
+        ("[policy.pools.chat]\nwindow_s = 2\n", "policy.pools.chat.window_s"),
+        ("[policy.pools.chat]\nwake_s = -1\n", "policy.pools.chat.wake_s"),
+        ("[policy.pools.chat]\nforecast = 'daily'\n", "policy.pools.chat.forecast"),
+        ("[policy.pools.chat]\nbin_s = 'x'\n", "policy.pools.chat.bin_s"),
+        ("[policy]\npools = 3\n", "policy.pools:"),
+    ],
+)
+def test_a_bad_pool_setting_is_one_line_naming_it(tmp_path, toml, names):
+    f = tmp_path / "rose.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError) as e:
+        load_config(f, env={})
+    assert str(e.value).startswith(names) and "\n" not in str(e.value)
+
+
+def test_the_command_exits_2_on_a_bad_pool_setting(tmp_path):
+    import subprocess
+    import sys
+
+    f = tmp_path / "rose.toml"
+    f.write_text("[policy.pools.chat]\nheadroom = 1.5\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "rose", "--config-file", str(f), "scheduler"], capture_output=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert b"policy.pools.chat.replica_capacity_rps" in r.stderr
+
+
+# ---------------------------------------------------------------- on the broker
+
+
+class Fleet:
+    """Three single-GPU replicas of pool `chat` publishing telemetry every 0.5 s (event time:
+    now) from a thread; `state` per replica: (rps, serving_state)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.state = {r: (1.0, "serving") for r in GPUS}
+        self.ticks = 0
+        self._stop = threading.Event()
+        self._producer = make_producer(cfg.kafka)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            now = time.time()
+            for r, gpu in GPUS.items():
+                rps, st = self.state[r]
+                ev = telemetry_example(
+                    event_id=f"{gpu}#{self.ticks}", ts=now, node="pl", gpu=gpu, pool="chat", replica=r,
+                    serving_state=st, rps=rps,
+                )  # fmt: skip
+                produce_event(self._producer, self.cfg.kafka.telemetry_topic, ev)
+            self._producer.flush(10)
+            self.ticks += 1
+
+    def __enter__(self) -> Fleet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+class Running:
+    """A Scheduler instance running its loop on a thread."""
+
+    def __init__(self, cfg, instance: str):
+        from rose.scheduler.service import Scheduler
+
+        self.scheduler = Scheduler(cfg, instance=instance)
+        self._thread = threading.Thread(target=self.scheduler.run, daemon=True)
+
+    def __enter__(self) -> Running:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.scheduler.stop()
+        self._thread.join(30)
+
+
+def _pool_cfg(cfg):
+    return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, pools={"chat": POOL}))
+
+
+def _replica(cmds: list[dict], kind: str) -> list[dict]:
+    return [c for c in cmds if c["kind"] == kind and c.get("lease_kind") == "replica"]
+
+
+def _wait_for(cfg, done: Callable[[list[dict]], bool], what: str, timeout_s: float = 120.0) -> list[dict]:
+    """The committed commands (read_committed) once `done(commands)` holds; fails at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = commands(cfg)
+        if done(got):
+            return got
+        time.sleep(0.5)
+    pytest.fail(f"no {what} within {timeout_s:.0f}s: {[(c['kind'], c['gpu'], c.get('lease_kind')) for c in got]}")
+
+
+@pytest.mark.stack
+def test_an_idle_pool_lends_two_replicas_once_and_a_load_rise_reclaims_them(cfg):
+    cfg = _pool_cfg(cfg)
+    with Fleet(cfg) as fleet, Running(cfg, "pl"):
+        got = _wait_for(cfg, lambda cs: len(_replica(cs, "grant")) >= 2, "replica grants")
+        grants = _replica(got, "grant")
+        assert sorted(g["gpu"] for g in grants) == ["pl/1", "pl/2"], "the highest ids are lent, never the last one"
+        fleet.state = {"r0": (25.0, "serving"), "r1": (0.0, "lent"), "r2": (0.0, "lent")}
+        lent = {g["lease_id"] for g in grants}
+        got = _wait_for(cfg, lambda cs: {c["lease_id"] for c in _replica(cs, "revoke")} >= lent, "reclaim")
+        # a later tick's commands committed after the reclaim: a duplicate would be there by now
+        n = len(got)
+        got = _wait_for(cfg, lambda cs: len(cs) > n, "later commands")
+    assert not duplicate_ids(got)
+    assert len(_replica(got, "grant")) == 2, "each replica lent once"
+    revokes = _replica(got, "revoke")
+    assert sorted(r["lease_id"] for r in revokes) == sorted(lent), "each replica lease revoked once"
+    for g in grants:  # each replica grant comes after any co-resident lease of its GPU ended
+        mine = [c for c in got if c["gpu"] == g["gpu"]]
+        assert [c["epoch"] for c in mine] == sorted(c["epoch"] for c in mine)
+    samples = [PoolSample.from_bytes(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.pool_samples_topic])]
+    assert len({s.event_id for s in samples}) == len(samples), "a sample per committed event, once"
+    assert {s.pool for s in samples} == {"chat"}
+    intents = [PoolIntent.from_bytes(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.pool_intents_topic])]
+    assert {(i.replica, i.action) for i in intents} >= {("r1", "lend"), ("r2", "lend"), ("r1", "reclaim")}
+    assert "r0" not in {i.replica for i in intents if i.action == "lend"}
