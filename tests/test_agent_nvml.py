@@ -16,7 +16,6 @@ from rose.config import GiB, load_config
 from rose.contract.events import Telemetry
 from rose.node import prometheus as prom
 from rose.node.agent import LatencyCarry, NvmlOptions, run_nvml
-from rose.node.lease_view import REPLICA_SERVING_STATE
 from rose.node.nvml import GpuSample
 from tests.examples import command_example, lease_state_example
 from tests.test_agent import REPO, Collect
@@ -244,13 +243,17 @@ def test_telemetry_follows_a_replica_lease(cfg, engines):
         produce_event(p, c.kafka.commands_topic, command_example(gpu="n/1", lease_id="L1"))
         produce_event(p, c.kafka.lease_state_topic, lease_state_example(gpu="n/1", lease_id="L1", ts=time.time()))
         seen = {}
-        for state in ("draining", "active", "reclaiming", "revoked"):
+        for state, want in (
+            ("draining", "draining"),
+            ("active", "lent"),
+            ("reclaiming", "reclaiming"),
+            ("revoked", "serving"),
+        ):
             t0 = time.time()
             produce_event(
                 p, c.kafka.lease_state_topic, lease_state_example(gpu="n/0", lease_id="L0", state=state, ts=t0)
             )
             p.flush(10)
-            want = REPLICA_SERVING_STATE.get(state, "serving")
             seen[state] = wait_for_telemetry(c, "n/0", lambda e: e.ts > t0 and e.serving_state == want, want)
     finally:
         stop.set()
