@@ -1,6 +1,7 @@
 """`rose simulate` with replica leases (docs/contract.md §7): `rose-replica` lends whole serving
 replicas in a trough through the pool decision (rose.policy.pool), routes the pool's load to the
-replicas that serve, and reclaims them; `rose-coresident` is today's `rose`."""
+replicas that serve, and reclaims them; `rose-coresident` grants co-resident leases only (`rose`,
+both kinds: tests/test_simulate_lease_kinds.py)."""
 
 from __future__ import annotations
 
@@ -87,10 +88,10 @@ def test_the_pool_decision_is_the_policy_s_own(monkeypatch):
     assert {r.serving_state for r in calls[-1].replicas} == {"serving"} and len(calls[-1].replicas) == 8
 
 
-def test_rose_coresident_is_today_s_rose():
-    pol = _run(_trace(_trough), ("rose", "rose-coresident"), duration_s=240)
-    assert pol["rose"] == pol["rose-coresident"] and pol["rose"]["grants"] > 0
-    assert pol["rose"]["replica_lease_hours"] == 0 and pol["rose"]["coresident_lease_hours"] > 0
+def test_rose_coresident_grants_co_resident_leases_only():
+    co = _run(_trace(_trough), ("rose-coresident",), duration_s=240)["rose-coresident"]
+    assert co["grants"] > 0 and co["replica_lease_hours"] == 0 and co["coresident_lease_hours"] > 0
+    assert co["reclaims_late"] == 0
 
 
 def test_the_router_sends_nothing_to_a_replica_that_is_out():
@@ -107,13 +108,13 @@ def test_the_router_sends_nothing_to_a_replica_that_is_out():
 def test_cli_names_the_new_policies(traces_dir):
     p = subprocess.run(
         [sys.executable, "-m", "rose", "simulate", "--trace", str(traces_dir / "burstgpt1_first400.csv"),
-         "--gpus", "4", "--duration", "60", "--policy", "static,rose-replica,rose-coresident", "--json"],
+         "--gpus", "4", "--duration", "60", "--policy", "static,rose-replica,rose-coresident,rose", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     pol = orjson.loads(p.stdout)["policies"]
-    assert list(pol) == ["static", "rose-coresident", "rose-replica"]
-    for name in ("rose-coresident", "rose-replica"):
+    assert list(pol) == ["static", "rose", "rose-coresident", "rose-replica"]
+    for name in ("rose", "rose-coresident", "rose-replica"):
         assert {"replica_lease_hours", "coresident_lease_hours", "reclaims_late"} <= set(pol[name])
 
 

@@ -32,7 +32,7 @@ from rose.sim.ledger import Ledger
 from rose.sim.models import GpuSpec, cold_start_s, deployed, gpu_spec, model_size, train_step_s, wake_s, warm_build_s
 from rose.sim.policies import ALL_POLICIES, ALL_RUNS, FORKED
 from rose.sim.policies import POLICIES as POLICIES  # the default comparison, re-exported
-from rose.sim.replica_run import LENT, ReplicaRun
+from rose.sim.replica_run import LENT, SERVING
 from rose.sim.report import across_seeds, result_of
 from rose.sim.requests import (
     LONG_TRACE_S,
@@ -300,9 +300,11 @@ def check_invariants(run: Run, st) -> None:
             groups = Counter(m.lease.group_id for m in run.machines if m.lease is not None)
             assert "" not in groups, "a lease outside a gang"
             assert all(n == pc.group_size for n in groups.values()), f"a gang lease not all-or-none: {groups}"
-    if isinstance(run, ReplicaRun):
-        assert run.admitting().any(), "a pool left without a serving replica"
-        assert (run.w[run.state != LENT] == 0).all(), "rollout work on a replica that is not lent"
+    rep = getattr(run, "rep", None)  # replica leases (rose-replica, rose)
+    if rep is not None:
+        assert (rep.state == SERVING).any(), "a pool left without a serving replica"
+        assert (rep.w >= -1e-9).all(), "negative in-flight work"
+        assert (rep.w[rep.state != LENT] == 0).all(), "rollout work on a replica that is not lent"
     if isinstance(run, ShareAllRun):
         assert (run.mem <= st.mem_total_bytes - run.sim.static_bytes).all(), "share-all lends beyond the GPU"
 
@@ -373,6 +375,9 @@ def _tallies(run: Run) -> Run:
     if isinstance(run, RoseRun):
         run.core = None  # type: ignore[assignment]
         run.machines = []
+    rep = getattr(run, "rep", None)
+    if rep is not None:
+        rep.sim = rep.ctx = None
     return run
 
 

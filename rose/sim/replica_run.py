@@ -1,12 +1,12 @@
-"""Replica leases in the simulator (`rose-replica`, docs/contract.md §7): whole serving replicas
-lent to rollout in the trough and reclaimed before the pool's load needs them. Every bin the
-pool decision of the live scheduler (`rose.policy.pool`: `pool_view`, `decide_pool`) reads the
-simulated replicas' telemetry and says which replicas to lend and which to bring back; the
-executor's replica path is modelled here: drain (the router sends the replica nothing new and
-its in-flight requests finish in the serving model), lend (rollout on the whole replica at its
-solo rate, started from the node's warm pool), reclaim (stop rollout, its partial work handed
-on; wake the serving engine; readmit). The model and its constants: docs/simulator.md
-"Replica leases".
+"""Replica leases in the simulator (docs/contract.md §7): whole serving replicas lent to rollout
+in the trough and reclaimed before the pool's load needs them. `ReplicaLeases` models the
+executor's replica path for a fleet's replicas: drain (the router sends the replica nothing new
+and its in-flight requests finish in the serving model), lend (rollout on the whole replica at
+its solo rate, started from the node's warm pool), reclaim (stop rollout, its partial work handed
+on; wake the serving engine; readmit). `ReplicaRun` (`rose-replica`) drives it by the live
+scheduler's pool decision (`rose.policy.pool`: `pool_view`, `decide_pool`) every bin; `rose`
+drives it by the pool stage's intents (`rose.sim.lease_kinds_run`). The model and its constants:
+docs/simulator.md "Replica leases".
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import replace
 
 import numpy as np
@@ -55,21 +56,23 @@ def sim_pool_config(ctx: RunContext, serving_wake_s: float) -> PoolConfig:
     )
 
 
-class ReplicaRun(Run):
-    """Static pool + replica leases: the pool decision on the replicas' telemetry every bin, the
-    executors' drain -> lend -> reclaim per replica, the router's traffic to serving replicas only."""
+def replica_pool_config(ctx: RunContext, sim: ServingSim) -> PoolConfig:
+    """`sim_pool_config` with the wake-up of `sim`'s serving engine."""
+    return sim_pool_config(ctx, wake_s(sim.model.weight_bytes_per_gpu, ctx.gpu))
 
-    sim: ServingSim  # always given one: its replicas are lent
-    own_serving = harvests = delta_weights = True
 
-    def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None) -> None:
-        assert sim is not None  # the serving replicas it lends (simulate() gives one)
-        super().__init__(name, ctx, sim)
+class ReplicaLeases:
+    """The executors' replica path over one fleet's serving replicas, and its figures. It adds
+    its rollout work, lease time and weight fetches to `run`'s ledger and tallies; the caller says
+    which replicas to drain and which to reclaim."""
+
+    def __init__(self, run: Run, sim: ServingSim, warm: WarmPools) -> None:
+        ctx = run.ctx
+        self.run, self.ctx, self.sim, self.warm = run, ctx, sim, warm
         R, self.tp = sim.replicas, sim.tp
-        self.cfg = sim_pool_config(ctx, wake_s(sim.model.weight_bytes_per_gpu, ctx.gpu))
+        self.cfg = replica_pool_config(ctx, sim)
         check_pool_config("sim", self.cfg)
         self.back_s = self.cfg.stop_rollout_s + self.cfg.wake_s + self.cfg.readmit_s  # lent -> serving
-        self.per_bin = max(1, round(self.cfg.bin_s / ctx.dt))
         self.state = np.zeros(R, dtype=np.int8)
         self.since = np.zeros(R)  # when the replica entered its state
         self.back_at = np.zeros(R)  # reclaiming: when it serves again
@@ -83,67 +86,44 @@ class ReplicaRun(Run):
         self.usable = (self.tp // ctx.rollout.tp) * ctx.rollout.tp
         self.rate = self.usable * float(ctx.rollout.rate(mem))
         self.batch = self.usable * float(ctx.rollout.batch_for(mem))
-        self.warm = WarmPools(
-            -(-sim.n // NODE_GPUS), ctx.warm_workers, ctx.lease_start_s, ctx.cold_start_s, ctx.warm_build_s
-        )
-        self.bins: deque[list[Telemetry]] = deque(maxlen=math.ceil(self.cfg.window_s / self.cfg.bin_s) + 1)
-        self.bin_max = {k: np.zeros(sim.n) for k in ("ttft", "tpot")}
-        self.bin_rps = np.zeros(sim.n)  # summed over the bin's windows
-        self.recent: deque[float] = deque(maxlen=self.per_bin)  # the pool's load per window, one bin
-        self.lends = self.drained = self.drain_timeouts = self.reclaims_late = self.decisions = 0
+        self.recent: deque[float] = deque(maxlen=max(1, round(self.cfg.bin_s / ctx.dt)))  # pool load, one bin
+        self.lends = self.drained = self.drain_timeouts = self.reclaims_late = 0
         self.drain_s = 0.0  # summed over the drains that finished
         self.replica_gpu_s = 0.0
 
-    # hooks
-    def admitting(self) -> np.ndarray:
-        return self.state == SERVING
-
-    def tallied(self) -> np.ndarray:
+    def serving_gpus(self) -> np.ndarray:
+        """Per GPU, whether its replica serves (serving or draining: it counts in the SLO tally)."""
         return np.repeat((self.state == SERVING) | (self.state == DRAINING), self.tp)
 
-    def in_flight(self) -> float:
-        return float(self.ded_w.sum() + self.w.sum())
+    def out_gpus(self) -> int:
+        return self.tp * int((self.state != SERVING).sum())
 
-    def rollout_gpus(self) -> int:
-        return self.ctx.M + self.usable * int((self.state == LENT).sum())
+    def lent_gpus(self) -> int:
+        return self.usable * int((self.state == LENT).sum())
 
-    def leased_counts(self) -> tuple[int, int]:
-        return self.tp * int((self.state != SERVING).sum()), self.usable * int((self.state == LENT).sum())
-
-    def synced(self, steps: int) -> None:
-        self.version[self.state == LENT] = steps
-
-    def policy_tallies(self) -> dict:
+    def tallies(self) -> dict:
         return {
-            "grants": self.lends,
             "drain_timeouts": self.drain_timeouts,
             "mean_drain_s": round(self.drain_s / self.drained, 3) if self.drained else None,
             "reclaim_to_serving_s": round(self.back_s, 3),
-            "pool_decisions": self.decisions,
-            "warm_starts": self.warm.warm_starts,
-            "cold_starts": self.warm.cold_starts,
-            **lease_hours(self.replica_gpu_s, 0.0, self.reclaims_late),
         }
 
-    def extra(self, w: int, t1: float, st) -> None:
-        c = self.ctx
+    def step(self, t1: float, st) -> list[int]:
+        """One window: the lent replicas' rollout, the lease time, the late reclaims, then the
+        executors at the window's end (`advance`). The replicas whose drain timed out."""
+        c, run = self.ctx, self.run
         lent = self.state == LENT
         gain = np.where(lent, self.rate * c.dt, 0.0) * ready_fraction(t1, c.dt, self.ready_at)
-        self.ledger.progress(self.w, np.full(self.w.size, self.batch / 2.0), gain)
-        self.harvested += float(gain.sum())
-        if self.lease_start_s is None and gain.any():
-            self.lease_start_s = t1 - c.dt * float(ready_fraction(t1, c.dt, self.ready_at)[gain > 0].max())
-        out = self.tp * int((self.state != SERVING).sum())
+        run.ledger.progress(self.w, np.full(self.w.size, self.batch / 2.0), gain)
+        run.harvested += float(gain.sum())
+        if run.lease_start_s is None and gain.any():
+            run.lease_start_s = t1 - c.dt * float(ready_fraction(t1, c.dt, self.ready_at)[gain > 0].max())
+        out = self.out_gpus()
         self.replica_gpu_s += out * c.dt
-        self.lease_gpu_s += out * c.dt
-        self.lease_share_s += self.usable * int(lent.sum()) * c.dt
+        run.lease_gpu_s += out * c.dt
+        run.lease_share_s += self.usable * int(lent.sum()) * c.dt
         self.account_need(st)
-        self.advance_replicas(t1)
-        for k, v in (("ttft", st.ttft_p99_ms), ("tpot", st.tpot_p99_ms)):
-            np.maximum(self.bin_max[k], v, out=self.bin_max[k])
-        self.bin_rps += st.rps
-        if (w + 1) % self.per_bin == 0:
-            self.decide(w, t1, st)
+        return self.advance(t1)
 
     def account_need(self, st) -> None:
         """A reclaim is late when, before its replica serves again, the pool's load (arrivals over
@@ -155,11 +135,13 @@ class ReplicaRun(Run):
             self.reclaims_late += int(newly.sum())
             self.late |= newly
 
-    def advance_replicas(self, t1: float) -> None:
+    def advance(self, t1: float) -> list[int]:
         """The executors at the window's end: drained replicas are lent (their rollout starts from
         the node's warm pool), a drain past its timeout is readmitted, reclaimed replicas whose
-        wake-up and readmission are done serve again (from the next window, as the router's)."""
+        wake-up and readmission are done serve again (from the next window, as the router's).
+        The replicas whose drain timed out."""
         sim = self.sim
+        timed_out = []
         for r in np.flatnonzero(self.state == DRAINING).tolist():
             if sim.N[r] + sim.qn[r] < DRAINED_REQUESTS:
                 self.drain_s += t1 - float(self.since[r])
@@ -169,25 +151,111 @@ class ReplicaRun(Run):
             elif t1 - self.since[r] >= DRAIN_TIMEOUT_S:
                 self.drain_timeouts += 1
                 self.state[r], self.since[r], self.back_at[r] = RECLAIMING, t1, t1 + self.cfg.readmit_s
+                timed_out.append(r)
         back = (self.state == RECLAIMING) & (self.back_at <= t1)
         self.state[back] = SERVING
         self.since[back] = t1
         self.late[back] = False
+        return timed_out
 
     def lend(self, r: int, t1: float) -> None:
         """Rollout starts on drained replica r: its worker from the node's warm pool (one for the
         replica's GPUs), the parked continuations first, the weights it missed."""
-        c = self.ctx
+        c, run = self.ctx, self.run
         if self.usable == 0:
-            self.leases_unusable += 1
+            run.leases_unusable += 1
             self.ready_at[r] = math.inf
             return
         self.ready_at[r] = t1 + self.warm.start(r * self.tp // NODE_GPUS, t1)
-        steps = self.ledger.steps()
-        self.weight_bytes += fetch_bytes(np.full(self.usable, self.version[r]), steps, float(c.wfull), c.delta_ratio)
-        self.weight_bytes_full += float(c.wfull) * self.usable
+        steps = run.ledger.steps()
+        run.weight_bytes += fetch_bytes(np.full(self.usable, self.version[r]), steps, float(c.wfull), c.delta_ratio)
+        run.weight_bytes_full += float(c.wfull) * self.usable
         self.version[r] = steps
-        self.w[r] = self.ledger.unpark(self.batch / 2.0)
+        self.w[r] = run.ledger.unpark(self.batch / 2.0)
+
+    def drain(self, r: int, t1: float) -> None:
+        """A lend: replica r leaves the router and drains (from the next window)."""
+        self.state[r], self.since[r] = DRAINING, t1
+        self.lends += 1
+
+    def reclaim(self, replicas: Iterable[int], t1: float) -> None:
+        """Reclaims: a lent replica's rollout stops (its episodes handed on as continuations) and
+        it serves again after the stop, the wake-up and the readmission; a draining one is
+        readmitted."""
+        stopped = np.zeros(self.w.size, dtype=bool)
+        for r in replicas:
+            stopped[r] = self.state[r] == LENT
+            self.back_at[r] = t1 + (self.back_s if stopped[r] else self.cfg.readmit_s)
+            self.state[r], self.since[r], self.late[r] = RECLAIMING, t1, False
+            self.run.revokes += 1
+        if stopped.any():
+            wv = self.w[stopped]
+            self.run.ledger.park(wv, np.full(wv.size, self.batch))
+            self.w[stopped] = wv
+
+    def synced(self, steps: int) -> None:
+        self.version[self.state == LENT] = steps
+
+
+class ReplicaRun(Run):
+    """Static pool + replica leases (`rose-replica`): the pool decision on the replicas' telemetry
+    every bin, the executors' drain -> lend -> reclaim per replica, the router's traffic to
+    serving replicas only."""
+
+    sim: ServingSim  # always given one: its replicas are lent
+    own_serving = harvests = delta_weights = True
+
+    def __init__(self, name: str, ctx: RunContext, sim: ServingSim | None) -> None:
+        assert sim is not None  # the serving replicas it lends (simulate() gives one)
+        super().__init__(name, ctx, sim)
+        warm = WarmPools(
+            -(-sim.n // NODE_GPUS), ctx.warm_workers, ctx.lease_start_s, ctx.cold_start_s, ctx.warm_build_s
+        )
+        self.rep = ReplicaLeases(self, sim, warm)
+        self.cfg, self.tp = self.rep.cfg, sim.tp
+        self.per_bin = max(1, round(self.cfg.bin_s / ctx.dt))
+        self.bins: deque[list[Telemetry]] = deque(maxlen=math.ceil(self.cfg.window_s / self.cfg.bin_s) + 1)
+        self.bin_max = {k: np.zeros(sim.n) for k in ("ttft", "tpot")}
+        self.bin_rps = np.zeros(sim.n)  # summed over the bin's windows
+        self.decisions = 0
+
+    # hooks
+    def admitting(self) -> np.ndarray:
+        return self.rep.state == SERVING
+
+    def tallied(self) -> np.ndarray:
+        return self.rep.serving_gpus()
+
+    def in_flight(self) -> float:
+        return float(self.ded_w.sum() + self.rep.w.sum())
+
+    def rollout_gpus(self) -> int:
+        return self.ctx.M + self.rep.lent_gpus()
+
+    def leased_counts(self) -> tuple[int, int]:
+        return self.rep.out_gpus(), self.rep.lent_gpus()
+
+    def synced(self, steps: int) -> None:
+        self.rep.synced(steps)
+
+    def policy_tallies(self) -> dict:
+        rep = self.rep
+        return {
+            "grants": rep.lends,
+            **rep.tallies(),
+            "pool_decisions": self.decisions,
+            "warm_starts": rep.warm.warm_starts,
+            "cold_starts": rep.warm.cold_starts,
+            **lease_hours(rep.replica_gpu_s, 0.0, rep.reclaims_late),
+        }
+
+    def extra(self, w: int, t1: float, st) -> None:
+        self.rep.step(t1, st)
+        for k, v in (("ttft", st.ttft_p99_ms), ("tpot", st.tpot_p99_ms)):
+            np.maximum(self.bin_max[k], v, out=self.bin_max[k])
+        self.bin_rps += st.rps
+        if (w + 1) % self.per_bin == 0:
+            self.decide(w, t1, st)
 
     def decide(self, w: int, t1: float, st) -> None:
         """The pool decision on this bin's telemetry and the window's before it, carried out."""
@@ -197,20 +265,8 @@ class ReplicaRun(Run):
         d = decide_pool(view, self.cfg)
         self.decisions += 1
         for rid in d.lend:
-            r = int(rid[1:])
-            self.state[r], self.since[r] = DRAINING, t1
-            self.lends += 1
-        stopped = np.zeros(self.w.size, dtype=bool)
-        for rid in d.reclaim:
-            r = int(rid[1:])
-            stopped[r] = self.state[r] == LENT
-            self.back_at[r] = t1 + (self.back_s if stopped[r] else self.cfg.readmit_s)
-            self.state[r], self.since[r], self.late[r] = RECLAIMING, t1, False
-            self.revokes += 1
-        if stopped.any():  # rollout stops: its episodes are handed on as continuations
-            wv = self.w[stopped]
-            self.ledger.park(wv, np.full(wv.size, self.batch))
-            self.w[stopped] = wv
+            self.rep.drain(int(rid[1:]), t1)
+        self.rep.reclaim((int(rid[1:]) for rid in d.reclaim), t1)
 
     def bin_events(self, w: int, t1: float, st) -> list[Telemetry]:
         """One telemetry event per GPU summarising the bin that ends at t1: its mean rps and
@@ -225,11 +281,12 @@ class ReplicaRun(Run):
             st.rollout_mem_bytes.tolist(),
         )
         qd = st.queue_depth.tolist()
+        state = self.rep.state
         out = [
             Telemetry(
                 f"sim/{g}@{w}", t1, f"node-{g // NODE_GPUS}", f"sim/{g}", "sim", util[g], total, used[g], rmem[g],
-                Latency(ttft[g], tpot[g]), slo, rps[g], qd[g], replica=f"r{g // tp:05d}",
-                serving_state=STATES[self.state[g // tp]],
+                Latency(ttft[g], tpot[g]), slo, rps[g], qd[g], replica=replica_name(g // tp),
+                serving_state=STATES[state[g // tp]],
             )
             for g in range(len(rps))
         ]  # fmt: skip
@@ -237,3 +294,8 @@ class ReplicaRun(Run):
             v[:] = 0.0
         self.bin_rps[:] = 0.0
         return out
+
+
+def replica_name(r: int) -> str:
+    """Simulated replica r's id in telemetry (sorted by id = by index, as the pool decision chooses)."""
+    return f"r{r:05d}"

@@ -12,9 +12,11 @@ import numpy as np
 from rose.contract.events import Latency, LeaseState, Telemetry
 from rose.executor import lease_machine as lm
 from rose.executor.guard import tripped_next
-from rose.policy.core import Batch, SchedulingCore
+from rose.policy.core import Applied, Batch, SchedulingCore
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import free_memory, memory_margin
+from rose.policy.pool import PoolConfig
+from rose.policy.pool_records import PoolIntent
 from rose.sim.models import NODE_GPUS
 from rose.sim.runs import SHARE_ALL_MEM_FRAC, SHARE_ALL_SHARE, Run, RunContext, fetch_bytes, lease_hours, ready_fraction
 from rose.sim.serving_model import ServingSim
@@ -44,10 +46,14 @@ class RoseRun(Run):
         assert sim is not None  # the serving GPUs it shares (simulate() gives one)
         super().__init__(name, ctx, sim)
         G = ctx.G
-        self.core = SchedulingCore(ctx.policy)
+        self.core = SchedulingCore(ctx.policy, pools=self.pools())
+        self._intents: tuple[PoolIntent, ...] = ()  # the pool stage's, for the next core batch
         self._published: list[LeaseState] = []  # lease states, until the next window's core batch
         self.names = [f"sim/{g}" for g in range(G)]  # GPU ids as the policy and the executors know them
         self.nodes = [f"node-{g // NODE_GPUS}" for g in range(G)]
+        # each GPU's serving replica and what it is doing, as telemetry says ("": the GPU itself)
+        self.replica_of = [""] * G
+        self.serving_state = ["serving"] * G
         self.machines = [lm.initial(name) for name in self.names]
         self.view_lease = np.zeros(G, dtype=bool)  # the policy's view holds a lease
         # the executors' leases, as their lease machines hold them
@@ -85,6 +91,13 @@ class RoseRun(Run):
         self.no_lease_gap = dict.fromkeys(NO_LEASE_WHY, 0.0)
         self.paused_gap = {"guard": 0.0, "throttle": 0.0}
         self.why_none = np.full(G, NO_LEASE_WHY.index("other"), dtype=np.int64)  # index into NO_LEASE_WHY
+
+    def pools(self) -> dict[str, PoolConfig]:
+        """The pools whose replicas replica leases may take (none: co-resident leases only)."""
+        return {}
+
+    def pooled(self, applied: Applied, ts: float) -> None:
+        """The pool samples of a core batch (none without pools)."""
 
     def synced(self, steps: int) -> None:
         self.version[self.leased & (self.batch > 0)] = steps
@@ -219,6 +232,8 @@ class RoseRun(Run):
                         slo,
                         float(p["rps"][g]),
                         int(p["qd"][g]),
+                        self.replica_of[g],
+                        self.serving_state[g],
                     )
                 )
             # this window's event: _telemetry(g, w, ...) with the GPU's names built once
@@ -239,12 +254,17 @@ class RoseRun(Run):
                     slo,
                     rps[g],
                     qd[g],
+                    replica=self.replica_of[g],
+                    serving_state=self.serving_state[g],
                 )
             )
-        # with the lease states the executors published since the last window, as they reach a scheduler
-        decisions = self.core.apply(Batch(lease_states=self._published, telemetry=events)).decisions
-        self._published = []
-        out = []
+        # with the lease states the executors published since the last window, as they reach a
+        # scheduler, and the pool stage's intents since then (docs/scheduler.md "Pool decisions and partitioning")
+        applied = self.core.apply(Batch(lease_states=self._published, intents=self._intents, telemetry=events))
+        self._published, self._intents = [], ()
+        self.pooled(applied, ts)
+        decisions = applied.decisions
+        out = [(_index(cmd.gpu), cmd) for cmd in applied.intent_commands]  # a co-resident revoke first
         i = -1
         for g, n in zip(gpus, held):
             i += 1 + n  # this window's event comes after its held-back ones
@@ -388,6 +408,8 @@ def _telemetry(
     slo: Latency,
     rps: float,
     qd: int,
+    replica: str,
+    serving_state: str,
 ) -> Telemetry:
     return Telemetry(
         f"sim/{g}@{w}",
@@ -403,4 +425,6 @@ def _telemetry(
         slo,
         rps,
         qd,
+        replica=replica,
+        serving_state=serving_state,
     )
