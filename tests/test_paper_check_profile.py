@@ -76,6 +76,8 @@ def _run(mech: str, seed: int, rose_eps: float, sa_eps: float, slo: dict[str, fl
             "mean_leased_gpus": 10.0,
             "mean_leased_compute": 5.0,
             "leases_unusable": 0,
+            "replica_lease_hours": 1.25,
+            "coresident_lease_hours": 2.5,
         }
 
     return {
@@ -168,6 +170,7 @@ def test_the_tables_render_the_profile_label_and_rose_beside_share_all():
     assert "| t | 8B | 1.600 ± 0.050 | 2.000 ± 0.000 | 0.800 [0.775, 0.825] |" in md
     assert "gap: below threshold / lease start / paused / share cap" in md
     assert "| 0.250 / 0.020 / 0.100 / 0.000 |" in md
+    assert "| 10.0 | 1.25 / 2.50 | 0 |" in md  # mean leased GPUs, GPU-hours per lease kind, unusable
     lines = md.splitlines()
     width = 0
     for i, line in enumerate(lines):  # every row and separator has as many cells as its table's header

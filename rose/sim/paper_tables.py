@@ -96,13 +96,19 @@ def _targets_table(res: Results) -> list[str]:
     return lines
 
 
+def _lease_hours(res: Results, t: str, m: str) -> str:
+    """ROSE's GPU-hours under each kind of lease (docs/contract.md §7), mean over the seeds."""
+    kinds = ("replica_lease_hours", "coresident_lease_hours")
+    return " / ".join(f"{statistics.fmean(res.fig(t, m, 'rose', k)):.2f}" for k in kinds)
+
+
 def _main_table(res: Results) -> list[str]:
     cc = res.cc
     lines = ["", "### Every policy, per trace and model", "", _profile_line(res), ""]
     lines += [
         f"| trace | model | {VERSUS_HEAD} | {GAP_HEAD} | ROSE / elastic | elastic gain | harvest per serving GPU | "
-        "1 + (G/M) × harvest | mean leased GPUs | leases unusable | wall s |",
-        "|---|---|" + "---:|" * 14,
+        "1 + (G/M) × harvest | mean leased GPUs | replica / co-resident lease GPU-h | leases unusable | wall s |",
+        "|---|---|" + "---:|" * 15,
     ]
     for t in cc.traces:
         for m in cc.models:
@@ -115,6 +121,7 @@ def _main_table(res: Results) -> list[str]:
                 mean_text(h, 4),
                 f"{1 + cc.gm * statistics.fmean(h):.3f}",
                 f"{statistics.fmean(res.fig(t, m, 'rose', 'mean_leased_gpus')):.1f}",
+                _lease_hours(res, t, m),
                 f"{statistics.fmean(res.fig(t, m, 'rose', 'leases_unusable')):.0f}",
                 f"{statistics.fmean(r['wall_s'] for r in rs):.0f}",
             ]
