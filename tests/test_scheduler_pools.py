@@ -169,3 +169,111 @@ def test_an_idle_pool_lends_two_replicas_once_and_a_load_rise_reclaims_them(cfg)
     intents = [PoolIntent.from_bytes(m.value()) for m in read_all(cfg.kafka, [cfg.kafka.pool_intents_topic])]
     assert {(i.replica, i.action) for i in intents} >= {("r1", "lend"), ("r2", "lend"), ("r1", "reclaim")}
     assert "r0" not in {i.replica for i in intents if i.action == "lend"}
+
+
+@pytest.mark.stack
+def test_a_new_instance_takes_over_both_stages_from_the_log(cfg, monkeypatch):
+    """The first instance lends and closes; the next one (same group, same instance id) rebuilds
+    the pool's window and pending intents from the two topics and the GPU stage's positions from
+    the group's offsets: it lends nothing twice, and reclaims from the window it read back."""
+    from rose.kafka.consumer import TopicPartition, make_consumer
+    from rose.scheduler.pool_service import PoolStage
+
+    taken_over: list[tuple[int, int]] = []  # per takeover of the pool: (samples, pending intents) folded
+    take_over = PoolStage._take_over
+
+    def recorded(self, partition, committed):
+        take_over(self, partition, committed)
+        if "chat" in self.states:
+            taken_over.append((len(self.states["chat"].samples), len(self.states["chat"].pending)))
+
+    monkeypatch.setattr(PoolStage, "_take_over", recorded)
+    cfg = _pool_cfg(cfg)
+    with Fleet(cfg) as fleet:
+        with Running(cfg, "pt"):
+            got = _wait_for(cfg, lambda cs: len(_replica(cs, "grant")) >= 2, "replica grants")
+        grants = _replica(got, "grant")
+        group = make_consumer(cfg.kafka, f"{cfg.kafka.topic_prefix}rose-scheduler")
+        try:
+            parts = [TopicPartition(cfg.kafka.pool_intents_topic, p) for p in range(cfg.kafka.partitions)]
+            committed = {tp.partition: tp.offset for tp in group.committed(parts, timeout=10) if tp.offset > 0}
+        finally:
+            group.close()
+        assert committed, "the GPU stage committed its pool-intents positions with the group"
+        with Running(cfg, "pt"):
+            n = len(got)
+            got = _wait_for(cfg, lambda cs: len(cs) > n + 3, "the second instance's commands")
+            print(f"\n[takeover] (samples, pending intents) folded: {taken_over}")
+            assert taken_over and taken_over[0][0] > 0, "the window was read back, not started empty"
+            fleet.state = {"r0": (25.0, "serving"), "r1": (0.0, "lent"), "r2": (0.0, "lent")}
+            lent = {g["lease_id"] for g in grants}
+            got = _wait_for(cfg, lambda cs: {c["lease_id"] for c in _replica(cs, "revoke")} >= lent, "reclaim")
+    assert not duplicate_ids(got)
+    assert _replica(got, "grant") == grants, "nothing lent twice across the takeover"
+    assert sorted(r["lease_id"] for r in _replica(got, "revoke")) == sorted(lent)
+
+
+@pytest.mark.stack
+def test_sigkill_of_the_scheduler_loses_and_duplicates_no_replica_command(cfg, tmp_path):
+    """Fault: `rose scheduler` SIGKILLed at random points while the pool lends and while it
+    reclaims, a fresh process (same instance id) taking over each time. Expectation, read with
+    read_committed: each replica lent once and each of its leases revoked once, no command id
+    twice. Counted: kills, and the samples, replica grants and revokes committed at each kill."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    from tests.processes import terminate_all
+
+    # a lease outlives the restarts: a replica grant is applied up to a restart's time after its
+    # cause, and with the default 5 s it could be born expired (the pool would then lend again)
+    cfg = _pool_cfg(dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, ttl_s=60.0)))
+    toml = tmp_path / "rose.toml"
+    toml.write_text(f"[policy]\nttl_s = 60.0\n[policy.pools.chat]\nreplica_capacity_rps = {POOL.replica_capacity_rps}\n"
+                    f"window_s = {POOL.window_s}\nbin_s = {POOL.bin_s}\n")  # fmt: skip
+    env = {
+        **os.environ,
+        "ROSE_CONFIG": str(toml),
+        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+        "ROSE_KAFKA__PARTITIONS": str(cfg.kafka.partitions),
+    }
+    cmd = [sys.executable, "-m", "rose", "scheduler", "--instance", "pk", "--log-level", "WARNING"]
+    rng = random.Random(5)
+    at_kill: list[tuple[int, int, int]] = []
+
+    def start(name: str) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "wb"))
+
+    def kill(proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        samples, cmds = read_all(cfg.kafka, [cfg.kafka.pool_samples_topic]), commands(cfg)
+        at_kill.append((len(samples), len(_replica(cmds, "grant")), len(_replica(cmds, "revoke"))))
+
+    with Fleet(cfg) as fleet:
+        for round_ in range(3):  # while the pool lends
+            proc = start(f"lend{round_}")
+            time.sleep(rng.uniform(3.0, 9.0))
+            kill(proc)
+        proc = start("lent")
+        try:
+            got = _wait_for(cfg, lambda cs: len(_replica(cs, "grant")) >= 2, "replica grants")
+            grants = _replica(got, "grant")
+            lent = {g["lease_id"] for g in grants}
+            fleet.state = {"r0": (25.0, "serving"), "r1": (0.0, "lent"), "r2": (0.0, "lent")}
+            time.sleep(rng.uniform(0.5, 2.0))
+            kill(proc)  # while it reclaims
+            proc = start("final")
+            got = _wait_for(cfg, lambda cs: {c["lease_id"] for c in _replica(cs, "revoke")} >= lent, "reclaim")
+            n = len(got)
+            got = _wait_for(cfg, lambda cs: len(cs) > n, "later commands")
+        finally:
+            terminate_all({"scheduler": proc})
+    print(f"\n[pool sigkill] kills={len(at_kill)} (samples, replica grants, replica revokes) at each kill={at_kill}")
+    assert any(samples for samples, _, _ in at_kill), "a kill must land after samples were committed"
+    assert not duplicate_ids(got)
+    assert sorted(g["gpu"] for g in _replica(got, "grant")) == ["pl/1", "pl/2"], "each replica lent once"
+    assert sorted(r["lease_id"] for r in _replica(got, "revoke")) == sorted(lent), "each lease revoked once"
