@@ -72,6 +72,14 @@ class PoolStage:
                 "give pool-intents the telemetry topic's partition count (kafka.partitions)"
             )
         self._telemetry_partitions = n
+        for name, c in self.pools.items():
+            if not c.replica_capacity_rps:
+                self.log.warning(
+                    "pool.capacity_estimated",
+                    setting=f"policy.pools.{name}.replica_capacity_rps",
+                    fix="set it to the rps one replica serves within its SLO (a load test's figure): until a "
+                    "serving replica shows the grant headroom, the capacity is estimated from none and nothing is lent",
+                )
         self.consumer.subscribe(
             [self.k.pool_samples_topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
         )
