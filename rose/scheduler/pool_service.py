@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rose.config import Config, PoolConfig
+from rose.config import Config, ConfigError, PoolConfig
 from rose.contract.events import InvalidEvent
 from rose.kafka.admin import partitions_of, retrying
 from rose.kafka.consumer import Consumer, Message, TopicPartition, consume_batch, make_consumer, read_partitions
@@ -67,9 +67,9 @@ class PoolStage:
         n = len(retrying(lambda: partitions_of(self.k, self.k.telemetry_topic)))
         m = len(retrying(lambda: partitions_of(self.k, self.k.pool_intents_topic)))
         if m != n:
-            raise ValueError(
-                f"topic {self.k.pool_intents_topic} has {m} partitions and {self.k.telemetry_topic} {n}: "
-                "give pool-intents the telemetry topic's partition count (kafka.partitions)"
+            raise ConfigError(
+                f"policy.pools: topic {self.k.pool_intents_topic} has {m} partitions and {self.k.telemetry_topic} "
+                f"{n}; recreate pool-intents with the telemetry topic's partition count"
             )
         self._telemetry_partitions = n
         for name, c in self.pools.items():

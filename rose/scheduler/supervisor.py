@@ -30,6 +30,8 @@ def _topics_missing(cfg: Config, log: Any, left: float | None) -> bool:
         missing = missing_topics(cfg.kafka, timeout_s=5.0 if left is None else max(0.5, min(5.0, left)))
     except KafkaException:
         return False
+    if not cfg.policy.pools:  # the pool stage's topics are needed only with pools that lend replicas
+        missing = [t for t in missing if t not in (cfg.kafka.pool_samples_topic, cfg.kafka.pool_intents_topic)]
     if missing:
         report_missing_topics(cfg.kafka, missing, log, "scheduler")
     return bool(missing)
