@@ -277,3 +277,29 @@ def test_sigkill_of_the_scheduler_loses_and_duplicates_no_replica_command(cfg, t
     assert not duplicate_ids(got)
     assert sorted(g["gpu"] for g in _replica(got, "grant")) == ["pl/1", "pl/2"], "each replica lent once"
     assert sorted(r["lease_id"] for r in _replica(got, "revoke")) == sorted(lent), "each lease revoked once"
+
+
+@pytest.mark.stack
+def test_pool_intents_with_another_partition_count_than_telemetry_is_a_config_error(cfg):
+    """An intent goes to its GPU's telemetry partition: with another count it would land beside
+    another GPU's telemetry, so the pool stage refuses to start, naming both topics."""
+    from confluent_kafka.admin import NewPartitions
+
+    from rose.kafka.admin import make_admin, partitions_of
+    from rose.scheduler.service import Scheduler
+
+    cfg = _pool_cfg(cfg)
+    topic = cfg.kafka.telemetry_topic
+    admin = make_admin(cfg.kafka)  # held until its futures are done
+    for fut in admin.create_partitions([NewPartitions(topic, cfg.kafka.partitions + 2)]).values():
+        fut.result(30)
+    deadline = time.monotonic() + 30
+    while len(partitions_of(cfg.kafka, topic)) != cfg.kafka.partitions + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s = Scheduler(cfg, instance="pm")
+    try:
+        with pytest.raises(ConfigError) as e:
+            s.start()
+    finally:
+        s.close()
+    assert cfg.kafka.pool_intents_topic in str(e.value) and topic in str(e.value)
