@@ -13,10 +13,14 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
         quick: bool = typer.Option(False, "--quick", help="A short run (smoke test of the bench)."),
         engine: str = typer.Option(
-            "", "--engine", help="Rollout engine of the benches that run workers (coelastic, revoke): vllm | hf."
+            "",
+            "--engine",
+            help="Rollout engine of the benches that run workers (coelastic, revoke, replica): vllm | hf.",
         ),
         model: str = typer.Option("", "--model", help="The engine's Hugging Face checkpoint directory."),
-        cycles: int = typer.Option(0, "--cycles", help="coelastic: warm grants to measure (0: the bench's default)."),
+        cycles: int = typer.Option(
+            0, "--cycles", help="coelastic: warm grants; replica: replica leases (0: the bench's default)."
+        ),
         turns: int = typer.Option(0, "--turns", help="gateway: turns measured on each side (0: the bench's default)."),
         max_tokens: int = typer.Option(0, "--max-tokens", help="gateway: tokens per turn (0: the bench's default)."),
         concurrency: int = typer.Option(8, "--concurrency", help="gateway: streams at once on each side."),
@@ -44,7 +48,7 @@ def register(app: typer.Typer) -> None:
         if plot and name != "trl":
             fail(f"--plot: bench {name!r} draws no plot (trl does)")
         if name in _OWN_OPTIONS:  # benches that start their own engines take --model as an argument
-            load = (turns, max_tokens, concurrency, rounds)
+            load = (turns, max_tokens, concurrency, rounds, cycles)
             extra = _OWN_OPTIONS[name](mod, engine, model, plot, load, cfg.rollout.python)
         elif turns or max_tokens or concurrency != 8 or rounds:
             fail(f"--turns/--max-tokens/--concurrency/--rounds: bench {name!r} does not take them (gateway does)")
@@ -63,6 +67,18 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"{k}: {v}")
 
 
+def _check_checkpoint(model: str, tokenizer: bool = False, required: bool = False) -> None:
+    """`--model`, where given (or `required`), must be a Hugging Face checkpoint directory (one
+    line and exit 2)."""
+    from pathlib import Path
+
+    from rose.cli import fail
+
+    if (model or required) and not (Path(model) / "config.json").is_file():
+        init = "rose model init --tokenizer" if tokenizer else "rose model init"
+        fail(f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `{init}`")
+
+
 def _with_engine(cfg, name: str, engine: str, model: str):
     """`cfg` with the rollout engine and checkpoint of `--engine`/`--model` (coelastic, revoke)."""
     import dataclasses
@@ -76,10 +92,7 @@ def _with_engine(cfg, name: str, engine: str, model: str):
         fail(f"--engine/--model: bench {name!r} runs no rollout engine (coelastic and revoke do)")
     if engine not in ("vllm", "hf"):
         fail(f"--engine {engine!r}: expected vllm or hf")
-    if not (Path(model) / "config.json").is_file():
-        fail(
-            f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init`"
-        )
+    _check_checkpoint(model, required=True)
     return dataclasses.replace(
         cfg, rollout=dataclasses.replace(cfg.rollout, engine=engine, model=str(Path(model).resolve()))
     )
@@ -94,10 +107,7 @@ def _decode_args(model: str, engine: str) -> dict:
 
     if engine not in ("", "vllm"):
         fail(f"--engine {engine!r}: bench decode measures vLLM, the engine whose dtype it chooses")
-    if model and not (Path(model) / "config.json").is_file():
-        fail(
-            f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init`"
-        )
+    _check_checkpoint(model)
     if importlib.util.find_spec("vllm") is None:
         fail("bench decode: vLLM is not installed in this environment (docs/engines.md)")
     return {"model": str(Path(model).resolve()) if model else ""}
@@ -111,30 +121,25 @@ def _trl_args(model: str, engine: str, plot: str) -> dict:
 
     if engine not in ("", "hf"):
         fail(f"--engine {engine!r}: bench trl runs hf-engine workers that follow the trainer's weights")
-    if model and not (Path(model) / "config.json").is_file():
-        fail(
-            f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init --tokenizer`"
-        )
+    _check_checkpoint(model, tokenizer=True)
     if plot and not plot.endswith(".png"):
         fail(f"--plot {plot!r}: expected a path ending in .png")
     return {"model": str(Path(model).resolve()) if model else "", "plot": plot}
 
 
-def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int, int], python: str) -> dict:
+def _gateway_args(mod, engine: str, model: str, load: tuple[int, ...], python: str) -> dict:
     """`rose bench gateway`'s options, checked (one line and exit 2 for a bad one); `load`: turns,
-    max_tokens, concurrency, rounds; `python`: the engines' interpreter (`rollout.python`; "" = this one)."""
+    max_tokens, concurrency, rounds (then cycles, not its); `python`: the engines' interpreter
+    (`rollout.python`; "" = this one)."""
     import importlib.util
     from pathlib import Path
 
     from rose.cli import fail
 
-    turns, max_tokens, concurrency, rounds = load
+    turns, max_tokens, concurrency, rounds = load[:4]
     if engine not in ("", "vllm"):
         fail(f"--engine {engine!r}: bench gateway runs vLLM (its own server beside the gateway's workers)")
-    if model and not (Path(model) / "config.json").is_file():
-        fail(
-            f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `rose model init`"
-        )
+    _check_checkpoint(model)
     if turns < 0:
         fail(f"--turns {turns}: expected a positive number (0: the default)")
     if not 0 <= max_tokens <= mod.MAX_MODEL_LEN - mod.PROMPT_TOKENS:
@@ -154,9 +159,35 @@ def _gateway_args(mod, engine: str, model: str, load: tuple[int, int, int, int],
     }
 
 
-# name -> its options checked into `run`'s keyword arguments: (module, engine, model, plot, load, python)
+def _replica_args(engine: str, model: str, load: tuple[int, ...], python: str) -> dict:
+    """`rose bench replica`'s options, checked: its serving replicas are vLLM servers on `model`
+    (default a tiny checkpoint), its rollout workers the configured engine or `engine` on it;
+    `load`'s last is --cycles."""
+    import importlib.util
+    from pathlib import Path
+
+    from rose.cli import fail
+
+    turns, max_tokens, concurrency, rounds, cycles = load
+    if turns or max_tokens or concurrency != 8 or rounds:
+        fail("--turns/--max-tokens/--concurrency/--rounds: bench replica does not take them (its load is fixed)")
+    if engine not in ("", "vllm", "hf", "reference"):
+        fail(f"--engine {engine!r}: expected vllm, hf or reference (the rollout workers' engine)")
+    _check_checkpoint(model)
+    if cycles < 0:
+        fail(f"--cycles {cycles}: expected a positive number (0: the default)")
+    if not python and importlib.util.find_spec("vllm") is None:
+        fail("bench replica: vLLM is not installed in this environment (docs/engines.md)")
+    if importlib.util.find_spec("vllm_router") is None:
+        fail("bench replica: vllm-router is not installed; install it with `pip install -e .[router]`")
+    return {"model": str(Path(model).resolve()) if model else "", "engine": engine, "cycles": cycles}
+
+
+# name -> its options checked into `run`'s keyword arguments: (module, engine, model, plot, load, python);
+# `load`: turns, max_tokens, concurrency, rounds, cycles
 _OWN_OPTIONS = {
     "gateway": lambda mod, engine, model, plot, load, python: _gateway_args(mod, engine, model, load, python),
     "trl": lambda mod, engine, model, plot, load, python: _trl_args(model, engine, plot),
     "decode": lambda mod, engine, model, plot, load, python: _decode_args(model, engine),
+    "replica": lambda mod, engine, model, plot, load, python: _replica_args(engine, model, load, python),
 }
