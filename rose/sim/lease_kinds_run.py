@@ -20,7 +20,16 @@ from rose.policy.core import Applied
 from rose.policy.pool import LEASE_REPLICA, PoolConfig
 from rose.policy.pool_records import PoolSample
 from rose.policy.pool_stage import PoolState, decide_sample, fold_sample
-from rose.sim.replica_run import DRAINING, LENT, SERVING, STATES, ReplicaLeases, replica_name, replica_pool_config
+from rose.sim.replica_run import (
+    DRAINING,
+    LENT,
+    SERVING,
+    STATES,
+    ReplicaLeases,
+    replica_name,
+    replica_pool_config,
+    rollout_gpus_of_replica,
+)
 from rose.sim.rose_run import RoseRun
 from rose.sim.runs import RunContext, lease_hours
 from rose.sim.serving_model import ServingSim
@@ -44,6 +53,10 @@ class LeaseKindsRun(RoseRun):
         self.pool_decisions = self.replica_expiries = self.replica_rejected = 0
 
     def pools(self) -> dict[str, PoolConfig]:
+        """The fleet's pool, where a lent replica can run rollout (a rollout TP that does not
+        divide serving's leaves it nothing to run: an operator would not enable replica leases)."""
+        if rollout_gpus_of_replica(self.ctx, self.sim) == 0:
+            return {}
         return {POOL: replica_pool_config(self.ctx, self.sim)}
 
     # hooks
@@ -71,6 +84,7 @@ class LeaseKindsRun(RoseRun):
         rep = self.rep
         return {
             **super().policy_tallies(),
+            "grants": self.grants + rep.lends * self.tp,  # GPU grants of both kinds
             "replica_grants": rep.lends,
             "replica_expiries": self.replica_expiries,
             "replica_grants_rejected": self.replica_rejected,
@@ -88,6 +102,19 @@ class LeaseKindsRun(RoseRun):
         super().extra(w, t1, st)
         if (w + 1) % self.per_bin == 0:
             self.decide_pool()
+
+    def account_gap(self, mine: np.ndarray, share_all: np.ndarray, ready: np.ndarray) -> None:
+        """The share-all gap (`RoseRun.account_gap`) with the GPUs of replicas out of the router
+        apart: there share-all's work beyond the replica's counts as its lease's start (drain,
+        wake-up, reclaim), the replica's beyond share-all's as above it."""
+        rep = self.rep
+        out = np.repeat(rep.was_out, self.tp)
+        if out.any():
+            diff = np.where(out, share_all, 0.0) - np.repeat(rep.gain / self.tp, self.tp)
+            self.gap["lease_start"] += float(diff[diff > 0].sum())
+            self.gap["above_share_all"] -= float(diff[diff < 0].sum())
+            share_all = np.where(out, 0.0, share_all)
+        super().account_gap(mine, share_all, ready)
 
     def pooled(self, applied: Applied, ts: float) -> None:
         for s in applied.samples:

@@ -55,7 +55,7 @@ class Ledger:
         w[...] = 0.0
 
     def unpark(self, limit: float = math.inf) -> float:
-        take = min(self.parked, limit)
+        take = float(min(self.parked, limit))  # a numpy limit must not turn the tally into numpy
         self.parked -= take
         return take
 

@@ -61,6 +61,12 @@ def replica_pool_config(ctx: RunContext, sim: ServingSim) -> PoolConfig:
     return sim_pool_config(ctx, wake_s(sim.model.weight_bytes_per_gpu, ctx.gpu))
 
 
+def rollout_gpus_of_replica(ctx: RunContext, sim: ServingSim) -> int:
+    """The GPUs of a lent replica that form whole rollout groups: all of them when the rollout's
+    TP divides serving's, none otherwise."""
+    return (sim.tp // ctx.rollout.tp) * ctx.rollout.tp
+
+
 class ReplicaLeases:
     """The executors' replica path over one fleet's serving replicas, and its figures. It adds
     its rollout work, lease time and weight fetches to `run`'s ledger and tallies; the caller says
@@ -83,13 +89,15 @@ class ReplicaLeases:
         # a lent replica: its GPUs that form whole rollout groups, at the rate of a GPU whose
         # serving engine sleeps (it keeps its runtime reserve), no interference
         mem = ctx.gpu.mem_bytes - sim.engine.runtime_reserve_bytes
-        self.usable = (self.tp // ctx.rollout.tp) * ctx.rollout.tp
+        self.usable = rollout_gpus_of_replica(ctx, sim)
         self.rate = self.usable * float(ctx.rollout.rate(mem))
         self.batch = self.usable * float(ctx.rollout.batch_for(mem))
         self.recent: deque[float] = deque(maxlen=max(1, round(self.cfg.bin_s / ctx.dt)))  # pool load, one bin
         self.lends = self.drained = self.drain_timeouts = self.reclaims_late = 0
         self.drain_s = 0.0  # summed over the drains that finished
         self.replica_gpu_s = 0.0
+        self.was_out = np.zeros(R, dtype=bool)  # the last window's replicas out of the router
+        self.gain = np.zeros(R)  # and their rollout work in it
 
     def serving_gpus(self) -> np.ndarray:
         """Per GPU, whether its replica serves (serving or draining: it counts in the SLO tally)."""
@@ -113,7 +121,9 @@ class ReplicaLeases:
         executors at the window's end (`advance`). The replicas whose drain timed out."""
         c, run = self.ctx, self.run
         lent = self.state == LENT
+        self.was_out = self.state != SERVING  # this window's, for the share-all gap (lease_kinds_run)
         gain = np.where(lent, self.rate * c.dt, 0.0) * ready_fraction(t1, c.dt, self.ready_at)
+        self.gain = gain
         run.ledger.progress(self.w, np.full(self.w.size, self.batch / 2.0), gain)
         run.harvested += float(gain.sum())
         if run.lease_start_s is None and gain.any():
