@@ -16,11 +16,12 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-# a pool's settings are configuration (`policy.pools.<pool>`), defined and checked in rose.config
-from rose.config import FORECASTS as FORECASTS
+# a pool's settings are configuration (`policy.pools.<pool>`): defined in rose.config, checked in
+# rose.config_checks
 from rose.config import PolicyConfig
 from rose.config import PoolConfig as PoolConfig
-from rose.config import check_pool_config as check_pool_config
+from rose.config_checks import FORECASTS as FORECASTS
+from rose.config_checks import check_pool_config as check_pool_config
 from rose.contract.events import Command, Telemetry
 from rose.contract.immutable import immutable
 from rose.policy.lease_commands import Cause, lease_command, lease_id_for
