@@ -91,7 +91,7 @@ def test_the_simulator_runs_the_pool_stage_and_feeds_its_intents_back(monkeypatc
     def decides_nothing(state, s, cfg):
         return pool_stage.fold_sample(state, s, cfg), ()
 
-    monkeypatch.setattr("rose.sim.lease_kinds_run.decide_sample", decides_nothing)
+    monkeypatch.setattr("rose.sim.replica_run.decide_sample", decides_nothing)
     none = _run(_ramp, ("rose",), duration_s=300)["policies"]["rose"]
     assert none["replica_grants"] == 0 and none["replica_lease_hours"] == 0 and none["pool_decisions"] > 0
 

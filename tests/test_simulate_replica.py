@@ -74,7 +74,8 @@ def test_a_flat_load_at_capacity_lends_nothing():
 
 
 def test_the_pool_decision_is_the_policy_s_own(monkeypatch):
-    """The simulator lends what rose.policy.pool.decide_pool says: one that lends nothing, nothing."""
+    """The simulator lends what rose.policy.pool.decide_pool says, through the pool stage
+    (rose.policy.pool_stage): one that lends nothing, nothing."""
     calls = []
 
     def keep_all(view, cfg):
@@ -82,7 +83,7 @@ def test_the_pool_decision_is_the_policy_s_own(monkeypatch):
         d = pool_decision.decide_pool(view, cfg)
         return replace(d, lend=(), reclaim=())
 
-    monkeypatch.setattr("rose.sim.replica_run.decide_pool", keep_all)
+    monkeypatch.setattr("rose.policy.pool_stage.decide_pool", keep_all)
     rep = _run(_trace(_trough), ("rose-replica",))["rose-replica"]
     assert calls and rep["grants"] == 0 and rep["pool_decisions"] == len(calls)
     assert {r.serving_state for r in calls[-1].replicas} == {"serving"} and len(calls[-1].replicas) == 8

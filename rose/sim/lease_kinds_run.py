@@ -19,7 +19,7 @@ from rose.contract.events import Command, LeaseState
 from rose.policy.core import Applied
 from rose.policy.pool import LEASE_REPLICA, PoolConfig
 from rose.policy.pool_records import PoolSample
-from rose.policy.pool_stage import PoolState, decide_sample, fold_sample
+from rose.policy.pool_stage import PoolState
 from rose.sim.replica_run import (
     DRAINING,
     LENT,
@@ -29,6 +29,7 @@ from rose.sim.replica_run import (
     replica_name,
     replica_pool_config,
     rollout_gpus_of_replica,
+    stage_bin,
 )
 from rose.sim.rose_run import RoseRun
 from rose.sim.runs import RunContext, lease_hours
@@ -128,11 +129,7 @@ class LeaseKindsRun(RoseRun):
         self.bin_samples = {}
         if not merged:
             return
-        merged.sort(key=lambda s: (s.ts, s.event_id))
-        cfg = self.rep.cfg
-        for s in merged[:-1]:
-            self.stage = fold_sample(self.stage, s, cfg)
-        self.stage, intents = decide_sample(self.stage, merged[-1], cfg)
+        self.stage, intents = stage_bin(self.stage, merged, self.rep.cfg)
         self.pool_decisions += 1
         self._intents = self._intents + intents
 

@@ -4,14 +4,14 @@ executor's replica path for a fleet's replicas: drain (the router sends the repl
 and its in-flight requests finish in the serving model), lend (rollout on the whole replica at
 its solo rate, started from the node's warm pool), reclaim (stop rollout, its partial work handed
 on; wake the serving engine; readmit). `ReplicaRun` (`rose-replica`) drives it by the live
-scheduler's pool decision (`rose.policy.pool`: `pool_view`, `decide_pool`) every bin; `rose`
-drives it by the pool stage's intents (`rose.sim.lease_kinds_run`). The model and its constants:
+scheduler's pool stage (`rose.policy.pool_stage`, around `rose.policy.pool.decide_pool`) on its
+replicas' telemetry every bin; `rose` by the same stage on the scheduling core's samples and the
+core's commands (`rose.sim.lease_kinds_run`). The model and its constants:
 docs/simulator.md "Replica leases".
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -21,7 +21,9 @@ import numpy as np
 
 from rose.config import ExecutorConfig
 from rose.contract.events import Latency, Telemetry
-from rose.policy.pool import PoolConfig, check_pool_config, decide_pool, pool_view
+from rose.policy.pool import PoolConfig, check_pool_config
+from rose.policy.pool_records import LEND, PoolIntent, PoolSample
+from rose.policy.pool_stage import PoolState, decide_sample, fold_sample, sample_of
 from rose.sim.models import NODE_GPUS, wake_s
 from rose.sim.runs import Run, RunContext, fetch_bytes, lease_hours, ready_fraction
 from rose.sim.serving_model import ServingSim
@@ -207,10 +209,20 @@ class ReplicaLeases:
         self.version[self.state == LENT] = steps
 
 
+def stage_bin(stage: PoolState, samples: list[PoolSample], cfg: PoolConfig) -> tuple[PoolState, tuple[PoolIntent, ...]]:
+    """The pool stage on one bin's samples (one per GPU): all folded, the newest decided (the
+    live stage decides every sample; the simulator once a bin, a latency its horizon counts)."""
+    samples = sorted(samples, key=lambda s: (s.ts, s.event_id))
+    for s in samples[:-1]:
+        stage = fold_sample(stage, s, cfg)
+    return decide_sample(stage, samples[-1], cfg)
+
+
 class ReplicaRun(Run):
-    """Static pool + replica leases (`rose-replica`): the pool decision on the replicas' telemetry
-    every bin, the executors' drain -> lend -> reclaim per replica, the router's traffic to
-    serving replicas only."""
+    """Static pool + replica leases (`rose-replica`): the pool stage on the replicas' telemetry
+    every bin, its intents carried out by the executors' drain -> lend -> reclaim per replica
+    (no co-resident leases, so no GPU stage between), the router's traffic to serving replicas
+    only."""
 
     sim: ServingSim  # always given one: its replicas are lent
     own_serving = harvests = delta_weights = True
@@ -224,7 +236,7 @@ class ReplicaRun(Run):
         self.rep = ReplicaLeases(self, sim, warm)
         self.cfg, self.tp = self.rep.cfg, sim.tp
         self.per_bin = max(1, round(self.cfg.bin_s / ctx.dt))
-        self.bins: deque[list[Telemetry]] = deque(maxlen=math.ceil(self.cfg.window_s / self.cfg.bin_s) + 1)
+        self.stage = PoolState()  # the pool stage's window and pending intents
         self.bin_max = {k: np.zeros(sim.n) for k in ("ttft", "tpot")}
         self.bin_rps = np.zeros(sim.n)  # summed over the bin's windows
         self.decisions = 0
@@ -268,15 +280,16 @@ class ReplicaRun(Run):
             self.decide(w, t1, st)
 
     def decide(self, w: int, t1: float, st) -> None:
-        """The pool decision on this bin's telemetry and the window's before it, carried out."""
-        self.bins.append(self.bin_events(w, t1, st))
-        view = pool_view(itertools.chain.from_iterable(self.bins), self.cfg)
-        assert view is not None  # every GPU reported this bin
-        d = decide_pool(view, self.cfg)
+        """The pool stage on this bin's telemetry (with the window's before it), its intents
+        carried out: each replica's once (an intent names each of its GPUs)."""
+        samples = [sample_of(e, 0, None, self.cfg.headroom) for e in self.bin_events(w, t1, st)]
+        self.stage, intents = stage_bin(self.stage, samples, self.cfg)
         self.decisions += 1
-        for rid in d.lend:
-            self.rep.drain(int(rid[1:]), t1)
-        self.rep.reclaim((int(rid[1:]) for rid in d.reclaim), t1)
+        moves = {i.replica: i.action for i in intents}
+        for rid, action in moves.items():
+            if action == LEND:
+                self.rep.drain(int(rid[1:]), t1)
+        self.rep.reclaim((int(rid[1:]) for rid, action in moves.items() if action != LEND), t1)
 
     def bin_events(self, w: int, t1: float, st) -> list[Telemetry]:
         """One telemetry event per GPU summarising the bin that ends at t1: its mean rps and
