@@ -332,7 +332,7 @@ def test_report_names_the_engine_and_shows_samples_and_reward_by_step():
 def test_math_task_reward_and_group_advantages():
     import random
 
-    from rose.demo import math_task as mt
+    from rose.rollout import addition_task as mt
 
     p = mt.Problem(47, 38)
     assert p.question == "What is 47 + 38?" and p.answer == 85
@@ -343,9 +343,12 @@ def test_math_task_reward_and_group_advantages():
     a = mt.group_advantages([1.0, 0.0, 0.0, 0.0])
     assert a[0] > 0 > a[1] and abs(sum(a)) < 1e-9
     rng = random.Random(0)
-    assert all(10 <= x <= 99 for _ in range(100) for x in dataclasses.astuple(mt.problem(rng)))
-    m = mt.messages(p)
-    assert m[0]["role"] == "system" and m[-1] == {"role": "user", "content": "What is 47 + 38?"}
+    for task in mt.TASKS:
+        assert all(task.lo <= x <= task.hi for _ in range(100) for x in dataclasses.astuple(mt.problem(rng, task)))
+        m = mt.messages(p, task)
+        assert m[0]["role"] == "system" and m[-1] == {"role": "user", "content": "What is 47 + 38?"}
+        assert [x["content"] for x in m[1:-1]] == [t for e in task.examples for t in (e.question, str(e.answer))]
+    assert {x for _ in range(200) for x in dataclasses.astuple(mt.problem(rng))} == set(range(1, 10))  # the demo's
 
 
 def test_hf_trainer_trains_the_last_layers_and_the_final_norm():

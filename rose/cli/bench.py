@@ -113,6 +113,22 @@ def _decode_args(model: str, engine: str) -> dict:
     return {"model": str(Path(model).resolve()) if model else ""}
 
 
+def _task_reward_args(model: str, engine: str) -> dict:
+    """`rose bench task_reward`'s options, checked: vLLM sampling `model`, which needs its tokenizer."""
+    from pathlib import Path
+
+    from rose.cli import fail
+
+    if engine not in ("", "vllm"):
+        fail(f"--engine {engine!r}: bench task_reward samples through vLLM, as the demo's workers do")
+    _check_checkpoint(model, tokenizer=True, required=True)
+    from rose.rollout.addition_task import has_chat_template
+
+    if not has_chat_template(model):
+        fail(f"--model {model!r}: its tokenizer has no chat template, which renders the task's prompts")
+    return {"model": str(Path(model).resolve())}
+
+
 def _trl_args(model: str, engine: str, plot: str) -> dict:
     """`rose bench trl`'s options, checked: its workers run the hf engine on `model` (with a tokenizer)."""
     from pathlib import Path
@@ -189,5 +205,6 @@ _OWN_OPTIONS = {
     "gateway": lambda mod, engine, model, plot, load, python: _gateway_args(mod, engine, model, load, python),
     "trl": lambda mod, engine, model, plot, load, python: _trl_args(model, engine, plot),
     "decode": lambda mod, engine, model, plot, load, python: _decode_args(model, engine),
+    "task_reward": lambda mod, engine, model, plot, load, python: _task_reward_args(model, engine),
     "replica": lambda mod, engine, model, plot, load, python: _replica_args(engine, model, load, python),
 }

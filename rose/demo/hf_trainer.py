@@ -1,5 +1,5 @@
 """The demo's trainer on a real checkpoint (`rose demo --engine vllm|hf`): GRPO-style REINFORCE on
-two-digit addition (rose.demo.math_task) through `rose.client.RoseClient`.
+two-digit addition (rose.rollout.addition_task) through `rose.client.RoseClient`.
 
     python -m rose.demo.trainer --spec '<TrainerSpec JSON with engine != "reference">'
 
@@ -22,7 +22,7 @@ import random
 import time
 from collections import deque
 
-from rose.demo import math_task as mt
+from rose.rollout import addition_task as mt
 from rose.demo.training import (
     MASTER_DTYPE,
     PUBLISH_DTYPE,

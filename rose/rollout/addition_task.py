@@ -1,4 +1,5 @@
-"""The demo's verifiable task on a real checkpoint: two-digit addition, "What is A + B?".
+"""The demo's verifiable task on a real checkpoint: addition, "What is A + B?", one-digit addends
+(`TASK`; two-digit ones are `TWO_DIGIT`).
 
 A prompt is the question as the checkpoint's chat template renders it for a user turn (with the
 assistant's header after it), as token ids, after a system line asking for the sum alone and two
@@ -33,9 +34,26 @@ class Problem:
         return self.a + self.b
 
 
-def problem(rng: random.Random) -> Problem:
-    """Two two-digit addends."""
-    return Problem(rng.randrange(10, 100), rng.randrange(10, 100))
+@dataclass(frozen=True)
+class Addition:
+    """A variant of the task: both addends drawn from [lo, hi], after its solved examples."""
+
+    name: str
+    lo: int
+    hi: int
+    examples: tuple[Problem, ...]
+
+
+ONE_DIGIT = Addition("one-digit", 1, 9, (Problem(2, 1), Problem(4, 4)))
+TWO_DIGIT = Addition("two-digit", 10, 99, (Problem(23, 45), Problem(51, 37)))
+TASKS = (ONE_DIGIT, TWO_DIGIT)
+# the demo's: the variant on which SmolLM2-135M-Instruct starts with a mean reward between 0.1 and
+# 0.7, so that groups differ (`rose bench task_reward` measures each; docs/demo.md "The task")
+TASK = ONE_DIGIT
+
+
+def problem(rng: random.Random, task: Addition = TASK) -> Problem:
+    return Problem(rng.randint(task.lo, task.hi), rng.randint(task.lo, task.hi))
 
 
 def first_int(text: str) -> int | None:
@@ -66,18 +84,34 @@ def load_tokenizer(checkpoint: str):
 
 
 SYSTEM = "You are a calculator. Reply with the sum only."
-EXAMPLES = (Problem(23, 45), Problem(51, 37))
 
 
-def messages(p: Problem) -> list[dict]:
+def messages(p: Problem, task: Addition = TASK) -> list[dict]:
     """The chat: the system line, the solved examples, then the question."""
     out = [{"role": "system", "content": SYSTEM}]
-    for e in EXAMPLES:
+    for e in task.examples:
         out += [{"role": "user", "content": e.question}, {"role": "assistant", "content": str(e.answer)}]
     return out + [{"role": "user", "content": p.question}]
 
 
-def prompt_ids(tokenizer, p: Problem) -> list[int]:
+def prompt_text(tokenizer, p: Problem, task: Addition = TASK) -> str:
     """The chat as the checkpoint's chat template renders it, ready for the answer."""
-    text = tokenizer.apply_chat_template(messages(p), tokenize=False, add_generation_prompt=True)
+    return str(tokenizer.apply_chat_template(messages(p, task), tokenize=False, add_generation_prompt=True))
+
+
+def prompt_ids(tokenizer, p: Problem, task: Addition = TASK) -> list[int]:
+    text = prompt_text(tokenizer, p, task)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def has_chat_template(checkpoint: str) -> bool:
+    """Whether the checkpoint's tokenizer carries a chat template (in tokenizer_config.json or,
+    as newer transformers save it, chat_template.jinja / .json), which renders the prompts."""
+    import json
+    from pathlib import Path
+
+    d = Path(checkpoint)
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    cfg = d / "tokenizer_config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
