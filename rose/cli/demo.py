@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
             "reference",
             "--engine",
             help="Rollout engine: reference (the toy byte-level policy and task), vllm or hf (on --model: "
-            "two-digit addition, trained by a transformers copy of the checkpoint).",
+            "one-digit addition, trained by a transformers copy of the checkpoint).",
         ),
         model: str | None = typer.Option(
             None, "--model", help="Hugging Face checkpoint directory for --engine vllm|hf (`rose model import`)."

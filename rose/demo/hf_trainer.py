@@ -1,5 +1,5 @@
 """The demo's trainer on a real checkpoint (`rose demo --engine vllm|hf`): GRPO-style REINFORCE on
-two-digit addition (rose.rollout.addition_task) through `rose.client.RoseClient`.
+one-digit addition (rose.rollout.addition_task) through `rose.client.RoseClient`.
 
     python -m rose.demo.trainer --spec '<TrainerSpec JSON with engine != "reference">'
 
@@ -105,7 +105,7 @@ class HFTrainer:
             submitted=self.submitted,
             received=self.received,
             checkpoint=self.spec.checkpoint,
-            task="two-digit addition: 'What is A + B?' in the chat template; reward 1 if the first "
+            task="one-digit addition: 'What is A + B?' in the chat template; reward 1 if the first "
             "integer of the answer is A + B",
             trained=json.dumps(
                 {

@@ -53,7 +53,7 @@ class DemoOptions:
     startup_timeout_s: float = 240.0
     line_every_s: float = 5.0
     # the rollout engine: "reference" (the toy byte-level policy and task) or "vllm" / "hf" on
-    # the Hugging Face checkpoint `model` (two-digit addition, rose.rollout.addition_task)
+    # the Hugging Face checkpoint `model` (one-digit addition, rose.rollout.addition_task)
     engine: str = "reference"
     model: str = ""
     max_model_len: int = 512

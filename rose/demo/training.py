@@ -36,7 +36,7 @@ class TrainerSpec(JsonSpec):
     status_key: str = "demo:trainer"
     versions_key: str = "demo:versions"
     # the policy: "reference" (rose.demo.trainer's toy model) or a real checkpoint's engine (vllm | hf),
-    # trained by rose.demo.hf_trainer on two-digit addition
+    # trained by rose.demo.hf_trainer on one-digit addition
     engine: str = "reference"
     checkpoint: str = ""  # the Hugging Face checkpoint directory (engine != reference)
     group: int = 4  # samples per prompt (distinct seeds); advantages are normalised within a group
