@@ -25,6 +25,32 @@ NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 # the document's number equals the file's value × scale at the document's decimals.
 CPU, H200 = "docs/measured/cpu/", "docs/measured/h200/"
 FIGURES: list[tuple[str, str, str, str, float]] = [
+    # the demo task's starting reward on SmolLM2
+    ("docs/demo.md", "starts at {} [0.1467", CPU + "task-reward-smollm2.json", "variants.one-digit.mean_reward", 1),
+    ("docs/demo.md", "starts at 0.2188 [{},", CPU + "task-reward-smollm2.json", "variants.one-digit.ci95.0", 1),
+    ("docs/demo.md", "[0.1467, {}] on one-digit", CPU + "task-reward-smollm2.json", "variants.one-digit.ci95.1", 1),
+    (
+        "docs/demo.md",
+        "with {} of the groups mixed",
+        CPU + "task-reward-smollm2.json",
+        "variants.one-digit.groups_with_variance",
+        1,
+    ),
+    ("docs/demo.md", "against {} on the", CPU + "task-reward-smollm2.json", "variants.two-digit.mean_reward", 1),
+    (
+        "docs/demo.md",
+        "where {} of the groups differ",
+        CPU + "task-reward-smollm2.json",
+        "variants.two-digit.groups_with_variance",
+        1,
+    ),
+    (
+        "docs/status.md",
+        "one-digit addition {} [0.1467",
+        CPU + "task-reward-smollm2.json",
+        "variants.one-digit.mean_reward",
+        1,
+    ),
     # vLLM decode tokens/s by dtype and threads on the AVX2 machine
     ("docs/engines.md", "float32 {} tokens/s on 1 thread", CPU + "bench-decode.json", "cells.0.tokens_per_s", 1),
     ("docs/engines.md", "tokens/s on 1 thread and {} on 2", CPU + "bench-decode.json", "cells.1.tokens_per_s", 1),
