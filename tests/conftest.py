@@ -124,15 +124,14 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 VLLM_STARTUP_TIMEOUT_S = 240.0  # a cold start on a busy 2-core machine (about 45 s on an idle one)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_checkpoint, tmp_path_factory):
-    """vLLM's OpenAI server (`rose.vllm_server`) on the tiny checkpoint, up until the session ends."""
-    from rose.vllm_server import ServerError, start_server, stop_server
+def start_tiny_server(checkpoint: Path, log: Path):
+    """vLLM's OpenAI server (`rose.vllm_server`) on the tiny checkpoint, as the tests run it: one
+    compute thread, the dev endpoints (/sleep, /wake_up) on. pytest.fail when it does not start."""
+    from rose.vllm_server import ServerError, start_server
 
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
     try:
-        srv = start_server(
-            str(tiny_checkpoint),
+        return start_server(
+            str(checkpoint),
             log,
             max_model_len=1024,
             threads=1,
@@ -141,6 +140,14 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
         )
     except ServerError as e:
         pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_checkpoint, tmp_path_factory):
+    """vLLM's OpenAI server (`rose.vllm_server`) on the tiny checkpoint, up until the session ends."""
+    from rose.vllm_server import stop_server
+
+    srv = start_tiny_server(tiny_checkpoint, tmp_path_factory.mktemp("vllm") / "server.log")
     try:
         yield srv
     finally:

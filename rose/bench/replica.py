@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rose.bench.serving_load import Load, answers_directly
 from rose.obs.stats import percentile
 
 LENT, DEDICATED = "sim/0", "sim/1"
@@ -75,94 +76,6 @@ def _until(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
             return v
         time.sleep(POLL_S)
     raise TimeoutError(f"bench replica: {what} not within {timeout_s:g}s")
-
-
-# -- the serving load ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Answer:
-    phase: str
-    ok: bool
-    ttft_s: float
-    tpot_s: float
-    error: str = ""
-
-
-class Load:
-    """Streamed completions through the router at RATE_PER_S, each recorded with the phase it was
-    sent in (`phase`, set by the bench as it moves on)."""
-
-    def __init__(self, url: str, model: str, vocab: int):
-        import httpx
-
-        self.url, self.model, self.vocab = url, model, vocab
-        self.phase = "warm-up"
-        self.answers: list[Answer] = []
-        self._http = httpx.Client(timeout=REQUEST_TIMEOUT_S)
-        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="bench-replica-load")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-replica-rate")
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-        self._pool.shutdown(wait=True)
-        self._http.close()
-
-    def _run(self) -> None:
-        t0, k = time.monotonic(), 0
-        while not self._stop.wait(max(0.0, t0 + k / RATE_PER_S - time.monotonic())):
-            self._pool.submit(self._one, k, self.phase)
-            k += 1
-
-    def _one(self, k: int, phase: str) -> None:
-        prompt = [1 + (k * 7 + i * 13) % (self.vocab - 1) for i in range(PROMPT_TOKENS)]
-        body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}
-        body |= {"ignore_eos": True, "return_token_ids": True}
-        t0 = time.monotonic()
-        first = last = 0.0
-        n, done = 0, False
-        try:
-            with self._http.stream("POST", self.url + "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"status {r.status_code}")
-                for line in r.iter_lines():
-                    if line.strip() == "data: [DONE]":
-                        done = True
-                    elif line.startswith("data:"):
-                        got = sum(len(c.get("token_ids") or ()) for c in json.loads(line[5:])["choices"])
-                        if got:
-                            last = time.monotonic() - t0
-                            first = first or last
-                            n += got
-            if n != MAX_TOKENS or not done:
-                raise RuntimeError(f"{n} of {MAX_TOKENS} tokens, end of stream {'seen' if done else 'missing'}")
-        except Exception as e:  # every failure counts, whatever it is
-            self.answers.append(Answer(phase, False, 0.0, 0.0, f"{type(e).__name__}: {e}"[:200]))
-            return
-        self.answers.append(Answer(phase, True, first, (last - first) / (n - 1) if n > 1 else 0.0))
-
-    def attainment(self, phase: str, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
-        got = [a for a in list(self.answers) if a.phase == phase]
-        met = sum(a.ok and a.ttft_s * 1e3 <= slo_ttft_ms and a.tpot_s * 1e3 <= slo_tpot_ms for a in got)
-        return {"fraction": round(met / len(got), 4) if got else None, "n": len(got)}
-
-
-def answers_directly(url: str, model: str) -> bool:
-    """A one-token completion sent straight to the replica (not through the router) is answered."""
-    import httpx
-
-    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1, "ignore_eos": True}
-    try:
-        r = httpx.post(url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
-        return r.status_code == 200 and bool(r.json().get("choices"))
-    except Exception:  # not answering yet, whatever the reason
-        return False
 
 
 # -- the stack ----------------------------------------------------------------------------------
@@ -324,7 +237,7 @@ def cycle(st: Stack, epoch: int, window_s: float, model: str) -> dict:
     t_revoke = time.monotonic()
     command(st, "revoke", LENT, epoch)
     _until(lambda: url in st.adapter.serving(), 300, f"replica {url} readmitted")
-    _until(lambda: answers_directly(url, model), 300, f"replica {url} answering")
+    _until(lambda: answers_directly(url, model, REQUEST_TIMEOUT_S), 300, f"replica {url} answering")
     reclaim = time.monotonic() - t_revoke
     state(st, LENT, epoch, "revoked", 120)
     return {"drain_s": active.ts - t_grant, "reclaim_s": reclaim, "tokens": tokens, "span_s": span, "beat": hb}
@@ -363,7 +276,11 @@ def measure(c: Any, model: str, logs: Path, plan: Plan, say: Callable[[str], Non
     """The stack up, the load through the router, then the phases in order (the module's doc)."""
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
     say("starting two vLLM servers, vllm-router and the executor")
-    with stack(c, model, logs) as st, Load(st.router.url, model, vocab) as load:
+    shape = {"max_tokens": MAX_TOKENS, "prompt_tokens": PROMPT_TOKENS, "threads": LOAD_THREADS}
+    with (
+        stack(c, model, logs) as st,
+        Load(st.router.url, model, vocab, rate_per_s=RATE_PER_S, timeout_s=REQUEST_TIMEOUT_S, **shape) as load,
+    ):
         _until(lambda: sum(a.ok for a in list(load.answers)) >= RATE_PER_S, 300, "the load's first answers")
         say(f"load running ({RATE_PER_S:g}/s through the router); {plan.phase_s:g} s without a lease")
         load.phase = "no_lease"
@@ -414,7 +331,7 @@ def report(c: Any, f: Figures, plan: Plan) -> dict:
 
     slo = (c.telemetry.slo_ttft_ms, c.telemetry.slo_tpot_ms)
     phases = {k: f.load.attainment(k, *slo) for k in ("no_lease", "with_replica_leases", "dedicated")}
-    failed = [a for a in f.load.answers if not a.ok]
+    failed = f.load.failed()
     lent_tokens, lent_s = sum(d["tokens"] for d in f.cycles), sum(d["span_s"] for d in f.cycles)
     lent = round(lent_tokens / lent_s, 3) if lent_s > 0 else None
     ded = round(f.dedicated[0] / f.dedicated[1], 3) if f.dedicated[1] > 0 else None
