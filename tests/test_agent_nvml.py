@@ -11,11 +11,13 @@ import threading
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rose.config import GiB, load_config
 from rose.contract.events import Telemetry
 from rose.node import prometheus as prom
-from rose.node.agent import LatencyCarry, NvmlOptions, run_nvml
+from rose.node.agent import LatencyCarry, NvmlOptions, next_due, run_nvml
 from rose.node.nvml import GpuSample
 from tests.examples import command_example, lease_state_example
 from tests.test_agent import REPO, Collect
@@ -156,6 +158,30 @@ def test_no_guard_files_without_feed_guard(engines, tmp_path):
         publisher=pub,
     )
     assert len(pub.events) == 4 and not any(tmp_path.iterdir())
+
+
+def test_a_late_window_skips_the_missed_ones_instead_of_running_them_back_to_back():
+    assert next_due(10.0, 0.5, 10.2) == 10.5  # on time: a period later
+    assert next_due(10.0, 0.5, 10.5) == 10.5
+    # a window that ended 1.3 s late: the next is on the schedule's next boundary, not at once
+    assert next_due(10.0, 0.5, 11.8) == 12.0
+
+
+@given(
+    st.floats(0, 1e6, allow_nan=False),
+    st.floats(0.05, 10, allow_nan=False),
+    st.floats(0, 100, allow_nan=False),
+)
+def test_windows_stay_on_the_schedule_and_none_is_due_in_the_past(due, period, late):
+    """Whatever the lateness, the next window is on the period's grid from `due`, at most a
+    period after now, and never due before now once a period has passed (never run at once)."""
+    now = due + late
+    nxt = next_due(due, period, now)
+    steps = (nxt - due) / period
+    assert abs(steps - round(steps)) < 1e-6 and round(steps) >= 1
+    assert nxt <= max(now, due + period) + period + 1e-6
+    if now > due + period:
+        assert nxt >= now - 1e-6
 
 
 def test_latency_carry_per_metric():

@@ -16,6 +16,7 @@ without its engine: rps 0, queue 0, the last measured p99 carried (docs/agent.md
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -75,6 +76,19 @@ class LatencyCarry:
         return self.last.get("ttft_p99", slo[0]), self.last.get("tpot_p99", slo[1]), False
 
 
+def next_due(due: float, period: float, now: float) -> float:
+    """When the window after the one due at `due` is due: a period later, or, where the agent is
+    later than that already (a slow scrape or a busy node), the first period boundary not yet
+    passed. Missed windows are skipped, never run back to back: a window's rps is the requests
+    finished over its time since the previous read, and a catch-up window a few milliseconds long
+    turns one finished request into hundreds a second, which the pool's load (a mean of samples
+    each taken as one period long, docs/policy.md) reads as a load rise."""
+    nxt = due + period
+    if nxt < now:
+        nxt += math.ceil((now - nxt) / period) * period
+    return nxt
+
+
 def scrape(url: str, timeout_s: float) -> str:
     import urllib.request
 
@@ -130,7 +144,7 @@ class NvmlSource:
         t = time.monotonic()
         while True:
             yield t
-            t += self.period
+            t = next_due(t, self.period, time.monotonic())
 
     def idle(self, budget_s: float) -> None:
         time.sleep(budget_s)
