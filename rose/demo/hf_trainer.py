@@ -22,7 +22,6 @@ import random
 import time
 from collections import deque
 
-from rose.rollout import addition_task as mt
 from rose.demo.training import (
     MASTER_DTYPE,
     PUBLISH_DTYPE,
@@ -31,6 +30,7 @@ from rose.demo.training import (
     record_version,
     version_record,
 )
+from rose.rollout import addition_task as mt
 
 SAMPLES_KEPT = 8
 
