@@ -20,7 +20,7 @@ def _positive(x: object) -> bool:
 
 
 @pytest.mark.stack
-@pytest.mark.slow  # its own two vLLM servers; `make test` runs the replica path in tests/test_replica_e2e.py
+@pytest.mark.slow  # its own two vLLM servers: 7.7 min on the loaded 2-core machine
 @needs_vllm
 @pytest.mark.timeout(900)  # two vLLM servers' start: 290 s of a 7.7-min run at load average 10 on the 2 cores
 def test_a_quick_run_lends_and_reclaims_the_replica_without_a_failed_request(cfg, tiny_checkpoint):
