@@ -25,6 +25,35 @@ NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 # the document's number equals the file's value × scale at the document's decimals.
 CPU, H200 = "docs/measured/cpu/", "docs/measured/h200/"
 FIGURES: list[tuple[str, str, str, str, float]] = [
+    # replica leases through the real router
+    ("docs/executor.md", "drain p50 {} s, p99", CPU + "bench-replica.json", "drain_s.p50", 1),
+    ("docs/executor.md", "s, p99 {} s; reclaim", CPU + "bench-replica.json", "drain_s.p99", 1),
+    ("docs/executor.md", "reclaim to serving p50 {} s, p99", CPU + "bench-replica.json", "reclaim_to_serving_s.p50", 1),
+    ("docs/executor.md", "0.3722 s, p99 {} s; serving", CPU + "bench-replica.json", "reclaim_to_serving_s.p99", 1),
+    (
+        "docs/executor.md",
+        "worker {} tokens/s against",
+        CPU + "bench-replica.json",
+        "rollout_tokens_per_s.lent_replica",
+        1,
+    ),
+    (
+        "docs/executor.md",
+        "tokens/s against {} for",
+        CPU + "bench-replica.json",
+        "rollout_tokens_per_s.dedicated_same_device",
+        1,
+    ),
+    ("docs/executor.md", "one, {} of it (goal 0.8", CPU + "bench-replica.json", "lent_over_dedicated_tokens_per_s", 1),
+    ("docs/executor.md", "{} failed requests of 1520", CPU + "bench-replica.json", "failed_requests", 1),
+    ("docs/executor.md", "load average {} at the start", CPU + "bench-replica.json", "provenance.load_average.1m", 1),
+    (
+        "docs/status.md",
+        "lent worker {} of a dedicated one",
+        CPU + "bench-replica.json",
+        "lent_over_dedicated_tokens_per_s",
+        1,
+    ),
     # the demo task's starting reward on SmolLM2
     ("docs/demo.md", "starts at {} [0.1467", CPU + "task-reward-smollm2.json", "variants.one-digit.mean_reward", 1),
     ("docs/demo.md", "starts at 0.2188 [{},", CPU + "task-reward-smollm2.json", "variants.one-digit.ci95.0", 1),
