@@ -257,14 +257,19 @@ def test_policy_prior_never_grants_a_share_predicted_beyond_the_threshold():
 # ---- what a profile does to a run -------------------------------------------------------
 
 
-def _run(traces_dir, profile: InterferenceProfile, duration: float = 300) -> dict:
+def _run(
+    traces_dir,
+    profile: InterferenceProfile,
+    duration: float = 300,
+    policies: tuple[str, ...] = ("static", "share-all", "rose"),
+) -> dict:
     tr = load_trace(traces_dir / "azure_llm2023_conv.csv")
     cfg = SimConfig(
         n_gpus=16,
         dedicated=2,
         duration_s=duration,
         record_series=False,
-        policies=("static", "share-all", "rose"),
+        policies=policies,
         interference=profile,
         check_invariants=True,
     )
@@ -272,10 +277,14 @@ def _run(traces_dir, profile: InterferenceProfile, duration: float = 300) -> dic
 
 
 def test_no_rollout_progress_means_no_harvest(traces_dir):
-    r = _run(traces_dir, flat(1.2, 1.1, 0.0))
-    for p in ("share-all", "rose"):
+    """Rollout beside serving makes no progress: nothing is harvested beside serving; `rose`
+    harvests only on whole replicas it lends, which the profile does not touch."""
+    r = _run(traces_dir, flat(1.2, 1.1, 0.0), policies=("static", "share-all", "rose-coresident", "rose"))
+    for p in ("share-all", "rose-coresident"):
         assert r["policies"][p]["harvest_per_serving_gpu"] == 0.0
         assert r["policies"][p]["gain_vs_static"] == 1.0
+    rose = r["policies"]["rose"]
+    assert rose["harvest_per_serving_gpu"] == 0.0 or rose["replica_lease_hours"] > 0
     # share-all's workers decode once their start (a wake-up) is done; static never rolls out on serving
     start = r["config"]["costs"]["lease_start_s"]
     assert start > 0 and r["policies"]["share-all"]["lease_start_s"] == pytest.approx(start, abs=1e-3)
