@@ -236,3 +236,13 @@ class ServedGateway:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+def checkpoint_or_tiny(model: str, folder: Path, tokenizer: bool = False) -> str:
+    """`model`, or where none is given a tiny random-init checkpoint made in `folder` (with a
+    tokenizer where asked): the benches' default engine checkpoint."""
+    if model:
+        return model
+    from rose.model.random_init import init_checkpoint
+
+    return str(init_checkpoint(folder / ("tiny-qwen2-tok" if tokenizer else "tiny-qwen2"), tokenizer=tokenizer))

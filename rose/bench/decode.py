@@ -27,11 +27,10 @@ def run(cfg: Any, quick: bool, *, model: str = "") -> dict:
     t0 = time.monotonic()
     threads = sorted({1, os.cpu_count() or 1})
     tokens, repeats = (QUICK_TOKENS, QUICK_REPEATS) if quick else (TOKENS, REPEATS)
-    with tempfile.TemporaryDirectory(prefix="rose-bench-decode-") as tmp:
-        if not model:
-            from rose.model.random_init import init_checkpoint
+    from rose.bench._stack import checkpoint_or_tiny
 
-            model = str(init_checkpoint(Path(tmp) / "tiny-qwen2"))
+    with tempfile.TemporaryDirectory(prefix="rose-bench-decode-") as tmp:
+        model = checkpoint_or_tiny(model, Path(tmp))
         cells = []
         for dtype in DTYPES:
             for n in threads:

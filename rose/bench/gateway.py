@@ -401,12 +401,11 @@ def run(
     rounds = rounds or (QUICK_ROUNDS if quick else ROUNDS)
     logs = Path(tempfile.mkdtemp(prefix="rose-bench-gateway-"))  # the engines' logs, kept should the run fail
     _say(t0, f"engine logs in {logs} (removed when the run succeeds)")
-    with tempfile.TemporaryDirectory(prefix="rose-bench-gateway-model-") as tmp:
-        if not model:
-            from rose.model.random_init import init_checkpoint
+    from rose.bench._stack import checkpoint_or_tiny
 
-            model = str(init_checkpoint(Path(tmp) / "tiny-qwen2"))
-            _say(t0, f"made a tiny checkpoint at {model}")
+    with tempfile.TemporaryDirectory(prefix="rose-bench-gateway-model-") as tmp:
+        model = checkpoint_or_tiny(model, Path(tmp))
+        _say(t0, f"checkpoint {model}")
         vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
         plan = Plan(vocab, turns, max_tokens, concurrency, rounds)
         _say(

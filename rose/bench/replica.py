@@ -394,12 +394,11 @@ def run(cfg: Any, quick: bool, *, model: str = "", engine: str = "", cycles: int
     )
     logs = Path(tempfile.mkdtemp(prefix="rose-bench-replica-"))  # the servers' logs, kept should the run fail
     _say(t0, f"server and router logs in {logs} (removed when the run succeeds)")
-    with tempfile.TemporaryDirectory(prefix="rose-bench-replica-model-") as tmp:
-        if not model:
-            from rose.model.random_init import init_checkpoint
+    from rose.bench._stack import checkpoint_or_tiny
 
-            model = str(init_checkpoint(Path(tmp) / "tiny-qwen2"))
-            _say(t0, f"made a tiny checkpoint at {model}")
+    with tempfile.TemporaryDirectory(prefix="rose-bench-replica-model-") as tmp:
+        model = checkpoint_or_tiny(model, Path(tmp))
+        _say(t0, f"checkpoint {model}")
         with private_stack(cfg, "replica") as c:
             c = bench_config(c, engine, model)
             f = measure(c, model, logs, plan, lambda m: _say(t0, m))

@@ -33,11 +33,10 @@ def run(cfg: Any, quick: bool, *, model: str = "", plot: str = "") -> dict:
         raise SystemExit(f"bench trl: {EXAMPLE} not found; run it from a source checkout of ROSE")
     minutes = QUICK_MINUTES if quick else MINUTES
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rose-bench-trl-") as tmp, private_stack(cfg, "trl", kafka=False) as c:
-        if not model:
-            from rose.model.random_init import init_checkpoint
+    from rose.bench._stack import checkpoint_or_tiny
 
-            model = str(init_checkpoint(Path(tmp) / "tiny-qwen2-tok", tokenizer=True))
+    with tempfile.TemporaryDirectory(prefix="rose-bench-trl-") as tmp, private_stack(cfg, "trl", kafka=False) as c:
+        model = checkpoint_or_tiny(model, Path(tmp), tokenizer=True)
         c = _gateway_cfg(c)
         with _workers(c, model, Path(tmp)) as (_flags, procs):
             served = _serve_when_running(c, sorted(procs), t0)
