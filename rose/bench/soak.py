@@ -415,11 +415,10 @@ def _summary(gpus, seconds, executors, schedulers, sample_s, series, marks, tap,
 
 
 def _plot(results: list[dict], out: Path) -> str | None:
-    try:
-        import matplotlib
+    from rose.obs.figures import pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        plt = pyplot()
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
@@ -451,11 +450,7 @@ def _plot(results: list[dict], out: Path) -> str | None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
+    return str(save(fig, out))
 
 
 def run(

@@ -146,11 +146,9 @@ def _overlap(a: list[float] | None, b: list[float] | None) -> bool | None:
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from rose.obs.figures import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ys = result["reward_per_step"]
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.plot(range(len(ys)), ys, marker=".", lw=1, label="mean reward of the step's answers")
@@ -168,10 +166,7 @@ def _plot(result: dict, path: Path) -> None:
     ax.set_ylabel("reward")
     ax.set_title(f"TRL GRPOTrainer over ROSE: {Path(result['model']).name}, {result['wall_s']:.0f} s")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _say(t0: float, msg: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rose.demo.observed import Observed, lease_intervals
+from rose.obs.figures import pyplot, save
 
 LEASE_COLOR = "#f4c542"
 ON_COLOR = "#55a868"  # leases-on windows
@@ -22,25 +23,9 @@ def _windows(ax, rep: dict, label: bool = False, strip: bool = False) -> None:
             )
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path, **layout) -> Path:
-    fig.tight_layout(**layout)
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
-    return path
-
-
 def serving(path: Path, rep: dict, obs: Observed) -> Path:
     """Per GPU: TTFT and TPOT p99 as a fraction of the SLO over time, lease periods shaded."""
-    plt = _plt()
+    plt = pyplot()
     tl = rep["timeline"]
     t0, t_end = tl["t0"], tl["t_end"]
     intervals = lease_intervals(obs.lease_states, t_end)
@@ -74,14 +59,14 @@ def serving(path: Path, rep: dict, obs: Observed) -> Path:
     fig.legend(handles, labels, loc="upper center", ncol=7, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.995))
     axes[-1, 0].set_xlabel("time since start of the run (s); green bands: leases-on windows, the rest leases off")
     fig.suptitle("Serving p99 latency vs SLO per GPU (values above 3× SLO are clipped)", y=0.965, fontsize=11)
-    return _save(fig, path, rect=(0, 0, 1, 0.94))
+    return save(fig, path, rect=(0, 0, 1, 0.94))
 
 
 def throughput(path: Path, rep: dict, obs: Observed) -> Path:
     """Left: episodes finished per 5 s bin by worker kind, the windows marked, and each window's
     episodes/min (by start) as a line over it. Right: the mean of each kind of window with its
     95 % interval, and every window's figure."""
-    plt = _plt()
+    plt = pyplot()
     tl = rep["timeline"]
     t0, t_end = tl["t0"], tl["t_end"]
     tp = rep["throughput"]
@@ -138,11 +123,11 @@ def throughput(path: Path, rep: dict, obs: Observed) -> Path:
     gain = f", ×{tp['gain']:.2f}" if tp.get("gain") else ""
     a2.set_title(f"Mean of the windows ± 95 % CI{gain}\n(dots: each window)", fontsize=10)
     a2.grid(alpha=0.3, axis="y")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def revoke(path: Path, rep: dict, obs: Observed) -> Path:
-    plt = _plt()
+    plt = pyplot()
     rv = rep["revoke"]
     fig, ax = plt.subplots(figsize=(8, 4))
     a, b = rv["samples_ms"], rv["samples_to_revoking_ms"]
@@ -174,11 +159,11 @@ def revoke(path: Path, rep: dict, obs: Observed) -> Path:
     ax.set_ylabel("revokes")
     ax.set_title("Revoke latency (Kafka record timestamps of command and lease state)", fontsize=10)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def weight_bytes(path: Path, rep: dict, obs: Observed) -> Path:
-    plt = _plt()
+    plt = pyplot()
     vs = obs.versions
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
     if vs:
@@ -208,12 +193,12 @@ def weight_bytes(path: Path, rep: dict, obs: Observed) -> Path:
     a2.set_ylabel("mean reward of the training batch")
     a2.set_title("Closed loop: reward of the batch each step trained on", fontsize=10)
     a2.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def reward(path: Path, rep: dict, obs: Observed) -> Path:
     """The mean reward of each trainer step's batch over the run's time."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     steps = (rep.get("rl") or {}).get("reward_by_step") or []
     if steps:
@@ -230,7 +215,7 @@ def reward(path: Path, rep: dict, obs: Observed) -> Path:
     ax.set_ylabel("mean reward of the step's batch")
     ax.set_title(f"Reward per trainer step ({e.get('name')}, {Path(str(rep.get('model', ''))).name})", fontsize=10)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def write_all(directory: Path, rep: dict, obs: Observed) -> list[Path]:

@@ -1,2 +1,2 @@
 """Observability: structured logs, OpenTelemetry traces, Prometheus metrics, percentiles of samples
-(`stats`)."""
+(`stats`), PNG figures (`figures`)."""

@@ -399,11 +399,9 @@ def write_report(result: dict, out_dir: str | Path) -> list[Path]:
 
 
 def _plots(result: dict, d: Path) -> list[Path]:
-    import matplotlib
+    from rose.obs.figures import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     series, pol = result["series"], result["policies"]
     names = list(series)
     out = []
@@ -425,10 +423,7 @@ def _plots(result: dict, d: Path) -> list[Path]:
         ax.set_title(f"{p}: SLO attainment {pol[p]['slo_attainment']:.4f}", fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
     axes[-1, 0].set_xlabel("trace time (min)")
-    fig.tight_layout()
-    out.append(d / PLOTS[0])
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+    out.append(save(fig, d / PLOTS[0]))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for p in names:
@@ -450,10 +445,7 @@ def _plots(result: dict, d: Path) -> list[Path]:
     a2.set_ylabel("episodes / hour")
     a2.set_ylim(0, max(eph + [1]) * 1.25)
     a2.set_title("RL rollout throughput (gain vs static, serving SLO attainment)", fontsize=9)
-    fig.tight_layout()
-    out.append(d / PLOTS[1])
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+    out.append(save(fig, d / PLOTS[1]))
 
     fig, ax = plt.subplots(figsize=(10, 3.5))
     for p in names:
@@ -469,8 +461,5 @@ def _plots(result: dict, d: Path) -> list[Path]:
     ax.set_ylabel("GPUs")
     ax.legend(fontsize=8)
     ax.set_title(f"GPUs lent to rollout over time ({result['config']['gpus']} serving GPUs)", fontsize=9)
-    fig.tight_layout()
-    out.append(d / PLOTS[2])
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+    out.append(save(fig, d / PLOTS[2]))
     return out
