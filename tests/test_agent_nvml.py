@@ -125,10 +125,13 @@ def test_idle_windows_carry_the_last_p99_and_feed_the_guard_only_measurements(en
         jsonschema.validate(d, schema)
         Telemetry.from_dict(d)
     evs = [d for d in pub.events if d["gpu"] == "n/0"]
-    # no telemetry before the first measured window, nor ever for the engine that never served
-    assert [d["gpu"] for d in pub.events] == ["n/0"] * 4
-    assert out["samples"] == 5 and out["carried"] == 2 and out["no_latency_yet"] == 1 + 5
-    assert set(gpus.sampled) == {0}  # NVML is read only for the GPUs that publish
+    idle = [d for d in pub.events if d["gpu"] == "n/1"]
+    # nothing on an engine's first read (no window yet), then every window, the engine that never
+    # served included: an idle replica is the one a pool can lend; its p99s at the SLO claim no headroom
+    assert [d["gpu"] for d in pub.events] == ["n/0", "n/1"] * 4
+    assert all(d["latency_ms"] == {"ttft_p99": SLO[0], "tpot_p99": SLO[1]} and d["rps"] == 0 for d in idle)
+    assert out["samples"] == 5 and out["carried"] == 2 and out["no_latency_yet"] == 4
+    assert sorted(set(gpus.sampled)) == [0, 1]  # NVML is read for the GPUs that publish
     lat = [(d["latency_ms"]["ttft_p99"], d["latency_ms"]["tpot_p99"]) for d in evs]
     fast = (pytest.approx(50 + 50 * 0.99), pytest.approx(25 + 25 * 0.99))  # 100 in (50, 100] / (25, 50] ms
     slow = (pytest.approx(500 + 500 * 0.99), pytest.approx(50 + 50 * 0.99))  # 100 in (500, 1000] / (50, 100]
@@ -187,10 +190,13 @@ def test_windows_stay_on_the_schedule_and_none_is_due_in_the_past(due, period, l
 def test_latency_carry_per_metric():
     c = LatencyCarry()
     assert c.update(None, None) is None
-    assert c.update(120.0, None) is None  # TPOT never measured yet: nothing to publish
+    assert c.update(120.0, None) is None  # TPOT never measured yet: published through `unmeasured`
     assert c.update(None, 30.0) == (120.0, 30.0, True)
     assert c.update(None, None) == (120.0, 30.0, False)
     assert c.update(200.0, None) == (200.0, 30.0, True)
+    assert c.unmeasured(SLO) == (200.0, 30.0, False)  # lent, or a window that measured nothing: carried
+    fresh = LatencyCarry()
+    assert fresh.update(120.0, None) is None and fresh.unmeasured(SLO) == (120.0, SLO[1], False)  # never: the SLO
 
 
 def test_window_names_a_missing_latency_histogram():

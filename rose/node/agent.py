@@ -5,7 +5,9 @@ rose.telemetry.v1 per GPU per period, published through
 rose.kafka.telemetry_publisher. One metrics URL per GPU in index order, or a single URL for an
 engine that spans all of the node's GPUs (tensor parallel). A GPU whose engine cannot be scraped
 publishes nothing that period: without telemetry its lease is not renewed and expires (safe). A
-window in which no request finished carries the last measured p99 (`LatencyCarry`), never 0 ms.
+window in which no request finished carries the last measured p99 (`LatencyCarry`), never 0 ms;
+an engine that has finished no request since the agent started publishes its p99s at the SLO
+(no headroom claimed) every window all the same: an idle replica is the one a pool can lend.
 With `--feed-guard` each measured window's p99 also goes to the executor's local guard.
 It follows the node's leases (rose.node.lease_view): each GPU's telemetry names its serving replica
 (`--replica GPU=REPLICA`, else the GPU itself) and what the replica is doing (`serving_state`,
@@ -52,8 +54,8 @@ class LatencyCarry:
     None: the histogram delta is empty), and publishing 0 ms would read as full headroom.
     Telemetry v1 requires both p99s, so per metric such a window carries the last measured
     p99: the policy sees the value it already acted on (no new evidence; a flat value adds no
-    trend). Before both metrics have been measured once the GPU publishes nothing, as when its
-    engine cannot be scraped. The local guard is fed only windows that measured something."""
+    trend). A metric not measured yet is published at its SLO (`unmeasured`), which claims no
+    headroom. The local guard is fed only windows that measured both metrics."""
 
     last: dict[str, float] = field(default_factory=dict)  # metric -> last measured p99, ms
 
@@ -69,10 +71,12 @@ class LatencyCarry:
             return None
         return self.last["ttft_p99"], self.last["tpot_p99"], measured
 
-    def lent(self, slo: tuple[float, float]) -> tuple[float, float, bool]:
-        """What a lent GPU publishes: nothing is measured (its replica serves no requests), the
-        last measured p99 is carried, and a metric never measured (an agent started while its
-        replica was lent) is published at its SLO, which claims no headroom."""
+    def unmeasured(self, slo: tuple[float, float]) -> tuple[float, float, bool]:
+        """What a GPU publishes while a metric has never been measured (an engine that has
+        finished no request since the agent started, or a one-token request that gives no TPOT)
+        and what a lent GPU publishes (its replica serves no requests): per metric the last
+        measured p99, else the SLO, which claims no headroom (no co-resident grant, no capacity
+        estimate), never 0 ms, which would claim all of it. Nothing is measured."""
         return self.last.get("ttft_p99", slo[0]), self.last.get("tpot_p99", slo[1]), False
 
 
@@ -119,7 +123,7 @@ LENT_WINDOW = prometheus.ServingWindow(None, None, 0.0, 0, 0)
 
 class NvmlSource:
     """NVML and the engines' metrics as a telemetry source: every period a window of each
-    engine's metrics, and one record for each GPU whose engine has measured both p99s."""
+    engine's metrics, and one record for each GPU whose engine could be read (or is lent)."""
 
     def __init__(self, cfg: Config, opt: NvmlOptions, nvml):
         from rose.node.nvml import MIN_PERIOD_S
@@ -134,7 +138,7 @@ class NvmlSource:
         self.engines = {url: EngineMetrics(url, self.names) for url in self.urls}
         self.carry = [LatencyCarry() for _ in range(n)]
         self.slo = (tc.slo_ttft_ms, tc.slo_tpot_ms)
-        # GPU-windows published with carried p99s / not published yet / published while lent
+        # GPU-windows published with carried p99s / with a p99 never measured, at the SLO / while lent
         self.counts = {"carried": 0, "no_latency_yet": 0, "lent": 0}
         self.warned_missing: set[tuple[str, str]] = set()
         self.run_id = uuid.uuid4().hex[:12]
@@ -150,7 +154,9 @@ class NvmlSource:
         time.sleep(budget_s)
 
     def _scrape(self, url: str) -> prometheus.ServingWindow | None:
-        """This period's window of `url`'s metrics; None when it cannot be read."""
+        """This period's window of `url`'s metrics; None when it cannot be read, and on its first
+        read, which is no window (nothing to take a difference from: no rate, no p99)."""
+        first = self.engines[url].prev is None
         try:
             w = self.engines[url].read(min(self.opt.scrape_timeout_s, self.period))
         except (OSError, prometheus.ExpositionError) as e:
@@ -168,7 +174,7 @@ class NvmlSource:
                     role=role,
                     looked_for=list(self.names[role]),
                 )
-        return w
+        return None if first else w
 
     def window(self, seq: int, view: LeaseView | None) -> Window | None:
         from rose.node.nvml import read_pids
@@ -201,14 +207,14 @@ class NvmlSource:
         """GPU `i`'s window and p99s (ttft, tpot, measured); None: it publishes nothing this window."""
         if state == "lent":
             self.counts["lent"] += 1
-            return LENT_WINDOW, self.carry[i].lent(self.slo)
+            return LENT_WINDOW, self.carry[i].unmeasured(self.slo)
         w = by_url.get(self.urls[i])
         if w is None:
             return None
         p99 = self.carry[i].update(w.ttft_p99_ms, w.tpot_p99_ms)
-        if p99 is None:
+        if p99 is None:  # up, but no latency yet: still published, an idle replica is one to lend
             self.counts["no_latency_yet"] += 1
-            return None
+            return w, self.carry[i].unmeasured(self.slo)
         self.counts["carried"] += not p99[2]
         return w, p99
 
