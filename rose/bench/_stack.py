@@ -73,6 +73,48 @@ def fill_tasks(cfg: Config, job: str, n: int, turns: int = 4, tokens_per_turn: i
         )
 
 
+def leased_workers(c: Config, job: str, tasks: int, **executor) -> Config:
+    """`c` for a bench of leased workers on `job` (`tasks` episodes queued), with the executor's
+    `executor` settings: workers at nice 10 that verify every weight version; on a checkpoint
+    engine they follow the weight stream, on which version 1 is published (every warm engine
+    applies it before its lease)."""
+    engine = c.rollout.engine
+    weights = "follow" if engine != "reference" else c.executor.worker_weights
+    ex = dataclasses.replace(
+        c.executor, job=job, worker_nice=10, worker_weights=weights, model=f"bench-{engine}", **executor
+    )
+    c = dataclasses.replace(c, executor=ex, rollout=dataclasses.replace(c.rollout, verify_weights=1))
+    fill_tasks(c, job, tasks)
+    if engine != "reference":
+        publish_test_version(c, 1)
+    return c
+
+
+def lease_io(c: Config) -> tuple:
+    """A producer of the bench's commands and a consumer of the lease states published from now on."""
+    from rose.kafka.consumer import make_consumer
+    from rose.kafka.producer import make_producer
+
+    producer = make_producer(c.kafka, **{"linger.ms": 0})
+    states = make_consumer(c.kafka, f"bench-{time.monotonic_ns()}", **{"fetch.wait.max.ms": 5})
+    states.subscribe([c.kafka.lease_state_topic])
+    return producer, states
+
+
+def lease_state(states, state: str, epoch: int):
+    """The lease state `state` of epoch `epoch` among the next ones `states` reads (None if not there)."""
+    from rose.contract.events import LeaseState
+    from rose.contract.wire import decode
+
+    for m in states.consume(50, timeout=0.002):
+        if m.error():
+            continue
+        ls = decode(m.value(), expect=LeaseState)
+        if ls.state == state and ls.epoch == epoch:
+            return ls
+    return None
+
+
 def percentiles_ms(samples_ns: list[int]) -> dict:
     """p50/p99/max in milliseconds of nanosecond samples (nearest rank; None for no samples)."""
     ms = [x / 1e6 for x in samples_ns]

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from rose.bench._stack import engine_lease_bytes, engine_report, publish_test_version, step_report, wait_for
+from rose.bench._stack import engine_lease_bytes, engine_report, lease_state, step_report, wait_for
 from rose.contract.records import Heartbeat, WorkerRegistry
 
 GOAL_WARM_FIRST_TOKEN_P99_MS = 1000.0
@@ -20,39 +20,17 @@ SAMPLE_S = 0.1  # the progress sampler's window: longer than a decode step and i
 
 
 def run(cfg, quick: bool, cycles: int = 0) -> dict:
-    import dataclasses
-
-    from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
-    from rose.kafka.consumer import make_consumer
-    from rose.kafka.producer import make_producer
+    from rose.bench._stack import lease_io, leased_workers, percentiles_ms, private_stack
     from rose.obs.logs import setup_logging
 
     setup_logging("WARNING")
     cold_cycles, warm_cycles, throttles = (2, 2, 2) if quick else (5, 10, 5)
     if cycles:  # warm grants asked for; resumes follow at five throttles per lease
         warm_cycles, cold_cycles = cycles, max(2, cycles // 4)
-    engine = cfg.rollout.engine
-    job = "bench-coelastic"
     with private_stack(cfg, "coelastic") as c:
-        c = dataclasses.replace(
-            c,
-            executor=dataclasses.replace(
-                c.executor,
-                job=job,
-                guard_period_s=0.0,  # the Kafka path is measured here; the guard has its own bench (revoke)
-                worker_nice=10,
-                revoke_deadline_s=5.0,
-                worker_weights="follow" if engine != "reference" else c.executor.worker_weights,
-                model=f"bench-{engine}",
-            ),
-            rollout=dataclasses.replace(c.rollout, verify_weights=1),
-        )
-        fill_tasks(c, job, 400 if quick else 4000)
-        if engine != "reference":  # version 1, which every warm engine applies before its lease
-            publish_test_version(c, 1)
-        producer = make_producer(c.kafka, **{"linger.ms": 0})
-        states = make_consumer(c.kafka, f"bench-{time.monotonic_ns()}", **{"fetch.wait.max.ms": 5})
-        states.subscribe([c.kafka.lease_state_topic])
+        # the Kafka path is measured here; the guard has its own bench (revoke)
+        c = leased_workers(c, "bench-coelastic", 400 if quick else 4000, guard_period_s=0.0, revoke_deadline_s=5.0)
+        producer, states = lease_io(c)
         b = _Bench(c, producer, states)
         try:
             cold = b.phase(warm_workers=0, cycles=cold_cycles, throttles=throttles)
@@ -220,7 +198,7 @@ class _Bench:
                 before = wait_for(lambda: _heartbeat_since(workers, worker, since), 10)
                 res["progress"].append(sampler.stop())
                 self.command("revoke", epoch, f"r{epoch}", 0.0)
-                wait_for(lambda: _revoked(self.states, epoch), 30)
+                wait_for(lambda: lease_state(self.states, "revoked", epoch), 30)
                 w = _wasted(workers, worker, before.tokens_interrupted)
                 res["heartbeats"].append(workers.read(worker))
                 if w is not None:
@@ -305,19 +283,6 @@ def _wasted(workers: WorkerRegistry, worker: str, interrupted_before: int) -> di
 def _stopped(workers: WorkerRegistry, worker: str) -> Heartbeat | None:
     hb = workers.read(worker)
     return hb if hb is not None and hb.state == "stopped" else None
-
-
-def _revoked(consumer, epoch: int) -> bool:
-    from rose.contract.events import LeaseState
-    from rose.contract.wire import decode
-
-    for m in consumer.consume(50, timeout=0.002):
-        if m.error():
-            continue
-        ls = decode(m.value(), expect=LeaseState)
-        if ls.state == "revoked" and ls.epoch == epoch:
-            return True
-    return False
 
 
 def _frac(flags: list[bool]) -> float | None:

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from rose.bench._stack import engine_lease_bytes, engine_report, last_heartbeat, publish_test_version, wait_for
+from rose.bench._stack import engine_lease_bytes, engine_report, last_heartbeat, lease_state, wait_for
 
 if TYPE_CHECKING:
     from rose.contract.records import Heartbeat
@@ -18,42 +18,23 @@ GPU = "sim/0"
 
 
 def run(cfg, quick: bool) -> dict:
-    import dataclasses
-
     import psutil
     import redis
 
-    from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
-    from rose.contract.events import Command, Latency, LeaseState
-    from rose.contract.wire import decode, encode
+    from rose.bench._stack import lease_io, leased_workers, percentiles_ms, private_stack
+    from rose.contract.events import Command, Latency
+    from rose.contract.wire import encode
     from rose.executor.guard import LatencySample, default_latency_dir, write_latency
     from rose.executor.service import Executor
-    from rose.kafka.consumer import make_consumer
-    from rose.kafka.producer import make_producer, produce
+    from rose.kafka.producer import produce
     from rose.obs.logs import setup_logging
     from rose.rollout.pause_flag import PAUSE, RUN
 
     setup_logging("WARNING")
     cycles, guard_per_cycle = (3, 3) if quick else (20, 10)
-    job = "bench-revoke"
     with private_stack(cfg, "revoke") as c:
         lat_dir = default_latency_dir() / c.kafka.topic_prefix.rstrip(".")
-        c = dataclasses.replace(
-            c,
-            executor=dataclasses.replace(
-                c.executor,
-                job=job,
-                latency_dir=str(lat_dir),
-                guard_period_s=0.0005,
-                worker_nice=10,
-                worker_weights="follow" if c.rollout.engine != "reference" else c.executor.worker_weights,
-                model=f"bench-{c.rollout.engine}",
-            ),
-            rollout=dataclasses.replace(c.rollout, verify_weights=1),
-        )
-        fill_tasks(c, job, 400 if quick else 4000)
-        if c.rollout.engine != "reference":
-            publish_test_version(c, 1)
+        c = leased_workers(c, "bench-revoke", 400 if quick else 4000, latency_dir=str(lat_dir), guard_period_s=0.0005)
         slo = Latency(ttft_p99=1000.0, tpot_p99=100.0)
         calm = LatencySample(time.time(), Latency(300.0, 30.0), slo)
         spike = LatencySample(time.time(), Latency(300.0, 97.0), slo)  # headroom 0.03 < 0.10
@@ -62,9 +43,7 @@ def run(cfg, quick: bool) -> dict:
         stop = threading.Event()
         loop = threading.Thread(target=ex.run, args=(stop,), daemon=True)
         loop.start()
-        producer = make_producer(c.kafka, **{"linger.ms": 0})
-        states = make_consumer(c.kafka, f"bench-{time.monotonic_ns()}", **{"fetch.wait.max.ms": 5})
-        states.subscribe([c.kafka.lease_state_topic])
+        producer, states = lease_io(c)
         k_flag, k_paused, k_revoked, g_flag, g_paused = [], [], [], [], []
         freed = []
         beats: list[Heartbeat | None] = []
@@ -115,7 +94,7 @@ def run(cfg, quick: bool) -> dict:
                 wait_for(lambda: flag.paused_seen_ns > t0 if flag._buf is not None else True, 10)
                 k_flag.append(flag.set_ns - t0)
                 k_paused.append(flag.paused_seen_ns - t0)
-                revoked = wait_for(lambda: _find(states, LeaseState, decode, "revoked", epoch), 15)
+                revoked = wait_for(lambda: lease_state(states, "revoked", epoch), 15)
                 k_revoked.append(time.monotonic_ns() - t0)
                 beats.append(last_heartbeat(r, c, f"{socket.gethostname()}:{GPU}:{epoch}"))
                 freed.append(revoked.rollout_mem_bytes == 0 and not psutil.pid_exists(pid))
@@ -151,13 +130,3 @@ def run(cfg, quick: bool) -> dict:
         "note": "paused = the worker itself recorded that it saw the flag (it checks between decode steps); "
         "revoked = the `revoked` lease state read back from Kafka, worker process gone, rollout_mem_bytes 0",
     }
-
-
-def _find(consumer, typ, decode, state: str, epoch: int):
-    for m in consumer.consume(50, timeout=0.002):
-        if m.error():
-            continue
-        ls = decode(m.value(), expect=typ)
-        if ls.state == state and ls.epoch == epoch:
-            return ls
-    return None
