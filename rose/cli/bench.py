@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+from pathlib import Path
+
 import orjson
 import typer
+
+from rose.cli import cli_config, fail
 
 
 def register(app: typer.Typer) -> None:
@@ -31,7 +37,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run a benchmark; figures are measured in this run, goals shown beside them."""
         from rose import bench as benches
-        from rose.cli import cli_config, fail
 
         if name == "list":
             for n in benches.names():
@@ -70,10 +75,6 @@ def register(app: typer.Typer) -> None:
 def _check_checkpoint(model: str, tokenizer: bool = False, required: bool = False) -> None:
     """`--model`, where given (or `required`), must be a Hugging Face checkpoint directory (one
     line and exit 2)."""
-    from pathlib import Path
-
-    from rose.cli import fail
-
     if (model or required) and not (Path(model) / "config.json").is_file():
         init = "rose model init --tokenizer" if tokenizer else "rose model init"
         fail(f"--model {model!r}: not a Hugging Face checkpoint directory (no config.json); make one with `{init}`")
@@ -81,11 +82,6 @@ def _check_checkpoint(model: str, tokenizer: bool = False, required: bool = Fals
 
 def _with_engine(cfg, name: str, engine: str, model: str):
     """`cfg` with the rollout engine and checkpoint of `--engine`/`--model` (coelastic, revoke)."""
-    import dataclasses
-    from pathlib import Path
-
-    from rose.cli import fail
-
     if not (engine or model):
         return cfg
     if name not in ("coelastic", "revoke"):
@@ -100,11 +96,6 @@ def _with_engine(cfg, name: str, engine: str, model: str):
 
 def _decode_args(model: str, engine: str) -> dict:
     """`rose bench decode`'s options, checked: vLLM on `model` (default a tiny checkpoint)."""
-    import importlib.util
-    from pathlib import Path
-
-    from rose.cli import fail
-
     if engine not in ("", "vllm"):
         fail(f"--engine {engine!r}: bench decode measures vLLM, the engine whose dtype it chooses")
     _check_checkpoint(model)
@@ -115,10 +106,6 @@ def _decode_args(model: str, engine: str) -> dict:
 
 def _task_reward_args(model: str, engine: str) -> dict:
     """`rose bench task_reward`'s options, checked: vLLM sampling `model`, which needs its tokenizer."""
-    from pathlib import Path
-
-    from rose.cli import fail
-
     if engine not in ("", "vllm"):
         fail(f"--engine {engine!r}: bench task_reward samples through vLLM, as the demo's workers do")
     _check_checkpoint(model, tokenizer=True, required=True)
@@ -131,10 +118,6 @@ def _task_reward_args(model: str, engine: str) -> dict:
 
 def _trl_args(model: str, engine: str, plot: str) -> dict:
     """`rose bench trl`'s options, checked: its workers run the hf engine on `model` (with a tokenizer)."""
-    from pathlib import Path
-
-    from rose.cli import fail
-
     if engine not in ("", "hf"):
         fail(f"--engine {engine!r}: bench trl runs hf-engine workers that follow the trainer's weights")
     _check_checkpoint(model, tokenizer=True)
@@ -147,11 +130,6 @@ def _gateway_args(mod, engine: str, model: str, load: tuple[int, ...], python: s
     """`rose bench gateway`'s options, checked (one line and exit 2 for a bad one); `load`: turns,
     max_tokens, concurrency, rounds (then cycles, not its); `python`: the engines' interpreter
     (`rollout.python`; "" = this one)."""
-    import importlib.util
-    from pathlib import Path
-
-    from rose.cli import fail
-
     turns, max_tokens, concurrency, rounds = load[:4]
     if engine not in ("", "vllm"):
         fail(f"--engine {engine!r}: bench gateway runs vLLM (its own server beside the gateway's workers)")
@@ -179,11 +157,6 @@ def _replica_args(engine: str, model: str, load: tuple[int, ...], python: str) -
     """`rose bench replica`'s options, checked: its serving replicas are vLLM servers on `model`
     (default a tiny checkpoint), its rollout workers the configured engine or `engine` on it;
     `load`'s last is --cycles."""
-    import importlib.util
-    from pathlib import Path
-
-    from rose.cli import fail
-
     turns, max_tokens, concurrency, rounds, cycles = load
     if turns or max_tokens or concurrency != 8 or rounds:
         fail("--turns/--max-tokens/--concurrency/--rounds: bench replica does not take them (its load is fixed)")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from rose.cli import fail
+
 model_app = typer.Typer(
     help="Hugging Face checkpoints: random-init ones of a chosen shape, and GGUF files imported.",
     no_args_is_help=True,
@@ -14,8 +16,6 @@ model_app = typer.Typer(
 
 
 def _check_out(out: Path) -> None:
-    from rose.cli import fail
-
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"{out} exists and is not an empty directory: pass a new or empty OUT directory")
 
@@ -38,7 +38,6 @@ def init(
     ),
 ) -> None:
     """Write a random-init checkpoint (config.json, model.safetensors; tokenizer files with --tokenizer)."""
-    from rose.cli import fail
     from rose.model.random_init import CheckpointShape, check_args, checkpoint_parameters, init_checkpoint
 
     shape = CheckpointShape(
@@ -72,7 +71,6 @@ def import_(
     dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | bfloat16: the weights as written."),
 ) -> None:
     """Write the model and tokenizer of a GGUF file as a Hugging Face checkpoint (weights unquantized)."""
-    from rose.cli import fail
     from rose.model.gguf_import import GgufImportError, import_gguf
     from rose.model.random_init import DTYPES, checkpoint_parameters
 

@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 import orjson
 import typer
 
+from rose.cli import cli_config, fail
+
 _WORKERS = 2  # threads encoding or applying shards
 T = TypeVar("T")
 
@@ -19,7 +21,6 @@ weights_app = typer.Typer(
 
 
 def _load(path: Path):
-    from rose.cli import fail
     from rose.weights.checkpoint import CheckpointError, load
 
     try:
@@ -44,7 +45,6 @@ def diff(
     shard_mib: int = typer.Option(8, "--shard-mib", help="Shard size in MiB."),
 ) -> None:
     """Write the lossless delta from BASE to TARGET."""
-    from rose.cli import fail
     from rose.weights import codec, delta_file
     from rose.weights.layout import LayoutError
 
@@ -99,7 +99,6 @@ def patch(
     out: Path = typer.Option(..., "--out", help="Where to write the result (.safetensors or torch)."),
 ) -> None:
     """Apply DELTA to BASE; OUT equals the diff's TARGET bit for bit."""
-    from rose.cli import fail
     from rose.weights.patch import PatchError, patch_files
 
     try:
@@ -113,7 +112,6 @@ def _weights_side(cfg, make: Callable[[Any], T]) -> T:
     with redis.cluster_nodes, else the Redis at redis.url); one `rose: ...` line and exit 1 for a
     cluster that is not usable, 2 for settings that cannot be (malformed nodes, shard_streams
     out of range, a brace in the model name or key prefix)."""
-    from rose.cli import fail
     from rose.weights.clients import ClusterUnavailable, redis_client
 
     try:
@@ -136,7 +134,6 @@ def publish(
     json_out: bool = typer.Option(False, "--json", help="One JSON object per version."),
 ) -> None:
     """Publish checkpoints as versions of the weight stream."""
-    from rose.cli import cli_config, fail
     from rose.weights.clients import unavailable_errors
     from rose.weights.stream import WeightPublisher
 
@@ -175,7 +172,6 @@ def follow(
     metrics_port: int = typer.Option(None, "--metrics-port", help="Serve /metrics and /healthz on this port."),
 ) -> None:
     """Apply the weight stream exactly once; keep OUT/weights.safetensors at the newest version."""
-    from rose.cli import cli_config
     from rose.obs import metrics
     from rose.obs.logs import setup_logging
     from rose.shutdown import Shutdown
