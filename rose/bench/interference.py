@@ -7,7 +7,9 @@ import subprocess
 import threading
 import time
 
+from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
 from rose.obs.stats import percentile
+from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
 
 GOAL_PROTECTED_OVER_ALONE = 1.05  # at most: serving p99 beside protected rollout / alone
 PROTECTED_SHARE = 0.5  # compute share of the protected worker
@@ -33,8 +35,6 @@ def run(cfg, quick: bool, steps: int | None = None) -> dict:
         out["protected_p99_over_goal"] = None if p is None else round(p / GOAL_PROTECTED_OVER_ALONE, 3)
         return out
     import redis
-
-    from rose.bench._stack import fill_tasks, percentiles_ms, private_stack
 
     device = "cpu"
     steps = steps or (200 if quick else 2000)
@@ -105,7 +105,6 @@ class _Rollout:
 
     def __init__(self, c, r, job: str, device: str, mode: str, protected: bool):
         from rose.rollout.launcher import WorkerConfig, launch
-        from rose.rollout.pause_flag import RUN, PauseFlag
 
         self.r = r
         self.flag = PauseFlag(f"rose-bench-{os.getpid()}-{mode}", create=True)
@@ -149,8 +148,6 @@ class _Rollout:
 
     def set(self, state: int) -> None:
         """Raise or lower the flag (the guard's callbacks), keeping the time it is up."""
-        from rose.rollout.pause_flag import PAUSE
-
         now = time.monotonic_ns()
         with self._lock:
             if state == PAUSE and self._paused_since is None:
@@ -187,8 +184,6 @@ class _Rollout:
 def stop_process(proc: subprocess.Popen, flag, timeout_s: float) -> int:
     """Set the process's pause flag to STOP, wait up to `timeout_s` for it to exit (then kill
     it), close and remove the flag; its exit code."""
-    from rose.rollout.pause_flag import STOP
-
     flag.set(STOP)
     try:
         proc.wait(timeout_s)
@@ -219,10 +214,8 @@ def _beside_rollout(
     cfg, c, r, job: str, device: str, serve, steps: int, slo_ms: float, protected: bool
 ) -> tuple[dict, dict]:
     """Serving latency and rollout work with one worker running beside the serving loop."""
-    from rose.bench._stack import percentiles_ms
     from rose.contract.events import Latency
     from rose.executor.guard import FileLatencySource, Guard, LatencySample, default_latency_dir, write_latency
-    from rose.rollout.pause_flag import PAUSE, RUN
 
     mode = "protected" if protected else "unprotected"
     w = _Rollout(c, r, job, device, mode, protected)

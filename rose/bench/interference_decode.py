@@ -18,6 +18,7 @@ from pathlib import Path
 from rose.bench._cuda import _Device
 from rose.bench.interference import stop_process
 from rose.model.random_init import CheckpointShape
+from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
 
 ROLLOUT_NICE = 19  # the executor's default worker_nice
 REPO = Path(__file__).resolve().parents[2]
@@ -185,8 +186,6 @@ class _Duty:
 
     def after(self, busy_s: float) -> bool:
         """Idle as the share asks; False once the flag says STOP."""
-        from rose.rollout.pause_flag import RUN, STOP
-
         share = self.flag.share
         until = time.monotonic() + (busy_s * (1.0 - share) / share if 0.0 < share < 1.0 else 0.0)
         while (state := self.flag.get()) != STOP:
@@ -198,8 +197,6 @@ class _Duty:
 
 def rollout_main(spec: dict) -> int:
     """The rollout process: decode episodes until the flag says STOP, counting tokens on the flag."""
-    from rose.rollout.pause_flag import PauseFlag
-
     shape = SHAPES[spec["shape"]]
     dev = _Device(spec["device"])
     if not dev.cuda:
@@ -250,7 +247,6 @@ class RolloutProcess:
 
     def __init__(self, shape: str, device: str, bounded: bool, max_launch_us: int, env: dict | None = None):
         from rose.rollout.launcher import spawn
-        from rose.rollout.pause_flag import PAUSE, PauseFlag
 
         self.flag = PauseFlag(f"rose-ifp-{os.getpid()}-{time.monotonic_ns()}", create=True)
         self.flag.set(PAUSE)
@@ -274,14 +270,10 @@ class RolloutProcess:
         return self
 
     def run(self, share: float) -> None:
-        from rose.rollout.pause_flag import RUN
-
         self.flag.set_share(share)
         self.flag.set(RUN)
 
     def pause(self) -> None:
-        from rose.rollout.pause_flag import PAUSE
-
         self.flag.set(PAUSE)
 
     def tokens(self) -> int:

@@ -44,6 +44,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rose.bench._stack import (
+    checkpoint_or_tiny,
+    engine_lease_bytes,
+    engine_report,
+    fill_tasks,
+    last_heartbeat,
+    private_stack,
+)
 from rose.bench.serving_load import Load, answers_directly
 from rose.obs.stats import percentile
 
@@ -133,7 +141,6 @@ def stack(cfg: Any, model: str, logs: Path) -> Iterator[Stack]:
     """The servers, the router over both, and the executor (LENT the first replica, DEDICATED none)."""
     import redis
 
-    from rose.bench._stack import fill_tasks
     from rose.executor.service import Executor
     from rose.kafka.producer import make_producer
     from rose.router.process import start_router, stop_router
@@ -165,7 +172,6 @@ def stack(cfg: Any, model: str, logs: Path) -> Iterator[Stack]:
 def command(st: Stack, kind: str, gpu: str, epoch: int) -> None:
     """Produce a grant or a revoke of lease `gpu#epoch`: a replica lease on LENT, an ordinary one
     elsewhere; the whole device's share, the engine's memory."""
-    from rose.bench._stack import engine_lease_bytes
     from rose.contract.events import Command
     from rose.contract.wire import encode
     from rose.kafka.producer import produce
@@ -209,8 +215,6 @@ def state(st: Stack, gpu: str, epoch: int, want: str, timeout_s: float) -> Any:
 def tokens_window(st: Stack, gpu: str, epoch: int, window_s: float) -> tuple[int, float, Any]:
     """(tokens, seconds, last heartbeat) of the lease's worker over `window_s` from its first
     heartbeat with tokens (a cold engine starts first), by its heartbeats' counts and timestamps."""
-    from rose.bench._stack import last_heartbeat
-
     worker = f"{socket.gethostname()}:{gpu}:{epoch}"
 
     def beat(after: float, tokens: int) -> Any:
@@ -327,8 +331,6 @@ def _seconds(xs: list[float]) -> dict:
 
 
 def report(c: Any, f: Figures, plan: Plan) -> dict:
-    from rose.bench._stack import engine_report
-
     slo = (c.telemetry.slo_ttft_ms, c.telemetry.slo_tpot_ms)
     phases = {k: f.load.attainment(k, *slo) for k in ("no_lease", "with_replica_leases", "dedicated")}
     failed = f.load.failed()
@@ -382,8 +384,6 @@ def run(cfg: Any, quick: bool, *, model: str = "", engine: str = "", cycles: int
 
     import redis
 
-    from rose.bench._stack import private_stack
-
     with contextlib.closing(redis.Redis.from_url(cfg.redis.url)) as r:
         r.ping()  # Redis away: say so before making a checkpoint or starting an engine
     t0 = time.monotonic()
@@ -394,8 +394,6 @@ def run(cfg: Any, quick: bool, *, model: str = "", engine: str = "", cycles: int
     )
     logs = Path(tempfile.mkdtemp(prefix="rose-bench-replica-"))  # the servers' logs, kept should the run fail
     _say(t0, f"server and router logs in {logs} (removed when the run succeeds)")
-    from rose.bench._stack import checkpoint_or_tiny
-
     with tempfile.TemporaryDirectory(prefix="rose-bench-replica-model-") as tmp:
         model = checkpoint_or_tiny(model, Path(tmp))
         _say(t0, f"checkpoint {model}")

@@ -6,7 +6,10 @@ import gc
 import os
 import time
 
+from rose.bench._stack import private_stack
 from rose.config import Config
+from rose.contract.events import Telemetry
+from rose.contract.wire import decode, encode
 from rose.obs.stats import percentile
 
 GOAL_EVENTS_PER_S = 100_000
@@ -16,7 +19,6 @@ INSTANCES = (1, 2, 4)  # scheduler processes of the scale-out part, one consumer
 
 
 def _fill(cfg: Config, events) -> None:
-    from rose.contract.wire import encode
     from rose.kafka.producer import make_producer, produce
 
     p = make_producer(cfg.kafka, **{"linger.ms": 20})
@@ -30,8 +32,6 @@ def _raw_rate(cfg: Config, n: int) -> float:
     """Consume and decode the same messages, no decisions: the ceiling for the scheduler. Timed
     as `_scheduler_rate` is: from the end of the first batch to the end of the last, over the
     events in between."""
-    from rose.contract.events import Telemetry
-    from rose.contract.wire import decode
     from rose.kafka.consumer import make_consumer
 
     c = make_consumer(cfg.kafka, f"{cfg.kafka.topic_prefix}raw", **{"fetch.wait.max.ms": 5})
@@ -134,7 +134,6 @@ def _scale_out(cfg: Config, n_gpus: int, n_ticks: int, instances: tuple[int, ...
     partitions (before that the first joiner consumes alone) to the last event."""
     import multiprocessing as mp
 
-    from rose.bench._stack import private_stack
     from rose.sim.telemetry_workload import workload
 
     ctx = mp.get_context("spawn")
@@ -187,7 +186,6 @@ def _scale_out(cfg: Config, n_gpus: int, n_ticks: int, instances: tuple[int, ...
 
 def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
     """The latency bench's telemetry source: a tick of every GPU's event at `rate_per_s`."""
-    from rose.contract.wire import encode
     from rose.kafka.producer import make_producer, produce
     from rose.sim.telemetry_workload import workload
 
@@ -263,8 +261,6 @@ def _pure_rate(cfg: Config, events) -> dict:
     without spans: what the per-event Python work alone allows one process."""
     from collections import Counter
 
-    from rose.contract.events import Telemetry
-    from rose.contract.wire import decode, encode
     from rose.policy.core import Arrival, Batch, SchedulingCore
 
     records = [(encode(ev), ev.gpu.encode(), int(ev.ts * 1000)) for ev in events]
@@ -284,7 +280,6 @@ def _pure_rate(cfg: Config, events) -> dict:
 def run(cfg: Config, quick: bool = False) -> dict:
     import dataclasses
 
-    from rose.bench._stack import private_stack
     from rose.sim.telemetry_workload import workload
 
     n_gpus, n_ticks = (200, 100) if quick else (1000, 200)

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rose.bench._stack import percentiles_ms, private_stack
 from rose.config import Config, ExecutorConfig
 from rose.stack import free_port
 
@@ -177,7 +178,6 @@ def _min_max(rows: list[dict], k: str) -> list[float] | None:
 def _soak(cfg: Config, gpus: int, seconds: float, sample_s: float, executors: int, schedulers: int) -> dict:
     import psutil
 
-    from rose.bench._stack import percentiles_ms
     from rose.scheduler.service import SCHEDULER_GROUP
 
     env = {
@@ -340,8 +340,6 @@ def _machine_allows(gpus, schedulers, dt, produced, consumed, ratio, bounded, la
 
 
 def _summary(gpus, seconds, executors, schedulers, sample_s, series, marks, tap, alive) -> dict:
-    from rose.bench._stack import percentiles_ms
-
     half = len(series) // 2 or 1
     first, second = series[:half], series[half:] or series
 
@@ -465,8 +463,6 @@ def run(
     group, which split the telemetry partitions; quick: 1,000 × 40 s); `plot`: where the PNG goes
     (None: no plot)."""
     import dataclasses
-
-    from rose.bench._stack import private_stack
 
     results = []
     for gpus, seconds, executors, schedulers in fleets or (QUICK_FLEETS if quick else FLEETS):

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rose.bench._stack import ServedGateway, checkpoint_or_tiny, private_stack, rollout_workers
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
 MINUTES, QUICK_MINUTES = 10.0, 1.0  # the example's wall-time budget (--max-minutes)
 MAX_STEPS = 10_000  # more than fit in the budget: the budget ends the run
@@ -27,14 +29,10 @@ def run(cfg: Any, quick: bool, *, model: str = "", plot: str = "") -> dict:
     third's, measured in the same run."""
     import tempfile
 
-    from rose.bench._stack import private_stack
-
     if not EXAMPLE.is_file():
         raise SystemExit(f"bench trl: {EXAMPLE} not found; run it from a source checkout of ROSE")
     minutes = QUICK_MINUTES if quick else MINUTES
     t0 = time.monotonic()
-    from rose.bench._stack import checkpoint_or_tiny
-
     with tempfile.TemporaryDirectory(prefix="rose-bench-trl-") as tmp, private_stack(cfg, "trl", kafka=False) as c:
         model = checkpoint_or_tiny(model, Path(tmp), tokenizer=True)
         c = _gateway_cfg(c)
@@ -66,16 +64,12 @@ def _gateway_cfg(c: Any) -> Any:
 
 def _workers(c: Any, model: str, logs: Path) -> Any:
     """Two hf-engine rollout workers following `model`'s weights, each with a pause flag at RUN."""
-    from rose.bench._stack import rollout_workers
-
     fields = {"engine": "hf", "checkpoint": model, "nice": 0, "weights": "follow", "max_batch": 8, "max_model_len": 256}
     return rollout_workers(c, "trl", logs, fields)
 
 
 def _serve_when_running(c: Any, workers: list[str], t0: float) -> Any:
     import httpx
-
-    from rose.bench._stack import ServedGateway
 
     served = ServedGateway(c)
     deadline = time.monotonic() + 300

@@ -22,8 +22,10 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from rose.contract.records import Heartbeat, WorkerRegistry
+from rose.rollout.episode import DONE, GENERATE, Episode
 from rose.rollout.launcher import WorkerConfig
 from rose.rollout.pause_flag import PAUSE, RUN, STOP, PauseFlag
+from rose.rollout.placement import STAY, PlacementConfig, WorkerView, place
 
 if TYPE_CHECKING:
     from rose.rollout.tasks import Claimed
@@ -66,8 +68,6 @@ class Worker:
     MIN_VERSION_WAIT_S = 5.0
 
     def __init__(self, config: WorkerConfig, r, queue, engine, weights, flag: PauseFlag | None):
-        from rose.rollout.placement import PlacementConfig
-
         self.config, self.r, self.q, self.engine, self.weights, self.flag = config, r, queue, engine, weights, flag
         self.registry = WorkerRegistry(r, config.redis.key, queue.workers_key)
         self.pcfg = PlacementConfig(
@@ -161,8 +161,6 @@ class Worker:
         )
 
     def _views_now(self, now: float):
-        from rose.rollout.placement import WorkerView
-
         if self._due("view", now, self.VIEW_S):
             beats = self.registry.heartbeats()
             self._views = [WorkerView(w, hb.dedicated, hb.free_slots, hb.running()) for w, hb in beats.items()]
@@ -177,13 +175,9 @@ class Worker:
         return frac
 
     def _here(self):
-        from rose.rollout.placement import WorkerView
-
         return WorkerView(self.config.worker_id, self.config.dedicated, self.engine.free_slots())
 
     def _decide(self, ep, now: float):
-        from rose.rollout.placement import STAY, place
-
         if self.config.dedicated:
             return STAY
         return place(
@@ -310,8 +304,6 @@ class Worker:
         return out
 
     def _admit(self, c, now: float) -> None:
-        from rose.rollout.episode import DONE, Episode
-
         s = self.config
         why = None
         if c.task.total_tokens > self.engine.max_seq:
@@ -359,7 +351,6 @@ class Worker:
 
     def _decode_step(self, now: float) -> bool:
         from rose.rollout.engine import GenRequest
-        from rose.rollout.episode import GENERATE
 
         self._finish_done()
         v = self.engine.version
@@ -414,8 +405,6 @@ class Worker:
         """Complete every finished episode. One whose completion failed (Redis went away
         mid-call) stays active, its entry still touched, and the next pass completes it: a
         finished episode never waits in memory for a reclaim that touching prevents."""
-        from rose.rollout.episode import DONE
-
         for k, (c, ep) in list(self.active.items()):
             if ep.state == DONE:
                 self.streamer.finish(k)
