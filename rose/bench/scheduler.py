@@ -11,6 +11,7 @@ from rose.config import Config
 from rose.contract.events import Telemetry
 from rose.contract.wire import decode, encode
 from rose.obs.stats import percentile
+from rose.sim.telemetry_workload import workload
 
 GOAL_EVENTS_PER_S = 100_000
 GOAL_RATIO = 0.6  # scheduler events/s over raw consume+decode of the same messages
@@ -134,8 +135,6 @@ def _scale_out(cfg: Config, n_gpus: int, n_ticks: int, instances: tuple[int, ...
     partitions (before that the first joiner consumes alone) to the last event."""
     import multiprocessing as mp
 
-    from rose.sim.telemetry_workload import workload
-
     ctx = mp.get_context("spawn")
     out: dict = {}
     for k in instances:
@@ -187,7 +186,6 @@ def _scale_out(cfg: Config, n_gpus: int, n_ticks: int, instances: tuple[int, ...
 def _feed(cfg: Config, n_gpus: int, ticks: int, rate_per_s: int) -> None:
     """The latency bench's telemetry source: a tick of every GPU's event at `rate_per_s`."""
     from rose.kafka.producer import make_producer, produce
-    from rose.sim.telemetry_workload import workload
 
     events = workload(n_gpus, ticks, seed=5, prefix="lat")
     p = make_producer(cfg.kafka)
@@ -279,8 +277,6 @@ def _pure_rate(cfg: Config, events) -> dict:
 
 def run(cfg: Config, quick: bool = False) -> dict:
     import dataclasses
-
-    from rose.sim.telemetry_workload import workload
 
     n_gpus, n_ticks = (200, 100) if quick else (1000, 200)
     with private_stack(cfg, "sched") as c:

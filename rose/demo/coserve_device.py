@@ -17,6 +17,7 @@ import numpy as np
 from rose.demo.spec_process import JsonSpec
 from rose.obs.logs import get_logger
 from rose.obs.stats import percentile
+from rose.vllm_server import VllmServer, start_server, stop_server, stream_tokens, wait_healthy
 
 log = get_logger("rose.coserve")
 
@@ -255,8 +256,6 @@ class VllmServerDevice:
         import tempfile
         from pathlib import Path
 
-        from rose.vllm_server import VllmServer, start_server, wait_healthy
-
         spec = self.spec
         if spec.url:
             self.srv = VllmServer(spec.url.rstrip("/"), spec.model, Path(spec.server_log or "-"))
@@ -279,8 +278,6 @@ class VllmServerDevice:
         return {"server": "vllm", "model": spec.model, "server_url": self.srv.url, "server_log": str(self.srv.log)}
 
     def _stream(self, prompt: list[int], n: int):
-        from rose.vllm_server import stream_tokens
-
         return stream_tokens(self.srv, prompt, n, timeout_s=self.spec.request_timeout_s)
 
     def submit(self, q: Request) -> None:
@@ -358,8 +355,6 @@ class VllmServerDevice:
         return busy / dt
 
     def close(self) -> None:
-        from rose.vllm_server import stop_server
-
         self.closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.srv is not None:

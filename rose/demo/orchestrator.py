@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rose.config import Config
+from rose.demo.observed import Collector, read_final
 from rose.demo.phases import DemoPhases
 from rose.demo.processes import Processes
 from rose.demo.run_setup import DemoError, DemoOptions, default_trace
@@ -70,8 +71,6 @@ class Demo(DemoPhases):
                 create_topics(self.cfg.kafka)
             except Exception as e:  # noqa: BLE001 - KafkaException, TimeoutError: one line for the user
                 raise DemoError(f"Kafka at {self.cfg.kafka.bootstrap} is not answering: {e!r}") from None
-            from rose.demo.observed import Collector
-
             collector = Collector(self.cfg, self.job).start()
             argv = self._argv()
             for name in ("agent", "coserve", "trainer", "dedicated", "executor-sim", "executor-real"):
@@ -99,7 +98,6 @@ class Demo(DemoPhases):
         import platform
 
         from rose.demo import report, report_files
-        from rose.demo.observed import read_final
         from rose.kafka.admin import KafkaException
 
         self._stop(procs, collector)

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import redis
@@ -55,9 +55,7 @@ from rose.gateway.observability import (
 )
 from rose.gateway.text import text_codec
 from rose.obs import metrics
-
-if TYPE_CHECKING:
-    from rose.weights.stream import WeightPublisher
+from rose.weights.stream import VersionConflict, WeightPublisher, weights_client
 
 SESSION_HEADER = "x-rose-session"
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -172,7 +170,6 @@ class Gateway:
         as `RoseClient.publish_weights` reads them) published as the model's next version, or
         `req.version`. GatewayError: 400 naming `checkpoint` or `version`, 503 Redis away."""
         from rose.weights.inputs import tensors
-        from rose.weights.stream import VersionConflict
 
         try:
             specs, arrays = tensors(Path(req.checkpoint), req.dtype)
@@ -196,8 +193,6 @@ class Gateway:
 
     def _weights_publisher(self) -> WeightPublisher:
         if self._publisher is None:
-            from rose.weights.stream import WeightPublisher, weights_client
-
             self._weights_redis = weights_client(self.cfg.redis, self.dispatcher.r)
             self._publisher = WeightPublisher(
                 self._weights_redis, self.cfg.redis, self.model, hmac_key=self.cfg.security.weights_hmac_key

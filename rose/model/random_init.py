@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from rose.model.tokenizer import MIN_VOCAB, train_tokenizer
+
 # architecture name -> transformers config class name
 ARCHS = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen3": "Qwen3Config"}
 DTYPES = ("float32", "bfloat16")
@@ -87,8 +89,6 @@ def check_args(shape: CheckpointShape, dtype: str = "float32", tokenizer: bool =
         raise ValueError(f"--dtype {dtype!r} is not supported: pass one of {', '.join(DTYPES)}")
     shape.check()
     if tokenizer:
-        from rose.model.tokenizer import MIN_VOCAB
-
         if shape.vocab < MIN_VOCAB:
             raise ValueError(
                 f"--vocab {shape.vocab}: --tokenizer needs at least {MIN_VOCAB} "
@@ -116,8 +116,6 @@ def init_checkpoint(
 
     out = Path(out)
     if tokenizer:
-        from rose.model.tokenizer import train_tokenizer
-
         ids = train_tokenizer(out, shape.vocab, shape.max_positions)
         config.bos_token_id, config.eos_token_id, config.pad_token_id = ids.bos, ids.eos, ids.pad
     torch.manual_seed(seed)

@@ -28,6 +28,7 @@ import orjson
 from rose.config import RedisConfig
 from rose.obs import metrics
 from rose.obs.logs import get_logger
+from rose.weights.checkpoint import load, save, to_tensors
 from rose.weights.clients import MAX_SHARD_STREAMS, failed_over, node_failed_over, unavailable_errors, weight_keys
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
@@ -282,7 +283,6 @@ class FileStateStore:
     def load(self) -> tuple[Snapshot, list[int]] | None:
         if not self.path.exists():
             return None
-        from rose.weights.checkpoint import load
         from rose.weights.layout import flatten
 
         ck = load(self.path)
@@ -293,8 +293,6 @@ class FileStateStore:
         return snap, orjson.loads(m.get("rose.applied", "[]"))
 
     def save(self, snap: Snapshot, applied_versions: list[int]) -> None:
-        from rose.weights.checkpoint import save
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         meta = {
             "rose.version": str(snap.version),
@@ -454,8 +452,6 @@ class WeightFollower:
         snap = self.receiver.visible()
         if snap is None:
             return None, {}
-        from rose.weights.checkpoint import to_tensors
-
         return snap.version, to_tensors(snap.layout, snap.flat)
 
     def follow(
