@@ -151,8 +151,6 @@ def engine_lease_bytes(cfg: Config) -> int:
 def publish_test_version(cfg: Config, version: int) -> None:
     """A trainer's version for a bench: the checkpoint's tensors nudged (seeded by `version`), in bf16,
     on the weight stream `executor.model`."""
-    from pathlib import Path
-
     import redis
     import torch
     from safetensors.torch import load_file

@@ -42,7 +42,7 @@ from rose.demo.coserve_device import (
     scaled_lengths,
 )
 from rose.demo.spec_process import spec_main
-from rose.node.agent_loop import GuardFeed, Window
+from rose.node.agent_loop import GuardFeed, Window, run_agent
 from rose.node.lease_view import LeaseView
 from rose.node.telemetry import feed_guard, telemetry_records
 
@@ -108,7 +108,6 @@ class CoServed:
         """Serve the trace and publish the device's telemetry through the node agent's loop
         (this device is its source) until `stop`; then leave the summary in the status hash."""
         from rose.kafka.telemetry_publisher import TelemetryPublisher
-        from rose.node.agent_loop import run_agent
 
         spec, cfg, r = self.spec, self.cfg, self.r
         key = cfg.redis.key

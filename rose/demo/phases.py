@@ -21,7 +21,7 @@ import sys
 import time
 
 from rose.contract.records import WorkerRegistry
-from rose.demo import device_core
+from rose.demo import device_core, live_view
 from rose.demo.processes import Processes
 from rose.demo.run_setup import DemoError, DemoSetup
 
@@ -79,7 +79,6 @@ class DemoPhases(DemoSetup):
             r.close()
 
     def _phases(self, procs: Processes, collector, argv) -> None:
-        from rose.demo import live_view
         from rose.demo.windows import plan
 
         o = self.opts

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rose.config import Config
-from rose.contract.events import LEASE_SETTING_KINDS, Command, LeaseState
+from rose.contract.events import LEASE_SETTING_KINDS, Command, InvalidEvent, LeaseState
 
 # a replica lease's states (CONTRACT §7) as what its replica is doing: draining while it leaves
 # its router, lent while rollout holds it (`paused` and `revoking` too: the replica is still out),
@@ -104,7 +104,6 @@ class LeaseFollower:
             self.assigned = True
 
     def poll(self, max_batches: int = 20) -> int:
-        from rose.contract.events import InvalidEvent
         from rose.contract.wire import decode
 
         if not self.assigned:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import orjson
 
-from rose.contract.events import TELEMETRY_SCHEMA
+from rose.contract.events import TELEMETRY_SCHEMA, Latency
 
 
 def telemetry_records(
@@ -84,7 +84,6 @@ def feed_guard(directory: str, gpus: list[str], ts: float, ttft_ms, tpot_ms, slo
     """Hand each GPU's newest p99 to the executor's local guard (a file in shared memory per
     GPU, no broker on the path), so a latency collapse pauses rollout before Kafka carries
     the revoke."""
-    from rose.contract.events import Latency
     from rose.executor.guard import LatencySample, write_latency
 
     slo_l = Latency(*slo)

@@ -19,13 +19,13 @@ from opentelemetry import trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from rose.config import TracingConfig
+from rose.config import ConfigError, TracingConfig
 
 _propagator = TraceContextTextMapPropagator()
 
@@ -75,8 +75,6 @@ def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProv
         trace.set_tracer_provider(provider)
     adopt(provider)
     if tcfg.exporter == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     elif tcfg.exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -87,8 +85,6 @@ def setup_tracing(tcfg: TracingConfig, service: str | None = None) -> TracerProv
             _memory_exporter = InMemorySpanExporter()
             provider.add_span_processor(SimpleSpanProcessor(_memory_exporter))
     elif tcfg.exporter != "none":
-        from rose.config import ConfigError
-
         raise ConfigError(f"tracing.exporter: unknown exporter {tcfg.exporter!r} (none|console|otlp|memory)")
     return provider
 

@@ -32,7 +32,7 @@ from rose.weights.checkpoint import load, save, to_tensors
 from rose.weights.clients import MAX_SHARD_STREAMS, failed_over, node_failed_over, unavailable_errors, weight_keys
 from rose.weights.codec import ChecksumMismatch, CorruptPayload, ShardPatch, apply_patch
 from rose.weights.entries import Entry, InvalidEntry, UnsupportedFormat, from_fields
-from rose.weights.layout import Layout, layout_from_json
+from rose.weights.layout import Layout, flatten, layout_from_json
 
 REJECTED = metrics.counter(
     "rose_weights_entries_rejected_total",
@@ -283,8 +283,6 @@ class FileStateStore:
     def load(self) -> tuple[Snapshot, list[int]] | None:
         if not self.path.exists():
             return None
-        from rose.weights.layout import flatten
-
         ck = load(self.path)
         m = ck.metadata
         layout = layout_from_json(m["rose.layout"])
