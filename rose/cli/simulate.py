@@ -98,14 +98,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
         bad = [p for p in names if p not in ALL_POLICIES]
         if bad or not names:
             fail(f"--policy: unknown {', '.join(bad) or policy!r} (known: {', '.join(ALL_POLICIES)}, all)")
-        if gpus < 1:
-            fail(f"--gpus must be >= 1, got {gpus}")
-        if dedicated < 0:
-            fail(f"--dedicated must be >= 0, got {dedicated}")
-        if seeds < 1:
-            fail(f"--seeds must be >= 1, got {seeds}")
-        if duration < 0:
-            fail(f"--duration must be >= 0, got {duration}")
+        for flag, v, least in (("--gpus", gpus, 1), ("--dedicated", dedicated, 0), ("--seeds", seeds, 1),
+                               ("--duration", duration, 0)):  # fmt: skip
+            if v < least:
+                fail(f"{flag} must be >= {least}, got {v}")
         if not 0 < load <= 1:
             fail(f"--load must be in (0, 1], got {load}")
         if decide_every < 0:
