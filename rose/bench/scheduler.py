@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import multiprocessing
 import os
+import queue
 import time
+from collections import Counter
 
 from rose.bench._stack import private_stack
 from rose.config import Config
@@ -111,8 +115,6 @@ def _instance(cfg: Config, name: str, group: str, total: int, consumed, out, rea
 
 def _collect(q, procs, timeout_s: float) -> list[dict]:
     """Each process's report; RuntimeError naming the exit code of one that died without one."""
-    import queue
-
     reports: list[dict] = []
     deadline = time.monotonic() + timeout_s
     while len(reports) < len(procs) and time.monotonic() < deadline:
@@ -133,9 +135,7 @@ def _scale_out(cfg: Config, n_gpus: int, n_ticks: int, instances: tuple[int, ...
     """Events/s of k scheduler processes in one consumer group over a topic of `partitions`
     partitions, filled before they start; counted from the moment the last of them holds
     partitions (before that the first joiner consumes alone) to the last event."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     out: dict = {}
     for k in instances:
         with private_stack(cfg, f"scale{k}", partitions=partitions) as c:
@@ -205,7 +205,6 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
     its command, with the scheduler keeping up (not draining a backlog). The telemetry comes
     from another process, as it does from agents: a feeder thread would share the
     scheduler's interpreter lock and its time would count as decision latency."""
-    import multiprocessing
 
     from rose.scheduler.service import Scheduler
 
@@ -257,7 +256,6 @@ def _latency(cfg: Config, rate_per_s: int, seconds: float) -> dict:
 def _pure_rate(cfg: Config, events) -> dict:
     """decode + the core's apply (admit, decide) over the same messages in this process, without Kafka and
     without spans: what the per-event Python work alone allows one process."""
-    from collections import Counter
 
     from rose.policy.core import Arrival, Batch, SchedulingCore
 
@@ -276,8 +274,6 @@ def _pure_rate(cfg: Config, events) -> dict:
 
 
 def run(cfg: Config, quick: bool = False) -> dict:
-    import dataclasses
-
     n_gpus, n_ticks = (200, 100) if quick else (1000, 200)
     with private_stack(cfg, "sched") as c:
         c = dataclasses.replace(c, kafka=dataclasses.replace(c.kafka, partitions=1))
