@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -124,6 +125,11 @@ def percentiles_ms(samples_ns: list[int]) -> dict:
         "max_ms": percentile(ms, 1.0, 3),
         "n": len(ms),
     }
+
+
+def progress(bench: str, t0: float, msg: str) -> None:
+    """A bench's progress line on stderr (stdout carries only its JSON), at seconds since `t0`."""
+    print(f"[bench {bench} {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def wait_for(fn, timeout_s: float):

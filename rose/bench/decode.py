@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 import time
 from typing import Any
 
+from rose.bench._stack import progress
 from rose.rollout.compute_dtype import NATIVE_BF16_FLAGS, native_dtype, this_cpu_flags
 
 DTYPES = ("float32", "bfloat16")
@@ -34,9 +34,9 @@ def run(cfg: Any, quick: bool, *, model: str = "") -> dict:
         cells = []
         for dtype in DTYPES:
             for n in threads:
-                _say(t0, f"{dtype}, {n} thread(s): starting vLLM on {Path(model).name}")
+                progress("decode", t0, f"{dtype}, {n} thread(s): starting vLLM on {Path(model).name}")
                 cell = _cell(model, dtype, n, tokens, repeats)
-                _say(t0, f"{dtype}, {n} thread(s): {cell.get('tokens_per_s', cell.get('error'))}")
+                progress("decode", t0, f"{dtype}, {n} thread(s): {cell.get('tokens_per_s', cell.get('error'))}")
                 cells.append(cell)
     flags = this_cpu_flags()
     picked = native_dtype("cpu", flags)
@@ -117,7 +117,3 @@ def _vllm_version() -> str:
         return f"vllm {vllm.__version__}"
     except ImportError:
         return "vllm (not installed)"
-
-
-def _say(t0: float, msg: str) -> None:
-    print(f"[bench decode {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)

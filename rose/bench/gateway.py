@@ -40,13 +40,13 @@ import contextlib
 import dataclasses
 import json
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rose.bench._stack import progress
 from rose.bench.gateway_figures import PROMPT_TOKENS, THREADS, Side, load, report, revoke_accounting
 from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry
 
@@ -61,10 +61,6 @@ UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # as the workers run (rose.ro
 
 
 # -- the shell: the two sides and the revoke ------------------------------------------------
-
-
-def _say(t0: float, msg: str) -> None:
-    print(f"[bench gateway {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _turn(client: Any, model: str, prompt: list[int], seed: int, max_tokens: int) -> tuple[int, int, int, int]:
@@ -400,21 +396,22 @@ def run(
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if quick else MAX_TOKENS)
     rounds = rounds or (QUICK_ROUNDS if quick else ROUNDS)
     logs = Path(tempfile.mkdtemp(prefix="rose-bench-gateway-"))  # the engines' logs, kept should the run fail
-    _say(t0, f"engine logs in {logs} (removed when the run succeeds)")
+    progress("gateway", t0, f"engine logs in {logs} (removed when the run succeeds)")
     from rose.bench._stack import checkpoint_or_tiny
 
     with tempfile.TemporaryDirectory(prefix="rose-bench-gateway-model-") as tmp:
         model = checkpoint_or_tiny(model, Path(tmp))
-        _say(t0, f"checkpoint {model}")
+        progress("gateway", t0, f"checkpoint {model}")
         vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
         plan = Plan(vocab, turns, max_tokens, concurrency, rounds)
-        _say(
+        progress(
+            "gateway",
             t0,
             f"starting vLLM's OpenAI server and two vLLM rollout workers; then {rounds} rounds of "
             f"{turns} turns of {max_tokens} tokens, {concurrency} at once, on each side",
         )
-        g = run_sides(cfg, model, logs, plan, lambda m: _say(t0, m))
-        _say(t0, f"revoke added {g.revoke['added_latency_ms']} ms")
+        g = run_sides(cfg, model, logs, plan, lambda m: progress("gateway", t0, m))
+        progress("gateway", t0, f"revoke added {g.revoke['added_latency_ms']} ms")
     shutil.rmtree(logs, ignore_errors=True)
     engine = engine_report(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm")), g.beats)
     params = {"turns": turns, "max_tokens": max_tokens, "concurrency": concurrency, "prompt_tokens": PROMPT_TOKENS}

@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import json
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +50,7 @@ from rose.bench._stack import (
     fill_tasks,
     last_heartbeat,
     private_stack,
+    progress,
 )
 from rose.bench.serving_load import Load, answers_directly
 from rose.obs.stats import percentile
@@ -69,10 +69,6 @@ REQUEST_TIMEOUT_S = 60.0
 ENGINE_START_S = 900.0  # a vLLM engine's import and start on a busy 2-core machine
 LEASE_TTL_S = 3600.0  # longer than any phase: a lease ends by its revoke, not by expiry
 POLL_S = 0.02  # readmission and lease states are read this often: well below the seconds they take
-
-
-def _say(t0: float, msg: str) -> None:
-    print(f"[bench replica {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _until(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -393,14 +389,14 @@ def run(cfg: Any, quick: bool, *, model: str = "", engine: str = "", cycles: int
         QUICK_WINDOW_S if quick else WINDOW_S,
     )
     logs = Path(tempfile.mkdtemp(prefix="rose-bench-replica-"))  # the servers' logs, kept should the run fail
-    _say(t0, f"server and router logs in {logs} (removed when the run succeeds)")
+    progress("replica", t0, f"server and router logs in {logs} (removed when the run succeeds)")
     with tempfile.TemporaryDirectory(prefix="rose-bench-replica-model-") as tmp:
         model = checkpoint_or_tiny(model, Path(tmp))
-        _say(t0, f"checkpoint {model}")
+        progress("replica", t0, f"checkpoint {model}")
         with private_stack(cfg, "replica") as c:
             c = bench_config(c, engine, model)
-            f = measure(c, model, logs, plan, lambda m: _say(t0, m))
+            f = measure(c, model, logs, plan, lambda m: progress("replica", t0, m))
             out = report(c, f, plan)
     shutil.rmtree(logs, ignore_errors=True)
-    _say(t0, f"failed requests {out['failed_requests']}; tokens/s {out['rollout_tokens_per_s']}")
+    progress("replica", t0, f"failed requests {out['failed_requests']}; tokens/s {out['rollout_tokens_per_s']}")
     return out

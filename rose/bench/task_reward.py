@@ -9,9 +9,10 @@ from __future__ import annotations
 import multiprocessing
 import random
 import statistics
-import sys
 import time
 from typing import Any
+
+from rose.bench._stack import progress
 
 PROMPTS, QUICK_PROMPTS = 48, 4  # prompts per variant, each a group
 GROUP, QUICK_GROUP = 8, 2  # samples per prompt
@@ -28,7 +29,7 @@ def run(cfg: Any, quick: bool, *, model: str = "") -> dict:
 
     t0 = time.monotonic()
     prompts, group = (QUICK_PROMPTS, QUICK_GROUP) if quick else (PROMPTS, GROUP)
-    _say(t0, f"sampling {prompts} prompts x {group} per variant on {model}")
+    progress("task_reward", t0, f"sampling {prompts} prompts x {group} per variant on {model}")
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_sample_all, args=(q, model, prompts, group), daemon=True)
@@ -103,7 +104,3 @@ def _summary(by_prompt: list[list[float]]) -> dict:
         "groups_with_variance": round(sum(1 for g in by_prompt if len(set(g)) > 1) / len(by_prompt), 4),
         "samples": sum(len(g) for g in by_prompt),
     }
-
-
-def _say(t0: float, msg: str) -> None:
-    print(f"[bench task_reward {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rose.bench._stack import ServedGateway, checkpoint_or_tiny, private_stack, rollout_workers
+from rose.bench._stack import ServedGateway, checkpoint_or_tiny, private_stack, progress, rollout_workers
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
 MINUTES, QUICK_MINUTES = 10.0, 1.0  # the example's wall-time budget (--max-minutes)
@@ -78,7 +78,7 @@ def _serve_when_running(c: Any, workers: list[str], t0: float) -> Any:
             served.stop()
             raise SystemExit(f"bench trl: workers {workers} not running after 300 s")
         time.sleep(0.2)
-    _say(t0, f"gateway {served.url}, workers {', '.join(workers)} running")
+    progress("trl", t0, f"gateway {served.url}, workers {', '.join(workers)} running")
     return served
 
 
@@ -86,7 +86,7 @@ def _run_example(url: str, model: str, out: Path, minutes: float, t0: float) -> 
     """The example as a subprocess with its own command line; each line echoed as progress."""
     argv = [sys.executable, str(EXAMPLE), "--gateway", url, "--api-key", KEY, "--served-model", MODEL]
     argv += ["--model", model, "--steps", str(MAX_STEPS), "--max-minutes", str(minutes), "--out", str(out)]
-    _say(t0, f"running {EXAMPLE.name} for {minutes:g} min")
+    progress("trl", t0, f"running {EXAMPLE.name} for {minutes:g} min")
     start = time.monotonic()
     log = out.parent / "example.stderr"  # a file, not a pipe: nothing blocks the example however much it logs
     with open(log, "w") as err:
@@ -96,7 +96,7 @@ def _run_example(url: str, model: str, out: Path, minutes: float, t0: float) -> 
         for line in p.stdout:
             lines.append(line.rstrip("\n"))
             if line.startswith(("model ", "step ", "done: ")):  # not TRL's own log dicts
-                _say(t0, line.rstrip("\n"))
+                progress("trl", t0, line.rstrip("\n"))
     if p.wait() != 0:
         raise SystemExit(f"bench trl: the example exited {p.returncode}:\n{log.read_text()[-4000:]}")
     return lines, time.monotonic() - start
@@ -161,7 +161,3 @@ def _plot(result: dict, path: Path) -> None:
     ax.set_title(f"TRL GRPOTrainer over ROSE: {Path(result['model']).name}, {result['wall_s']:.0f} s")
     ax.legend(fontsize=7)
     save(fig, path)
-
-
-def _say(t0: float, msg: str) -> None:
-    print(f"[bench trl {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
