@@ -37,7 +37,7 @@ import redis
 
 from rose.config import Config, load_config
 from rose.contract import records
-from rose.contract.records import NO_VERSION, WorkerRegistry, live
+from rose.contract.records import NO_VERSION, WorkerRegistry, as_text, live
 from rose.obs.logs import get_logger
 from rose.rollout.episode import InvalidTask, Task
 from rose.rollout.tasks import TaskQueue
@@ -208,10 +208,6 @@ def _ints(v: Any) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise ValueError("expected a list of integers")
     return v
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _int_arg(name: str, v: Any, lo: int) -> int:
@@ -446,7 +442,7 @@ class RoseClient:
         for _stream, entries in got or []:
             for eid, fields in entries:
                 n += 1
-                self._cursor = _s(eid)
+                self._cursor = as_text(eid)
                 try:
                     body = records.Trajectory.from_fields(fields).body
                     self._unread.append(Trajectory.from_dict(body, self._cursor))

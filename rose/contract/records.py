@@ -43,7 +43,8 @@ def live(state: str, age_s: float) -> bool:
 Fields = Mapping[Any, Any]  # bytes -> bytes from redis-py's default clients, str -> str otherwise
 
 
-def _text(v: Any) -> str:
+def as_text(v: Any) -> str:
+    """A value read from Redis as str (redis-py's default clients give bytes)."""
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
@@ -58,11 +59,11 @@ def _number(f: Fields, name: str, kind: Callable[[float], Any], default: Any) ->
     if v is None or v == b"" or v == "":
         return default
     try:
-        x = float(_text(v))
+        x = float(as_text(v))
     except ValueError:
-        raise ValueError(f"{name}: {_text(v)!r} is not a number") from None
+        raise ValueError(f"{name}: {as_text(v)!r} is not a number") from None
     if kind is int and not math.isfinite(x):
-        raise ValueError(f"{name}: {_text(v)!r} is not a whole number")
+        raise ValueError(f"{name}: {as_text(v)!r} is not a whole number")
     return kind(x)
 
 
@@ -140,9 +141,9 @@ class Heartbeat:
             default = fd.default
             if fd.type in ("str",):
                 v = _get(f, fd.name)
-                kw[fd.name] = "" if v is None else _text(v)
+                kw[fd.name] = "" if v is None else as_text(v)
             elif fd.type == "bool":
-                kw[fd.name] = _text(_get(f, fd.name) or "0") in ("1", "True", "true")
+                kw[fd.name] = as_text(_get(f, fd.name) or "0") in ("1", "True", "true")
             elif fd.type == "int":
                 kw[fd.name] = _number(f, fd.name, int, default)
             else:  # float, float | None
@@ -176,7 +177,7 @@ class Trajectory:
         if not isinstance(body, dict):
             raise ValueError(f"trajectory: a JSON {type(body).__name__}, not an object")
         task_id = _get(f, "task_id")
-        return cls(_text(task_id) if task_id is not None else str(body.get("task_id", "")), body)
+        return cls(as_text(task_id) if task_id is not None else str(body.get("task_id", "")), body)
 
 
 class WorkerRegistry:
@@ -222,7 +223,7 @@ class WorkerRegistry:
         """The ids in the job's set of workers, sorted."""
         if self.members is None:
             raise ValueError("WorkerRegistry: no job's set of workers to read (members=None)")
-        return sorted(_text(w) for w in self.r.smembers(self.members))
+        return sorted(as_text(w) for w in self.r.smembers(self.members))
 
     def heartbeats(self) -> dict[str, Heartbeat]:
         """The job's registered workers' readable heartbeats."""
@@ -240,5 +241,5 @@ class WorkerRegistry:
     def scan(self) -> dict[str, Heartbeat]:
         """Every readable heartbeat under the key prefix, whatever its job."""
         prefix = self.key("")
-        ids = [_text(k)[len(prefix) :] for k in self.r.scan_iter(match=prefix + "*", count=200)]
+        ids = [as_text(k)[len(prefix) :] for k in self.r.scan_iter(match=prefix + "*", count=200)]
         return self.read_many(ids)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry
+from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry, as_text
 
 
 @dataclass
@@ -170,16 +170,12 @@ class RedisReader:
 
 
 def _str_hash(h: dict) -> dict:
-    return {_s(k): _s(v) for k, v in h.items()}
+    return {as_text(k): as_text(v) for k, v in h.items()}
 
 
 def _entry_id(v) -> tuple[int, int]:
-    ms, _, seq = _s(v).partition("-")
+    ms, _, seq = as_text(v).partition("-")
     return int(ms), int(seq or 0)
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class ClaimClock:
@@ -205,15 +201,15 @@ class ClaimClock:
         while True:
             entries = self.r.xrange(self.stream, min=self.after, count=1000)
             for eid, fields in entries:
-                self.after = f"({_s(eid)}"
-                self.waiting.append((_entry_id(eid), _s(fields.get(b"task_id", b""))))
+                self.after = f"({as_text(eid)}"
+                self.waiting.append((_entry_id(eid), as_text(fields.get(b"task_id", b""))))
             if len(entries) < 1000:
                 break
         try:
             groups = self.r.xinfo_groups(self.stream)
         except redis.ResponseError:  # the stream or its group is not created yet
             return
-        last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == self.group), None)
+        last = next((g["last-delivered-id"] for g in groups if as_text(g["name"]) == self.group), None)
         if last is None:
             return
         delivered = _entry_id(last)

@@ -40,7 +40,7 @@ import redis
 import redis.asyncio as aredis
 
 from rose.config import Config
-from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry
+from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry, as_text
 from rose.gateway.api import TurnResult
 from rose.obs.logs import get_logger
 from rose.obs.tracing import queue_send_span, traceparent, tracer
@@ -106,10 +106,6 @@ class _Waiter:
     tokens_key: str = ""  # where the end marker goes, for a streamed turn
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _resolve(fut: asyncio.Future, value: Any) -> None:
     if fut.done():
         return
@@ -155,7 +151,7 @@ class Dispatcher:
 
     def _tail(self, stream: str) -> str:
         last = cast("list[tuple[bytes, Any]]", self.r.xrevrange(stream, count=1))
-        return _s(last[0][0]) if last else "0-0"
+        return as_text(last[0][0]) if last else "0-0"
 
     # -- turns -----------------------------------------------------------------------------
     async def submit(
@@ -211,7 +207,7 @@ class Dispatcher:
         out, ended = [], False
         for _stream, entries in cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", got or []):
             for eid, f in entries:
-                cursor = _s(eid)
+                cursor = as_text(eid)
                 if END_FIELD in f:
                     ended = True
                     continue
@@ -219,7 +215,7 @@ class Dispatcher:
                     continue
                 toks, vs = orjson.loads(f[b"tokens"]), orjson.loads(f[b"versions"])
                 lps = orjson.loads(f.get(b"logprobs", b"[]"))
-                out.append(Chunk(int(f[b"index"]), list(toks), list(vs), _s(f.get(b"worker", b"")), list(lps)))
+                out.append(Chunk(int(f[b"index"]), list(toks), list(vs), as_text(f.get(b"worker", b"")), list(lps)))
         return out, cursor, ended
 
     async def drop_chunks(self, key: str) -> None:
@@ -323,9 +319,9 @@ class Dispatcher:
                 continue
             answered = []
             for stream, entries in cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", got or []):
-                name = _s(stream)
+                name = as_text(stream)
                 for eid, fields in entries:
-                    cursors[name] = _s(eid)
+                    cursors[name] = as_text(eid)
                     one = self._on_dead(fields) if name == self.queue.dead_stream else self._on_result(fields)
                     if one is not None:
                         answered.append(one)
@@ -359,7 +355,7 @@ class Dispatcher:
             self._log.warning("gateway.token_stream_end_not_marked", streams=len(keys), error=str(e))
 
     def _on_result(self, fields: dict[bytes, bytes]) -> tuple[_Waiter, Any] | None:
-        task_id = _s(fields.get(b"task_id", b""))
+        task_id = as_text(fields.get(b"task_id", b""))
         if not task_id.startswith(TASK_PREFIX):
             return None
         w = self._take(task_id)
@@ -381,6 +377,6 @@ class Dispatcher:
         w = self._take(task_id) if task_id.startswith(TASK_PREFIX) else None
         if w is None:
             return None
-        reason = _s(fields.get(b"reason", b"refused by the worker"))
+        reason = as_text(fields.get(b"reason", b"refused by the worker"))
         cause = reason.partition(":")[0]
         return w, TurnFailed("prompt" if cause == "prompt" else "max_tokens", reason)

@@ -21,7 +21,7 @@ import orjson
 import redis
 
 from rose.config import RedisConfig
-from rose.contract.records import Trajectory
+from rose.contract.records import Trajectory, as_text
 from rose.rollout.episode import InvalidTask, Task
 
 GROUP = "rollout"
@@ -93,10 +93,6 @@ class Claimed:
     task: Task
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 class TaskQueue:
     def __init__(self, r: redis.Redis, rcfg: RedisConfig, job: str, group: str = GROUP):
         self.r, self.rcfg, self.job, self.group = r, rcfg, job, group
@@ -156,7 +152,7 @@ class TaskQueue:
             p.sadd(self.workers_key, to)
         p.xadd(dst, {"task_id": task.task_id, "task": orjson.dumps(task.to_dict())})
         p.hincrby(self.stats_key, f"submitted:{task.step}", 1)
-        return _s(p.execute()[-2])
+        return as_text(p.execute()[-2])
 
     def cancel(self, stream: str, entry_id: str) -> bool:
         """Withdraw a submitted task: its entry is acked and deleted, so no worker reads it any
@@ -181,7 +177,7 @@ class TaskQueue:
         out = []
         for _stream, entries in got or []:
             for eid, fields in entries:
-                out.append((_s(eid), Trajectory.from_fields(fields).body))
+                out.append((as_text(eid), Trajectory.from_fields(fields).body))
         return out
 
     def all_results(self) -> list[dict]:
@@ -212,7 +208,7 @@ class TaskQueue:
     def reclaim(self, consumer: str, min_idle_ms: int, count: int = 16) -> list[Claimed]:
         """XAUTOCLAIM entries idle ≥ min_idle_ms, on the shared and every directed stream."""
         out: list[Claimed] = []
-        for stream in [self.stream] + [self.directed(_s(w)) for w in self.r.smembers(self.workers_key)]:
+        for stream in [self.stream] + [self.directed(as_text(w)) for w in self.r.smembers(self.workers_key)]:
             if len(out) >= count:
                 break
             try:
@@ -229,11 +225,11 @@ class TaskQueue:
             groups = self.r.xinfo_groups(stream)
         except redis.ResponseError:
             return []
-        last = next((_s(g["last-delivered-id"]) for g in groups if _s(g["name"]) == self.group), None)
+        last = next((as_text(g["last-delivered-id"]) for g in groups if as_text(g["name"]) == self.group), None)
         if last is None:
             return []
         head = self.r.xrange(stream, min=f"({last}", count=1)
-        if not head or time.time() * 1000 - int(_s(head[0][0]).split("-")[0]) < grace_ms:
+        if not head or time.time() * 1000 - int(as_text(head[0][0]).split("-")[0]) < grace_ms:
             return []
         return self._decode(self.r.xreadgroup(self.group, consumer, {stream: ">"}, count=count))
 
@@ -244,7 +240,9 @@ class TaskQueue:
         for c in held:
             by_stream.setdefault(c.stream, []).append(c)
         for stream, cs in by_stream.items():
-            gone = {_s(x) for x in self._touch(keys=[stream, consumer], args=[self.group] + [c.entry_id for c in cs])}
+            gone = {
+                as_text(x) for x in self._touch(keys=[stream, consumer], args=[self.group] + [c.entry_id for c in cs])
+            }
             lost += [c for c in cs if c.entry_id in gone]
         return lost
 
@@ -275,7 +273,7 @@ class TaskQueue:
                 to or "",
             ],
         )
-        return _s(res) if res else None
+        return as_text(res) if res else None
 
     def dead_letter(self, stream: str, entry_id: str, raw: bytes, reason: str) -> None:
         self._dead(keys=[stream, self.dead_stream], args=[self.group, entry_id, reason, raw])
@@ -283,9 +281,9 @@ class TaskQueue:
     def _decode(self, got) -> list[Claimed]:
         out = []
         for stream, entries in got or []:
-            stream = _s(stream)
+            stream = as_text(stream)
             for eid, fields in entries:
-                eid = _s(eid)
+                eid = as_text(eid)
                 if not fields:  # deleted while pending
                     continue
                 raw = fields.get(b"task", b"")

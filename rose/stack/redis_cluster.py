@@ -16,6 +16,7 @@ import subprocess
 import time
 from typing import Any
 
+from rose.contract.records import as_text
 from rose.stack.errors import StackError
 from rose.stack.ownership import StackOwnership
 from rose.stack.redis import RedisServer, server_args
@@ -31,10 +32,6 @@ NODE_TIMEOUT_MS = 2000
 
 def cluster_node_names() -> list[str]:
     return [f"redis-cluster-{i}" for i in range(CLUSTER_SIZE)]
-
-
-def _text(raw: Any) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def parse_cluster_nodes(text: str) -> dict[int, dict[str, Any]]:
@@ -97,7 +94,7 @@ class RedisClusterNodes(RedisServer, StackOwnership):
         raw = self._ask(port, "CLUSTER", "INFO")
         if raw is None:
             return None
-        return dict(line.split(":", 1) for line in _text(raw).splitlines() if ":" in line)
+        return dict(line.split(":", 1) for line in as_text(raw).splitlines() if ":" in line)
 
     def redis_cluster_topology(self, port: int | None = None) -> dict[int, list[int]]:
         """{master port: [its replicas' ports]} as the node on `port` (default: the first that
@@ -106,7 +103,7 @@ class RedisClusterNodes(RedisServer, StackOwnership):
             raw = self._ask(p, "CLUSTER", "NODES")
             if raw is None:
                 continue
-            nodes = parse_cluster_nodes(_text(raw))
+            nodes = parse_cluster_nodes(as_text(raw))
             ids = {n["id"]: q for q, n in nodes.items()}
             up = {q: n for q, n in nodes.items() if not n["flags"] & {"fail", "fail?", "handshake", "noaddr"}}
             out: dict[int, list[int]] = {q: [] for q, n in up.items() if "master" in n["flags"] and n["slots"]}
@@ -137,7 +134,7 @@ class RedisClusterNodes(RedisServer, StackOwnership):
     def _replica_linked(self, port: int) -> bool:
         """ROLE of a replica: ["slave", host, port, "connected", offset] once synced."""
         role = self._ask(port, "ROLE")
-        return bool(role) and _text(role[0]) == "slave" and _text(role[3]) == "connected"
+        return bool(role) and as_text(role[0]) == "slave" and as_text(role[3]) == "connected"
 
     def redis_cluster_up(self, timeout_s: float = 60.0, claim: bool = True) -> None:
         """Start the nodes not running yet, form the cluster if it is new (or give an older
@@ -273,7 +270,7 @@ class RedisClusterNodes(RedisServer, StackOwnership):
 
         while True:
             raw = self._ask(port, "CLUSTER", "NODES")
-            nodes = parse_cluster_nodes(_text(raw)) if raw is not None else {}
+            nodes = parse_cluster_nodes(as_text(raw)) if raw is not None else {}
             mine = nodes.get(port, {})
             if mine.get("master"):
                 return  # a replica already
