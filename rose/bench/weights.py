@@ -13,6 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from rose.weights.checkpoint import from_state_dict, load, save
+from rose.weights.layout import flatten, make_layout
+from rose.weights.lossy import from_f32, to_f32
+from rose.weights.rl_update import AdamLikeTrainer
+
 GOAL_BYTES_RATIO = 0.01  # lossless bytes sent / full bf16 broadcast per realistic RL step (Adam, lr 1e-6)
 GOAL_ENCODE_OVER_MEMCPY = 0.5  # GB/s of the sender's encode / GB/s of memcpy on the same buffers
 GOAL_APPLY_OVER_MEMCPY = 0.5
@@ -32,9 +37,6 @@ def _sizes(params: int) -> dict[str, int]:
 
 
 def _flat_state(trainer):
-    from rose.weights.checkpoint import from_state_dict
-    from rose.weights.layout import flatten, make_layout
-
     specs, arrays = from_state_dict(trainer.bf16())
     layout = make_layout(specs)
     return layout, flatten(layout, arrays)
@@ -70,8 +72,6 @@ def _ratio(patches, layout) -> float:
 
 
 def run(cfg, quick: bool) -> dict:
-    from rose.weights.rl_update import AdamLikeTrainer
-
     out: dict = {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}
     params = 10_000_000 if quick else 100_000_000
     trainer = AdamLikeTrainer(_sizes(params), lr=GOAL_LR)
@@ -182,7 +182,6 @@ def _lr_sweep(params: int, steps: int = 3) -> dict:
     """Per lr: lossless bytes per step / full bf16 broadcast, zdelta and the format-2 xor codec,
     past Adam's start-up (mean of `steps` steps after WARMUP_STEPS) and during it (steps 4-5)."""
     from rose.weights import codec
-    from rose.weights.rl_update import AdamLikeTrainer
 
     sweep = {}
     for lr in LRS:
@@ -219,10 +218,6 @@ def _lr_sweep(params: int, steps: int = 3) -> dict:
 def _write_pair(d: Path, params: int) -> None:
     """base.safetensors and target.safetensors: bf16 weights N(0, 0.02) and one steady-state Adam
     step at lr 1e-6 on their fp32 masters."""
-    from rose.weights.checkpoint import save
-    from rose.weights.layout import make_layout
-    from rose.weights.lossy import from_f32
-
     rng = np.random.default_rng(0)
     sizes = _sizes(params)
     layout = make_layout({n: ("bfloat16", (s,)) for n, s in sizes.items()})
@@ -244,8 +239,6 @@ def _patch_figures(params: int, runs: int = 3) -> dict:
     import resource
 
     from rose.weights import codec, delta_file
-    from rose.weights.checkpoint import load
-    from rose.weights.layout import flatten, make_layout
     from rose.weights.patch import patch_files
 
     with tempfile.TemporaryDirectory(prefix="rose-bench-weights-") as tmp:
@@ -348,8 +341,6 @@ def _lossy_figures(trainer, params: int) -> dict:
     """Lossy codecs on one step of the first `params` params (all bf16): bytes ratio, max error
     after the step relative to the largest update, steps to land exactly on the target."""
     from rose.weights import codec
-    from rose.weights.layout import make_layout
-    from rose.weights.lossy import to_f32
 
     k = 2 * params
     base = _flat_state(trainer)[1][:k].copy()
