@@ -14,6 +14,7 @@ from typing import Any
 
 from rose.bench._stack import percentiles_ms, private_stack
 from rose.config import Config, ExecutorConfig
+from rose.node.prometheus import Histogram, parse, quantile
 from rose.stack import free_port
 
 GOAL_P99_MS = 20.0
@@ -133,8 +134,6 @@ def _decision_hist(ports: list[int]):
     """The schedulers' decision-latency histograms from each instance's /metrics, merged into one
     (cumulative counts summed bucket by bucket); None unless every instance answered with the same
     bounds, since a partial sum would not subtract from the next one."""
-    from rose.node.prometheus import Histogram, parse
-
     hists: list[Histogram] = []
     for port in ports:
         try:
@@ -156,8 +155,6 @@ def _decision_hist(ports: list[int]):
 def _hist_p99_ms(now, prev) -> tuple[float | None, bool]:
     """p99 of the decisions the histogram counted since `prev` (histogram delta), and whether it
     lies above the top finite bucket (then the value is that bucket's bound: a lower bound)."""
-    from rose.node.prometheus import quantile
-
     if now is None:
         return None, False
     cum = now.cumulative if prev is None else [a - b for a, b in zip(now.cumulative, prev.cumulative)]

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from rose.bench._stack import progress
+from rose.rollout import addition_task as mt
 
 PROMPTS, QUICK_PROMPTS = 48, 4  # prompts per variant, each a group
 GROUP, QUICK_GROUP = 8, 2  # samples per prompt
@@ -25,8 +26,6 @@ def run(cfg: Any, quick: bool, *, model: str = "") -> dict:
     """Every variant in one vLLM engine, in a process of its own (the engine's settings are
     process-wide). The reference beside the demo's variant is every other variant, measured in
     the same run on the same prompts' seed."""
-    from rose.rollout import addition_task as mt
-
     t0 = time.monotonic()
     prompts, group = (QUICK_PROMPTS, QUICK_GROUP) if quick else (PROMPTS, GROUP)
     progress("task_reward", t0, f"sampling {prompts} prompts x {group} per variant on {model}")
@@ -77,7 +76,6 @@ def _sample_all(q: Any, model: str, prompts: int, group: int) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from rose.rollout import addition_task as mt
     from rose.rollout.compute_dtype import native_dtype, this_cpu_flags
 
     tok = AutoTokenizer.from_pretrained(model)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rose.demo.spec_process import JsonSpec
+from rose.node import prometheus
 from rose.obs.logs import get_logger
 from rose.obs.stats import percentile
 from rose.vllm_server import VllmServer, start_server, stop_server, stream_tokens, wait_healthy
@@ -239,8 +240,6 @@ class VllmServerDevice:
     def __init__(self, spec: CoserveSpec, finish, period_s: float):
         from concurrent.futures import ThreadPoolExecutor
 
-        from rose.node import prometheus
-
         self.spec, self.finish, self.period_s = spec, finish, period_s
         self.names = prometheus.metric_names("auto")
         self.pool = ThreadPoolExecutor(spec.clients, thread_name_prefix="coserve-client")
@@ -318,7 +317,6 @@ class VllmServerDevice:
     def _scrape_loop(self) -> None:
         """A window of the server's metrics every telemetry period, read as `rose agent` reads it
         (`EngineMetrics`), the last measured p99s carried over (`LatencyCarry`)."""
-        from rose.node import prometheus
         from rose.node.agent import EngineMetrics, LatencyCarry
 
         metrics = EngineMetrics(self.srv.url + "/metrics", self.names)
