@@ -90,7 +90,10 @@ def _int(d: dict[str, Any], key: str, lo: int, hi: int, path: str = "") -> int:
     return v
 
 
-def _schema(d: dict[str, Any], expected: str) -> None:
+def _schema(d: Any, expected: str) -> None:
+    """`d` is a JSON object of schema `expected`."""
+    if not isinstance(d, dict):
+        raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
     s = _get(d, "schema")
     if s != expected:
         raise InvalidEvent("schema", f"expected {expected!r}, got {s!r}")
@@ -178,8 +181,6 @@ class Telemetry:
     @classmethod
     def checked(cls, d: Any) -> Telemetry:
         """Field by field, naming the first thing wrong."""
-        if not isinstance(d, dict):
-            raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
         _schema(d, TELEMETRY_SCHEMA)
         total = _int(d, "mem_total_bytes", 0, MAX_BYTES)
         used = _int(d, "mem_used_bytes", 0, MAX_BYTES)
@@ -340,8 +341,6 @@ class Command:
 
     @classmethod
     def from_dict(cls, d: Any) -> Command:
-        if not isinstance(d, dict):
-            raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
         _schema(d, COMMAND_SCHEMA)
         kind = _enum(d, "kind", COMMAND_KINDS)
         return cls(
@@ -398,8 +397,6 @@ class LeaseState:
 
     @classmethod
     def from_dict(cls, d: Any) -> LeaseState:
-        if not isinstance(d, dict):
-            raise InvalidEvent("$", f"expected JSON object, got {type(d).__name__}")
         _schema(d, LEASE_STATE_SCHEMA)
         state = _enum(d, "state", LEASE_STATES)
         return cls(
