@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rose.weights.layout import ITEMSIZE, Layout
+from rose.weights.layout import ITEMSIZE, Layout, is_count
 
 _ST_DTYPES = {
     "BOOL": "bool",
@@ -179,9 +179,9 @@ def _st_entry(name: str, info: Any, data_bytes: int) -> tuple[str, tuple[int, ..
     if dtype is None:
         raise _Corrupt(f"tensor {_short(name)}: unsupported or missing dtype {_short(info.get('dtype'))}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    if not isinstance(shape, list) or not all(is_count(d) for d in shape):
         raise _Corrupt(f"tensor {_short(name)}: shape {_short(shape)} is not a list of non-negative integers")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_count(o) for o in offsets):
         raise _Corrupt(
             f"tensor {_short(name)}: data_offsets {_short(offsets)} is not a [start, end] pair of non-negative integers"
         )
@@ -202,10 +202,6 @@ def _short(x: Any, limit: int = 80) -> str:
     """repr(x) cut to `limit` characters: a corrupt header must not flood the error line."""
     r = repr(x)
     return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def load(path: str | os.PathLike) -> Checkpoint:

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from rose.weights.codec import CHECKSUM, FORMAT, READABLE, ShardPatch
-from rose.weights.layout import ITEMSIZE, Layout, LayoutError, make_layout
+from rose.weights.layout import ITEMSIZE, Layout, LayoutError, is_count, make_layout
 
 _PREFIX = b"ROSEDLT"
 MAGIC = _PREFIX + b"%d" % FORMAT
@@ -135,7 +135,7 @@ def _layout(d: Any) -> Layout:
         ):
             raise _Bad("a layout tensor is not [name, dtype, shape]")
         name, dtype, shape = t
-        if not isinstance(shape, list) or not all(_is_count(n) for n in shape) or math.prod(shape) > _MAX_BYTES:
+        if not isinstance(shape, list) or not all(is_count(n) for n in shape) or math.prod(shape) > _MAX_BYTES:
             raise _Bad(f"tensor {name[:80]!r}: bad shape")
         specs[name] = (dtype, tuple(shape))
     return make_layout(specs, sb)
@@ -145,7 +145,7 @@ def _patch(row: Any, layout: Layout, body: memoryview) -> ShardPatch:
     if not (isinstance(row, list) and len(row) == 6):
         raise _Bad("a shard is not [shard, kind, codec, offset, size, checksum]")
     shard, kind, codec, off, size, csum = row
-    if not all(_is_count(x) for x in (shard, off, size)) or not all(isinstance(x, str) for x in (kind, codec, csum)):
+    if not all(is_count(x) for x in (shard, off, size)) or not all(isinstance(x, str) for x in (kind, codec, csum)):
         raise _Bad("a shard has a field of the wrong type")
     if shard >= layout.num_shards:
         raise _Bad(f"shard {shard} outside the layout ({layout.num_shards} shards)")
@@ -155,7 +155,3 @@ def _patch(row: Any, layout: Layout, body: memoryview) -> ShardPatch:
 
 
 _MAX_BYTES = 1 << 62  # beyond any real tensor or shard; keeps sizes inside int64
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

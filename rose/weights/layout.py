@@ -122,6 +122,11 @@ def make_layout(specs: Mapping[str, tuple[str, Sequence[int]]], shard_bytes: int
     return Layout(tuple(tensors), shard_bytes, offset)
 
 
+def is_count(x: object) -> bool:
+    """An int >= 0 that is not a bool: a size, offset or index read from a file's JSON header."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def layout_from_json(raw: bytes | str) -> Layout:
     d = orjson.loads(raw)
     return make_layout({n: (dt, tuple(shape)) for n, dt, shape in d["tensors"]}, d["shard_bytes"])
