@@ -5,7 +5,14 @@ answers, stopped with its engine core.
     python -m vllm.entrypoints.openai.api_server --model DIR --skip-tokenizer-init --dtype float32
         --max-model-len N --enforce-eager --port P --host 127.0.0.1
 
-The CPU build reads `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; 1 here) and `OMP_NUM_THREADS`.
+The CPU build reads `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; 1 here) and `OMP_NUM_THREADS`,
+and `VLLM_CPU_OMP_THREADS_BIND`, which is `nobind` here unless the environment sets it. vLLM's
+default, `auto` (vllm.utils.ompmultiprocessing, 0.32), is made for one engine per NUMA node: it
+gives the engine the node's cores less one it reserves, sets `OMP_NUM_THREADS` to their count
+(whatever `threads` said) and pins the model worker to them (OMP_PROC_BIND). Every engine on a
+machine then computes on the same cores: on a 2-core machine two replicas both on core 0, while
+core 1 runs neither. Unbound, each engine runs `threads` compute threads wherever the kernel has
+room; an operator placing engines on cores of their own sets `VLLM_CPU_OMP_THREADS_BIND` per engine.
 """
 
 from __future__ import annotations
@@ -72,7 +79,13 @@ def start_server(
     from rose.rollout.launcher import spawn
 
     port = port or free_port()
-    full_env = {**os.environ, **(env or {}), "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(threads)}
+    full_env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # `threads` unbound: see the module's docstring
+        **os.environ,
+        **(env or {}),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": str(threads),
+    }
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         # a session of its own: the engine core is a child process, stopped with the server
