@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from rose.router.base import RouterError
-from rose.router.process import RouterProcess, start_router, stop_router
+from rose.router.process import RouterProcess, router_argv, start_router, stop_router
 from rose.router.readiness import ReadinessAdapter
 from rose.router.vllm_router import VllmRouterAdapter
 from rose.stack.ports import free_port
@@ -144,6 +144,20 @@ def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_read
     adapter.readmit(gone)
     assert adapter.serving() == frozenset(_workers(router))
     assert len(_complete(router.url, vllm_server.model, [1, 1, 1])) == 4
+
+
+@needs_vllm
+def test_the_router_runs_only_policies_that_count_requests_in_flight():
+    """A drain reads the router's in-flight count (`VllmRouterAdapter.in_flight`), which only
+    `cache_aware` (the default) and `power_of_two` keep."""
+
+    def policy(*given: str) -> str:
+        argv = router_argv(["http://127.0.0.1:8001"], 8000, 8002, 10.0, *given)
+        return argv[argv.index("--policy") + 1]
+
+    assert policy() == "cache_aware" and policy("power_of_two") == "power_of_two"
+    with pytest.raises(RouterError, match="'round_robin' is not one of .*in-flight count"):
+        policy("round_robin")
 
 
 def test_a_router_that_does_not_answer_is_one_clear_error():

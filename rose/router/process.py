@@ -6,7 +6,10 @@ session of its own, waited for until it listens, stopped with SIGTERM.
 
 `cache_aware` (the router's default) keeps a per-worker in-flight count, which `round_robin` and
 `random` do not; a check interval of 1 s (the router's default is 30 s) lets `/add_worker` of a
-healthy replica return within a second."""
+healthy replica return within a second. `power_of_two` (two workers drawn, the one with fewer
+requests in flight taken) keeps the count too and is the policy for traffic whose prompts share no
+prefix: `cache_aware` routes by prefix match while the workers' in-flight counts differ by at most
+`--balance-abs-threshold` (64), and with nothing to match a light load may all go to one worker."""
 
 from __future__ import annotations
 
@@ -30,7 +33,14 @@ class RouterProcess:
     proc: subprocess.Popen
 
 
-def router_argv(worker_urls: Sequence[str], port: int, metrics_port: int, admit_timeout_s: float) -> list[str]:
+POLICIES = ("cache_aware", "power_of_two")  # the ones that keep the in-flight count a drain reads
+
+
+def router_argv(
+    worker_urls: Sequence[str], port: int, metrics_port: int, admit_timeout_s: float, policy: str = "cache_aware"
+) -> list[str]:
+    if policy not in POLICIES:
+        raise RouterError(f"router policy {policy!r} is not one of {POLICIES} (the drain reads their in-flight count)")
     exe = shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or shutil.which("vllm-router")
     if exe is None:
         raise RouterError("vllm-router is not installed; install it with `pip install -e .[router]`")
@@ -45,7 +55,7 @@ def router_argv(worker_urls: Sequence[str], port: int, metrics_port: int, admit_
         "--prometheus-port",
         str(metrics_port),
         "--policy",
-        "cache_aware",
+        policy,
         "--worker-startup-check-interval",
         "1",
         "--worker-startup-timeout-secs",
@@ -57,12 +67,14 @@ def router_argv(worker_urls: Sequence[str], port: int, metrics_port: int, admit_
     ]
 
 
-def start_router(worker_urls: Sequence[str], log: Path, *, admit_timeout_s: float = 120.0) -> RouterProcess:
+def start_router(
+    worker_urls: Sequence[str], log: Path, *, admit_timeout_s: float = 120.0, policy: str = "cache_aware"
+) -> RouterProcess:
     """Start the router over `worker_urls` (each must answer /health: the router waits for them)
     and wait until it answers /liveness; RouterError, with its log's last lines, when it exits
     first or does not answer within `admit_timeout_s`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    argv = router_argv(worker_urls, free_port(), free_port(), admit_timeout_s)
+    argv = router_argv(worker_urls, free_port(), free_port(), admit_timeout_s, policy)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
