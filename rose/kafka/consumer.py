@@ -4,8 +4,10 @@ record or a header."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -24,6 +26,7 @@ __all__ = [
     "OFFSET_BEGINNING",
     "OFFSET_END",
     "TopicPartition",
+    "answered_rebalance",
     "consume_batch",
     "header",
     "make_consumer",
@@ -71,6 +74,25 @@ def consume_batch(consumer: Consumer, max_messages: int, timeout: float, linger:
     if len(msgs) < max_messages:
         msgs += consumer.consume(max_messages - len(msgs), timeout=linger)
     return msgs
+
+
+@dataclass
+class RebalanceAnswer:
+    parts: list[TopicPartition]  # what the answer assigns or unassigns: the callback may replace it
+
+
+@contextlib.contextmanager
+def answered_rebalance(consumer: Consumer, parts: list[TopicPartition], assign: bool) -> Iterator[RebalanceAnswer]:
+    """A cooperative rebalance callback's body, answered with `incremental_assign` (or
+    `incremental_unassign`) whether it returns or raises. When a callback answers nothing,
+    confluent-kafka answers for it, first asking librdkafka for the rebalance protocol while it
+    holds the GIL; during a consumer's close that request can wait forever (librdkafka #4041),
+    and the whole process stops with it. The callback's exception still reaches `consume()`."""
+    answer = RebalanceAnswer(parts)
+    try:
+        yield answer
+    finally:
+        (consumer.incremental_assign if assign else consumer.incremental_unassign)(answer.parts)
 
 
 def rewind(consumer: Consumer, msgs: Sequence[Message]) -> None:

@@ -19,7 +19,15 @@ from typing import Any
 from rose.config import Config, ConfigError, PoolConfig
 from rose.contract.events import InvalidEvent
 from rose.kafka.admin import partitions_of, retrying
-from rose.kafka.consumer import Consumer, Message, TopicPartition, consume_batch, make_consumer, read_partitions
+from rose.kafka.consumer import (
+    Consumer,
+    Message,
+    TopicPartition,
+    answered_rebalance,
+    consume_batch,
+    make_consumer,
+    read_partitions,
+)
 from rose.kafka.producer import Producer, dead_letter, make_producer, partition_for, produce
 from rose.kafka.transactional import GroupMembershipLost, Transactor
 from rose.obs import metrics
@@ -86,19 +94,21 @@ class PoolStage:
 
     # ---- takeover ----------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
-        if parts:
-            parts = retrying(lambda: consumer.committed(parts, timeout=10))  # waits out an open transaction
-            for tp in parts:
-                retrying(lambda: self._take_over(tp.partition, tp.offset))
-            self.log.info("pool_stage.assigned", partitions=[tp.partition for tp in parts], pools=sorted(self.states))
-        consumer.incremental_assign(parts)
+        with answered_rebalance(consumer, parts, assign=True) as answer:
+            if parts:
+                answer.parts = retrying(lambda: consumer.committed(parts, timeout=10))  # waits out an open transaction
+                for tp in answer.parts:
+                    retrying(lambda: self._take_over(tp.partition, tp.offset))
+                self.log.info(
+                    "pool_stage.assigned", partitions=[tp.partition for tp in answer.parts], pools=sorted(self.states)
+                )
 
     def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         ps = {tp.partition for tp in parts}
-        for pool in [p for p, q in self.pool_partition.items() if q in ps]:
-            self.pool_partition.pop(pool)
-            self.states.pop(pool, None)
-        consumer.incremental_unassign(parts)
+        with answered_rebalance(consumer, parts, assign=False):
+            for pool in [p for p, q in self.pool_partition.items() if q in ps]:
+                self.pool_partition.pop(pool)
+                self.states.pop(pool, None)
 
     def _take_over(self, partition: int, committed: int) -> None:
         """The pools of this pool-samples partition as the last owner left them at its committed

@@ -36,6 +36,7 @@ from rose.kafka.consumer import (
     KafkaException,
     Message,
     TopicPartition,
+    answered_rebalance,
     consume_batch,
     make_consumer,
     read_partitions,
@@ -200,28 +201,28 @@ class Scheduler:
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         ps = [tp.partition for tp in parts]
         self.log.info("partitions.assigned", partitions=ps)
-        if ps:  # a cooperative rebalance hands members that only keep their partitions an empty list
-            # the committed offsets first: a read_committed fetch waits while the last owner's
-            # transaction holding offsets for these partitions is open (KIP-447), so the changelog
-            # read after it holds that transaction's views whenever the offsets skip its telemetry
-            parts = retrying(lambda: consumer.committed(parts, timeout=10))
-            retrying(lambda: self._rebuild(ps))
-            if self.intents is not None:
-                self.intents.assign(consumer, ps)
-        consumer.incremental_assign(parts)
+        with answered_rebalance(consumer, parts, assign=True) as answer:
+            if ps:  # a cooperative rebalance hands members that only keep their partitions an empty list
+                # the committed offsets first: a read_committed fetch waits while the last owner's
+                # transaction holding offsets for these partitions is open (KIP-447), so the changelog
+                # read after it holds that transaction's views whenever the offsets skip its telemetry
+                answer.parts = retrying(lambda: consumer.committed(parts, timeout=10))
+                retrying(lambda: self._rebuild(ps))
+                if self.intents is not None:
+                    self.intents.assign(consumer, ps)
         if self._hold and parts:
             consumer.pause(parts)  # before a fetch starts: nothing is consumed until join_paused ends
 
     def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         ps = {tp.partition for tp in parts}
         self.log.info("partitions.revoked", partitions=sorted(ps))
-        gone = [g for g, p in self.gpu_partition.items() if p in ps]
-        for gpu in gone:
-            self.gpu_partition.pop(gpu, None)
-        self.core.apply(Batch(forget=gone))
-        if self.intents is not None:
-            self.intents.unassign(sorted(ps))
-        consumer.incremental_unassign(parts)
+        with answered_rebalance(consumer, parts, assign=False):
+            gone = [g for g, p in self.gpu_partition.items() if p in ps]
+            for gpu in gone:
+                self.gpu_partition.pop(gpu, None)
+            self.core.apply(Batch(forget=gone))
+            if self.intents is not None:
+                self.intents.unassign(sorted(ps))
 
     def _rebuild(self, partitions: list[int]) -> None:
         """Views for these telemetry partitions from the committed changelog, then the
@@ -276,11 +277,11 @@ class Scheduler:
         for topic in (self.k.commands_topic, self.state_topic):  # the first decisions need not wait for it
             retrying(functools.partial(self.producer.list_topics, topic, timeout=10))
         self.lease_consumer.assign([TopicPartition(self.k.lease_state_topic, p, OFFSET_BEGINNING) for p in parts])
+        if self.pools is not None:  # its configuration checks come before this instance joins a group
+            self.pools.start()
         self.consumer.subscribe(
             [self.k.telemetry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
         )
-        if self.pools is not None:
-            self.pools.start()
 
     def join_paused(self, until: Callable[[bool], bool], timeout_s: float = 240.0) -> float | None:
         """Join the group holding every partition it is given paused (from its assignment on,
