@@ -149,12 +149,16 @@ class KafkaBroker(StackProcesses):
         self.root.mkdir(parents=True, exist_ok=True)
         self.fetch_kafka()
         props = self._write_config()
-        if not (self.root / "kafka-data" / "meta.properties").exists():
+        fresh = not (self.root / "kafka-data" / "meta.properties").exists()
+        if fresh:
             self._format_storage(props, kafka_cluster_id(), "--standalone")
         self._mark()
         proc = self._start_kafka(props, self.root, self.scfg.kafka_heap)
         self._pidfile("kafka").write_text(str(proc.pid))
+        t0 = time.monotonic()
         self._wait_kafka(proc, self.kafka_bootstrap, self.root, timeout_s)
+        if fresh:
+            warm_coordinators(self.kafka_bootstrap, max(10.0, timeout_s - (time.monotonic() - t0)))
 
     def _format_storage(self, props: Path, cluster_id: str, *flags: str) -> None:
         """`kafka-storage format` of the log dirs `props` names, as cluster `cluster_id`."""
@@ -239,6 +243,44 @@ def kafka_ready(bootstrap: str, brokers: int = 1, timeout_s: float = 5.0) -> boo
         return False
     led = all(p.leader >= 0 and p.error is None for t in md.topics.values() for p in t.partitions.values())
     return len(md.brokers) >= brokers and led
+
+
+def warm_coordinators(bootstrap: str, timeout_s: float) -> None:
+    """A new broker creates its internal topics (`__transaction_state`, `__consumer_offsets`)
+    when a client first asks for a transaction or group coordinator; on a 2-core machine that
+    took longer than a first scheduler's wait for its first commit. One empty transaction and one
+    committed-offsets read make both before `up` returns. StackError when they do not answer."""
+    from rose.kafka.consumer import Consumer, KafkaError, KafkaException, TopicPartition
+    from rose.kafka.producer import Producer
+
+    loading = {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+    }
+    deadline = time.monotonic() + timeout_s
+    try:
+        p = Producer({"bootstrap.servers": bootstrap, "transactional.id": "rose-stack-warm-up", "log_level": 0})
+        p.init_transactions(timeout_s)
+        p.begin_transaction()
+        p.commit_transaction(timeout_s)
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": "rose-stack-warm-up", "log_level": 0})
+        try:
+            while True:  # NOT_COORDINATOR while __consumer_offsets is created and loaded
+                try:
+                    c.committed(
+                        [TopicPartition("rose-stack-warm-up", 0)], timeout=max(1.0, deadline - time.monotonic())
+                    )
+                    break
+                except KafkaException as e:
+                    err = e.args[0]
+                    if time.monotonic() >= deadline or not (err.retriable() or err.code() in loading):
+                        raise
+                    time.sleep(0.3)
+        finally:
+            c.close()
+    except KafkaException as e:
+        raise StackError(f"Kafka on {bootstrap} answers but its coordinators do not: {e}") from e
 
 
 def write_properties(path: Path, props: dict[str, str]) -> None:
