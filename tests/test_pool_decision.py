@@ -26,6 +26,7 @@ from rose.policy.pool import (
     pool_view,
     replica_commands,
     replicas_needed,
+    window_bins,
 )
 from rose.policy.replay import encode_commands
 from tests.examples import telemetry_example
@@ -98,6 +99,43 @@ def test_never_fewer_serving_than_the_forecast_needs_and_never_the_last(pool, cf
             len([r for r in d.keep if states[r] in ("serving", "reclaiming")]) >= needed
             or len(serving) - len(d.lend) == 1
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(pool=pools, cfg=configs)
+def test_nothing_is_lent_on_less_than_a_window_of_history(pool, cfg):
+    """The forecast was chosen on decisions with a window of history (docs/policy.md): a view whose
+    bins do not cover the window lends nothing, whatever its load, and says so; a deficit is
+    reclaimed all the same."""
+    view, d = decide(pool, cfg)
+    surplus = sum(r.serving_state in ("serving", "reclaiming") for r in view.replicas) - d.needed
+    if len(view.load) >= window_bins(cfg):
+        assert not d.history_short
+        return
+    assert d.lend == () and d.history_short == (surplus > 0)
+    # the same view with the window's missing bins at 0 rps: for `peak` and `last` the same forecast
+    full = decide_pool(replace(view, load=(0.0,) * (window_bins(cfg) - len(view.load)) + view.load), cfg)
+    if full.forecast_rps == d.forecast_rps:
+        assert d.reclaim == full.reclaim and d.needed == full.needed
+
+
+def test_a_new_pool_lends_nothing_on_its_first_seconds():
+    """Two replicas at 2 rps each, whose first 0.5 s windows happened to finish no request: the
+    pool's first samples read 0 rps, whose peak is no forecast of the next minutes. The same
+    samples a window later (two 5 s bins of 10 s) are its forecast."""
+    cfg = PoolConfig(replica_capacity_rps=3.0, window_s=10.0)
+    first = [
+        telemetry_example(
+            event_id=f"r{i}", ts=T0 + 0.01 * i, node=f"node-{i}", gpu=f"node-{i}/0", replica=f"r{i}", rps=0.0
+        )
+        for i in range(2)
+    ]
+    d = decide_pool(pool_view(first, cfg), cfg)
+    assert (d.forecast_rps, d.needed, d.lend, d.history_short) == (0.0, 1, (), True)
+    assert "less than a window of history: nothing lent" in d.explain()
+    later = [replace(e, event_id=e.event_id + "+5s", ts=e.ts + 5.0) for e in first]
+    d = decide_pool(pool_view(first + later, cfg), cfg)
+    assert (d.forecast_rps, d.lend, d.history_short) == (0.0, ("r1",), False)
 
 
 @settings(max_examples=100, deadline=None)
@@ -239,7 +277,7 @@ def test_no_capacity_figure_lends_nothing_and_reclaims_everything():
 
 def test_lease_kinds_replica_where_spared_else_coresident_where_predicted():
     cfg = PoolConfig(replica_capacity_rps=10.0, window_s=10.0)
-    _, d = decide([("serving", 1, [1.0]) for _ in range(3)], cfg)
+    _, d = decide([("serving", 1, [1.0, 1.0]) for _ in range(3)], cfg)  # two 5 s bins: the window
     assert d.keep == ("r0",) and d.lend == ("r1", "r2")
     assert lease_kinds(d, {"r0": True, "r1": True}) == {
         "r0": LEASE_CORESIDENT,
@@ -251,7 +289,7 @@ def test_lease_kinds_replica_where_spared_else_coresident_where_predicted():
 
 def test_replica_commands_are_gangs_of_the_replica_and_revokes_of_live_leases():
     cfg = PoolConfig(replica_capacity_rps=10.0, window_s=10.0)
-    evs = events_of([("serving", 1, [1.0]), ("serving", 2, [1.0])])
+    evs = events_of([("serving", 1, [1.0, 1.0]), ("serving", 2, [1.0, 1.0])])
     view = pool_view(evs, cfg)
     d = decide_pool(view, cfg)
     cause = max(evs, key=lambda e: (e.ts, e.event_id))

@@ -130,8 +130,9 @@ def test_takeover_gives_the_intents_of_the_uninterrupted_run(log, data):
 
 
 def test_a_trough_lends_once_and_a_rise_reclaims():
-    """Three idle replicas: one sample lends the surplus, the next (no telemetry change yet) lends
-    nothing more; once the lent replica reports lent and the load rises, it is reclaimed."""
+    """Three idle replicas: nothing is lent until their samples cover the window (20 s: four 5 s
+    bins), then one sample lends the surplus, the next (no telemetry change yet) lends nothing
+    more; once the lent replica reports lent and the load rises, it is reclaimed."""
 
     def tick(t, rps, states):
         return [
@@ -141,13 +142,16 @@ def test_a_trough_lends_once_and_a_rise_reclaims():
         ]  # fmt: skip
 
     state, lent = PoolState(), []
-    for s in tick(0, 1.0, {}) + tick(1, 1.0, {}):
+    for s in tick(0, 1.0, {}) + tick(5, 1.0, {}) + tick(10, 1.0, {}):
+        state, new = decide_sample(state, s, CFG)
+        assert new == ()  # less than a window of history: no forecast to lend on
+    for s in tick(15, 1.0, {}) + tick(16, 1.0, {}):
         state, new = decide_sample(state, s, CFG)
         lent.extend(new)
     assert sorted({i.replica for i in lent}) == ["r1", "r2"]  # one replica keeps serving 3 rps
     assert {i.action for i in lent} == {LEND} and len(lent) == 2
     reclaimed = []
-    for s in tick(2, 9.0, {"r1": "lent", "r2": "lent"}):
+    for s in tick(17, 9.0, {"r1": "lent", "r2": "lent"}):
         state, new = decide_sample(state, s, CFG)
         reclaimed.extend(new)
     assert reclaimed and {i.action for i in reclaimed} == {"reclaim"}

@@ -108,8 +108,8 @@ def test_samples_of_a_pool_become_intents_and_replica_grants():
     core = SchedulingCore(CFG, pools={"serving": pool})
     gpus = ("n/0", "n/1", "n/2")
     evs = [
-        telemetry_example(event_id=f"{g}-{k}", ts=T0 + k, gpu=g, rps=1.0, latency_ms=CALM)
-        for k in range(3)
+        telemetry_example(event_id=f"{g}-{k}", ts=T0 + 5 * k, gpu=g, rps=1.0, latency_ms=CALM)
+        for k in range(4)  # the pool's window (20 s: four 5 s bins) of history, which a lend needs
         for g in gpus
     ]
     applied = core.apply(Batch(telemetry=evs))

@@ -109,7 +109,7 @@ def pool_view(events: Iterable[Telemetry | PoolSample], cfg: PoolConfig) -> Pool
         return None
     newest = evs[-1]
     now, start = newest.ts, newest.ts - cfg.window_s
-    nbins = max(1, math.ceil(cfg.window_s / cfg.bin_s - 1e-9))
+    nbins = window_bins(cfg)
     acc: dict[tuple[str, str, int], _BinSum] = {}
     latest: dict[str, Telemetry | PoolSample] = {}
     gpus: dict[str, dict[str, int]] = {}
@@ -139,6 +139,11 @@ def pool_view(events: Iterable[Telemetry | PoolSample], cfg: PoolConfig) -> Pool
             load[k] += carried
     reps = tuple(_replica(latest[rid], gpus[rid]) for rid in sorted(latest))
     return PoolView(newest.pool, now, newest.event_id, reps, tuple(load[first:]), observed)
+
+
+def window_bins(cfg: PoolConfig) -> int:
+    """The bins of `bin_s` in the forecast's look-back `window_s`."""
+    return max(1, math.ceil(cfg.window_s / cfg.bin_s - 1e-9))
 
 
 class _BinSum:
@@ -188,13 +193,15 @@ class PoolDecision:
     keep: tuple[str, ...]  # serving (or reclaiming: back within the horizon) and staying so
     lend: tuple[str, ...]  # serving replicas a replica lease may take
     reclaim: tuple[str, ...]  # draining or lent replicas to bring back, in reclaim order
+    history_short: bool = False  # a surplus not lent: the view's bins do not cover the window yet
 
     def explain(self) -> str:
         cap = f"{self.capacity_rps:.3f} rps/replica ({self.capacity_source})" if self.capacity_rps else "none"
+        short = " (less than a window of history: nothing lent)" if self.history_short else ""
         return (
             f"pool {self.pool}: forecast {self.forecast} {self.forecast_rps:.3f} rps over {self.horizon_s:.1f} s, "
             f"capacity {cap}, need {self.needed}; keep [{', '.join(self.keep)}] "
-            f"lend [{', '.join(self.lend)}] reclaim [{', '.join(self.reclaim)}]"
+            f"lend [{', '.join(self.lend)}] reclaim [{', '.join(self.reclaim)}]{short}"
         )
 
 
@@ -202,7 +209,10 @@ def decide_pool(view: PoolView, cfg: PoolConfig) -> PoolDecision:
     """Keep `replicas_needed` replicas serving: lend the surplus (never the last serving replica),
     or reclaim the deficit (draining replicas first: their engines are still awake; then lent
     ones). Replicas are chosen by id: the lowest ids stay serving, so successive decisions move
-    the same replicas and replay picks the same ones."""
+    the same replicas and replay picks the same ones. Nothing is lent until the view's bins cover
+    the window: the forecast was chosen on decisions with a window of history (docs/policy.md),
+    and the peak of a few seconds of a new pool's samples (a window in which no request happened
+    to finish reads 0 rps) is no forecast of the next minutes. A deficit is reclaimed at once."""
     f = forecast_rps(cfg.forecast, view.load, cfg.bin_s, cfg.horizon_s)
     if cfg.replica_capacity_rps > 0:
         cap, source = cfg.replica_capacity_rps, "config"
@@ -219,14 +229,15 @@ def decide_pool(view: PoolView, cfg: PoolConfig) -> PoolDecision:
     lend: list[str] = []
     reclaim: list[str] = []
     surplus = len(serving) + len(back) - needed
-    if surplus > 0:
+    short = surplus > 0 and len(view.load) < window_bins(cfg)
+    if surplus > 0 and not short:
         lend = serving[len(serving) - min(surplus, len(serving) - 1) :] if len(serving) > 1 else []
     elif surplus < 0:
         reclaim = out[:-surplus]
     keep = tuple(r for r in serving + back if r not in lend) + tuple(reclaim)
     return PoolDecision(
         view.pool, view.now, view.cause_event_id, cfg.forecast, f, cfg.horizon_s, cap, source, needed,
-        tuple(sorted(keep)), tuple(lend), tuple(reclaim),
+        tuple(sorted(keep)), tuple(lend), tuple(reclaim), short,
     )  # fmt: skip
 
 
