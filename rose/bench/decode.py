@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from rose.bench._stack import progress
+from rose.bench._stack import checkpoint_or_tiny, progress
 from rose.rollout.compute_dtype import NATIVE_BF16_FLAGS, native_dtype, this_cpu_flags
 
 DTYPES = ("float32", "bfloat16")
@@ -27,8 +27,6 @@ def run(cfg: Any, quick: bool, *, model: str = "") -> dict:
     t0 = time.monotonic()
     threads = sorted({1, os.cpu_count() or 1})
     tokens, repeats = (QUICK_TOKENS, QUICK_REPEATS) if quick else (TOKENS, REPEATS)
-    from rose.bench._stack import checkpoint_or_tiny
-
     with tempfile.TemporaryDirectory(prefix="rose-bench-decode-") as tmp:
         model = checkpoint_or_tiny(model, Path(tmp))
         cells = []

@@ -46,7 +46,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rose.bench._stack import progress
+from rose.bench._stack import (
+    ENGINE_LEASE_BYTES,
+    ServedGateway,
+    checkpoint_or_tiny,
+    engine_report,
+    last_heartbeat,
+    private_stack,
+    progress,
+    rollout_workers,
+    step_report,
+)
 from rose.bench.gateway_figures import PROMPT_TOKENS, THREADS, Side, load, report, revoke_accounting
 from rose.contract.records import Heartbeat, Trajectory, WorkerRegistry
 
@@ -305,7 +315,6 @@ def run_sides(cfg: Any, model: str, logs: Path, plan: Plan, say: Callable[[str],
     run; then the server stopped and the revoke run on the gateway side."""
     import redis
 
-    from rose.bench._stack import ServedGateway, last_heartbeat, private_stack
     from rose.vllm_server import start_server, stop_server
 
     warm = load(plan.vocab, plan.concurrency, seed0=1_000_000)
@@ -365,8 +374,6 @@ def _gateway_cfg(c: Any) -> Any:
 @contextlib.contextmanager
 def _workers(c: Any, r: Any, model: str, logs: Path, concurrency: int) -> Iterator[_Pool]:
     """Two vLLM rollout workers on `model`, each leased with a pause flag (w1 starts at PAUSE)."""
-    from rose.bench._stack import ENGINE_LEASE_BYTES, rollout_workers
-
     fields = {"engine": "vllm", "checkpoint": model, "nice": 0, "max_batch": concurrency}
     fields |= {"max_model_len": MAX_MODEL_LEN, "threads": THREADS, "mem_bytes": ENGINE_LEASE_BYTES}
     with rollout_workers(c, "gw", logs, fields, paused=("w1",)) as (flags, procs):
@@ -387,8 +394,6 @@ def run(
 
     import redis
 
-    from rose.bench._stack import engine_report, step_report
-
     with contextlib.closing(redis.Redis.from_url(cfg.redis.url)) as r:
         r.ping()  # Redis away: say so before making a checkpoint or starting an engine
     t0 = time.monotonic()
@@ -397,8 +402,6 @@ def run(
     rounds = rounds or (QUICK_ROUNDS if quick else ROUNDS)
     logs = Path(tempfile.mkdtemp(prefix="rose-bench-gateway-"))  # the engines' logs, kept should the run fail
     progress("gateway", t0, f"engine logs in {logs} (removed when the run succeeds)")
-    from rose.bench._stack import checkpoint_or_tiny
-
     with tempfile.TemporaryDirectory(prefix="rose-bench-gateway-model-") as tmp:
         model = checkpoint_or_tiny(model, Path(tmp))
         progress("gateway", t0, f"checkpoint {model}")
