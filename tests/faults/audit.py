@@ -13,6 +13,13 @@ naming what is wrong, and returns what it counted.
   leases its executor ended (`expired`, `rejected`) or faults it went through; each also gets
   the structural rules (unique ids, epochs strictly increasing from grant to grant,
   renew/throttle/revoke carrying the epoch of their lease, nothing after a revoke).
+- replica commands (a run with `policy.pools`, `audit_replica_commands`): read with
+  read_committed, hop by hop (tests/faults/replica_audit.py): every replica command id and pool
+  intent once; per pool, each committed sample's intents exactly the pool stage's decision over
+  the committed samples (or, in a `rebuilds` window, a takeover's); no lend of the pool's last
+  serving replica; per GPU, each intent's replica grant or revoke given once and only where
+  the GPU held no replica lease (grant) or held one (revoke), no lease granted again while
+  lent or revoked twice, epochs increasing (the structural rules of `commands`).
 - transactions: what read_uncommitted sees beyond read_committed in `commands` and
   `scheduler-state` is output of aborted transactions (`audit_aborted`); every record of a
   transaction open when the scheduler was killed must be one of them.
@@ -37,8 +44,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import orjson
@@ -46,8 +54,12 @@ import orjson
 from rose.config import Config, PolicyConfig
 from rose.contract.events import LEASE_SETTING_KINDS, InvalidEvent, LeaseState, Telemetry
 from rose.contract.wire import decode
-from rose.kafka.consumer import message_record, read_all
+from rose.kafka.admin import partitions_of
+from rose.kafka.consumer import KafkaException, TopicPartition, make_consumer, message_record, read_all
 from rose.policy.core import Batch, SchedulingCore, check_admission
+from rose.policy.pool_records import PoolIntent, PoolSample
+from rose.scheduler.service import SCHEDULER_GROUP
+from tests.faults.replica_audit import check_replicas
 from tests.kafka_checks import duplicate_ids
 
 LEASE_ENDS = ("revoked", "expired")
@@ -57,6 +69,7 @@ EXECUTOR_ENDS = ("expired", "rejected")  # a lease ended by the executor, not by
 # stretches to seconds.
 LEASE_LAG_S = 10.0
 SEARCH_BUDGET = 50_000  # nodes of the placement search per GPU
+T = TypeVar("T")
 
 
 def _records(cfg: Config, topic: str, isolation: str = "read_committed") -> list[tuple[dict, float]]:
@@ -246,6 +259,64 @@ def _structure(gpu: str, cmds: list[dict]) -> None:
             assert c["epoch"] == current, f"{gpu}: {c['kind']} of epoch {c['epoch']}, current lease {current}"
             assert not ended, f"{gpu}: {c['kind']} of lease {c['lease_id']} after its revoke"
             ended = c["kind"] == "revoke"
+
+
+def _decoded(cfg: Config, topic: str, parse: Callable[[bytes], T]) -> list[tuple[T, float]]:
+    """A derived topic's committed records that parse, with their record times (one that does not
+    went to the dlq when it was consumed)."""
+    out = []
+    for m in read_all(cfg.kafka, [topic]):
+        try:
+            out.append((parse(m.value() or b""), m.timestamp()[1] / 1000.0))
+        except InvalidEvent:
+            continue
+    return out
+
+
+def pool_backlog(cfg: Config) -> int | None:
+    """Committed pool samples the pool stage has not decided yet and pool intents the GPU stage
+    has not applied yet: records past their group's committed offset (None: the group coordinator
+    did not answer). The replica audit needs 0: a drained run."""
+    k = cfg.kafka
+    n = 0
+    for topic, group in ((k.pool_samples_topic, f"{SCHEDULER_GROUP}-pools"), (k.pool_intents_topic, SCHEDULER_GROUP)):
+        c = make_consumer(k, f"{k.topic_prefix}{group}")
+        try:
+            tps = c.committed([TopicPartition(topic, p) for p in partitions_of(k, topic)], timeout=10)
+        except KafkaException:
+            return None
+        finally:
+            c.close()
+        done = {tp.partition: max(tp.offset, 0) for tp in tps}
+        n += sum(m.offset() >= done.get(m.partition(), 0) for m in read_all(k, [topic]))
+    return n
+
+
+def audit_replica_commands(cfg: Config, rebuilds: list[tuple[float, float]] = ()) -> dict:
+    """Replica leases, hop by hop from the topics (`tests.faults.replica_audit.check_replicas`):
+    pool samples -> the pool stage's intents -> the GPU stage's replica commands, on a drained run
+    (`pool_backlog`). `rebuilds`: wall-clock windows in which the fault may have made the pool
+    stage take over."""
+    k = cfg.kafka
+    left = pool_backlog(cfg)
+    assert left == 0, f"{left} pool samples or intents not yet decided or applied: drain the run first (pool_backlog)"
+    cmds = _records(cfg, k.commands_topic)
+    by_gpu: dict[str, list[dict]] = {}
+    for c, _ in cmds:
+        by_gpu.setdefault(c["gpu"], []).append(c)
+    for gpu, mine in sorted(by_gpu.items()):
+        if any(c.get("lease_kind") == "replica" for c in mine):
+            _structure(gpu, mine)
+    return check_replicas(
+        cfg.policy.pools,
+        _decoded(cfg, k.pool_samples_topic, PoolSample.from_bytes),
+        _decoded(cfg, k.pool_intents_topic, PoolIntent.from_bytes),
+        cmds,
+        _records(cfg, k.lease_state_topic),
+        rebuilds,
+        cfg.policy.max_ts_skew_s,
+        LEASE_LAG_S,
+    )
 
 
 def audit_aborted(cfg: Config, open_at_kills: list[dict] = ()) -> dict:
