@@ -5,7 +5,11 @@ The first SIGTERM or SIGINT asks the process to stop (it sets an event and calls
 own stop hooks) and arms a deadline. A process that has not finished its graceful exit when the
 deadline passes is ended with `os._exit` after one log line: nothing it holds is unsafe to drop,
 because every ROSE process is built to survive a SIGKILL (open Kafka transactions abort, leases
-expire, the weight stream is resumed from its applied seq). A second signal ends it at once.
+expire, the weight stream is resumed from its applied seq). A second signal ends it at once,
+except in a process installed with `repeat_ends=False`: a rollout worker, whose SIGTERM is also
+its parent's death (PR_SET_PDEATHSIG), which the kernel sends again at each reparenting as a
+multithreaded parent exits (to a thread of it still exiting, then to init), and whose drain that
+repeat must not cut short; the deadline still bounds it.
 Supervisors (systemd, Kubernetes) send SIGKILL after their own grace period, 30 s by default;
 this bound is well inside it, so a rolling restart never waits on a wedged client.
 
@@ -30,10 +34,17 @@ EXIT_FORCED = 3
 class Shutdown:
     """Install with `Shutdown.install(...)` from the main thread; `stop` is the event to watch."""
 
-    def __init__(self, stop: threading.Event | None = None, grace_s: float = GRACE_S, name: str = "rose"):
+    def __init__(
+        self,
+        stop: threading.Event | None = None,
+        grace_s: float = GRACE_S,
+        name: str = "rose",
+        repeat_ends: bool = True,
+    ):
         self.stop = stop or threading.Event()
         self.grace_s = grace_s
         self.name = name
+        self.repeat_ends = repeat_ends  # a second signal ends the process at once (else: the deadline does)
         self.hooks: list[Callable[[], None]] = []
         self.requested_at: float | None = None
         self._timer: threading.Timer | None = None
@@ -45,8 +56,9 @@ class Shutdown:
         grace_s: float = GRACE_S,
         name: str = "rose",
         hooks: tuple[Callable[[], None], ...] = (),
+        repeat_ends: bool = True,
     ) -> Shutdown:
-        s = cls(stop, grace_s, name)
+        s = cls(stop, grace_s, name, repeat_ends)
         s.hooks.extend(hooks)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, s._on_signal)
@@ -59,8 +71,10 @@ class Shutdown:
         return self.requested_at is not None
 
     def _on_signal(self, signum, _frame) -> None:
-        if self.requested_at is not None:  # a second signal: the operator means now
-            self._exit(f"second {signal.Signals(signum).name}")
+        if self.requested_at is not None:
+            if self.repeat_ends:  # a second signal: the operator means now
+                self._exit(f"second {signal.Signals(signum).name}")
+            return
         self.request(signal.Signals(signum).name)
 
     def request(self, why: str = "requested") -> None:

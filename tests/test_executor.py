@@ -69,11 +69,12 @@ def parse_log_line(raw: bytes) -> list[dict]:
 
 
 class ExecutorProc:
-    """`rose executor --simulate N` (GPUs sim/0 … sim/N-1) with its JSON log lines collected."""
+    """`rose executor --simulate N` (GPUs sim/0 … sim/N-1), and `args` after it, with its JSON log
+    lines collected."""
 
-    def __init__(self, env: dict, gpus: int = 1):
+    def __init__(self, env: dict, gpus: int = 1, args: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rose", "executor", "--simulate", str(gpus)],
+            [sys.executable, "-m", "rose", "executor", "--simulate", str(gpus), *args],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -176,6 +176,29 @@ def test_a_restart_readmits_a_replica_the_router_does_not_list():
     assert rl.restart(GPU, URL, listed=True) == (rl.initial(GPU, URL), ())
 
 
+@pytest.mark.parametrize(("deadline", "retry", "tick"), [(2.0, 1.0, 0.005), (3.0, 1.0, 0.05), (0.5, 2.0, 0.005)])
+def test_a_restart_whose_leftover_process_never_exits_readmits_within_the_bound(deadline, retry, tick):
+    """The worst case of `restart_reclaim_bound_s`: the dead executor's rollout process does not
+    exit on its SIGTERM, so the shell (ReplicaShell._no_leftover) kills it at the first check past
+    the revoke deadline; the readmission comes within the bound (calls answering at once)."""
+    p = rl.Params(drain_timeout_s=3.0, retry_s=retry)
+    now, killed, readmitted_at = 0.0, False, None
+    r, acts = rl.restart(GPU, URL, listed=False)
+    while readmitted_at is None:
+        assert now < 60, "no readmission"
+        for a in (x for x in acts if isinstance(x, rl.Do)):
+            ok = a.what != "leftover" or killed
+            killed = killed or (a.what == "leftover" and now > deadline)
+            readmitted_at = now if a.what == "readmit" else None
+            r, acts = rl.step(r, rl.Done(a.what, ok), now, lm.initial(GPU), p)
+            break
+        else:
+            now += tick
+            r, acts = rl.step(r, lm.Tick(), now, lm.initial(GPU), p)
+    assert deadline < readmitted_at <= rl.restart_reclaim_bound_s(deadline, retry, 0.0)
+    assert r.phase == "serving"
+
+
 EVENTS = st.one_of(
     st.tuples(st.just("cmd"), st.sampled_from(["grant", "renew", "revoke"]), st.integers(1, 4), st.booleans()),
     st.tuples(st.just("tick"), st.floats(0.01, 4.0)),

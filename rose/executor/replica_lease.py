@@ -147,6 +147,17 @@ def restart(gpu: str, url: str, listed: bool) -> tuple[Replica, tuple[Action, ..
     return r, (Report(gpu, "replica.readmit_after_restart", "the router does not list it"), Do(gpu, "leftover"))
 
 
+def restart_reclaim_bound_s(revoke_deadline_s: float, retry_s: float, calls_s: float) -> float:
+    """The longest a restarted executor takes, from its start, to readmit a replica its dead
+    predecessor lent. The predecessor's rollout process got SIGTERM as it died and drains; the
+    leftover check runs every `retry_s` and SIGKILLs it at the first check past
+    `revoke_deadline_s`, so it is seen gone at most `revoke_deadline_s + 2 * retry_s` after the
+    start; then wake, health check and readmission, `calls_s` together (the pool decision counts
+    policy.pools' `wake_s + readmit_s` for them). The executor's own restart comes before this,
+    inside the lease's TTL (docs/executor.md "Restart")."""
+    return revoke_deadline_s + 2 * retry_s + calls_s
+
+
 def step(
     r: Replica, inp: Input, now: float, lease: lm.GpuLease, p: Params = Params()
 ) -> tuple[Replica, tuple[Action, ...]]:

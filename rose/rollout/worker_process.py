@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     q = TaskQueue(r, config.redis, config.job)
     w = Worker(config, r, q, engine, weights, flag)
     w.stats.update(stats)
-    Shutdown.install(name="rose-worker", hooks=(lambda: setattr(w, "stop_requested", True),))
+    # SIGTERM drains; a repeat of it (its executor's death, rose.shutdown) leaves the drain to end
+    Shutdown.install(name="rose-worker", hooks=(lambda: setattr(w, "stop_requested", True),), repeat_ends=False)
     return _run_and_exit(w, flag, r)
 
 
@@ -288,7 +289,8 @@ def _warm_main(config: WorkerConfig) -> int:
     run it like a worker started for it. Until assigned it holds no lease memory: the model
     waits in host memory with no KV cache (0 slots); the device, its memory cap, the stream and
     the KV cache are set up at assignment, from the lease's mem_bytes."""
-    shutdown = Shutdown.install(name="rose-worker")  # until assigned, a stop has nothing to drain
+    # until assigned, a stop has nothing to drain; once assigned, a repeated SIGTERM must not cut it short
+    shutdown = Shutdown.install(name="rose-worker", repeat_ends=False)
 
     from rose.rollout.engine import BudgetError, MemoryBudget, TorchEngine
     from rose.rollout.engines import build_engine
