@@ -133,6 +133,9 @@ class PolicyConfig:
     cooldown_backoff: float = 2.0  # cooldown multiplies by this on each revoke in a row
     cooldown_max_s: float = 300.0
     cooldown_reset_s: float = 120.0  # a lease that lived this long resets the backoff
+    # a grant leaves serving room to grow back to its recent memory peak, held this long after
+    # serving last reached it; as cooldown_reset_s: the life at which a lease counts as one that held
+    kv_peak_hold_s: float = 120.0
     max_compute_share: float = 0.5
     trend_horizon_s: float = 0.5  # predict p99 this far ahead (one sampling period)
     kv_growth_revoke_frac: float = 0.5  # serving memory growth eating this much of the margin per period revokes

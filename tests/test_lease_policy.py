@@ -399,3 +399,29 @@ def test_deferred_calls_are_exact(events, cooldown, revokes, epoch, prev, expire
         held = decide(held, e, CFG).view
     assert held == folded
     assert not deferrable(True, -1.0, CFG) and not deferrable(False, CFG.grant_headroom, CFG)
+
+
+def _granted_mem(servings: list[tuple[float, float]]) -> list[int]:
+    """The mem_bytes of each grant over calm events of (ts, serving GiB) on an 80 GiB GPU."""
+    view, mems = GpuView("n/0"), []
+    for i, (ts, serving) in enumerate(servings):
+        d = decide(view, tel(i, ts, serving_gib=serving), CFG)
+        view = d.view
+        assert view.serving_mem_high >= view.prev_serving_mem
+        mems += [c.mem_bytes for c in d.commands if c.kind == "grant"]
+    return mems
+
+
+@given(
+    peak=st.integers(20, 60),
+    after=st.integers(5, 19),
+    gap=st.sampled_from([1.0, 30.0, 119.0, 121.0, 400.0]),
+)
+def test_a_grant_leaves_serving_room_to_its_recent_memory_peak(peak, after, gap):
+    """Calm events whose serving memory reached `peak` GiB, then fell to `after`: a grant within
+    `kv_peak_hold_s` of the peak is the one a GPU serving at its peak would get (serving keeps
+    room to grow back to it), one after the hold the one a GPU that never peaked would get."""
+    times = [0.0, 0.5] + [0.5 + gap + 0.5 * i for i in range(CFG.grant_streak + 1)]
+    peaked = _granted_mem([(t, peak if i < 2 else after) for i, t in enumerate(times)])
+    flat = _granted_mem([(t, peak if gap < CFG.kv_peak_hold_s else after) for t in times])
+    assert len(peaked) == 1 and peaked == flat  # the peak's two events granted nothing: no streak yet

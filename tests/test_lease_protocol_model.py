@@ -68,8 +68,10 @@ EXECUTOR = ExecutorConfig()
 SKEW = EXECUTOR.max_clock_skew_s
 PARAMS = lm.Params(revoke_deadline_s=EXECUTOR.revoke_deadline_s, restart_backoff_s=EXECUTOR.restart_backoff_s)
 # the defaults, with short cooldowns and pauses so that a run of a few dozen steps sees leases
-# granted, paused, resumed, renewed, revoked and granted again
-POLICY = PolicyConfig(cooldown_s=1.0, cooldown_max_s=4.0, max_pause_s=4.0)
+# granted, paused, resumed, renewed, revoked and granted again; no memory peak held (kv_peak_hold_s
+# 0: a grant's size is a rule of the policy, tested with it; a peak held would size leases apart, and
+# one short period hold back grants for the rest of a run)
+POLICY = PolicyConfig(cooldown_s=1.0, cooldown_max_s=4.0, max_pause_s=4.0, kv_peak_hold_s=0.0)
 TICK = 0.1  # the model's executor tick (the real one is executor.tick_s, 5 ms)
 PERIOD = 0.5  # telemetry period
 TOTAL_GIB = 80

@@ -56,6 +56,8 @@ class GpuView:
     prev_ttft_p99: float = _NEVER  # latencies and serving memory of the last fresh event
     prev_tpot_p99: float = _NEVER
     prev_serving_mem: int = -1
+    serving_mem_high: int = -1  # serving memory's recent peak, which a grant leaves room for (`serving_peak`)
+    serving_mem_high_ts: float = _NEVER  # when serving last reached it
     ignored_stale: int = 0  # duplicate / out-of-order events ignored
     prev2_ts: float = _NEVER  # the fresh event before the last: the trend predictor's third sample
     prev2_ttft_p99: float = _NEVER
@@ -247,6 +249,8 @@ class Assessment:
     predicted: dict[str, float]  # after the trend predictor
     h_min: float  # the smaller headroom
     serving: int  # serving's memory: used - rollout
+    serving_high: int  # its recent peak after this event (`serving_peak`)
+    serving_high_ts: float
     free: int  # total - serving - max(lease, rollout)
     margin: int  # memory never lent
     slow: tuple[str, ...]  # latency conditions: pause a lease, block a grant
@@ -322,11 +326,14 @@ def assess(view: GpuView, event: Telemetry, held: LeaseTerms, cfg: PolicyConfig)
     h_min = h_ttft if h_ttft < h_tpot else h_tpot
     load = 1.0 - h_min
     base_load, per_share = _interference(view, held, load, h_min >= cfg.grant_headroom, cfg)
+    high, high_ts = serving_peak(view, serving, event.ts, held.lease_id is not None or h_min >= cfg.grant_headroom, cfg)
     return Assessment(
         {"ttft_p99": h_ttft, "tpot_p99": h_tpot},  # headroom
         {"ttft_p99": p_ttft, "tpot_p99": p_tpot},  # predicted
         h_min,
         serving,
+        high,
+        high_ts,
         free,
         margin,
         tuple(slow),
@@ -336,6 +343,17 @@ def assess(view: GpuView, event: Telemetry, held: LeaseTerms, cfg: PolicyConfig)
         base_load,
         per_share,
     )
+
+
+def serving_peak(view: GpuView, serving: int, ts: float, counts: bool, cfg: PolicyConfig) -> tuple[int, float]:
+    """Serving memory's recent peak and when serving last reached it (docs/policy.md "Lease
+    size"), over the events that `counts`: those that hold a lease or have grant headroom, never
+    one deferral (rose.policy.deferral) may hold back. A peak is held for `kv_peak_hold_s` after
+    serving last reached it, then serving now replaces it."""
+    high, high_ts = view.serving_mem_high, view.serving_mem_high_ts
+    if counts and (high < 0 or serving >= high or ts - high_ts >= cfg.kv_peak_hold_s):
+        return serving, ts
+    return high, high_ts
 
 
 def _predicted(
@@ -465,7 +483,7 @@ def _choose_held(gpu: str, event: Telemetry, a: Assessment, t: LeaseTerms, cfg: 
 
 def _choose_grant(gpu: str, event: Telemetry, a: Assessment, t: LeaseTerms, cfg: PolicyConfig) -> Choice:
     g, ts = cfg.grant_headroom, event.ts
-    avail = a.free - a.margin
+    avail = a.free - a.margin - (a.serving_high - a.serving)  # serving's way back to its recent peak: never lent
     blockers = a.slow + a.short
     if blockers:
         return Choice("none", "no grant: " + "; ".join(blockers), t, ())
@@ -477,7 +495,7 @@ def _choose_grant(gpu: str, event: Telemetry, a: Assessment, t: LeaseTerms, cfg:
     if ts < t.cooldown_until:
         return Choice("none", f"cooldown until {t.cooldown_until:.3f}", t, ())
     if avail < cfg.min_lease_bytes:
-        why = f"free memory after margin {_gib(avail)} < minimum lease {_gib(cfg.min_lease_bytes)}"
+        why = f"free memory after margin and serving's recent peak {_gib(avail)} < minimum lease {_gib(cfg.min_lease_bytes)}"
         return Choice("none", why, t, ())
     load = max(a.load, a.base_load)
     share = compute_share_for(load, a.slowdown_per_share, cfg)
@@ -520,6 +538,8 @@ def next_view(view: GpuView, event: Telemetry, a: Assessment, t: LeaseTerms) -> 
         prev_ttft_p99=lat.ttft_p99,
         prev_tpot_p99=lat.tpot_p99,
         prev_serving_mem=a.serving,
+        serving_mem_high=a.serving_high,
+        serving_mem_high_ts=a.serving_high_ts,
         ignored_stale=view.ignored_stale,
         prev2_ts=view.last_ts,
         prev2_ttft_p99=view.prev_ttft_p99,
