@@ -441,6 +441,7 @@ def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_pat
         "### Interference",
         "### What the gain is made of",
         "### The elastic",
+        "### Both lease kinds and share-all's work (R1, R2)",
     ):
         assert heading in text, heading
     # the main runs on the measured default profile; the sweep: each measured mechanism, then the
@@ -471,6 +472,11 @@ def test_paper_check_writes_targets_sweeps_and_the_doc_block(traces_dir, tmp_pat
     t = rec["targets"]
     assert {r["target"] for r in t} >= {"ROSE ≥ 1.5× static", "SLO ROSE ≥ static − 0.002", "SLO static ≥ 0.95"}
     assert all(r["met"] or r["held_back_by"] for r in t)
+    # R1 and R2 from the main runs, which run rose-coresident and carry the trough figures
+    assert {r["target"] for r in t} >= {"R1: SLO rose ≥ static − 0.002, reclaims_late 0"}
+    assert any(r["target"].startswith("R2: ") for r in t)
+    main = [r["result"] for r in rec["runs"] if r["kind"] == "main"]
+    assert all("rose-coresident" in r["policies"] and "trough" in r for r in main)
     again = _rose("paper-check", "--from-json", str(tmp_path / "pc.json"), "--out", str(tmp_path / "again.md"))
     assert again.returncode == 0, again.stderr  # the tables again from the record, nothing run
     assert (tmp_path / "again.md").read_text().strip() == text[text.index(BEGIN) : text.index(END) + len(END)]

@@ -230,7 +230,9 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
             help="Model cells SIZE\\[@GPU]\\[/tpN], comma list (e.g. 8B,70B@H200/tp4).",
         ),
         trace_names: str = typer.Option(
-            "", "--trace-names", help="Trace files in --traces, comma list (default: Azure code, Azure conv, BurstGPT)."
+            "",
+            "--trace-names",
+            help="Trace files in --traces, comma list (default: Azure code, Azure conv, BurstGPT, Mooncake).",
         ),
         interference_profile: Path = typer.Option(
             None,
@@ -263,7 +265,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
             None, "--from-json", help="Run nothing: write the tables again from a record --json wrote."
         ),
     ) -> None:
-        """`rose simulate` on the Azure code/conv and BurstGPT traces beside the paper's claim: targets, sweeps, intervals."""
+        """`rose simulate` on the public request traces beside the paper's claim: targets, sweeps, intervals."""
         import shlex
         import sys
 

@@ -8,8 +8,9 @@ identity, the elastic baseline's cost cap and provisioning delay. What it runs a
 docs/paper-check.md.
 
 `check()` runs it whole: rose.sim.paper_plan lists the runs and runs them, rose.sim.paper_results
-holds them and checks the targets, rose.sim.paper_tables writes the markdown that
-docs/paper-check.md carries between its generated-block markers (`replace_block`).
+holds them and checks the targets (rose.sim.paper_kinds the lease kinds' R1 and R2),
+rose.sim.paper_tables writes the markdown that docs/paper-check.md carries between its
+generated-block markers (`replace_block`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from rose.sim.paper_kinds import all_targets
 from rose.sim.paper_plan import CheckConfig, Job, plan, run_all
-from rose.sim.paper_results import Results, targets
+from rose.sim.paper_results import Results
 from rose.sim.paper_tables import BEGIN, END, tables
 from rose.sim.sim_config import SimConfig
 
@@ -46,7 +48,7 @@ def check(folder: Path, cc: CheckConfig, command: str, workers: int = 1, progres
         "command": command,
         "wall_s": round(wall, 1),
         "check_config": {k: v for k, v in asdict(cc).items() if k != "policy"},
-        "targets": targets(res),
+        "targets": all_targets(res),
         "runs": [
             {"kind": j.kind, "trace": j.trace, "model": j.model, "value": j.value, "seed": j.seed, "result": r}
             for j, r in zip(jobs, results)

@@ -6,11 +6,15 @@ worker processes when asked). docs/paper-check.md says what and why.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from rose.config import PolicyConfig
+from rose.policy.pool import PoolConfig, forecast_rps, replicas_needed, window_bins
 from rose.sim.engine import ALPHA_MEASURED, simulate
 from rose.sim.interference import (
     REPO,
@@ -20,10 +24,23 @@ from rose.sim.interference import (
     read_profile,
     simulation_profile,
 )
+from rose.sim.policies import POLICIES
+from rose.sim.requests import RequestStream
 from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S
 from rose.sim.sim_config import SimConfig
+from rose.sim.traces import Trace
 
-TRACES = ("azure_llm2023_code.csv", "azure_llm2023_conv.csv", "burstgpt1_first400.csv")
+# the public traces `rose simulate --trace` reads as requests (rose.sim.traces: Azure LLM, BurstGPT, Mooncake)
+TRACES = (
+    "azure_llm2023_code.csv",
+    "azure_llm2023_conv.csv",
+    "burstgpt1_first400.csv",
+    "mooncake_fast25_synthetic.jsonl",
+)
+# the main runs' policies: the default comparison and `rose-coresident`, which R1 and R2 compare
+# `rose` and share-all with (docs/paper-check.md "Targets"); `rose-replica` is left out for its
+# cost (a 64-GPU hour of it at 8B takes longer than one of `rose-coresident`: docs/paper-check.md)
+MAIN_POLICIES = (*POLICIES, "rose-coresident")
 LINEAR = "linear alpha "  # the sweep key of the linear model at an alpha: "linear alpha 0.3"
 
 
@@ -143,6 +160,7 @@ def plan(cc: CheckConfig) -> list[Job]:
             interference=main,
             policy=cc.policy,
             record_series=False,
+            policies=MAIN_POLICIES,
         )
         return replace(base, **kw)
 
@@ -175,7 +193,7 @@ def plan(cc: CheckConfig) -> list[Job]:
     return jobs
 
 
-_TRACE_CACHE: dict[str, object] = {}
+_TRACE_CACHE: dict[str, Trace] = {}
 
 
 def _run(args: tuple[str, Job]) -> dict:
@@ -185,7 +203,46 @@ def _run(args: tuple[str, Job]) -> dict:
     tr = _TRACE_CACHE.get(job.trace)
     if tr is None:
         tr = _TRACE_CACHE[job.trace] = load_trace(Path(folder) / job.trace)
-    return simulate(tr, job.sim)  # type: ignore[arg-type]
+    r = simulate(tr, job.sim)
+    if job.kind == "main":
+        r["trough"] = trough_of(tr, r, job.seed, job.sim.replica_pool)
+    return r
+
+
+def spare_replicas(
+    stream: RequestStream, duration_s: float, capacity_rps: float, replicas: int, pool: PoolConfig
+) -> dict:
+    """Whether the run's load has a trough: the run's arrivals (`stream`, the trace's copies as the
+    run plays them, thinned by their expected keep) per pool bin, through the pool's own forecast
+    and `replicas_needed` (rose.policy.pool) at `capacity_rps` a replica (what the run provisions
+    it for: its share of the busiest minute, rose.sim.engine's `replica_capacity_rps`), each bin's
+    spare replicas counted as `decide_pool` would lend them (none before a window of history, never
+    the last serving replica). The mean over the run's bins and the fraction of bins with a spare."""
+    n_bins = max(1, math.ceil(duration_s / pool.bin_s - 1e-9))
+    edges = np.arange(n_bins + 1) * pool.bin_s
+    counts = np.zeros(n_bins)
+    for off in stream.offsets:
+        counts += np.histogram(stream.base_t + off, edges)[0]
+    load = counts * stream.keep / pool.bin_s
+    wb = window_bins(pool)
+    spare = np.zeros(n_bins)
+    for i in range(wb - 1, n_bins if capacity_rps > 0 else 0):
+        f = forecast_rps(pool.forecast, tuple(load[i - wb + 1 : i + 1].tolist()), pool.bin_s, pool.horizon_s)
+        spare[i] = max(0, min(replicas - replicas_needed(f, capacity_rps, pool.headroom), replicas - 1))
+    return {
+        "replicas": replicas,
+        "mean_spare_replicas": round(float(spare.mean()), 3),
+        "bins_with_spare": round(float((spare >= 1).mean()), 4),
+    }
+
+
+def trough_of(trace: Trace, r: dict, seed: int, pool: PoolConfig) -> dict:
+    """`spare_replicas` of a `simulate` result `r` of `trace`: its request stream rebuilt from the
+    load mapping it reports (rps per GPU, the busiest minute over the mean)."""
+    c, fleet = r["config"], r["fleet"]
+    tp, gpus = fleet["tensor_parallel"], fleet["serving_gpus"]
+    stream = RequestStream(trace, c["rps_per_gpu"] * gpus, c["duration_s"], seed)
+    return spare_replicas(stream, c["duration_s"], c["rps_per_gpu"] * c["peak_to_mean"] * tp, gpus // tp, pool)
 
 
 def run_all(folder: Path, jobs: Sequence[Job], workers: int = 1, progress: Callable[[Job, dict], None] | None = None):

@@ -173,12 +173,13 @@ def _row(target: str, cell: str, xs: list[float], goal: float, nd: int, why: str
     }
 
 
-def targets(res: Results) -> list[dict]:
-    """Each target per cell, per model and per trace (growth with size)."""
+def targets(res: Results, more: Callable[[Results, str, str], list[dict]] | None = None) -> list[dict]:
+    """Each target per cell (then `more`'s rows of the cell: rose.sim.paper_kinds.all_targets
+    adds the lease kinds'), per model and per trace (growth with size)."""
     rows: list[dict] = []
     for m in res.cc.models:
         for t in res.cc.traces:
-            rows += _cell_targets(res, t, m)
+            rows += _cell_targets(res, t, m) + (more(res, t, m) if more else [])
         rows += _model_targets(res, m)
     return rows + _growth_targets(res)
 
