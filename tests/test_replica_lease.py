@@ -85,6 +85,8 @@ class World:
     def _publish(self, rec: lm.Record) -> None:
         if rec.state in ("revoked", "expired") and rec.epoch == self.r.epoch and rec.lease_id == self.r.lease_id:
             assert self.in_router, f"{rec.state} published while the replica is out of its router"
+        if self.r.phase != "serving" and self.r.lease_id:  # the newest word says the replica is out
+            assert rec.epoch <= self.r.epoch, f"{rec.state} of a newer lease published while the replica is out"
         if rec.state == "draining":
             self.replica_leases.add(rec.lease_id)
         self.published.append(rec)
@@ -163,6 +165,52 @@ def test_a_grant_the_replica_cannot_take_is_rejected_and_fenced_without_leaving_
         assert why in w.published[-1].reason, w.published[-1]
 
 
+def test_a_newer_coresident_grant_while_lent_reclaims_the_replica_before_any_worker_starts():
+    """A co-resident grant of a newer epoch reaches a lent replica's GPU: it ends the replica lease
+    as a newer epoch ends any lease, but starts nothing beside a replica that is out of its router.
+    The replica is reclaimed (rollout stopped, health checked past a failure, readmitted); the old
+    lease is `revoked` only once it serves, and the grant `rejected` and fenced after it, the
+    newest word all along saying the replica is out; the scheduler's next grant starts beside the
+    serving replica."""
+    w = World(answers=[True, False, False])  # remove ok, sleep refused, the first health check fails
+    w.send(lm.Received(cmd("grant", 1, "g1")))
+    w.tick(1.0)
+    assert w.r.phase == "lent" and w.worker and not w.in_router
+    w.send(lm.Received(cmd("grant", 2, "g2", lease_kind="coresident")))
+    assert w.s.lease is None and "replica.superseded" in w.reports and w.states()[2:] == ["revoking"]
+    w.send(lm.Received(cmd("renew", 2, "n2", lease_kind="coresident")))  # no word until the replica serves
+    w.worker_exits()  # the lent worker is gone: the replica is reclaimed, nothing starts
+    assert (
+        w.r.phase == "reclaiming" and not w.worker and not w.in_router and w.states()[2:] == ["revoking", "reclaiming"]
+    )
+    while w.r.phase == "reclaiming":
+        w.tick(0.5)
+    assert w.in_router and not w.worker and w.done[2:] == ["health", "health", "readmit"]
+    assert [(r.epoch, r.state) for r in w.published[2:]] == [
+        (1, "revoking"),
+        (1, "reclaiming"),
+        (1, "revoked"),
+        (2, "rejected"),
+    ]
+    assert w.published[-2].command_id == "g2" and "lent for lease node-1/0#1" in w.published[-1].reason
+    assert w.s.highest_epoch == 2 and w.s.truth == w.published[-1]
+    w.lease_input(lm.Received(cmd("renew", 2, "n3", lease_kind="coresident")))  # epoch 2 stays fenced
+    assert w.states()[-1] == "rejected" and not w.worker
+    w.lease_input(lm.Received(cmd("grant", 3, "g3", lease_kind="coresident")))
+    assert w.worker and w.states()[-1] == "active" and w.r.phase == "serving"
+
+
+def test_a_newer_grant_while_draining_readmits_and_is_rejected():
+    """Nothing ran on a draining replica: a newer grant readmits it at once, its lease `revoked`
+    once it serves, and the grant is rejected and fenced (the scheduler grants again)."""
+    w = World(in_flight=[2])
+    w.send(lm.Received(cmd("grant", 1, "g1")))
+    w.send(lm.Received(cmd("grant", 2, "g2")))
+    assert w.r.phase == "serving" and w.in_router and w.done == ["remove", "readmit"] and not w.worker
+    assert [(r.epoch, r.state) for r in w.published] == [(1, "draining"), (1, "revoked"), (2, "rejected")]
+    assert w.s.highest_epoch == 2 and w.s.truth == w.published[-1]
+
+
 def test_a_restart_readmits_a_replica_the_router_does_not_list():
     r, acts = rl.restart(GPU, URL, listed=False)
     assert r.phase == "reclaiming" and rl.Do(GPU, "leftover") in acts
@@ -214,8 +262,9 @@ EVENTS = st.one_of(
 )
 def test_rollout_never_runs_in_the_router_and_the_replica_always_comes_back(events, answers, in_flight):
     """Over any sequence: a worker starts only on a replica out of its router (World._do), a replica
-    lease's terminal word comes only once it is back (World._publish); and once the failures stop,
-    every replica serves again and holds no lease."""
+    lease's terminal word comes only once it is back, and no newer lease's word while it is out
+    (World._publish); and once the failures stop, every replica serves again and holds no lease,
+    the newest record the GPU's current word."""
     w = World(answers=answers, in_flight=in_flight)
     for i, ev in enumerate(events):
         if ev[0] == "cmd":
@@ -231,6 +280,7 @@ def test_rollout_never_runs_in_the_router_and_the_replica_always_comes_back(even
         w.tick(25.0)
         w.worker_exits()
     assert w.r.phase == "serving" and w.in_router and not w.worker and w.s.lease is None
+    assert not w.published or w.published[-1] == w.s.truth, "the newest record is not the GPU's current word"
 
 
 def _rose_executor(env: dict, *args: str) -> subprocess.CompletedProcess:

@@ -13,7 +13,9 @@ lease machine's terminal word (`revoked`, `expired`) is held here and published 
 replica serves again, so a terminal state of a replica lease means the replica is back in its
 router. A drain past `drain_timeout_s` readmits the replica and publishes the grant `rejected`.
 A step that fails (the engine does not wake, its health check fails, the router refuses) is
-reported and tried again after `retry_s`; the replica is never given up on.
+reported and tried again after `retry_s`; the replica is never given up on. A command of a newer
+epoch while the replica is out of its router ends its lease (fencing by epoch), but the replica is
+reclaimed before anything of the newer lease runs: a newer grant is rejected once it serves.
 
 No I/O and no clock: the shell (rose.executor.service) does each action and feeds its result back
 as `Done`, and reads the drain's count when asked (`ReadDrain` -> `InFlight`).
@@ -43,7 +45,8 @@ class Replica:
     lease in progress (none while serving). `grant`: draining, the newest grant or renew of it,
     received at `received_at`. `held`: reclaiming, the terminal word published once the replica
     serves again (None after a restart: the lease machine's restore published it). `next`:
-    reclaiming, the step to do next (leftover, wake, health, readmit)."""
+    reclaiming, the step to do next (leftover, wake, health, readmit). `after`: the words of newer
+    epochs that superseded the lease while the replica was out, published after `held`."""
 
     gpu: str
     url: str
@@ -59,6 +62,7 @@ class Replica:
     held: lm.Record | None = None
     next: str = ""
     retry_at: float = 0.0
+    after: tuple[lm.Record, ...] = ()
 
 
 # ---- inputs -------------------------------------------------------------------------------------
@@ -182,48 +186,24 @@ def step(
 
 def _command(r: Replica, inp: lm.Received, now: float, lease: lm.GpuLease, p: Params, out: list[Action]) -> Replica:
     c = inp.command
-    if r.phase == "lent":
+    if r.phase == "serving":
+        return _serving(r, inp, now, lease, p, out)
+    known = max(r.epoch, lease.highest_epoch)
+    if c.epoch > max((known, *(w.epoch for w in r.after))):
+        return _superseded(r, inp, now, lease, out)
+    if c.epoch > known:
+        return r  # a lease that superseded this one: its word waits until the replica serves
+    if r.phase == "lent":  # the lease machine's: the lent lease's renew or revoke, a stale command
         out.append(Forward(r.gpu, inp))
         return r
-    if r.phase == "serving":
-        if c.lease_kind != "replica" or c.kind == "revoke" or lm.epoch_seen(lease, c.epoch):
-            out.append(Forward(r.gpu, inp))  # the lease machine's (a co-resident lease, a stale or fenced one)
-            return r
-        ttl_left = (c.expires_at - c.ts) - max(0.0, inp.age_s)
-        why = (
-            "a co-resident lease holds the GPU"
-            if lease.lease is not None
-            else "it arrived expired"
-            if ttl_left <= 0
-            else "a replica over several GPUs (a gang) is not lent yet"
-            if c.group_size > 1
-            else ""
-        )
-        if why:
-            out.append(Report(r.gpu, "replica.grant_rejected", why))
-            out.append(Fence(r.gpu, lm.Record(c.lease_id, c.epoch, "rejected", c.command_id, why)))
-            return r
-        out.append(lm.Publish(r.gpu, lm.Record(c.lease_id, c.epoch, "draining", c.command_id)))
-        out.append(Do(r.gpu, "remove"))
-        return replace(
-            r,
-            phase="draining",
-            lease_id=c.lease_id,
-            epoch=c.epoch,
-            grant=inp,
-            received_at=now,
-            expires_at=now + ttl_left,
-            drain_until=now + p.drain_timeout_s,
-            poll_at=now,
-            slept=False,
-        )
     # draining or reclaiming: the replica is out; only its own lease's words count
     if c.epoch != r.epoch or c.lease_id != r.lease_id:
         if c.kind != "revoke":  # a grant while the replica is out: the scheduler asks again once it serves
             why = f"the replica is {r.phase} for lease {r.lease_id}"
             out.append(lm.Publish(r.gpu, lm.Record(c.lease_id, c.epoch, "rejected", c.command_id, why)))
-            if r.lease_id:  # the GPU's current word again, newest on the compacted topic
-                out.append(lm.Publish(r.gpu, _word(r)))
+            word = _current(r, lease)
+            if word is not None:  # the GPU's current word again, newest on the compacted topic
+                out.append(lm.Publish(r.gpu, word))
         return r
     if r.phase == "reclaiming":
         return r  # its end is under way
@@ -231,6 +211,77 @@ def _command(r: Replica, inp: lm.Received, now: float, lease: lm.GpuLease, p: Pa
         return _start_next(_abort(r, lm.Record(c.lease_id, c.epoch, "revoked", c.command_id), now), out)
     ttl_left = (c.expires_at - c.ts) - max(0.0, inp.age_s)
     return replace(r, grant=inp, received_at=now, expires_at=max(r.expires_at, now + ttl_left))
+
+
+def _serving(r: Replica, inp: lm.Received, now: float, lease: lm.GpuLease, p: Params, out: list[Action]) -> Replica:
+    c = inp.command
+    if c.lease_kind != "replica" or c.kind == "revoke" or lm.epoch_seen(lease, c.epoch):
+        out.append(Forward(r.gpu, inp))  # the lease machine's (a co-resident lease, a stale or fenced one)
+        return r
+    ttl_left = (c.expires_at - c.ts) - max(0.0, inp.age_s)
+    why = (
+        "a co-resident lease holds the GPU"
+        if lease.lease is not None
+        else "it arrived expired"
+        if ttl_left <= 0
+        else "a replica over several GPUs (a gang) is not lent yet"
+        if c.group_size > 1
+        else ""
+    )
+    if why:
+        out.append(Report(r.gpu, "replica.grant_rejected", why))
+        out.append(Fence(r.gpu, lm.Record(c.lease_id, c.epoch, "rejected", c.command_id, why)))
+        return r
+    out.append(lm.Publish(r.gpu, lm.Record(c.lease_id, c.epoch, "draining", c.command_id)))
+    out.append(Do(r.gpu, "remove"))
+    return replace(
+        r,
+        phase="draining",
+        lease_id=c.lease_id,
+        epoch=c.epoch,
+        grant=inp,
+        received_at=now,
+        expires_at=now + ttl_left,
+        drain_until=now + p.drain_timeout_s,
+        poll_at=now,
+        slept=False,
+    )
+
+
+def _superseded(r: Replica, inp: lm.Received, now: float, lease: lm.GpuLease, out: list[Action]) -> Replica:
+    """A command of a newer epoch while the replica is out of its router (draining, lent,
+    reclaiming). The newer epoch ends the replica lease as it ends any older lease: the scheduler
+    has moved on and renews it no more. Its replica is reclaimed first (rollout stopped, engine
+    woken, health checked, readmitted, then the lease's `revoked`), so nothing of the newer lease
+    runs: a grant or renew of it is `rejected` with the reason, a revoke `revoked`. That word is
+    held, with the newer epoch, until the replica serves, as the lease machine holds a newer
+    lease's terminal word until an older worker is gone: until then the GPU's newest word stays
+    the replica lease's, which says (to the node's telemetry too) that the replica is out."""
+    c = inp.command
+    why = f"the replica is {r.phase} for lease {r.lease_id}: it serves again first, then a grant is taken"
+    if r.phase == "lent" and lease.lease is not None and lease.lease.epoch == r.epoch:
+        # ended in the lease machine as a newer grant would end it there: its worker stopped, its
+        # terminal word held here until the replica serves again (on_lease_actions)
+        end = replace(c, kind="revoke", lease_id=r.lease_id, epoch=r.epoch, lease_kind="replica")
+        out.append(Forward(r.gpu, lm.Received(end, inp.age_s)))
+    elif r.phase == "draining":  # nothing ran on it: readmitted (woken first where a sleep was asked)
+        ended = _abort(r, lm.Record(r.lease_id, r.epoch, "revoked", c.command_id), now)
+        woken = r.next == "sleep"
+        r = _start_next(replace(ended, next="wake" if woken else "readmit", slept=woken), out)
+    if c.kind == "revoke":
+        word = lm.Record(c.lease_id, c.epoch, "revoked", c.command_id)
+    else:
+        word = lm.Record(c.lease_id, c.epoch, "rejected", c.command_id, why)
+        out.append(Report(r.gpu, "replica.superseded", why))
+    return replace(r, after=r.after + (word,))
+
+
+def _current(r: Replica, lease: lm.GpuLease) -> lm.Record | None:
+    """The GPU's current word while its replica is out: the lease machine's where it is newer (the
+    one restored after a restart), else the replica lease's own (draining or reclaiming)."""
+    if lease.truth is not None and lease.truth.epoch > r.epoch:
+        return lease.truth
+    return _word(r) if r.lease_id else None
 
 
 def _abort(r: Replica, rec: lm.Record, now: float) -> Replica:
@@ -278,8 +329,8 @@ def _done(r: Replica, d: Done, now: float, p: Params, out: list[Action]) -> Repl
         out.append(Report(r.gpu, f"replica.{d.what}_failed", d.detail))
         return replace(r, retry_at=now + p.retry_s)
     if d.what == "readmit":
-        if r.held is not None:
-            out.append(Fence(r.gpu, r.held))
+        for rec in ((r.held,) if r.held is not None else ()) + r.after:  # the newest epoch last
+            out.append(Fence(r.gpu, rec))
         return Replica(gpu=r.gpu, url=r.url)
     after = {"leftover": "wake" if r.slept else "health", "wake": "health", "health": "readmit"}[d.what]
     return _start_next(replace(r, next=after, retry_at=now), out)
