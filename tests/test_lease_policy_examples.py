@@ -206,28 +206,32 @@ def test_observe_lease_state_ends_the_lease_and_keeps_the_epoch_floor():
 
 
 def test_the_share_follows_the_interference_this_gpu_shows():
-    """The online estimate: a GPU whose serving p99 rises a lot per unit of leased share gets a
-    smaller share when it resumes than one whose p99 does not move; both stay within the cap."""
+    """The online estimate: a GPU whose serving p99 rises a lot when the lease's worker starts
+    gets a smaller share when it resumes than one whose p99 does not move; both stay within the
+    cap. Only the start counts (the first event showing rollout memory against the one before):
+    serving's own load rising later in the lease is not read as interference."""
     from rose.policy.compute_share import compute_share_for
 
     cfg = dataclasses.replace(CFG, max_compute_share=1.0)  # so the estimate, not the cap, sizes it
 
-    def resumed_share(leased_tpot_frac: float) -> tuple[float, float]:
+    def resumed_share(started_tpot_frac: float, later_tpot_frac: float) -> tuple[float, float]:
         view = run(steady(3, tpot_frac=0.6), cfg)[-1].view  # granted at load 0.6
-        for i in range(3, 23):  # leased windows: serving's p99 as the rollout share makes it
-            view = decide(view, tel(i, 100 + 0.5 * i, tpot_frac=leased_tpot_frac), cfg).view
-        view = decide(view, tel(23, 111.5, tpot_frac=0.95), cfg).view  # a burst pauses it
+        view = decide(view, tel(3, 101.5, tpot_frac=started_tpot_frac, rollout_gib=4), cfg).view  # the worker starts
+        for i in range(4, 23):  # the rest of the lease: serving's own load moves
+            view = decide(view, tel(i, 100 + 0.5 * i, tpot_frac=later_tpot_frac, rollout_gib=4), cfg).view
+        view = decide(view, tel(23, 111.5, tpot_frac=0.95, rollout_gib=4), cfg).view  # a burst pauses it
         assert view.lease_compute_share == 0.0
         for i in range(24, 27):
-            d = decide(view, tel(i, 100 + 0.5 * i, tpot_frac=0.6), cfg)
+            d = decide(view, tel(i, 100 + 0.5 * i, tpot_frac=0.6, rollout_gib=4), cfg)
             view = d.view
         (c,) = d.commands
         assert c.kind == "throttle" and 0.0 < c.compute_share <= cfg.max_compute_share
         return c.compute_share, view.slowdown_per_share
 
-    quiet, a_quiet = resumed_share(0.6)
-    noisy, a_noisy = resumed_share(0.78)
+    quiet, a_quiet = resumed_share(0.6, 0.6)
+    noisy, a_noisy = resumed_share(0.78, 0.78)
     assert a_noisy > a_quiet and noisy < quiet
+    assert resumed_share(0.6, 0.85) == (quiet, a_quiet)  # a later load swing leaves the estimate alone
     # the sizing rule: headroom lands mid-hysteresis under the estimated slowdown
     target = (CFG.grant_headroom + CFG.revoke_headroom) / 2
     for load, a in ((0.6, 4.0), (0.6, 0.3), (0.75, 0.3)):

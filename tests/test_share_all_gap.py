@@ -88,7 +88,7 @@ def test_a_lease_start_costs_rose_and_share_all_what_its_windows_would_have_done
     for p in ("rose", "share-all"):
         assert slow["policies"][p]["harvest_per_serving_gpu"] < base["policies"][p]["harvest_per_serving_gpu"]
         assert slow["policies"][p]["lease_start_s"] >= 20.0
-    assert g1["lease_start"] > g0["lease_start"] + 0.01
+    assert g1["lease_start"] > 2 * g0["lease_start"] > 0  # fewer starts where leases hold longer, each 20 s
     never = _run(traces_dir, lease_start_s=400.0, cold_start_s=400.0)
     for p in ("rose", "share-all"):
         assert never["policies"][p]["harvest_per_serving_gpu"] == 0.0 and never["policies"][p]["lease_start_s"] is None

@@ -1,5 +1,6 @@
-"""The compute share of a new lease: apart from `decide()` because the interference profile's
-tests and benchmarks size shares with it on their own."""
+"""The compute share of a new lease and the interference estimate it is sized by: apart from
+`decide()` because the interference profile's tests and benchmarks size shares with it on their
+own."""
 
 from __future__ import annotations
 
@@ -49,3 +50,30 @@ def profile_share(share: float, load: float, per_share: float, cfg: PolicyConfig
         if s > 0.0 and load * ratio <= limit:
             return s
     return 0.0
+
+
+SLOWDOWN_BOUNDS = (0.01, 50.0)  # keeps one freak window from zeroing or exploding the estimate
+
+
+def ewma(old: float, x: float, w: float) -> float:
+    return x if old < 0.0 else old + w * (x - old)
+
+
+def interference_estimate(
+    base_load: float, per_share: float, load: float, before: float, share: float, cfg: PolicyConfig
+) -> tuple[float, float]:
+    """The GPU's interference estimate after an event (docs/policy.md "Interference estimate"):
+    serving's load alone (`base_load`) on calm events with no lease running (`share` 0; never on
+    an event deferral may hold back: those are not calm), and its slowdown per unit of share on
+    the event where a lease's worker started (`before` ≥ 0: serving's load on the event before
+    it, which showed no rollout memory), `(load / before - 1) / share`: paired half a second
+    apart, so that serving's own load swings under a long lease are not read as interference."""
+    w = cfg.interference_weight
+    if share > 0.0:
+        if before > 0.0:
+            lo, hi = SLOWDOWN_BOUNDS
+            obs = (load / before - 1.0) / share
+            per_share = ewma(per_share, lo if obs < lo else hi if obs > hi else obs, w)
+    elif 1.0 - load >= cfg.grant_headroom:
+        base_load = ewma(base_load, load, w)
+    return base_load, per_share

@@ -16,7 +16,7 @@ from typing import Any
 from rose.config import GiB, PolicyConfig
 from rose.contract.events import Command, Telemetry
 from rose.contract.immutable import immutable
-from rose.policy.compute_share import compute_share_for
+from rose.policy.compute_share import compute_share_for, interference_estimate
 from rose.policy.lease_commands import lease_command, lease_id_for
 
 POLICY_VERSION = "1.1"
@@ -56,6 +56,7 @@ class GpuView:
     prev_ttft_p99: float = _NEVER  # latencies and serving memory of the last fresh event
     prev_tpot_p99: float = _NEVER
     prev_serving_mem: int = -1
+    prev_rollout_mem: int = -1  # rollout memory of the last fresh event: a worker starts on the first showing it
     serving_mem_high: int = -1  # serving memory's recent peak, which a grant leaves room for (`serving_peak`)
     serving_mem_high_ts: float = _NEVER  # when serving last reached it
     ignored_stale: int = 0  # duplicate / out-of-order events ignored
@@ -154,13 +155,6 @@ def _lease_mem(avail: int, h: float, cfg: PolicyConfig) -> int:
     if gran > 0:
         mem -= mem % gran
     return max(cfg.min_lease_bytes, mem)
-
-
-def _ewma(old: float, x: float, w: float) -> float:
-    return x if old < 0.0 else old + w * (x - old)
-
-
-_SLOWDOWN_BOUNDS = (0.01, 50.0)  # keeps one freak window from zeroing or exploding the estimate
 
 
 def _trend(
@@ -325,7 +319,10 @@ def assess(view: GpuView, event: Telemetry, held: LeaseTerms, cfg: PolicyConfig)
             _kv_growth(view.prev_serving_mem, serving, free, margin, dt, cfg, short)
     h_min = h_ttft if h_ttft < h_tpot else h_tpot
     load = 1.0 - h_min
-    base_load, per_share = _interference(view, held, load, h_min >= cfg.grant_headroom, cfg)
+    share = held.share if held.lease_id is not None else 0.0
+    started = share > 0.0 and event.rollout_mem_bytes > 0 and view.prev_rollout_mem == 0 and view.prev_ttft_p99 >= 0.0
+    before = max(view.prev_ttft_p99 / slo.ttft_p99, view.prev_tpot_p99 / slo.tpot_p99) if started else -1.0
+    base_load, per_share = interference_estimate(view.base_load, view.slowdown_per_share, load, before, share, cfg)
     high, high_ts = serving_peak(view, serving, event.ts, held.lease_id is not None or h_min >= cfg.grant_headroom, cfg)
     return Assessment(
         {"ttft_p99": h_ttft, "tpot_p99": h_tpot},  # headroom
@@ -388,22 +385,6 @@ def _kv_growth(
         short.append(
             f"KV growth {_gib(growth)} per {horizon:g} s would leave {_gib(free - growth)} < margin {_gib(margin)}"
         )
-
-
-def _interference(view: GpuView, held: LeaseTerms, load: float, calm: bool, cfg: PolicyConfig) -> tuple[float, float]:
-    """The interference estimate after this event: serving's load alone on calm events with no
-    rollout running (never on an event deferral may hold back: those are not calm), and its
-    slowdown per unit of share on events where a lease runs."""
-    base_load, per_share = view.base_load, view.slowdown_per_share
-    w_est = cfg.interference_weight
-    if held.lease_id is not None and held.share > 0.0:
-        if base_load > 0.0:
-            obs = (load / base_load - 1.0) / held.share
-            lo, hi = _SLOWDOWN_BOUNDS
-            per_share = _ewma(per_share, lo if obs < lo else hi if obs > hi else obs, w_est)
-    elif calm:
-        base_load = _ewma(base_load, load, w_est)
-    return base_load, per_share
 
 
 def choose(gpu: str, event: Telemetry, a: Assessment, held: LeaseTerms, cfg: PolicyConfig) -> Choice:
@@ -538,6 +519,7 @@ def next_view(view: GpuView, event: Telemetry, a: Assessment, t: LeaseTerms) -> 
         prev_ttft_p99=lat.ttft_p99,
         prev_tpot_p99=lat.tpot_p99,
         prev_serving_mem=a.serving,
+        prev_rollout_mem=event.rollout_mem_bytes,
         serving_mem_high=a.serving_high,
         serving_mem_high_ts=a.serving_high_ts,
         ignored_stale=view.ignored_stale,
