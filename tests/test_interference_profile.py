@@ -302,17 +302,19 @@ def test_five_times_slower_serving_rose_keeps_the_slo_share_all_does_not(traces_
     assert r["rose_vs_share_all"]["slo_difference"] > 0 and r["interference_profile"]["source"] == "test"
 
 
-def test_with_a_profile_the_estimate_starts_from_it_and_one_reading_only_moves_it():
-    """The online estimate's first reading, at a lease's start, moves it from the profile's
-    slowdown at that share by `interference_weight` (the profile is the prior); without a profile
-    the first reading sets it. Calm loads with no lease running feed `base_load` only."""
-    from rose.policy.compute_share import interference_estimate
+def test_the_grant_prediction_error_is_realized_minus_predicted_by_nearest_rank():
+    """`grant_prediction`: the load a co-resident lease's first window showed minus what the
+    grant rule predicted, over every start and over those predicted within 0.3 of the limit."""
+    from rose.sim.rose_run import grant_prediction
 
-    cfg = PolicyConfig(interference_profile=((0.25, 2.0), (0.5, 3.0)))
-    prior = (3.0 - 1.0) / 0.5  # the profile's slowdown per unit of share at 0.5
-    reading = (0.9 / 0.3 - 1.0) / 0.5  # load 0.3 before the start, 0.9 on it
-    _, a = interference_estimate(-1.0, -1.0, 0.9, 0.3, 0.5, cfg)
-    assert a == pytest.approx(prior + cfg.interference_weight * (reading - prior))
-    assert interference_estimate(-1.0, -1.0, 0.9, 0.3, 0.5, PolicyConfig()) == (-1.0, pytest.approx(reading))
-    assert interference_estimate(0.2, 1.5, 0.9, -1.0, 0.5, cfg) == (0.2, 1.5)  # no start: nothing read
-    assert interference_estimate(-1.0, 1.5, 0.3, -1.0, 0.0, cfg) == (0.3, 1.5)  # calm, no lease: base load
+    pairs = [(0.1, 0.15), (0.2, 0.1), (0.5, 0.6), (0.65, 0.95)]  # (predicted, realized)
+    g = grant_prediction(pairs, grant_headroom=0.3)  # limit 0.7: near it from 0.4
+    assert g["all"] == {
+        "n": 4,
+        "q50": pytest.approx(0.1),
+        "q90": pytest.approx(0.3),
+        "q99": pytest.approx(0.3),
+        "max": pytest.approx(0.3),
+    }
+    assert g["near_limit"]["n"] == 2 and g["near_limit"]["q50"] == pytest.approx(0.3)
+    assert grant_prediction([], 0.3)["all"] == {"n": 0, "q50": None, "q90": None, "q99": None, "max": None}

@@ -67,17 +67,12 @@ def interference_estimate(
     an event deferral may hold back: those are not calm), and its slowdown per unit of share on
     the event where a lease's worker started (`before` ≥ 0: serving's load on the event before
     it, which showed no rollout memory), `(load / before - 1) / share`: paired half a second
-    apart, so that serving's own load swings under a long lease are not read as interference.
-    With an interference profile the estimate starts from the profile's slowdown at that share
-    (the profile is the prior), so that one reading moves it by `interference_weight`; without
-    one the first reading sets it."""
+    apart, so that serving's own load swings under a long lease are not read as interference."""
     w = cfg.interference_weight
     if share > 0.0:
         if before > 0.0:
             lo, hi = SLOWDOWN_BOUNDS
             obs = (load / before - 1.0) / share
-            if per_share < 0.0 and cfg.interference_profile:
-                per_share = max(lo, (profile_ratio(cfg.interference_profile, share) - 1.0) / share)
             per_share = ewma(per_share, lo if obs < lo else hi if obs > hi else obs, w)
     elif 1.0 - load >= cfg.grant_headroom:
         base_load = ewma(base_load, load, w)

@@ -342,6 +342,8 @@ def across_seeds(results: list[dict]) -> dict:
         for k, v in r0.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and all(x.get(k) is not None for x in rs):
                 agg[k] = round(statistics.fmean(x[k] for x in rs), 6)
+            elif k == "grant_prediction":  # quantiles do not average: every seed's
+                agg[k] = [x.get(k) for x in rs]
             elif not isinstance(v, dict):
                 agg[k] = v
         agg["ci95"] = {}

@@ -12,6 +12,7 @@ import numpy as np
 from rose.contract.events import Latency, LeaseState, Telemetry
 from rose.executor import lease_machine as lm
 from rose.executor.guard import tripped_next
+from rose.policy.compute_share import profile_ratio
 from rose.policy.core import Applied, Batch, SchedulingCore
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
 from rose.policy.lease_policy import free_memory, memory_margin
@@ -81,6 +82,10 @@ class RoseRun(Run):
         self.acc_tpot = np.zeros(G)
         self.version = np.full(G, -1, dtype=np.int64)  # policy version held by the node, -1 none
         self.grant_room: dict[int, int] = {}  # GPU -> free memory after margin at its grant (checks)
+        # the grant rule's prediction: serving's load under a lease at its grant, by GPU until its
+        # worker starts, then (predicted, the load on the start event) (`grant_prediction`)
+        self._predicted: dict[int, float] = {}
+        self.predictions: list[tuple[float, float]] = []
         self._ended = np.zeros(G, dtype=bool)  # leases ended in the current apply
         self._granted: list[int] = []
         # beside share-all: its per-GPU rate (its memory, SHARE_ALL_SHARE, the same profile), the
@@ -111,6 +116,7 @@ class RoseRun(Run):
             "warm_starts": self.warm.warm_starts,
             "cold_starts": self.warm.cold_starts,
             **lease_hours(0.0, self.lease_gpu_s, 0),
+            "grant_prediction": grant_prediction(self.predictions, self.ctx.policy.grant_headroom),
         }
 
     def in_flight(self):
@@ -270,6 +276,7 @@ class RoseRun(Run):
             i += 1 + n  # this window's event comes after its held-back ones
             d = decisions[i]
             view_lease[g] = d.view.lease_id is not None
+            self._check_prediction(g, d, applied.met[i], events[i])
             if not view_lease[g]:
                 self.why_none[g] = no_lease_why(d.explain.reason)
             for other in d.others:  # a gang's other members
@@ -281,6 +288,22 @@ class RoseRun(Run):
                     self.grant_room[m] = free_memory(total, used[m] - rmem[m], 0, rmem[m]) - memory_margin(total, pc)
         self.decide_calls += len(events)
         return out
+
+    def _check_prediction(self, g: int, d, met, event: Telemetry) -> None:
+        """On a co-resident grant, the load it predicts under the lease: the one `profile_share`
+        holds to the grant rule (`max(load now, base load)` × the larger of the profile's ratio and
+        the GPU's own estimate at the share); on its worker's start, what serving showed there."""
+        if not d.explain.headroom:  # a decision that read no latency (an ignored event)
+            return
+        load = 1.0 - min(d.explain.headroom.values())
+        grant = next((c for c in d.commands if c.kind == "grant" and c.gpu == d.view.gpu), None)
+        if grant is not None and grant.lease_kind == "coresident" and grant.compute_share > 0.0:
+            s, a = grant.compute_share, d.view.slowdown_per_share
+            ratio = max(profile_ratio(self.ctx.policy.interference_profile, s), 1.0 + a * s if a > 0.0 else 0.0)
+            self._predicted[g] = max(load, d.view.base_load) * ratio
+        elif g in self._predicted and met is not None and met.prev_rollout_mem == 0 < event.rollout_mem_bytes:
+            if d.view.lease_id is not None:
+                self.predictions.append((self._predicted.pop(g), load))
 
     def apply(self, commands: list, t1: float) -> None:
         """The executors: expiry, then the commands, each through the GPU's lease machine;
@@ -428,3 +451,21 @@ def _telemetry(
         replica=replica,
         serving_state=serving_state,
     )
+
+
+def grant_prediction(pairs: list[tuple[float, float]], grant_headroom: float) -> dict:
+    """How far serving's load on a co-resident lease's first window (its worker's start) fell from
+    what the grant rule predicted at the grant, in fractions of the SLO: realized - predicted,
+    over every start and over the starts predicted within 0.3 of the grant limit (`1 -
+    grant_headroom`), where an error can cross the SLO. Quantiles by nearest rank."""
+
+    def q(errs: list[float]) -> dict:
+        e = sorted(errs)
+        at = lambda p: round(e[min(len(e) - 1, int(p * len(e)))], 4) if e else None  # noqa: E731
+        return {"n": len(e), "q50": at(0.5), "q90": at(0.9), "q99": at(0.99), "max": at(1.0)}
+
+    near = 1.0 - grant_headroom - 0.3
+    return {
+        "all": q([r - p for p, r in pairs]),
+        "near_limit": q([r - p for p, r in pairs if p >= near]),
+    }
