@@ -96,6 +96,9 @@ def test_vllm_lease_pauses_in_place_applies_weights_bit_exact_and_revoke_moves_p
         ROSE_EXECUTOR__WARM_WORKERS="1",
         ROSE_EXECUTOR__REVOKE_DEADLINE_S="10",
         ROSE_POLICY__MAX_PAUSE_S="900",  # the lease stays paused while the spare engine starts
+        # the spare's GPU showed memory pressure just before its grant: no serving memory peak is
+        # held against it (policy.kv_peak_hold_s, docs/policy.md "Lease size"), so calm grants at once
+        ROSE_POLICY__KV_PEAK_HOLD_S="0",
     )
     q = _submit(cfg)
     states = LeaseStates(cfg)
