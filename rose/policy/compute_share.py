@@ -44,12 +44,19 @@ def profile_share(share: float, load: float, per_share: float, cfg: PolicyConfig
     limit = 1.0 - cfg.grant_headroom
     pts = cfg.interference_profile
     for s in (share, *sorted((p for p, _ in pts if p < share), reverse=True)):
-        ratio = profile_ratio(pts, s)
-        if per_share > 0.0 and 1.0 + per_share * s > ratio:
-            ratio = 1.0 + per_share * s
-        if s > 0.0 and load * ratio <= limit:
+        if s > 0.0 and load * predicted_ratio(s, per_share, cfg) <= limit:
             return s
     return 0.0
+
+
+def predicted_ratio(share: float, per_share: float, cfg: PolicyConfig) -> float:
+    """Serving's p99 ratio the policy predicts beside a lease at `share`: the profile's ratio
+    there (1 without a profile) or, where worse, the GPU's own ``1 + per_share × share``
+    (`interference_prior` in its place before the GPU has shown one, when there is no profile)."""
+    pts = cfg.interference_profile
+    ratio = profile_ratio(pts, share)
+    a = per_share if per_share > 0.0 else 0.0 if pts else cfg.interference_prior
+    return 1.0 + a * share if 1.0 + a * share > ratio else ratio
 
 
 SLOWDOWN_BOUNDS = (0.01, 50.0)  # keeps one freak window from zeroing or exploding the estimate

@@ -320,7 +320,7 @@ def assess(view: GpuView, event: Telemetry, held: LeaseTerms, cfg: PolicyConfig)
     h_min = h_ttft if h_ttft < h_tpot else h_tpot
     load = 1.0 - h_min
     share = held.share if held.lease_id is not None else 0.0
-    started = share > 0.0 and event.rollout_mem_bytes > 0 and view.prev_rollout_mem == 0 and view.prev_ttft_p99 >= 0.0
+    started = share > 0.0 and worker_started(view, event) and view.prev_ttft_p99 >= 0.0
     before = max(view.prev_ttft_p99 / slo.ttft_p99, view.prev_tpot_p99 / slo.tpot_p99) if started else -1.0
     base_load, per_share = interference_estimate(view.base_load, view.slowdown_per_share, load, before, share, cfg)
     high, high_ts = serving_peak(view, serving, event.ts, held.lease_id is not None or h_min >= cfg.grant_headroom, cfg)
@@ -340,6 +340,12 @@ def assess(view: GpuView, event: Telemetry, held: LeaseTerms, cfg: PolicyConfig)
         base_load,
         per_share,
     )
+
+
+def worker_started(view: GpuView, event: Telemetry) -> bool:
+    """Whether `event` is the first to show rollout memory after one that showed none: where a
+    lease's worker started, and the interference estimate reads its slowdown."""
+    return event.rollout_mem_bytes > 0 and view.prev_rollout_mem == 0
 
 
 def serving_peak(view: GpuView, serving: int, ts: float, counts: bool, cfg: PolicyConfig) -> tuple[int, float]:

@@ -12,10 +12,11 @@ import numpy as np
 from rose.contract.events import Latency, LeaseState, Telemetry
 from rose.executor import lease_machine as lm
 from rose.executor.guard import tripped_next
-from rose.policy.compute_share import profile_ratio
+from rose.obs.stats import percentile
+from rose.policy.compute_share import predicted_ratio
 from rose.policy.core import Applied, Batch, SchedulingCore
 from rose.policy.deferral import DEFERRED_KEPT, deferrable
-from rose.policy.lease_policy import free_memory, memory_margin
+from rose.policy.lease_policy import free_memory, memory_margin, worker_started
 from rose.policy.pool import PoolConfig
 from rose.policy.pool_records import PoolIntent
 from rose.sim.models import NODE_GPUS
@@ -298,12 +299,10 @@ class RoseRun(Run):
         load = 1.0 - min(d.explain.headroom.values())
         grant = next((c for c in d.commands if c.kind == "grant" and c.gpu == d.view.gpu), None)
         if grant is not None and grant.lease_kind == "coresident" and grant.compute_share > 0.0:
-            s, a = grant.compute_share, d.view.slowdown_per_share
-            ratio = max(profile_ratio(self.ctx.policy.interference_profile, s), 1.0 + a * s if a > 0.0 else 0.0)
+            ratio = predicted_ratio(grant.compute_share, d.view.slowdown_per_share, self.ctx.policy)
             self._predicted[g] = max(load, d.view.base_load) * ratio
-        elif g in self._predicted and met is not None and met.prev_rollout_mem == 0 < event.rollout_mem_bytes:
-            if d.view.lease_id is not None:
-                self.predictions.append((self._predicted.pop(g), load))
+        elif g in self._predicted and met is not None and worker_started(met, event) and d.view.lease_id is not None:
+            self.predictions.append((self._predicted.pop(g), load))
 
     def apply(self, commands: list, t1: float) -> None:
         """The executors: expiry, then the commands, each through the GPU's lease machine;
@@ -460,9 +459,10 @@ def grant_prediction(pairs: list[tuple[float, float]], grant_headroom: float) ->
     grant_headroom`), where an error can cross the SLO. Quantiles by nearest rank."""
 
     def q(errs: list[float]) -> dict:
-        e = sorted(errs)
-        at = lambda p: round(e[min(len(e) - 1, int(p * len(e)))], 4) if e else None  # noqa: E731
-        return {"n": len(e), "q50": at(0.5), "q90": at(0.9), "q99": at(0.99), "max": at(1.0)}
+        return {
+            "n": len(errs),
+            **{k: percentile(errs, p, 4) for k, p in (("q50", 0.5), ("q90", 0.9), ("q99", 0.99), ("max", 1.0))},
+        }
 
     near = 1.0 - grant_headroom - 0.3
     return {
