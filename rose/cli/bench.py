@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
             0, "--rounds", help="gateway: rounds alternating the sides (0: the bench's default)."
         ),
         plot: str = typer.Option("", "--plot", help="trl: write the reward curve to this PNG."),
+        lr: float = typer.Option(0.0, "--lr", help="learning: Adam's learning rate (0: the demo's)."),
     ) -> None:
         """Run a benchmark; figures are measured in this run, goals shown beside them."""
         from rose import bench as benches
@@ -52,9 +53,14 @@ def register(app: typer.Typer) -> None:
         cfg = cli_config()
         if plot and name != "trl":
             fail(f"--plot: bench {name!r} draws no plot (trl does)")
+        if lr and name != "learning":
+            fail(f"--lr: bench {name!r} trains nothing (learning does)")
+        if lr < 0:
+            fail(f"--lr {lr}: expected a positive learning rate (0: the demo's)")
         if name in _OWN_OPTIONS:  # benches that start their own engines take --model as an argument
             load = (turns, max_tokens, concurrency, rounds, cycles)
             extra = _OWN_OPTIONS[name](mod, engine, model, plot, load, cfg.rollout.python)
+            extra |= {"lr": lr} if name == "learning" else {}
         elif turns or max_tokens or concurrency != 8 or rounds:
             fail(f"--turns/--max-tokens/--concurrency/--rounds: bench {name!r} does not take them (gateway does)")
         else:
@@ -104,10 +110,11 @@ def _decode_args(model: str, engine: str) -> dict:
     return {"model": str(Path(model).resolve()) if model else ""}
 
 
-def _task_reward_args(model: str, engine: str) -> dict:
-    """`rose bench task_reward`'s options, checked: vLLM sampling `model`, which needs its tokenizer."""
+def _task_reward_args(model: str, engine: str, name: str = "task_reward") -> dict:
+    """`rose bench task_reward`'s (and `learning`'s) options, checked: vLLM sampling `model`, which
+    needs its tokenizer."""
     if engine not in ("", "vllm"):
-        fail(f"--engine {engine!r}: bench task_reward samples through vLLM, as the demo's workers do")
+        fail(f"--engine {engine!r}: bench {name} samples through vLLM, as the demo's workers do")
     _check_checkpoint(model, tokenizer=True, required=True)
     from rose.rollout.addition_task import has_chat_template
 
@@ -179,5 +186,6 @@ _OWN_OPTIONS = {
     "trl": lambda mod, engine, model, plot, load, python: _trl_args(model, engine, plot),
     "decode": lambda mod, engine, model, plot, load, python: _decode_args(model, engine),
     "task_reward": lambda mod, engine, model, plot, load, python: _task_reward_args(model, engine),
+    "learning": lambda mod, engine, model, plot, load, python: _task_reward_args(model, engine, "learning"),
     "replica": lambda mod, engine, model, plot, load, python: _replica_args(engine, model, load, python),
 }

@@ -26,11 +26,11 @@ from rose.demo.training import (
     MASTER_DTYPE,
     PUBLISH_DTYPE,
     TrainerSpec,
-    policy_gradient_step,
     record_version,
     version_record,
 )
 from rose.rollout import addition_task as mt
+from rose.rollout.addition_task import trainable as trainable  # the parameters a step updates
 
 SAMPLES_KEPT = 8
 
@@ -48,12 +48,6 @@ def checkpoint_names(checkpoint: str) -> set[str]:
     return names
 
 
-def trainable(names: list[str], n_layers: int, train_layers: int) -> set[str]:
-    """The parameters a step updates: the last `train_layers` decoder layers and the final norm."""
-    prefixes = tuple(f"model.layers.{i}." for i in range(max(0, n_layers - train_layers), n_layers))
-    return {n for n in names if n.startswith(prefixes) or n.startswith("model.norm.")}
-
-
 class HFTrainer:
     def __init__(self, spec: TrainerSpec, cfg, r):
         import torch
@@ -67,13 +61,7 @@ class HFTrainer:
         self.tok = mt.load_tokenizer(spec.checkpoint)
         self.model = AutoModelForCausalLM.from_pretrained(spec.checkpoint, dtype=getattr(torch, MASTER_DTYPE))
         self.model.train()
-        names = [n for n, _ in self.model.named_parameters()]
-        self.trained = trainable(names, int(self.model.config.num_hidden_layers), spec.train_layers)
-        params = []
-        for n, p in self.model.named_parameters():
-            p.requires_grad_(n in self.trained)
-            if n in self.trained:
-                params.append(p)
+        self.trained, params = mt.trainable_parameters(self.model, spec.train_layers)
         self.n_trained = sum(p.numel() for p in params)
         self.opt = torch.optim.Adam(params, lr=spec.lr)
         self.publish_names = checkpoint_names(spec.checkpoint)
@@ -157,8 +145,6 @@ class HFTrainer:
                 self.ready.append((gid, self.pending.pop(gid)))
 
     def step(self) -> dict:
-        import torch
-
         groups = [self.ready.popleft() for _ in range(min(self.spec.groups_per_step, len(self.ready)))]
         trajs, rewards, adv = [], [], []
         for gid, ts in groups:
@@ -184,21 +170,9 @@ class HFTrainer:
             rewards += rs
             adv += mt.group_advantages(rs)
         B = len(trajs)
-        T = max(len(t.tokens) for t in trajs)
         pad = int(self.tok.pad_token_id if self.tok.pad_token_id is not None else 0)
-        tok = torch.full((B, T), pad, dtype=torch.long)
-        att = torch.zeros(B, T, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        for i, t in enumerate(trajs):
-            n = len(t.tokens)
-            tok[i, :n] = torch.tensor(t.tokens)
-            att[i, :n] = 1
-            mask[i, :n] = torch.tensor(t.action_mask)
         t0 = time.perf_counter()
-        loss_v = 0.0
-        if any(a != 0 for a in adv):
-            logits = self.model(input_ids=tok, attention_mask=att).logits
-            loss_v = policy_gradient_step(self.opt, logits, tok, mask, adv)
+        loss_v = mt.reinforce_step(self.model, self.opt, [(t.tokens, t.action_mask) for t in trajs], adv, pad)
         return {
             "loss": round(loss_v, 5),
             "reward_mean": round(sum(rewards) / B, 4),

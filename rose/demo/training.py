@@ -1,6 +1,7 @@
 """What the demo's two trainers share (rose.demo.trainer's on the reference policy,
 rose.demo.hf_trainer's on a real checkpoint): the spec they start from, the dtypes of the master
-and the published weights, the REINFORCE step and the record a published version leaves."""
+and the published weights, the REINFORCE step (rose.rollout.addition_task's) and the record a
+published version leaves."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rose.demo.spec_process import JsonSpec
+
+# the step both trainers take, below the demo so that `rose bench learning` takes it too
+from rose.rollout.addition_task import policy_gradient_step as policy_gradient_step
 
 MASTER_DTYPE = "float32"  # what the optimizer updates
 PUBLISH_DTYPE = "bfloat16"  # what the weight stream carries
@@ -42,21 +46,6 @@ class TrainerSpec(JsonSpec):
     group: int = 4  # samples per prompt (distinct seeds); advantages are normalised within a group
     groups_per_step: int = 2  # complete groups per optimizer step
     train_layers: int = 1  # the last N decoder layers (and the final norm) are trained, the rest frozen
-
-
-def policy_gradient_step(opt, logits, tok, mask, adv: list[float]) -> float:
-    """One REINFORCE step: minus the advantage-weighted log-probability of each action token
-    (`mask`), averaged over them; the loss."""
-    import torch
-
-    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])[..., 0]
-    keep = mask[:, 1:].float()
-    a = torch.tensor(adv)[:, None]
-    loss = -(a * logp * keep).sum() / keep.sum().clamp(min=1)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
 
 
 def version_record(version: int, st, extra: dict) -> dict:

@@ -7,7 +7,9 @@ solved examples (without them SmolLM2-135M-Instruct answers in prose and almost 
 the sum); the episode is one turn of a few tokens. The reward
 is 1 when the first integer in the decoded answer is A + B, else 0. Advantages are normalised
 within each group of samples of the same prompt (GRPO): a group whose samples all earn the same
-reward teaches nothing and gets advantage 0.
+reward teaches nothing and gets advantage 0. The step the demo's trainer takes on a batch of
+groups is here too (`trainable_parameters`, `reinforce_step`), below both the demo and the bench
+that measures whether it learns (`rose bench learning`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,59 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     if s < eps:
         return [0.0] * len(rewards)
     return [(r - m) / (s + eps) for r in rewards]
+
+
+def trainable(names: list[str], n_layers: int, train_layers: int) -> set[str]:
+    """The parameters a step updates: the last `train_layers` decoder layers and the final norm."""
+    prefixes = tuple(f"model.layers.{i}." for i in range(max(0, n_layers - train_layers), n_layers))
+    return {n for n in names if n.startswith(prefixes) or n.startswith("model.norm.")}
+
+
+def trainable_parameters(model, train_layers: int) -> tuple[set[str], list]:
+    """A transformers causal LM's `trainable` parameters, the others frozen: their names and the
+    tensors an optimizer updates."""
+    names = [n for n, _ in model.named_parameters()]
+    trained = trainable(names, int(model.config.num_hidden_layers), train_layers)
+    params = []
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in trained)
+        if n in trained:
+            params.append(p)
+    return trained, params
+
+
+def policy_gradient_step(opt, logits, tok, mask, adv: list[float]) -> float:
+    """One REINFORCE step: minus the advantage-weighted log-probability of each action token
+    (`mask`), averaged over them; the loss."""
+    import torch
+
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])[..., 0]
+    keep = mask[:, 1:].float()
+    a = torch.tensor(adv)[:, None]
+    loss = -(a * logp * keep).sum() / keep.sum().clamp(min=1)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def reinforce_step(model, opt, seqs: list[tuple[list[int], list[int]]], adv: list[float], pad: int) -> float:
+    """`policy_gradient_step` on a causal LM over `seqs` (each the tokens and its action mask),
+    right-padded with `pad`; no step (loss 0) when every advantage is 0, which teaches nothing."""
+    import torch
+
+    if not any(a != 0 for a in adv):
+        return 0.0
+    B, T = len(seqs), max(len(s) for s, _ in seqs)
+    tok = torch.full((B, T), pad, dtype=torch.long)
+    att = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for i, (s, m) in enumerate(seqs):
+        tok[i, : len(s)] = torch.tensor(s)
+        att[i, : len(s)] = 1
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
+    logits = model(input_ids=tok, attention_mask=att).logits
+    return policy_gradient_step(opt, logits, tok, mask, adv)
 
 
 def load_tokenizer(checkpoint: str):
