@@ -124,12 +124,15 @@ def read_partitions(
 ) -> list[Message]:
     """Every message now in the given (topic, partition)s, from their start up to their end
     offsets at call time, in partition order; `bounds` narrows a partition to the offsets
-    [from, to) within those (to < 0: its end). For rebuilding state, record, audits and tests."""
+    [from, to) within those (to < 0: its end). A record fetched past its partition's end (one
+    fetch brings whatever follows) is left out: a takeover that folded it would decide it twice.
+    For rebuilding state, record, audits and tests."""
     consumer = make_consumer(
         kcfg, group_id=f"rose-reader-{time.monotonic_ns()}", **{"isolation.level": isolation, **overrides}
     )
     try:
         remaining: dict[tuple[str, int], int] = {}
+        ends: dict[tuple[str, int], int] = {}
         assign = []
         for t, p in partitions:
             lo, hi = retrying(lambda: consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10), 30)
@@ -137,7 +140,7 @@ def read_partitions(
                 start, end = bounds[(t, p)]
                 lo, hi = max(lo, start), hi if end < 0 else min(hi, end)
             if hi > lo:
-                remaining[(t, p)] = hi
+                remaining[(t, p)] = ends[(t, p)] = hi
                 assign.append(TopicPartition(t, p, lo))
         if not assign:
             return []
@@ -150,9 +153,11 @@ def read_partitions(
                     if err.code() == KafkaError._PARTITION_EOF:
                         continue
                     raise KafkaException(err)
-                out.append(m)
                 topic, partition, offset = m.topic(), m.partition(), m.offset()
                 assert topic is not None and partition is not None and offset is not None  # not an error
+                if offset >= ends[(topic, partition)]:
+                    continue
+                out.append(m)
                 if (topic, partition) in remaining and offset + 1 >= remaining[(topic, partition)]:
                     del remaining[(topic, partition)]
             # transaction markers and aborted records occupy offsets: done once the position is at the end
