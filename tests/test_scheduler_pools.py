@@ -6,6 +6,9 @@ checked at start."""
 from __future__ import annotations
 
 import dataclasses
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -216,6 +219,59 @@ def test_a_new_instance_takes_over_both_stages_from_the_log(cfg, monkeypatch):
     assert sorted(r["lease_id"] for r in _replica(got, "revoke")) == sorted(lent)
 
 
+class SchedulerProcesses:
+    """`rose scheduler` processes on the test's topics with the pool configured and a 60 s lease
+    TTL, each logging to `<name>.log` under `tmp_path`; SIGKILLed at will, the kill times kept
+    (the windows in which the pool stage may have been taken over)."""
+
+    def __init__(self, cfg, tmp_path):
+        import os
+
+        self.cfg, self.tmp_path = cfg, tmp_path
+        toml = tmp_path / "rose.toml"
+        toml.write_text(f"[policy]\nttl_s = 60.0\n[policy.pools.chat]\nreplica_capacity_rps = {POOL.replica_capacity_rps}\n"
+                        f"window_s = {POOL.window_s}\nbin_s = {POOL.bin_s}\n")  # fmt: skip
+        self.env = {
+            **os.environ,
+            "ROSE_CONFIG": str(toml),
+            "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
+            "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
+            "ROSE_KAFKA__PARTITIONS": str(cfg.kafka.partitions),
+        }
+        self.kill_times: list[float] = []
+        self.at_kill: list[tuple[int, int, int]] = []  # (samples, replica grants, replica revokes) committed
+
+    def start(self, name: str, instance: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "rose", "scheduler", "--instance", instance, "--log-level", "WARNING"]
+        log = open(self.tmp_path / f"{name}.log", "wb")
+        return subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        self.kill_times.append(time.time())
+        samples, cmds = read_all(self.cfg.kafka, [self.cfg.kafka.pool_samples_topic]), commands(self.cfg)
+        self.at_kill.append((len(samples), len(_replica(cmds, "grant")), len(_replica(cmds, "revoke"))))
+
+    def drain_and_audit(self, fleet: Fleet) -> dict:
+        """Stop the telemetry, wait until both stages have decided everything committed, and run
+        the fault suite's replica audit over the whole log, a takeover allowed within a minute
+        of each kill."""
+        from tests.faults import audit
+
+        fleet.stop()
+        deadline = time.monotonic() + 60
+        while audit.pool_backlog(self.cfg) != 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return audit.audit_replica_commands(self.cfg, rebuilds=[(t, t + 60) for t in self.kill_times])
+
+
+def _ttl_60(cfg):
+    # a lease outlives the restarts: a replica grant is applied up to a restart's time after its
+    # cause, and with the default 5 s it could be born expired (the pool would then lend again)
+    return _pool_cfg(dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, ttl_s=60.0)))
+
+
 @pytest.mark.stack
 def test_sigkill_of_the_scheduler_loses_and_duplicates_no_replica_command(cfg, tmp_path):
     """Fault: `rose scheduler` SIGKILLed at random points while the pool lends and while it
@@ -226,74 +282,91 @@ def test_sigkill_of_the_scheduler_loses_and_duplicates_no_replica_command(cfg, t
     takeover's within a minute of a kill; every intent's replica command once, where due).
     Counted: kills, the samples, replica grants and revokes committed at each kill, and the
     audit's counts."""
-    import os
     import random
-    import signal
-    import subprocess
-    import sys
 
-    from tests.faults import audit
     from tests.processes import terminate_all
 
-    # a lease outlives the restarts: a replica grant is applied up to a restart's time after its
-    # cause, and with the default 5 s it could be born expired (the pool would then lend again)
-    cfg = _pool_cfg(dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, ttl_s=60.0)))
-    toml = tmp_path / "rose.toml"
-    toml.write_text(f"[policy]\nttl_s = 60.0\n[policy.pools.chat]\nreplica_capacity_rps = {POOL.replica_capacity_rps}\n"
-                    f"window_s = {POOL.window_s}\nbin_s = {POOL.bin_s}\n")  # fmt: skip
-    env = {
-        **os.environ,
-        "ROSE_CONFIG": str(toml),
-        "ROSE_KAFKA_BOOTSTRAP": cfg.kafka.bootstrap,
-        "ROSE_KAFKA__TOPIC_PREFIX": cfg.kafka.topic_prefix,
-        "ROSE_KAFKA__PARTITIONS": str(cfg.kafka.partitions),
-    }
-    cmd = [sys.executable, "-m", "rose", "scheduler", "--instance", "pk", "--log-level", "WARNING"]
+    cfg = _ttl_60(cfg)
+    procs = SchedulerProcesses(cfg, tmp_path)
     rng = random.Random(5)
-    at_kill: list[tuple[int, int, int]] = []
-    kill_times: list[float] = []
-
-    def start(name: str) -> subprocess.Popen:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "wb"))
-
-    def kill(proc: subprocess.Popen) -> None:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        kill_times.append(time.time())
-        samples, cmds = read_all(cfg.kafka, [cfg.kafka.pool_samples_topic]), commands(cfg)
-        at_kill.append((len(samples), len(_replica(cmds, "grant")), len(_replica(cmds, "revoke"))))
-
     with Fleet(cfg) as fleet:
         for round_ in range(3):  # while the pool lends
-            proc = start(f"lend{round_}")
+            proc = procs.start(f"lend{round_}", "pk")
             time.sleep(rng.uniform(3.0, 9.0))
-            kill(proc)
-        proc = start("lent")
+            procs.kill(proc)
+        proc = procs.start("lent", "pk")
         try:
             got = _wait_for(cfg, lambda cs: len(_replica(cs, "grant")) >= 2, "replica grants")
             grants = _replica(got, "grant")
             lent = {g["lease_id"] for g in grants}
             fleet.state = {"r0": (25.0, "serving"), "r1": (0.0, "lent"), "r2": (0.0, "lent")}
             time.sleep(rng.uniform(0.5, 2.0))
-            kill(proc)  # while it reclaims
-            proc = start("final")
+            procs.kill(proc)  # while it reclaims
+            proc = procs.start("final", "pk")
             got = _wait_for(cfg, lambda cs: {c["lease_id"] for c in _replica(cs, "revoke")} >= lent, "reclaim")
             n = len(got)
             got = _wait_for(cfg, lambda cs: len(cs) > n, "later commands")
-            fleet.stop()
-            deadline = time.monotonic() + 60
-            while audit.pool_backlog(cfg) != 0 and time.monotonic() < deadline:
-                time.sleep(0.5)
+            counts = procs.drain_and_audit(fleet)
         finally:
             terminate_all({"scheduler": proc})
-    print(f"\n[pool sigkill] kills={len(at_kill)} (samples, replica grants, replica revokes) at each kill={at_kill}")
-    assert any(samples for samples, _, _ in at_kill), "a kill must land after samples were committed"
+    print(f"\n[pool sigkill] kills={len(procs.at_kill)} (samples, replica grants, replica revokes) at each "
+          f"kill={procs.at_kill}\n[pool sigkill] replica audit: {counts}")  # fmt: skip
+    assert any(samples for samples, _, _ in procs.at_kill), "a kill must land after samples were committed"
     assert not duplicate_ids(got)
     assert sorted(g["gpu"] for g in _replica(got, "grant")) == ["pl/1", "pl/2"], "each replica lent once"
     assert sorted(r["lease_id"] for r in _replica(got, "revoke")) == sorted(lent), "each lease revoked once"
-    # a killed scheduler's successor takes over the pool once it is assigned its partition
-    counts = audit.audit_replica_commands(cfg, rebuilds=[(t, t + 60) for t in kill_times])
-    print(f"[pool sigkill] replica audit: {counts}")
+    assert counts["replica_grant"] == 2 and counts["replica_revoke"] == 2, counts
+
+
+def _pool_owner(cfg) -> str:
+    """The instance whose pool stage holds the partition of pool `chat`'s samples now."""
+    from confluent_kafka.admin import AdminClient
+
+    k = cfg.kafka
+    partition = read_all(k, [k.pool_samples_topic])[0].partition()
+    from rose.scheduler.service import SCHEDULER_GROUP
+
+    group = f"{k.topic_prefix}{SCHEDULER_GROUP}-pools"
+    admin = AdminClient({"bootstrap.servers": k.bootstrap})
+    desc = admin.describe_consumer_groups([group])[group].result(timeout=10)
+    for m in desc.members:
+        if any(tp.topic == k.pool_samples_topic and tp.partition == partition for tp in m.assignment.topic_partitions):
+            return str(m.group_instance_id).rsplit("-", 1)[-1]
+    raise AssertionError(f"no member of {group} holds {k.pool_samples_topic}[{partition}]: {desc.members}")
+
+
+@pytest.mark.stack
+def test_sigkill_of_the_instance_that_owns_the_pool_hands_it_to_the_other(cfg, tmp_path):
+    """Fault, scaled out: two `rose scheduler` processes (instances pa and pb) share both groups.
+    The one whose pool stage owns the pool's partition is SIGKILLed while two replicas are lent,
+    and the load rises. The other instance is assigned the pool after the group's session
+    timeout, takes it over from the log and reclaims: each replica lent once, each lease revoked
+    once, no command id twice, and the replica audit holds over the whole log."""
+    from tests.processes import terminate_all
+
+    cfg = _ttl_60(cfg)
+    procs = SchedulerProcesses(cfg, tmp_path)
+    with Fleet(cfg) as fleet:
+        running = {i: procs.start(i, i) for i in ("pa", "pb")}
+        try:
+            got = _wait_for(cfg, lambda cs: len(_replica(cs, "grant")) >= 2, "replica grants")
+            grants = _replica(got, "grant")
+            lent = {g["lease_id"] for g in grants}
+            owner = _pool_owner(cfg)
+            procs.kill(running.pop(owner))
+            fleet.state = {"r0": (25.0, "serving"), "r1": (0.0, "lent"), "r2": (0.0, "lent")}
+            got = _wait_for(cfg, lambda cs: {c["lease_id"] for c in _replica(cs, "revoke")} >= lent, "reclaim")
+            n = len(got)
+            got = _wait_for(cfg, lambda cs: len(cs) > n, "later commands")
+            survivor = _pool_owner(cfg)
+            counts = procs.drain_and_audit(fleet)
+        finally:
+            terminate_all({f"scheduler {i}": p for i, p in running.items()})
+    print(f"\n[pool owner sigkill] killed {owner}, the pool went to {survivor}; replica audit: {counts}")
+    assert survivor != owner, "the surviving instance owns the pool"
+    assert not duplicate_ids(got)
+    assert sorted(g["gpu"] for g in _replica(got, "grant")) == ["pl/1", "pl/2"], "each replica lent once"
+    assert sorted(r["lease_id"] for r in _replica(got, "revoke")) == sorted(lent), "each lease revoked once"
     assert counts["replica_grant"] == 2 and counts["replica_revoke"] == 2, counts
 
 
