@@ -318,21 +318,27 @@ def test_sigkill_of_the_scheduler_loses_and_duplicates_no_replica_command(cfg, t
     assert counts["replica_grant"] == 2 and counts["replica_revoke"] == 2, counts
 
 
-def _pool_owner(cfg) -> str:
-    """The instance whose pool stage holds the partition of pool `chat`'s samples now."""
+def _pool_owner(cfg, timeout_s: float = 30.0) -> str:
+    """The instance whose pool stage holds the partition of pool `chat`'s samples, once a member
+    holds it (during a rebalance none may)."""
     from confluent_kafka.admin import AdminClient
+
+    from rose.scheduler.service import SCHEDULER_GROUP
 
     k = cfg.kafka
     partition = read_all(k, [k.pool_samples_topic])[0].partition()
-    from rose.scheduler.service import SCHEDULER_GROUP
-
     group = f"{k.topic_prefix}{SCHEDULER_GROUP}-pools"
     admin = AdminClient({"bootstrap.servers": k.bootstrap})
-    desc = admin.describe_consumer_groups([group])[group].result(timeout=10)
-    for m in desc.members:
-        if any(tp.topic == k.pool_samples_topic and tp.partition == partition for tp in m.assignment.topic_partitions):
-            return str(m.group_instance_id).rsplit("-", 1)[-1]
-    raise AssertionError(f"no member of {group} holds {k.pool_samples_topic}[{partition}]: {desc.members}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        members = admin.describe_consumer_groups([group])[group].result(timeout=10).members
+        for m in members:
+            if any(
+                tp.topic == k.pool_samples_topic and tp.partition == partition for tp in m.assignment.topic_partitions
+            ):
+                return str(m.group_instance_id).rsplit("-", 1)[-1]
+        assert time.monotonic() < deadline, f"no member of {group} held {k.pool_samples_topic}[{partition}]: {members}"
+        time.sleep(0.5)
 
 
 @pytest.mark.stack
