@@ -359,6 +359,43 @@ def test_hf_trainer_trains_the_last_layers_and_the_final_norm():
     assert trainable(names, 4, 2) == {"model.layers.2.mlp.weight", "model.layers.3.mlp.weight", "model.norm.weight"}
 
 
+def test_the_trainers_step_on_a_checkpoint_moves_only_the_last_layer_toward_the_rewarded_sample(tiny_checkpoint):
+    """`reinforce_step` as the HF trainer and `rose bench learning` take it, on a real (tiny)
+    transformers checkpoint: the frozen parameters stay bit-equal, the rewarded sequence's action
+    tokens gain log-probability and the unrewarded one's lose it; a batch whose advantages are all
+    0 takes no step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    from rose.rollout import addition_task as mt
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float32)
+    trained, params = mt.trainable_parameters(model, 1)
+    n_layers = int(model.config.num_hidden_layers)
+    assert trained and all(n.startswith((f"model.layers.{n_layers - 1}.", "model.norm.")) for n in trained)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.Adam(params, lr=1e-2)
+    good, bad = [5, 6, 7, 8, 9], [5, 6, 7, 10, 11]  # a shared prompt, then two different answers
+    mask = [False, False, False, True, True]
+    seqs = [(good, mask), (bad, mask)]
+
+    def answer_logp(s: list[int]) -> float:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([s])).logits[0, :-1].float(), -1)
+        return float(sum(logp[i - 1, s[i]] for i in range(3, len(s))))
+
+    assert mt.reinforce_step(model, opt, seqs, [0.0, 0.0], pad=0) == 0.0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    g0, b0 = answer_logp(good), answer_logp(bad)
+    for _ in range(3):
+        mt.reinforce_step(model, opt, seqs, mt.group_advantages([1.0, 0.0]), pad=0)
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in before if n not in trained)
+    assert any(not torch.equal(after[n], before[n]) for n in trained)
+    assert answer_logp(good) > g0 and answer_logp(bad) < b0
+
+
 def test_demo_with_a_checkpoint_engine_configures_rollout_and_the_trainer(tmp_path):
     from rose.config import Config
     from rose.demo.run_setup import DemoSetup

@@ -132,6 +132,22 @@ def progress(bench: str, t0: float, msg: str) -> None:
     print(f"[bench {bench} {time.monotonic() - t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
+def child_result(q, p, what: str):
+    """What a bench's child process (`p`, spawned for vLLM's process-wide settings) put on `q`,
+    or one line naming `what` when it died without putting it there."""
+    import queue
+
+    while True:
+        try:
+            out = q.get(timeout=1.0)
+        except queue.Empty:
+            if not p.is_alive():
+                raise SystemExit(f"{what} exited {p.exitcode}; its error is above") from None
+            continue
+        p.join(60)
+        return out
+
+
 def wait_for(fn, timeout_s: float):
     """Poll `fn` (every 0.2 ms: the benches time sub-millisecond events) until it returns
     something true, and return that; TimeoutError after `timeout_s`."""

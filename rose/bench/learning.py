@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any
 
-from rose.bench._stack import progress
+from rose.bench._stack import child_result, progress
 from rose.rollout import addition_task as mt
 
 # the demo's recipe on a real checkpoint (rose.demo.run_setup's TrainerSpec for engine != reference)
@@ -21,7 +21,6 @@ GROUP = 8  # samples per prompt
 GROUPS_PER_STEP = 2
 TRAIN_LAYERS = 1  # the last decoder layer and the final norm
 MAX_TOKENS = 14  # the demo's tokens_per_turn (rose.demo.run_setup.RunOptions)
-PUBLISH_DTYPE = "bfloat16"  # what the demo's weight stream carries (rose.demo.training), so what a worker loads
 BUDGET_S, QUICK_STEPS = 600.0, 3  # steps taken until the budget is spent (after the engine starts)
 SEED = 1  # the prompts' draw and the trainer's torch seed
 BAND = (0.1, 0.7)  # a starting mean reward inside it leaves groups with variance (docs/demo.md "The task")
@@ -78,7 +77,7 @@ def run(cfg: Any, quick: bool, *, model: str = "", lr: float = 0.0) -> dict:
     q = ctx.Queue()
     p = ctx.Process(target=_train, args=(q, model, lr, budget, t0), daemon=True)
     p.start()
-    out = _result(q, p)
+    out = child_result(q, p, "bench learning: the training process")
     return {
         "model": model,
         **out["setup"],
@@ -103,23 +102,6 @@ def run(cfg: Any, quick: bool, *, model: str = "", lr: float = 0.0) -> dict:
         "engine_tensors_not_matching": out["engine_tensors_not_matching"],
         "wall_s": round(time.monotonic() - t0, 1),
     }
-
-
-def _result(q: Any, p: Any) -> dict:
-    """The training process's result, or one line when it died without it."""
-    import queue
-
-    while True:
-        try:
-            out: dict = q.get(timeout=1.0)
-        except queue.Empty:
-            if not p.is_alive():
-                raise SystemExit(
-                    f"bench learning: the training process exited {p.exitcode}; its error is above"
-                ) from None
-            continue
-        p.join(60)
-        return out
 
 
 def _train(q: Any, model: str, lr: float, budget: tuple[float, int], t0: float) -> None:
@@ -176,7 +158,7 @@ def _published(policy: Any) -> dict:
 
     tied = bool(getattr(policy.config, "tie_word_embeddings", False))
     return {
-        k: v.detach().to(getattr(torch, PUBLISH_DTYPE))
+        k: v.detach().to(getattr(torch, mt.PUBLISH_DTYPE))
         for k, v in policy.state_dict().items()
         if not (tied and k == "lm_head.weight")
     }

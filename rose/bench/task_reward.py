@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any
 
-from rose.bench._stack import progress
+from rose.bench._stack import child_result, progress
 from rose.rollout import addition_task as mt
 
 PROMPTS, QUICK_PROMPTS = 48, 4  # prompts per variant, each a group
@@ -33,7 +33,7 @@ def run(cfg: Any, quick: bool, *, model: str = "") -> dict:
     q = ctx.Queue()
     p = ctx.Process(target=_sample_all, args=(q, model, prompts, group), daemon=True)
     p.start()
-    rewards = _result(q, p)
+    rewards: dict[str, list[list[float]]] = child_result(q, p, "bench task_reward: the sampling process")
     variants = {name: _summary(by_prompt) for name, by_prompt in rewards.items()}
     chosen = variants[mt.TASK.name]
     return {
@@ -47,23 +47,6 @@ def run(cfg: Any, quick: bool, *, model: str = "") -> dict:
         "goal_band": list(BAND),
         "demo_task_in_band": BAND[0] <= chosen["mean_reward"] <= BAND[1],  # the mean; the interval is beside it
     }
-
-
-def _result(q: Any, p: Any) -> dict[str, list[list[float]]]:
-    """The sampling process's rewards, or one line when it died without them."""
-    import queue
-
-    while True:
-        try:
-            out: dict[str, list[list[float]]] = q.get(timeout=1.0)
-        except queue.Empty:
-            if not p.is_alive():
-                raise SystemExit(
-                    f"bench task_reward: the sampling process exited {p.exitcode}; its error is above"
-                ) from None
-            continue
-        p.join(60)
-        return out
 
 
 def _sample_all(q: Any, model: str, prompts: int, group: int) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 from rose.demo.spec_process import JsonSpec
 
 # the step both trainers take, below the demo so that `rose bench learning` takes it too
+from rose.rollout.addition_task import PUBLISH_DTYPE as PUBLISH_DTYPE
 from rose.rollout.addition_task import policy_gradient_step as policy_gradient_step
 
 MASTER_DTYPE = "float32"  # what the optimizer updates
-PUBLISH_DTYPE = "bfloat16"  # what the weight stream carries
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 
 _INT = re.compile(r"-?\d+")
+PUBLISH_DTYPE = "bfloat16"  # what the trainer publishes on the weight stream, so what a worker loads
 
 
 @dataclass(frozen=True)
