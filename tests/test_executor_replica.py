@@ -34,7 +34,15 @@ from rose.router.vllm_router import VllmRouterAdapter
 from rose.weights.stream import WeightPublisher
 from tests.examples import command_example
 from tests.test_executor import JOB, ExecutorProc, LeaseStates, env_for, wait_until
-from tests.test_router import _complete, _workers, needs_vllm, router  # noqa: F401 - `router` is a fixture
+from tests.test_router import (  # noqa: F401 - `relays` and `router` are fixtures
+    HELD_AFTER_BYTES,
+    _complete,
+    _workers,
+    hold_the_stream,
+    needs_vllm,
+    relays,
+    router,
+)
 
 pytestmark = [pytest.mark.stack, needs_vllm, pytest.mark.timeout(600)]
 
@@ -141,22 +149,18 @@ def test_grant_drains_and_lends_the_replica_and_revoke_brings_it_back(cfg, route
         run.close()
 
 
-def _stream(url: str, model: str, first_tokens: threading.Event, release: threading.Event, out: dict) -> None:
-    """A long streaming completion through the router that stops reading after its first tokens
-    until `release`. The router counts a request in flight until the engine has generated all of it
-    (it buffers what the client does not read), so only the engine's time holds it there: 32
-    completions of 1000 tokens stay in flight 12.7 s on the 2-core machine (4 completions: 5.6 s),
-    against well under a second from the grant to the executor's drain deadline."""
-    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1000, "n": 32, "ignore_eos": True, "stream": True}
+def _stream(url: str, model: str, first_tokens: threading.Event, out: dict) -> None:
+    """A long streaming completion through the router; its worker's relay holds it in flight
+    after its first lines (tests/relay.py)."""
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=300) as r:  # noqa: S310 - local router
             for n, raw in enumerate(r):
-                if n >= 3 and not first_tokens.is_set():
+                if n >= 3:
                     first_tokens.set()
-                    release.wait(120)
                 out["done"] = raw.strip() == b"data: [DONE]" or out.get("done", False)
     except OSError as e:
         out["error"] = repr(e)
@@ -166,6 +170,7 @@ def _stream(url: str, model: str, first_tokens: threading.Event, release: thread
 def test_a_replica_that_does_not_drain_in_time_is_readmitted_and_its_grant_rejected(
     cfg,
     router,  # noqa: F811
+    relays,  # noqa: F811
     adapter,
     vllm_server,
 ):
@@ -173,14 +178,14 @@ def test_a_replica_that_does_not_drain_in_time_is_readmitted_and_its_grant_rejec
     one the stream runs on."""
     by_gpu = dict(zip((GPU, "sim/1"), _workers(router), strict=True))
     run = Running(executor(cfg, router, by_gpu, drain_timeout_s=0.5))
-    first_tokens, release, streamed = threading.Event(), threading.Event(), {}
-    t = threading.Thread(target=_stream, args=(router.url, vllm_server.model, first_tokens, release, streamed))
+    first_tokens, streamed = threading.Event(), {}
+    for r in relays.values():
+        r.hold_replies_after(HELD_AFTER_BYTES)
+    t = threading.Thread(target=_stream, args=(router.url, vllm_server.model, first_tokens, streamed))
     t.start()
     try:
-        assert first_tokens.wait(120), f"the stream gave no tokens: {streamed}"
-        busy = [g for g, w in by_gpu.items() if adapter.in_flight(w)]
-        assert len(busy) == 1, f"the stream is in flight on {busy}, not on one replica: {streamed}"
-        (gpu,) = busy
+        busy = hold_the_stream(relays, first_tokens, adapter.in_flight)
+        (gpu,) = [g for g, w in by_gpu.items() if w == busy]
         send(cfg, "grant", 1, "g1", gpu=gpu)
         run.wait_state("rejected", gpu=gpu)
         assert run.states(gpu) == ["draining", "rejected"]
@@ -192,7 +197,8 @@ def test_a_replica_that_does_not_drain_in_time_is_readmitted_and_its_grant_rejec
         wait_until(lambda: len(run.states(gpu)) >= 3, 60, "the renewal's answer")
         assert run.states(gpu)[2] == "rejected" and gpu not in run.ex.workers
     finally:
-        release.set()
+        for r in relays.values():
+            r.release()
         t.join(300)
         run.close()
     assert streamed.get("done") and "error" not in streamed, f"the stream in flight failed: {streamed}"

@@ -1,6 +1,7 @@
 """Replica leases' router adapters against the real things: vllm-router (PyPI) fronting vLLM's
-OpenAI server on the tiny checkpoint, the one server registered under two URLs so the router has
-two workers; and the readiness endpoint read by a real HTTP client. The router starts once for
+OpenAI server on the tiny checkpoint, the one server reached through two relays so the router has
+two workers (tests/relay.py: a relay can hold a reply, so a stream stays in flight for as long as
+a test needs); and the readiness endpoint read by a real HTTP client. The router starts once for
 the module."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rose.router.process import RouterProcess, router_argv, start_router, stop_r
 from rose.router.readiness import ReadinessAdapter
 from rose.router.vllm_router import VllmRouterAdapter
 from rose.stack.ports import free_port
+from tests.relay import Relay
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm_router") is None,
@@ -29,10 +31,20 @@ needs_vllm = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def router(vllm_server, tmp_path_factory) -> Iterator[RouterProcess]:
-    port = vllm_server.url.rsplit(":", 1)[1]
-    workers = [f"http://127.0.0.1:{port}", f"http://localhost:{port}"]
-    rp = start_router(workers, tmp_path_factory.mktemp("router") / "router.log")
+def relays(vllm_server) -> Iterator[dict[str, Relay]]:
+    """The router's two workers, by URL: each a relay to the one vLLM server."""
+    target = urllib.parse.urlsplit(vllm_server.url)
+    rs = [Relay((target.hostname, target.port)) for _ in range(2)]
+    try:
+        yield {r.url: r for r in rs}
+    finally:
+        for r in rs:
+            r.close()
+
+
+@pytest.fixture(scope="module")
+def router(relays, tmp_path_factory) -> Iterator[RouterProcess]:
+    rp = start_router(list(relays), tmp_path_factory.mktemp("router") / "router.log")
     try:
         yield rp
     finally:
@@ -40,10 +52,12 @@ def router(vllm_server, tmp_path_factory) -> Iterator[RouterProcess]:
 
 
 @pytest.fixture
-def adapter(router) -> Iterator[VllmRouterAdapter]:
+def adapter(router, relays) -> Iterator[VllmRouterAdapter]:
     a = VllmRouterAdapter(router.url, router.metrics_url)
     yield a
-    for w in _workers(router):  # every test leaves both workers in
+    for r in relays.values():  # every test leaves no reply held and both workers in
+        r.release()
+    for w in _workers(router):
         a.readmit(w)
 
 
@@ -53,6 +67,19 @@ def _workers(router: RouterProcess) -> list[str]:
 
 
 MAX_STREAM_TOKENS = 1000  # with the 3-token prompt, within the server's max_model_len (1024)
+HELD_AFTER_BYTES = 8192  # a held stream's client still reads its first tokens (about 250 bytes each)
+
+
+def hold_the_stream(relays: dict[str, Relay], first_tokens: threading.Event, in_flight) -> str:
+    """Once a stream started after `hold_replies_after` on every relay gave its first tokens: the
+    one worker it is in flight on (by the router's count), every other relay released."""
+    assert first_tokens.wait(120), "the stream gave no tokens"
+    busy = [w for w in relays if in_flight(w)]
+    assert len(busy) == 1, f"expected the stream in flight on one worker, got {busy}"
+    for w, r in relays.items():
+        if w != busy[0]:
+            r.release()
+    return busy[0]
 
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int = 4) -> list[int]:
@@ -83,13 +110,16 @@ def test_requests_through_the_router_are_answered_by_both_workers(router, adapte
 
 
 @needs_vllm
-def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_readmitted(router, adapter, vllm_server):
+def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_readmitted(
+    router, adapter, relays, vllm_server
+):
     """Remove the worker a streaming completion runs on: the stream ends with every token asked
     for, every request sent meanwhile is answered, and the router sends none of them to the
-    removed worker; readmitted, the worker is in the routing set again. The client stops reading
-    after its first tokens until the removal is done, so the stream is still open then."""
+    removed worker; readmitted, the worker is in the routing set again. The worker's relay holds
+    the stream's reply after its first tokens until the removal is done, so it is still in flight
+    then, however fast the engine decodes."""
     streamed: dict[str, object] = {}
-    first_tokens, removed = threading.Event(), threading.Event()
+    first_tokens = threading.Event()
 
     def stream() -> None:
         body = {
@@ -112,20 +142,18 @@ def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_read
                         done = True
                     elif line.startswith(b"data:"):
                         n += sum(len(c.get("token_ids") or ()) for c in json.loads(line[5:])["choices"])
-                        if n >= 3 and not first_tokens.is_set():
+                        if n >= 3:
                             first_tokens.set()
-                            removed.wait(120)
         except OSError as e:
             streamed["error"] = repr(e)
         streamed.update(tokens=n, done=done)
         first_tokens.set()
 
+    for r in relays.values():
+        r.hold_replies_after(HELD_AFTER_BYTES)
     t = threading.Thread(target=stream, daemon=True)
     t.start()
-    assert first_tokens.wait(120), "the stream gave no tokens"
-    busy = [w for w in _workers(router) if adapter.in_flight(w)]
-    assert len(busy) == 1, f"expected the stream in flight on one worker, got {busy}"
-    gone = busy[0]
+    gone = hold_the_stream(relays, first_tokens, adapter.in_flight)
     adapter.remove(gone)
     assert gone not in adapter.serving()
     adapter.remove(gone)  # a second removal is a no-op
@@ -137,7 +165,7 @@ def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_read
         assert len(_complete(router.url, vllm_server.model, [9, 8, i])) == 4
     assert _processed(router).get(gone, 0.0) == before, "the router sent a new request to the removed worker"
     assert adapter.in_flight(gone) == 1, "the stream is not in flight on the removed worker"
-    removed.set()
+    relays[gone].release()
     assert adapter.wait_drained(gone, timeout_s=240), "the removed worker's stream never finished"
     t.join(60)
     assert streamed == {"tokens": MAX_STREAM_TOKENS, "done": True}
