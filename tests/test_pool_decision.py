@@ -335,3 +335,7 @@ def test_forecast_eval_scores_a_step_rise():
     peak = evaluate(load, 5.0, "peak", 75.0, 4.4)  # 15 bins: the window at every decision holds an 8
     assert peak["decisions"] == 4 and peak["under_provisioned"] == 0 and last["under_provisioned"] > 0
     assert peak["capacity_freed"] < last["capacity_freed"]
+    assert last["largest_rise"] == 8.0 and last["under_after_no_load"] == 0
+    # the pool carries 8 rps × 1.3 on 8 replicas; a decision's headroom of ×8 keeps 7 of them on a
+    # forecast of 1 rps, which carry the step: the rise, not the pool, was short
+    assert evaluate(load, 5.0, "last", 5.0, 4.4, headroom=7.0)["under_provisioned"] == 0

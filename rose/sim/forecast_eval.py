@@ -30,6 +30,9 @@ POOL_REPLICAS = 8  # a pool of eight replicas (the simulator's 64 serving GPUs a
 HEADROOM = PoolConfig().headroom
 HORIZONS_S = (PoolConfig().horizon_s, 60.0)  # the default reclaim horizon; a slow (cold, 70B) one
 WINDOWS_S = (10.0, 60.0, 300.0, 900.0)
+# the decision's headroom swept at the default horizon, over the product's window and the longest:
+# does more headroom, or a longer look-back, stop the under-provisioning the default leaves?
+HEADROOM_SWEEP = ((300.0, 900.0), (0.5, 1.0, 1.5))
 KINDS = ("last", "peak", "peak_trend")
 REQUEST_TRACES = (  # (file, bin s): request-level arrivals
     ("azure_llm2023_code.csv", 5.0),
@@ -93,24 +96,35 @@ def alibaba_qps_load(path: Path, bin_s: float) -> np.ndarray:
     return load
 
 
-def evaluate(load: np.ndarray, bin_s: float, kind: str, window_s: float, horizon_s: float) -> dict:
-    """Decisions at every bin once a window of history exists: under-provisioned share, capacity freed."""
+def evaluate(
+    load: np.ndarray, bin_s: float, kind: str, window_s: float, horizon_s: float, headroom: float = HEADROOM
+) -> dict:
+    """Decisions at every bin once a window of history exists: under-provisioned share, capacity
+    freed, and the largest rise (the horizon's peak over the forecast, where the forecast is not 0:
+    a headroom below it cannot cover that rise). The pool is provisioned with `HEADROOM` whatever
+    `headroom` the decision keeps."""
     cap = float(load.max()) * (1 + HEADROOM) / POOL_REPLICAS
     w = max(1, math.ceil(window_s / bin_s))
     h = max(1, math.ceil(horizon_s / bin_s))
-    under = freed = n = 0
+    under = under_idle = freed = n = 0
+    rise = 0.0
     lst = load.tolist()
     for k in range(w - 1, len(lst) - h):
         f = forecast_rps(kind, tuple(lst[k - w + 1 : k + 1]), bin_s, horizon_s)
-        kept = min(POOL_REPLICAS, replicas_needed(f, cap, HEADROOM))
+        kept = min(POOL_REPLICAS, replicas_needed(f, cap, headroom))
         future = max(lst[k + 1 : k + 1 + h])
-        under += future > kept * cap
+        short = future > kept * cap
+        under += short
+        under_idle += short and f <= 0
+        rise = max(rise, future / f) if f > 0 else rise
         freed += POOL_REPLICAS - kept
         n += 1
     return {
         "decisions": n,
         "under_provisioned": under / n if n else None,
+        "under_after_no_load": under_idle / n if n else None,
         "capacity_freed": freed / (n * POOL_REPLICAS) if n else None,
+        "largest_rise": rise,
     }
 
 
@@ -134,7 +148,16 @@ def run(traces: Path) -> dict:
                     if window < horizon and kind != "last":
                         continue  # the window is never shorter than the horizon (PoolConfig)
                     r = evaluate(load, b, kind, max(window, b), horizon)
-                    cells.append({"forecast": kind, "window_s": window, "horizon_s": horizon, **r})
+                    cells.append(
+                        {"forecast": kind, "window_s": window, "horizon_s": horizon, "headroom": HEADROOM, **r}
+                    )
+        windows, headrooms = HEADROOM_SWEEP
+        for window in windows:
+            for headroom in headrooms:
+                r = evaluate(load, b, "peak", max(window, b), HORIZONS_S[0], headroom)
+                cells.append(
+                    {"forecast": "peak", "window_s": window, "horizon_s": HORIZONS_S[0], "headroom": headroom, **r}
+                )
         out["traces"][name] = {"bin_s": b, "bins": len(load), "mean_rps": float(load.mean()), "cells": cells}
     return out
 
@@ -144,19 +167,22 @@ def markdown(res: dict) -> str:
         "# Pool forecast: under-provisioning against capacity freed",
         "",
         f"`python -m rose.sim.forecast_eval` (a pool of {res['pool_replicas']} replicas sized for the trace's "
-        f"peak bin with headroom {res['headroom']}; a decision at every bin; under = the load of a bin "
-        "within the horizon exceeds the kept replicas' capacity; freed = replicas lent / replicas).",
+        f"peak bin with headroom {res['headroom']}; a decision at every bin, keeping the replicas its "
+        "forecast needs with the decision's headroom; under = the load of a bin within the horizon exceeds "
+        "the kept replicas' capacity (after no load: of those, the decisions whose forecast was 0); "
+        "freed = replicas lent / replicas; largest rise = the horizon's peak over a forecast that was not 0).",
         "",
-        "| trace | bin s | horizon s | forecast | window s | under | freed |",
-        "|---|---|---|---|---|---|---|",
+        "| trace | bin s | horizon s | forecast | window s | headroom | under | after no load | freed | largest rise |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, t in res["traces"].items():
         for c in t["cells"]:
-            u, fr = c["under_provisioned"], c["capacity_freed"]
-            us = "n/a" if u is None else f"{u:.4f}"
+            u, ui, fr = c["under_provisioned"], c["under_after_no_load"], c["capacity_freed"]
+            us, uis = ("n/a" if x is None else f"{x:.4f}" for x in (u, ui))
             fs = "n/a" if fr is None else f"{fr:.3f}"
             lines.append(
-                f"| {name} | {t['bin_s']:g} | {c['horizon_s']:g} | {c['forecast']} | {c['window_s']:g} | {us} | {fs} |"
+                f"| {name} | {t['bin_s']:g} | {c['horizon_s']:g} | {c['forecast']} | {c['window_s']:g} "
+                f"| {c['headroom']:g} | {us} | {uis} | {fs} | ×{c['largest_rise']:.2f} |"
             )
     return "\n".join(lines) + "\n"
 
