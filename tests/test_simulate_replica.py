@@ -119,6 +119,26 @@ def test_cli_names_the_new_policies(traces_dir):
         assert {"replica_lease_hours", "coresident_lease_hours", "reclaims_late"} <= set(pol[name])
 
 
+def test_cli_plays_the_configured_pool_settings(traces_dir, tmp_path):
+    """`[policy.pools.serving]` in the configuration file is the simulated pool's decision
+    settings, so an operator's forecast window is what the run plays; without it, the product's."""
+    conf = tmp_path / "pool.toml"
+    conf.write_text("[policy.pools.serving]\nwindow_s = 900.0\nheadroom = 0.5\n")
+
+    def pool(*config: str) -> dict:
+        p = subprocess.run(
+            [sys.executable, "-m", "rose", *config, "simulate", "--trace", str(traces_dir / "burstgpt1_first400.csv"),
+             "--gpus", "4", "--duration", "30", "--policy", "rose", "--json"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        return orjson.loads(p.stdout)["config"]["replica_pool"]
+
+    configured = pool("--config-file", str(conf))
+    assert (configured["window_s"], configured["headroom"]) == (900.0, 0.5)
+    assert pool()["window_s"] == PoolConfig().window_s
+
+
 @pytest.mark.parametrize("bad", ["rose-both", "replica"])
 def test_cli_unknown_policy_lists_the_new_ones(traces_dir, bad):
     p = subprocess.run(

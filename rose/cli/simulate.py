@@ -89,6 +89,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
 
         from rose.cli import cli_config, fail
         from rose.sim.engine import ALL_POLICIES, POLICIES, SimConfig, calibration, simulate_seeds
+        from rose.sim.lease_kinds_run import configured_pool
         from rose.sim.models import RESUME_S
         from rose.sim.report import with_ci
         from rose.sim.runs import ELASTIC_PROVISION_S
@@ -170,6 +171,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - the commands it defines 
                 workers=workers,
                 policies=names,
                 policy=cfg.policy,
+                replica_pool=configured_pool(cfg.policy),
                 record_series=bool(report) or series,
                 lease_start_s=lease_start_s,
                 warm_workers=warm_workers,

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from rose.config import PolicyConfig
 from rose.contract.events import Command, LeaseState
 from rose.policy.core import Applied
 from rose.policy.pool import LEASE_REPLICA, PoolConfig
@@ -36,6 +37,13 @@ from rose.sim.runs import RunContext, lease_hours
 from rose.sim.serving_model import ServingSim
 
 POOL = "serving"  # the pool every simulated GPU's telemetry names (rose_run)
+
+
+def configured_pool(policy: PolicyConfig) -> PoolConfig:
+    """The simulated pool's decision settings: the configuration's `[policy.pools.serving]` table
+    where it has one (so `rose --config-file` plays an operator's forecast, window and headroom),
+    else the product's defaults."""
+    return policy.pools.get(POOL, PoolConfig())
 
 
 class LeaseKindsRun(RoseRun):

@@ -24,6 +24,7 @@ from rose.sim.interference import (
     read_profile,
     simulation_profile,
 )
+from rose.sim.lease_kinds_run import configured_pool
 from rose.sim.policies import POLICIES
 from rose.sim.requests import RequestStream
 from rose.sim.runs import ELASTIC_CAP_FRAC, ELASTIC_PROVISION_S
@@ -159,6 +160,7 @@ def plan(cc: CheckConfig) -> list[Job]:
             seed=seed,
             interference=main,
             policy=cc.policy,
+            replica_pool=configured_pool(cc.policy),
             record_series=False,
             policies=MAIN_POLICIES,
         )

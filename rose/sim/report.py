@@ -130,6 +130,7 @@ def result_of(
                 "kv_bytes_per_episode": int(rollout.kv_episode),
             },
             "slo_tolerance": SLO_TOLERANCE,
+            "replica_pool": asdict(cfg.replica_pool),  # the pool decision's settings as configured
         },
     }
     out.update(validity(pol))
