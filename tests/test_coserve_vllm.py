@@ -15,6 +15,7 @@ import time
 import pytest
 
 from rose.contract.events import Telemetry
+from rose.demo.capacity import Level, capacity_rps, peak_rps
 from rose.demo.coserve import CoServed, CoserveSpec
 from rose.executor.guard import FileLatencySource
 from rose.kafka.consumer import read_all
@@ -126,6 +127,45 @@ def test_coserve_on_vllm(vllm_server, cfg, redis_client, traces_dir, tmp_path, m
     assert sample is not None and (sample.latency_ms.ttft_p99, sample.latency_ms.tpot_p99) in readable
 
 
+@needs_vllm
+@pytest.mark.timeout(900)  # the server's start (tests/conftest.py: vllm_server) counts here
+def test_the_device_measures_its_capacity_alone_and_scales_the_trace_to_it(vllm_server, cfg, redis_client, traces_dir):
+    spec = CoserveSpec(
+        trace=str(traces_dir / "azure_llm2023_conv.csv"),
+        gpu="real/capacity",
+        server="vllm",
+        url=vllm_server.url,
+        model=vllm_server.model,
+        startup_timeout_s=30.0,
+        peak_fraction=0.5,
+        capacity_clients=(1, 2),
+        capacity_level_s=3.0,
+        status_key="demo:coserve-capacity",
+    )
+    dev = CoServed(spec, cfg, redis_client)
+    recorded = dev.arrival.copy()
+    key = cfg.redis.key(spec.status_key)
+    th = threading.Thread(target=dev.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 120
+    while redis_client.hget(key, "state") != b"serving":
+        assert th.is_alive() and time.monotonic() < deadline, "the device did not start serving"
+        time.sleep(0.2)
+    dev.stop = True
+    th.join(60)
+    assert not th.is_alive()
+    load = json.loads(redis_client.hget(key, "serving_load"))
+    levels = load["levels"]
+    assert levels[0]["clients"] == 1 and all(lv["requests"] > 0 and lv["rps"] > 0 for lv in levels)
+    assert load["capacity_rps"] > 0 and load["fraction"] == 0.5
+    # the trace's peak 5-s bin as recorded, at the replay's speed, is half the measured capacity
+    assert load["trace_peak_rps"] == round(peak_rps(recorded, 5.0), 4)
+    assert dev.arrival == pytest.approx(recorded / load["speed"])
+    assert load["trace_peak_rps"] * load["speed"] == pytest.approx(0.5 * load["capacity_rps"], rel=1e-3)
+    print(f"capacity {load['capacity_rps']} req/s, levels {levels}, speed ×{load['speed']}")
+    assert load["capacity_rps"] == round(capacity_rps([Level(**lv) for lv in levels], *dev._slo()), 4)
+
+
 def test_demo_runs_the_measured_device_on_vllm_with_the_vllm_engine(tmp_path):
     from rose.config import Config
     from rose.demo.run_setup import DemoOptions, DemoSetup
@@ -138,7 +178,9 @@ def test_demo_runs_the_measured_device_on_vllm_with_the_vllm_engine(tmp_path):
     spec = coserve_spec(DemoOptions(engine="vllm", model=str(tmp_path), report_dir=str(tmp_path / "r")))
     assert (spec.server, spec.model, spec.max_model_len) == ("vllm", str(tmp_path.resolve()), 512)
     assert spec.server_log == str((tmp_path / "r" / "logs").resolve())
-    assert coserve_spec(DemoOptions()).server == "torch"
+    # scaled so the trace's peak is what the pool decision provisions for: 1 / (1 + headroom)
+    assert (spec.peak_fraction, spec.peak_bin_s) == (round(1 / 1.3, 6), 5.0)
+    assert coserve_spec(DemoOptions()).server == "torch" and coserve_spec(DemoOptions()).peak_fraction == 0
     assert coserve_spec(DemoOptions(engine="hf", model=str(tmp_path))).server == "torch"
 
 
@@ -149,3 +191,5 @@ def test_coserve_refuses_an_unknown_server_and_vllm_without_a_model():
         CoServed(CoserveSpec(trace="t.csv", server="sglang"), Config(), None)
     with pytest.raises(ValueError, match="model"):
         CoServed(CoserveSpec(trace="t.csv", server="vllm"), Config(), None)
+    with pytest.raises(ValueError, match="peak_fraction"):
+        CoServed(CoserveSpec(trace="t.csv", peak_fraction=0.5), Config(), None)

@@ -59,6 +59,8 @@ class CoServed:
             raise ValueError(f"server: expected torch or vllm, got {spec.server!r}")
         if spec.server == "vllm" and not spec.model:
             raise ValueError("server vllm needs model (a Hugging Face checkpoint directory)")
+        if spec.peak_fraction and (spec.server != "vllm" or not 0 < spec.peak_fraction <= 1):
+            raise ValueError(f"peak_fraction: needs server vllm and a value in (0, 1], got {spec.peak_fraction}")
         self.spec, self.cfg, self.r = spec, cfg, r
         tr = load_trace(spec.trace).scaled(spec.speed)
         mine = spread(tr, spec.replicas, seed=spec.seed) == 0
@@ -100,9 +102,35 @@ class CoServed:
         r.hset(key(spec.status_key), mapping={"state": "starting", **status, "server": spec.server})
         try:
             status.update(server.start())
+            if spec.peak_fraction:
+                status.update(self._scale_to_capacity())
             return self._serve(status)
         finally:
             server.close()
+
+    def _scale_to_capacity(self) -> dict:
+        """Measure the replica's capacity alone and scale the replay to `peak_fraction` of it at
+        the trace's peak (rose.demo.capacity); the figures go to the status hash."""
+        from rose.demo.capacity import measure, scaled_load
+
+        spec, slo, server = self.spec, self._slo(), self.server
+        assert isinstance(server, VllmServerDevice)  # __init__: peak_fraction needs server vllm
+
+        def shown(lv) -> None:
+            print(
+                f"[coserve] capacity: {lv.clients} client(s) {lv.rps:.3f} req/s, p99 TTFT {lv.ttft_p99_ms} ms "
+                f"TPOT {lv.tpot_p99_ms} ms (n={lv.requests})",
+                flush=True,
+            )
+
+        levels = measure(
+            server.serve_one, self.p_len, self.o_len, spec.capacity_clients, spec.capacity_level_s, slo,
+            seed=spec.seed, progress=shown,
+        )  # fmt: skip
+        load = scaled_load(levels, self.arrival, self.p_len, self.o_len, slo, spec.peak_fraction, spec.peak_bin_s)
+        self.arrival = self.arrival / load.speed
+        print(f"[coserve] capacity {load.capacity_rps} req/s; the trace's arrivals ×{load.speed}", flush=True)
+        return {"serving_load": json.dumps(load.to_dict())}
 
     def _serve(self, status: dict) -> dict:
         """Serve the trace and publish the device's telemetry through the node agent's loop

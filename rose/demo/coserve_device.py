@@ -56,6 +56,12 @@ class CoserveSpec(JsonSpec):
     request_timeout_s: float = 120.0
     clients: int = 64  # concurrent client connections; more requests wait on this side
     server_log: str = ""  # the directory of the server's log, coserve-vllm.log ("" = a new temporary one)
+    # server "vllm": > 0 measures the replica's capacity alone at start and scales the trace so its
+    # peak bin of `peak_bin_s` is this fraction of it (rose.demo.capacity); 0 replays it at `speed`
+    peak_fraction: float = 0.0
+    peak_bin_s: float = 5.0
+    capacity_clients: tuple[int, ...] = (1, 2, 4, 8)
+    capacity_level_s: float = 10.0
 
 
 # ---- pure parts ----------------------------------------------------------------------------
@@ -278,6 +284,17 @@ class VllmServerDevice:
 
     def _stream(self, prompt: list[int], n: int):
         return stream_tokens(self.srv, prompt, n, timeout_s=self.spec.request_timeout_s)
+
+    def serve_one(self, prompt: list[int], n: int) -> tuple[float, float]:
+        """One request alone, outside the replay (the capacity measurement): (TTFT ms, mean TPOT ms)."""
+        t0 = time.monotonic()
+        first = last = t0
+        got = 0
+        for k in self._stream(prompt, n):
+            last = time.monotonic()
+            first = last if got == 0 else first
+            got += k
+        return (first - t0) * 1000.0, (last - first) * 1000.0 / max(1, got - 1)
 
     def submit(self, q: Request) -> None:
         with self.lock:

@@ -242,6 +242,7 @@ def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict,
         "device": obs.coserve.get("device"),
         "server": obs.coserve.get("server") or "torch",
         "model": obs.coserve.get("model"),
+        "serving_load": _json(obs.coserve.get("serving_load"), None),
         "summary": s,
     }
 

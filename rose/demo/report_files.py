@@ -167,7 +167,22 @@ def _device_lines(rep: dict) -> list[str]:
             f"| alone | {wo.get('requests')} | {_f(wo.get('ttft_p50_ms'), ' ms')} | {_f(wo.get('ttft_p99_ms'), ' ms')} | "
             f"{_f(wo.get('tpot_p50_ms'), ' ms')} | {_f(wo.get('tpot_p99_ms'), ' ms')} |",
         ]
-    return lines
+    return lines + _load_lines(md.get("serving_load"))
+
+
+def _load_lines(load: dict | None) -> list[str]:
+    """How the trace was scaled to the device's measured capacity (rose.demo.capacity)."""
+    if not load:
+        return []
+    return [
+        "",
+        f"Load: measured alone before the run, the device carries {load['capacity_rps']} requests/s within the SLO "
+        f"(closed loop; one client alone: TTFT p99 {_f(load['solo_ttft_p99_ms'], ' ms')}, TPOT p99 "
+        f"{_f(load['solo_tpot_p99_ms'], ' ms')}; requests of {load['mean_prompt_tokens']} prompt and "
+        f"{load['mean_output_tokens']} answer tokens on average). The trace's arrivals are scaled ×{load['speed']} "
+        f"so its peak {load['bin_s']:g}-s bin ({load['trace_peak_rps']} requests/s as recorded) is "
+        f"{load['fraction']} of that capacity; its mean is {round(load['trace_mean_rps'] * load['speed'], 4)} requests/s.",
+    ]
 
 
 def _method_lines(rep: dict) -> list[str]:

@@ -238,12 +238,19 @@ class DemoSetup:
 
     def _coserve_server(self) -> dict:
         """The measured device's engine: vLLM's OpenAI server on the run's checkpoint when the
-        rollout runs vLLM, else the small torch model."""
+        rollout runs vLLM, with the trace scaled to its measured capacity so the trace's peak is
+        what the pool decision provisions for (1 / (1 + headroom) of capacity, in bins of the
+        pool's bin_s); else the small torch model."""
+        from rose.config import PoolConfig
+
         o = self.opts
         if o.engine != "vllm":
             return {}
+        pool = self.cfg.policy.pools.get(self.cfg.telemetry.pool, PoolConfig())
         return {
             "server": "vllm",
+            "peak_fraction": round(1.0 / (1.0 + pool.headroom), 6),
+            "peak_bin_s": pool.bin_s,
             "model": self.cfg.rollout.model,
             "max_model_len": o.max_model_len,
             "startup_timeout_s": o.startup_timeout_s,

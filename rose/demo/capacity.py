@@ -1,0 +1,178 @@
+"""What one serving replica of the demo can carry, and the trace scaled to it.
+
+A trace recorded on a GPU fleet says nothing of what vLLM on one CPU core serves: replayed as
+recorded, the demo's device was overloaded with or without leases, so nothing was idle to lend.
+So before the measured run the device measures its capacity alone: closed-loop clients (1, 2, 4,
+... at once) send requests with the trace's (scaled) token counts back to back; at each level the
+completed requests per second and the p99 of TTFT and of each request's mean TPOT. The capacity is
+the highest rate of a level whose p99s both meet the configured SLO. The trace's arrivals are then
+scaled so its peak rate is `fraction` of that capacity: the peak over bins of `bin_s` of the trace
+as recorded (where a bin holds many requests), times the speed; the replay's own bins of `bin_s`
+hold a request or two at a CPU replica's rates, too few to be a rate. The demo's fraction is 1 / (1 + the pool's
+headroom): the load a replica carries at the forecast peak when the fleet is provisioned as the
+pool decision provisions it (docs/policy.md "Pool decisions"). Nothing is tuned after the fact.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from rose.obs.stats import percentile
+
+# (prompt token ids, answer tokens) -> (TTFT ms, mean TPOT ms) of one request, timed by the client
+ServeOne = Callable[[list[int], int], tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class Level:
+    """One closed-loop level of the capacity measurement."""
+
+    clients: int
+    requests: int  # completed within the level
+    seconds: float
+    rps: float
+    ttft_p99_ms: float | None
+    tpot_p99_ms: float | None
+
+    def meets(self, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
+        return (
+            self.requests > 0
+            and self.ttft_p99_ms is not None
+            and self.tpot_p99_ms is not None
+            and self.ttft_p99_ms <= slo_ttft_ms
+            and self.tpot_p99_ms <= slo_tpot_ms
+        )
+
+
+def capacity_rps(levels: Sequence[Level], slo_ttft_ms: float, slo_tpot_ms: float) -> float:
+    """The highest rate among the levels that meet the SLO, 0 when none does."""
+    return max((lv.rps for lv in levels if lv.meets(slo_ttft_ms, slo_tpot_ms)), default=0.0)
+
+
+def peak_rps(arrival_s: np.ndarray, bin_s: float) -> float:
+    """The highest arrivals per second over bins of `bin_s` from the first arrival (0 without any)."""
+    if len(arrival_s) == 0:
+        return 0.0
+    a = np.asarray(arrival_s, dtype=float)
+    counts = np.bincount(((a - a.min()) // bin_s).astype(np.int64))
+    return float(counts.max()) / bin_s
+
+
+def speed_for(capacity: float, peak: float, fraction: float) -> float:
+    """The factor on the trace's arrival rate that puts its peak at `fraction` of the capacity."""
+    if capacity <= 0 or peak <= 0 or not 0 < fraction <= 1:
+        raise ValueError(f"need capacity > 0, peak > 0 and 0 < fraction <= 1; got {capacity}, {peak}, {fraction}")
+    return fraction * capacity / peak
+
+
+def measure(
+    serve_one: ServeOne,
+    prompts: Sequence[int] | np.ndarray,
+    outputs: Sequence[int] | np.ndarray,
+    clients: Sequence[int] | np.ndarray,
+    level_s: float,
+    slo: tuple[float, float],
+    seed: int = 0,
+    progress: Callable[[Level], None] | None = None,
+) -> list[Level]:
+    """Closed-loop levels in `clients` order, stopping after the first that misses the SLO (more
+    clients only queue more). Each client draws (prompt, answer) token counts from the trace's
+    pairs; a request counts in the level when it finishes before the level's end, and the level
+    waits for the requests still running before the next starts."""
+    levels: list[Level] = []
+    for i, c in enumerate(clients):
+        lv = _level(serve_one, prompts, outputs, c, level_s, np.random.default_rng(seed + i))
+        levels.append(lv)
+        if progress is not None:
+            progress(lv)
+        if not lv.meets(*slo):
+            break
+    return levels
+
+
+def _level(
+    serve_one: ServeOne,
+    prompts: Sequence[int] | np.ndarray,
+    outputs: Sequence[int] | np.ndarray,
+    c: int,
+    level_s: float,
+    rng,
+) -> Level:
+    picks = rng.integers(0, len(prompts), size=(c, 10_000))
+    ids = [np.random.default_rng(rng.integers(1 << 31) + k) for k in range(c)]  # random prompts: no prefix hits
+    t0 = time.monotonic()
+    end = t0 + level_s
+    done: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        for j in picks[k]:
+            if time.monotonic() >= end:
+                return
+            p, n = int(prompts[j]), int(outputs[j])
+            ttft, tpot = serve_one(ids[k].integers(1, 256, p).tolist(), n)
+            if time.monotonic() <= end:
+                with lock:
+                    done.append((ttft, tpot))
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(c)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return Level(
+        c, len(done), round(level_s, 3), round(len(done) / level_s, 4),
+        percentile([d[0] for d in done], 0.99, 3), percentile([d[1] for d in done], 0.99, 3),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ScaledLoad:
+    """What the device measured and how the trace was scaled: the report's `serving_load`."""
+
+    capacity_rps: float
+    fraction: float
+    speed: float  # the factor on the trace's recorded arrival rate
+    bin_s: float
+    trace_peak_rps: float  # this device's share of the trace, as recorded
+    trace_mean_rps: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    solo_ttft_p99_ms: float | None  # one client alone
+    solo_tpot_p99_ms: float | None
+    levels: tuple[Level, ...]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["levels"] = [asdict(lv) for lv in self.levels]
+        return d
+
+
+def scaled_load(
+    levels: Sequence[Level], arrival_s: np.ndarray, prompts: np.ndarray, outputs: np.ndarray,
+    slo: tuple[float, float], fraction: float, bin_s: float,
+) -> ScaledLoad:  # fmt: skip
+    """The scale of the trace from the measured levels; the capacity 0 (no level met the SLO, one
+    client alone included) raises: no load of this trace keeps the SLO on this device."""
+    cap = capacity_rps(levels, *slo)
+    if cap <= 0:
+        solo = levels[0] if levels else None
+        raise ValueError(
+            "the serving replica misses the SLO with one client alone "
+            f"(TTFT p99 {solo.ttft_p99_ms if solo else None} ms, TPOT p99 {solo.tpot_p99_ms if solo else None} ms "
+            f"against {slo[0]:g} / {slo[1]:g} ms): raise telemetry.slo_ttft_ms / slo_tpot_ms or shorten the requests"
+        )
+    peak = peak_rps(arrival_s, bin_s)
+    span = float(arrival_s.max() - arrival_s.min()) if len(arrival_s) > 1 else math.nan
+    return ScaledLoad(
+        round(cap, 4), round(fraction, 4), round(speed_for(cap, peak, fraction), 6), bin_s, round(peak, 4),
+        round(len(arrival_s) / span, 4) if span and span > 0 else 0.0,
+        round(float(np.mean(prompts)), 1), round(float(np.mean(outputs)), 1),
+        levels[0].ttft_p99_ms, levels[0].tpot_p99_ms, tuple(levels),
+    )  # fmt: skip
