@@ -58,10 +58,13 @@ def test_the_speed_refuses_what_cannot_be_scaled(cap, peak, fraction):
         speed_for(cap, peak, fraction)
 
 
-def test_scaling_refuses_a_replica_that_misses_the_slo_alone():
-    solo = Level(1, 3, 10.0, 0.3, 1500.0, 50.0)
-    with pytest.raises(ValueError, match="one client alone"):
-        scaled_load([solo], np.array([0.0, 1.0]), np.array([10]), np.array([5]), SLO, 0.5, 5.0)
+def test_a_replica_that_misses_the_slo_alone_is_loaded_at_one_clients_rate_and_says_why():
+    solo = Level(1, 3, 10.0, 0.3, 555.0, 109.0)
+    load = scaled_load([solo], np.array([0.0, 1.0]), np.array([10]), np.array([5]), SLO, 0.5, 5.0)
+    assert not load.slo_met_alone and load.capacity_rps == 0.3
+    assert load.held_back(SLO) == "one client alone misses the SLO: TPOT p99 109 ms against 100 ms (×1.09)"
+    with pytest.raises(ValueError, match="no request"):
+        scaled_load([Level(1, 0, 10.0, 0.0, None, None)], np.array([0.0]), np.array([10]), np.array([5]), SLO, 0.5, 5.0)
 
 
 def test_the_closed_loop_measures_each_level_and_stops_after_the_first_miss():
@@ -87,5 +90,6 @@ def test_the_closed_loop_measures_each_level_and_stops_after_the_first_miss():
         assert 0 < lv.requests and lv.rps == pytest.approx(lv.requests / 0.6, abs=1e-3)
     assert {p for p, _ in seen} == {8, 16} and {n for _, n in seen} == {2, 3}
     load = scaled_load(levels, np.arange(0.0, 10.0, 0.5), np.array([8, 16]), np.array([2, 3]), (60.0, 100.0), 0.5, 5.0)
-    assert load.capacity_rps == capacity_rps(levels, 60.0, 100.0) > 0
+    assert load.capacity_rps == capacity_rps(levels, 60.0, 100.0) > 0 and load.slo_met_alone
+    assert load.held_back((60.0, 100.0)) is None
     assert load.trace_peak_rps == 2.0 and load.speed == pytest.approx(0.5 * load.capacity_rps / 2.0, rel=1e-4)

@@ -141,13 +141,20 @@ def test_the_device_measures_its_capacity_alone_and_scales_the_trace_to_it(vllm_
         capacity_clients=(1, 2),
         capacity_level_s=3.0,
         status_key="demo:coserve-capacity",
+        measure_when_key="demo:measure-capacity-test",
     )
     dev = CoServed(spec, cfg, redis_client)
     recorded = dev.arrival.copy()
     key = cfg.redis.key(spec.status_key)
+    redis_client.delete(cfg.redis.key(spec.measure_when_key))
     th = threading.Thread(target=dev.run, daemon=True)
     th.start()
     deadline = time.monotonic() + 120
+    while redis_client.hget(key, "state") != b"warm":  # started, and waits for the key to measure
+        assert th.is_alive() and time.monotonic() < deadline, "the device did not get warm"
+        time.sleep(0.2)
+    assert redis_client.hget(key, "serving_load") is None
+    redis_client.set(cfg.redis.key(spec.measure_when_key), 1)
     while redis_client.hget(key, "state") != b"serving":
         assert th.is_alive() and time.monotonic() < deadline, "the device did not start serving"
         time.sleep(0.2)
@@ -157,7 +164,7 @@ def test_the_device_measures_its_capacity_alone_and_scales_the_trace_to_it(vllm_
     load = json.loads(redis_client.hget(key, "serving_load"))
     levels = load["levels"]
     assert levels[0]["clients"] == 1 and all(lv["requests"] > 0 and lv["rps"] > 0 for lv in levels)
-    assert load["capacity_rps"] > 0 and load["fraction"] == 0.5
+    assert load["capacity_rps"] > 0 and load["fraction"] == 0.5 and load["slo_met_alone"] and load["held_back"] is None
     # the trace's peak 5-s bin as recorded, at the replay's speed, is half the measured capacity
     assert load["trace_peak_rps"] == round(peak_rps(recorded, 5.0), 4)
     assert dev.arrival == pytest.approx(recorded / load["speed"])
@@ -168,7 +175,7 @@ def test_the_device_measures_its_capacity_alone_and_scales_the_trace_to_it(vllm_
 
 def test_demo_runs_the_measured_device_on_vllm_with_the_vllm_engine(tmp_path):
     from rose.config import Config
-    from rose.demo.run_setup import DemoOptions, DemoSetup
+    from rose.demo.run_setup import MEASURE_KEY, DemoOptions, DemoSetup
 
     def coserve_spec(opts: DemoOptions) -> CoserveSpec:
         argv = DemoSetup(Config(), opts)._argv()["coserve"]
@@ -179,7 +186,7 @@ def test_demo_runs_the_measured_device_on_vllm_with_the_vllm_engine(tmp_path):
     assert (spec.server, spec.model, spec.max_model_len) == ("vllm", str(tmp_path.resolve()), 512)
     assert spec.server_log == str((tmp_path / "r" / "logs").resolve())
     # scaled so the trace's peak is what the pool decision provisions for: 1 / (1 + headroom)
-    assert (spec.peak_fraction, spec.peak_bin_s) == (round(1 / 1.3, 6), 5.0)
+    assert (spec.peak_fraction, spec.peak_bin_s, spec.measure_when_key) == (round(1 / 1.3, 6), 5.0, MEASURE_KEY)
     assert coserve_spec(DemoOptions()).server == "torch" and coserve_spec(DemoOptions()).peak_fraction == 0
     assert coserve_spec(DemoOptions(engine="hf", model=str(tmp_path))).server == "torch"
 

@@ -5,7 +5,8 @@ recorded, the demo's device was overloaded with or without leases, so nothing wa
 So before the measured run the device measures its capacity alone: closed-loop clients (1, 2, 4,
 ... at once) send requests with the trace's (scaled) token counts back to back; at each level the
 completed requests per second and the p99 of TTFT and of each request's mean TPOT. The capacity is
-the highest rate of a level whose p99s both meet the configured SLO. The trace's arrivals are then
+the highest rate of a level whose p99s both meet the configured SLO (where even one client alone
+misses it, one client's rate, and the report names the figure that misses). The trace's arrivals are then
 scaled so its peak rate is `fraction` of that capacity: the peak over bins of `bin_s` of the trace
 as recorded (where a bin holds many requests), times the speed; the replay's own bins of `bin_s`
 hold a request or two at a CPU replica's rates, too few to be a rate. The demo's fraction is 1 / (1 + the pool's
@@ -136,7 +137,8 @@ def _level(
 class ScaledLoad:
     """What the device measured and how the trace was scaled: the report's `serving_load`."""
 
-    capacity_rps: float
+    capacity_rps: float  # the highest rate within the SLO; where none met it, one client's rate
+    slo_met_alone: bool  # False: one client alone missed the SLO, so no load of the trace keeps it
     fraction: float
     speed: float  # the factor on the trace's recorded arrival rate
     bin_s: float
@@ -153,25 +155,35 @@ class ScaledLoad:
         d["levels"] = [asdict(lv) for lv in self.levels]
         return d
 
+    def held_back(self, slo: tuple[float, float]) -> str | None:
+        """Where one client alone missed the SLO, which measured figure missed it and by how much."""
+        if self.slo_met_alone:
+            return None
+        over = [
+            f"{name} p99 {v:g} ms against {limit:g} ms (×{v / limit:.2f})"
+            for name, v, limit in (("TTFT", self.solo_ttft_p99_ms, slo[0]), ("TPOT", self.solo_tpot_p99_ms, slo[1]))
+            if v is not None and v > limit
+        ]
+        return "one client alone misses the SLO: " + ("; ".join(over) or "no request finished in the level")
+
 
 def scaled_load(
     levels: Sequence[Level], arrival_s: np.ndarray, prompts: np.ndarray, outputs: np.ndarray,
     slo: tuple[float, float], fraction: float, bin_s: float,
 ) -> ScaledLoad:  # fmt: skip
-    """The scale of the trace from the measured levels; the capacity 0 (no level met the SLO, one
-    client alone included) raises: no load of this trace keeps the SLO on this device."""
+    """The scale of the trace from the measured levels. Where no level met the SLO (one client
+    alone included), no load of this trace keeps it on this device: the trace is scaled to the
+    rate of one client alone instead, so the run still shows what leases cost, and `held_back`
+    names the figure."""
+    if not levels or levels[0].requests == 0:
+        raise ValueError("the serving replica finished no request with one client alone: see its log")
     cap = capacity_rps(levels, *slo)
-    if cap <= 0:
-        solo = levels[0] if levels else None
-        raise ValueError(
-            "the serving replica misses the SLO with one client alone "
-            f"(TTFT p99 {solo.ttft_p99_ms if solo else None} ms, TPOT p99 {solo.tpot_p99_ms if solo else None} ms "
-            f"against {slo[0]:g} / {slo[1]:g} ms): raise telemetry.slo_ttft_ms / slo_tpot_ms or shorten the requests"
-        )
+    met = cap > 0
+    cap = cap if met else levels[0].rps
     peak = peak_rps(arrival_s, bin_s)
     span = float(arrival_s.max() - arrival_s.min()) if len(arrival_s) > 1 else math.nan
     return ScaledLoad(
-        round(cap, 4), round(fraction, 4), round(speed_for(cap, peak, fraction), 6), bin_s, round(peak, 4),
+        round(cap, 4), met, round(fraction, 4), round(speed_for(cap, peak, fraction), 6), bin_s, round(peak, 4),
         round(len(arrival_s) / span, 4) if span and span > 0 else 0.0,
         round(float(np.mean(prompts)), 1), round(float(np.mean(outputs)), 1),
         levels[0].ttft_p99_ms, levels[0].tpot_p99_ms, tuple(levels),

@@ -103,10 +103,22 @@ class CoServed:
         try:
             status.update(server.start())
             if spec.peak_fraction:
+                self._await_measure(status)
                 status.update(self._scale_to_capacity())
             return self._serve(status)
         finally:
             server.close()
+
+    def _await_measure(self, status: dict) -> None:
+        """With `measure_when_key`: report "warm" and wait until the key exists (the demo sets it
+        once its other processes run, so the capacity is measured beside them as the run will be)."""
+        if not self.spec.measure_when_key:
+            return
+        key = self.cfg.redis.key
+        self.r.hset(key(self.spec.status_key), mapping={"state": "warm", **status})
+        while not self.stop and not self.r.exists(key(self.spec.measure_when_key)):
+            time.sleep(0.25)
+        self.r.hset(key(self.spec.status_key), "state", "measuring")
 
     def _scale_to_capacity(self) -> dict:
         """Measure the replica's capacity alone and scale the replay to `peak_fraction` of it at
@@ -129,8 +141,9 @@ class CoServed:
         )  # fmt: skip
         load = scaled_load(levels, self.arrival, self.p_len, self.o_len, slo, spec.peak_fraction, spec.peak_bin_s)
         self.arrival = self.arrival / load.speed
-        print(f"[coserve] capacity {load.capacity_rps} req/s; the trace's arrivals ×{load.speed}", flush=True)
-        return {"serving_load": json.dumps(load.to_dict())}
+        held = load.held_back(slo)
+        print(f"[coserve] capacity {load.capacity_rps} req/s; the trace's arrivals ×{load.speed}; {held}", flush=True)
+        return {"serving_load": json.dumps({**load.to_dict(), "held_back": held})}
 
     def _serve(self, status: dict) -> dict:
         """Serve the trace and publish the device's telemetry through the node agent's loop

@@ -62,6 +62,7 @@ class CoserveSpec(JsonSpec):
     peak_bin_s: float = 5.0
     capacity_clients: tuple[int, ...] = (1, 2, 4, 8)
     capacity_level_s: float = 10.0
+    measure_when_key: str = ""  # Redis key: measure once it exists (state "warm" until then); "" = at once
 
 
 # ---- pure parts ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import time
 from rose.contract.records import WorkerRegistry
 from rose.demo import device_core, live_view
 from rose.demo.processes import Processes
-from rose.demo.run_setup import DemoError, DemoSetup
+from rose.demo.run_setup import MEASURE_KEY, DemoError, DemoSetup
 
 
 class DemoPhases(DemoSetup):
@@ -52,7 +52,8 @@ class DemoPhases(DemoSetup):
                 missing = []
                 if not want <= set(collector.obs.telemetry):
                     missing.append("agent telemetry")
-                if r.hget(key("demo:coserve"), "state") != b"serving":
+                coserve = r.hget(key("demo:coserve"), "state")
+                if coserve not in (b"warm", b"measuring", b"serving"):
                     missing.append("co-served device")
                 if int(r.hget(key("demo:trainer"), "version") or 0) < 1:
                     missing.append("trainer")
@@ -60,6 +61,9 @@ class DemoPhases(DemoSetup):
                     missing.append("executors")
                 if WorkerRegistry(r, key).read(f"dedicated-{self.run_id}") is None:
                     missing.append("dedicated worker")
+                if not missing and coserve != b"serving":
+                    r.set(key(MEASURE_KEY), 1)  # the rest runs: the device measures its capacity beside it
+                    missing.append("co-served device's capacity measurement")
                 if not missing:
                     return
                 for name, code in procs.exited():

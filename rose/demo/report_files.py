@@ -176,12 +176,18 @@ def _load_lines(load: dict | None) -> list[str]:
         return []
     return [
         "",
-        f"Load: measured alone before the run, the device carries {load['capacity_rps']} requests/s within the SLO "
+        f"Load: measured before the run with no lease, beside the run's other processes, the device carries "
+        f"{load['capacity_rps']} requests/s {'within the SLO' if load.get('slo_met_alone', True) else 'with one client'} "
         f"(closed loop; one client alone: TTFT p99 {_f(load['solo_ttft_p99_ms'], ' ms')}, TPOT p99 "
         f"{_f(load['solo_tpot_p99_ms'], ' ms')}; requests of {load['mean_prompt_tokens']} prompt and "
         f"{load['mean_output_tokens']} answer tokens on average). The trace's arrivals are scaled ×{load['speed']} "
         f"so its peak {load['bin_s']:g}-s bin ({load['trace_peak_rps']} requests/s as recorded) is "
         f"{load['fraction']} of that capacity; its mean is {round(load['trace_mean_rps'] * load['speed'], 4)} requests/s.",
+        *(
+            []
+            if load.get("slo_met_alone", True)
+            else ["", f"What holds serving back on this machine: {load.get('held_back')}."]
+        ),
     ]
 
 

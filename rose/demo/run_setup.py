@@ -25,6 +25,8 @@ from rose.demo.processes import REPO
 from rose.rollout.launcher import WorkerConfig
 
 DEFAULT_TRACE = "azure_llm2023_conv.csv"
+# set once every other process runs: the vLLM device then measures its capacity (CoserveSpec)
+MEASURE_KEY = "demo:measure-capacity"
 # what load_config reads from the environment: the children get none of it but ROSE_CONFIG
 _CONFIG_VARS = ("ROSE_CONFIG", "ROSE_KAFKA_BOOTSTRAP", "ROSE_REDIS_URL")
 
@@ -251,6 +253,7 @@ class DemoSetup:
             "server": "vllm",
             "peak_fraction": round(1.0 / (1.0 + pool.headroom), 6),
             "peak_bin_s": pool.bin_s,
+            "measure_when_key": MEASURE_KEY,
             "model": self.cfg.rollout.model,
             "max_model_len": o.max_model_len,
             "startup_timeout_s": o.startup_timeout_s,
