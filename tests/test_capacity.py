@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rose.demo.capacity import Level, capacity_rps, measure, peak_rps, scaled_load, speed_for
+from rose.demo.capacity import Level, capacity_rps, measure, peak_rps, replay_plan, replayed, scaled_load
 
 SLO = (1000.0, 100.0)
 
@@ -47,15 +47,23 @@ def test_the_peak_bin_is_a_count_over_the_bin_and_at_least_the_mean(arrivals, bi
     assert peak >= len(a) / (bins * bin_s) - 1e-9
 
 
-@given(st.floats(0.01, 100), st.floats(0.01, 100), st.floats(0.01, 1.0))
-def test_the_speed_puts_the_peak_at_the_fraction_of_capacity(cap, peak, fraction):
-    assert peak * speed_for(cap, peak, fraction) == pytest.approx(fraction * cap)
+@given(st.floats(0.01, 100), st.floats(0.01, 100), st.floats(0.01, 1.0), st.floats(0.01, 100))
+def test_the_replay_puts_the_peak_at_the_fraction_of_capacity(cap, peak, fraction, compress):
+    speed, keep = replay_plan(cap, peak, fraction, compress)
+    assert peak * speed * keep == pytest.approx(fraction * cap)
+    assert 0 < keep <= 1 and speed >= compress * (1 - 1e-12)
+    assert keep == 1.0 or speed == compress  # thinned only where the compressed trace is too heavy
 
 
 @pytest.mark.parametrize("cap, peak, fraction", [(0.0, 1.0, 0.5), (1.0, 0.0, 0.5), (1.0, 1.0, 0.0), (1.0, 1.0, 1.5)])
-def test_the_speed_refuses_what_cannot_be_scaled(cap, peak, fraction):
+def test_the_replay_refuses_what_cannot_be_scaled(cap, peak, fraction):
     with pytest.raises(ValueError, match="capacity"):
-        speed_for(cap, peak, fraction)
+        replay_plan(cap, peak, fraction, 1.0)
+
+
+def test_the_thinning_is_seeded_and_keeps_about_its_share():
+    a, b = replayed(20_000, 0.1, 7), replayed(20_000, 0.1, 7)
+    assert (a == b).all() and 1800 < a.sum() < 2200  # 2000 ± 4.7 standard deviations
 
 
 def test_a_replica_that_misses_the_slo_alone_is_loaded_at_one_clients_rate_and_says_why():
@@ -92,4 +100,6 @@ def test_the_closed_loop_measures_each_level_and_stops_after_the_first_miss():
     load = scaled_load(levels, np.arange(0.0, 10.0, 0.5), np.array([8, 16]), np.array([2, 3]), (60.0, 100.0), 0.5, 5.0)
     assert load.capacity_rps == capacity_rps(levels, 60.0, 100.0) > 0 and load.slo_met_alone
     assert load.held_back((60.0, 100.0)) is None
-    assert load.trace_peak_rps == 2.0 and load.speed == pytest.approx(0.5 * load.capacity_rps / 2.0, rel=1e-4)
+    # a trace too light for the capacity is played faster, every request kept
+    assert load.trace_peak_rps == 2.0 and load.keep == 1.0
+    assert load.speed == pytest.approx(0.5 * load.capacity_rps / 2.0, rel=1e-4)

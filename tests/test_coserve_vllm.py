@@ -15,7 +15,7 @@ import time
 import pytest
 
 from rose.contract.events import Telemetry
-from rose.demo.capacity import Level, capacity_rps, peak_rps
+from rose.demo.capacity import Level, capacity_rps, peak_rps, replayed
 from rose.demo.coserve import CoServed, CoserveSpec
 from rose.executor.guard import FileLatencySource
 from rose.kafka.consumer import read_all
@@ -140,6 +140,7 @@ def test_the_device_measures_its_capacity_alone_and_scales_the_trace_to_it(vllm_
         peak_fraction=0.5,
         capacity_clients=(1, 2),
         capacity_level_s=3.0,
+        replay_s=600.0,
         status_key="demo:coserve-capacity",
         measure_when_key="demo:measure-capacity-test",
     )
@@ -165,10 +166,13 @@ def test_the_device_measures_its_capacity_alone_and_scales_the_trace_to_it(vllm_
     levels = load["levels"]
     assert levels[0]["clients"] == 1 and all(lv["requests"] > 0 and lv["rps"] > 0 for lv in levels)
     assert load["capacity_rps"] > 0 and load["fraction"] == 0.5 and load["slo_met_alone"] and load["held_back"] is None
-    # the trace's peak 5-s bin as recorded, at the replay's speed, is half the measured capacity
-    assert load["trace_peak_rps"] == round(peak_rps(recorded, 5.0), 4)
-    assert dev.arrival == pytest.approx(recorded / load["speed"])
-    assert load["trace_peak_rps"] * load["speed"] == pytest.approx(0.5 * load["capacity_rps"], rel=1e-3)
+    # the trace's course compressed into 600 s and thinned: its peak minute as recorded, at the
+    # replay's speed and share, is half the measured capacity
+    assert load["trace_peak_rps"] == round(peak_rps(recorded, 60.0), 4)
+    sent = replayed(len(recorded), load["keep"], spec.seed)
+    assert dev.arrival == pytest.approx((recorded[sent] - recorded[sent].min()) / load["speed"])
+    assert load["speed"] == pytest.approx((recorded.max() - recorded.min()) / 600.0, rel=1e-4)
+    assert load["trace_peak_rps"] * load["speed"] * load["keep"] == pytest.approx(0.5 * load["capacity_rps"], rel=1e-3)
     print(f"capacity {load['capacity_rps']} req/s, levels {levels}, speed ×{load['speed']}")
     assert load["capacity_rps"] == round(capacity_rps([Level(**lv) for lv in levels], *dev._slo()), 4)
 
@@ -186,7 +190,8 @@ def test_demo_runs_the_measured_device_on_vllm_with_the_vllm_engine(tmp_path):
     assert (spec.server, spec.model, spec.max_model_len) == ("vllm", str(tmp_path.resolve()), 512)
     assert spec.server_log == str((tmp_path / "r" / "logs").resolve())
     # scaled so the trace's peak is what the pool decision provisions for: 1 / (1 + headroom)
-    assert (spec.peak_fraction, spec.peak_bin_s, spec.measure_when_key) == (round(1 / 1.3, 6), 5.0, MEASURE_KEY)
+    assert (spec.peak_fraction, spec.peak_bin_s, spec.replay_s) == (round(1 / 1.3, 6), 60.0, 180.0)
+    assert spec.measure_when_key == MEASURE_KEY
     assert coserve_spec(DemoOptions()).server == "torch" and coserve_spec(DemoOptions()).peak_fraction == 0
     assert coserve_spec(DemoOptions(engine="hf", model=str(tmp_path))).server == "torch"
 

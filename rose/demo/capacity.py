@@ -6,10 +6,11 @@ So before the measured run the device measures its capacity alone: closed-loop c
 ... at once) send requests with the trace's (scaled) token counts back to back; at each level the
 completed requests per second and the p99 of TTFT and of each request's mean TPOT. The capacity is
 the highest rate of a level whose p99s both meet the configured SLO (where even one client alone
-misses it, one client's rate, and the report names the figure that misses). The trace's arrivals are then
-scaled so its peak rate is `fraction` of that capacity: the peak over bins of `bin_s` of the trace
-as recorded (where a bin holds many requests), times the speed; the replay's own bins of `bin_s`
-hold a request or two at a CPU replica's rates, too few to be a rate. The demo's fraction is 1 / (1 + the pool's
+misses it, one client's rate, and the report names the figure that misses). The trace is then
+replayed with its course compressed into the run (`replay_s`: the whole trace's troughs and
+peaks, not its first seconds slowed down) and its requests thinned, so its peak rate is
+`fraction` of that capacity: the peak over bins of `bin_s` of the trace as recorded (bins that
+hold hundreds of requests, so the peak is the trace's rate and not its noise). The demo's fraction is 1 / (1 + the pool's
 headroom): the load a replica carries at the forecast peak when the fleet is provisioned as the
 pool decision provisions it (docs/policy.md "Pool decisions"). Nothing is tuned after the fact.
 """
@@ -65,11 +66,26 @@ def peak_rps(arrival_s: np.ndarray, bin_s: float) -> float:
     return float(counts.max()) / bin_s
 
 
-def speed_for(capacity: float, peak: float, fraction: float) -> float:
-    """The factor on the trace's arrival rate that puts its peak at `fraction` of the capacity."""
-    if capacity <= 0 or peak <= 0 or not 0 < fraction <= 1:
-        raise ValueError(f"need capacity > 0, peak > 0 and 0 < fraction <= 1; got {capacity}, {peak}, {fraction}")
-    return fraction * capacity / peak
+def replay_plan(capacity: float, peak: float, fraction: float, compress: float) -> tuple[float, float]:
+    """(speed, keep): the replay plays the trace `speed` times faster than recorded and keeps each
+    request with probability `keep`, so its peak rate, `peak` × speed × keep, is `fraction` of the
+    capacity. The speed is `compress` (the trace's span over the replay's, so the run sees the
+    trace's whole course of troughs and peaks), and the requests are thinned to the rate; a trace
+    too light for that is played faster instead, every request kept."""
+    if capacity <= 0 or peak <= 0 or compress <= 0 or not 0 < fraction <= 1:
+        raise ValueError(
+            f"need capacity > 0, peak > 0, compress > 0 and 0 < fraction <= 1; got {capacity}, {peak}, {compress}, "
+            f"{fraction}"
+        )
+    target = fraction * capacity
+    if peak * compress <= target:
+        return target / peak, 1.0
+    return compress, target / (peak * compress)
+
+
+def replayed(n: int, keep: float, seed: int) -> np.ndarray:
+    """Which of the trace's `n` requests the replay sends: a seeded thinning with probability `keep`."""
+    return np.random.default_rng(seed).random(n) < keep
 
 
 def measure(
@@ -140,7 +156,8 @@ class ScaledLoad:
     capacity_rps: float  # the highest rate within the SLO; where none met it, one client's rate
     slo_met_alone: bool  # False: one client alone missed the SLO, so no load of the trace keeps it
     fraction: float
-    speed: float  # the factor on the trace's recorded arrival rate
+    speed: float  # the replay's clock against the trace's recorded one
+    keep: float  # the fraction of the trace's requests the replay sends
     bin_s: float
     trace_peak_rps: float  # this device's share of the trace, as recorded
     trace_mean_rps: float
@@ -169,7 +186,7 @@ class ScaledLoad:
 
 def scaled_load(
     levels: Sequence[Level], arrival_s: np.ndarray, prompts: np.ndarray, outputs: np.ndarray,
-    slo: tuple[float, float], fraction: float, bin_s: float,
+    slo: tuple[float, float], fraction: float, bin_s: float, replay_s: float = 0.0,
 ) -> ScaledLoad:  # fmt: skip
     """The scale of the trace from the measured levels. Where no level met the SLO (one client
     alone included), no load of this trace keeps it on this device: the trace is scaled to the
@@ -182,8 +199,9 @@ def scaled_load(
     cap = cap if met else levels[0].rps
     peak = peak_rps(arrival_s, bin_s)
     span = float(arrival_s.max() - arrival_s.min()) if len(arrival_s) > 1 else math.nan
+    speed, keep = replay_plan(cap, peak, fraction, span / replay_s if replay_s > 0 and span > 0 else 1.0)
     return ScaledLoad(
-        round(cap, 4), met, round(fraction, 4), round(speed_for(cap, peak, fraction), 6), bin_s, round(peak, 4),
+        round(cap, 4), met, round(fraction, 4), round(speed, 6), round(keep, 6), bin_s, round(peak, 4),
         round(len(arrival_s) / span, 4) if span and span > 0 else 0.0,
         round(float(np.mean(prompts)), 1), round(float(np.mean(outputs)), 1),
         levels[0].ttft_p99_ms, levels[0].tpot_p99_ms, tuple(levels),

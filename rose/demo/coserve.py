@@ -123,7 +123,7 @@ class CoServed:
     def _scale_to_capacity(self) -> dict:
         """Measure the replica's capacity alone and scale the replay to `peak_fraction` of it at
         the trace's peak (rose.demo.capacity); the figures go to the status hash."""
-        from rose.demo.capacity import measure, scaled_load
+        from rose.demo.capacity import measure, replayed, scaled_load
 
         spec, slo, server = self.spec, self._slo(), self.server
         assert isinstance(server, VllmServerDevice)  # __init__: peak_fraction needs server vllm
@@ -139,10 +139,18 @@ class CoServed:
             server.serve_one, self.p_len, self.o_len, spec.capacity_clients, spec.capacity_level_s, slo,
             seed=spec.seed, progress=shown,
         )  # fmt: skip
-        load = scaled_load(levels, self.arrival, self.p_len, self.o_len, slo, spec.peak_fraction, spec.peak_bin_s)
-        self.arrival = self.arrival / load.speed
+        load = scaled_load(
+            levels, self.arrival, self.p_len, self.o_len, slo, spec.peak_fraction, spec.peak_bin_s, spec.replay_s
+        )
+        sent = replayed(len(self.arrival), load.keep, spec.seed)
+        first = float(self.arrival[sent].min()) if sent.any() else 0.0
+        self.arrival = (self.arrival[sent] - first) / load.speed
+        self.p_len, self.o_len = self.p_len[sent], self.o_len[sent]
         held = load.held_back(slo)
-        print(f"[coserve] capacity {load.capacity_rps} req/s; the trace's arrivals ×{load.speed}; {held}", flush=True)
+        print(
+            f"[coserve] capacity {load.capacity_rps} req/s; the trace ×{load.speed} as fast, {load.keep} of its requests; {held}",
+            flush=True,
+        )
         return {"serving_load": json.dumps({**load.to_dict(), "held_back": held})}
 
     def _serve(self, status: dict) -> dict:

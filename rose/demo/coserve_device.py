@@ -56,10 +56,12 @@ class CoserveSpec(JsonSpec):
     request_timeout_s: float = 120.0
     clients: int = 64  # concurrent client connections; more requests wait on this side
     server_log: str = ""  # the directory of the server's log, coserve-vllm.log ("" = a new temporary one)
-    # server "vllm": > 0 measures the replica's capacity alone at start and scales the trace so its
-    # peak bin of `peak_bin_s` is this fraction of it (rose.demo.capacity); 0 replays it at `speed`
+    # server "vllm": > 0 measures the replica's capacity at start and replays the trace so its peak
+    # rate over bins of `peak_bin_s` (as recorded) is this fraction of it (rose.demo.capacity);
+    # 0 replays it at `speed`
     peak_fraction: float = 0.0
-    peak_bin_s: float = 5.0
+    peak_bin_s: float = 60.0
+    replay_s: float = 0.0  # with peak_fraction: the trace's whole course is compressed into this (0: not compressed)
     capacity_clients: tuple[int, ...] = (1, 2, 4, 8)
     capacity_level_s: float = 10.0
     measure_when_key: str = ""  # Redis key: measure once it exists (state "warm" until then); "" = at once

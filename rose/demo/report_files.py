@@ -180,9 +180,10 @@ def _load_lines(load: dict | None) -> list[str]:
         f"{load['capacity_rps']} requests/s {'within the SLO' if load.get('slo_met_alone', True) else 'with one client'} "
         f"(closed loop; one client alone: TTFT p99 {_f(load['solo_ttft_p99_ms'], ' ms')}, TPOT p99 "
         f"{_f(load['solo_tpot_p99_ms'], ' ms')}; requests of {load['mean_prompt_tokens']} prompt and "
-        f"{load['mean_output_tokens']} answer tokens on average). The trace's arrivals are scaled ×{load['speed']} "
-        f"so its peak {load['bin_s']:g}-s bin ({load['trace_peak_rps']} requests/s as recorded) is "
-        f"{load['fraction']} of that capacity; its mean is {round(load['trace_mean_rps'] * load['speed'], 4)} requests/s.",
+        f"{load['mean_output_tokens']} answer tokens on average). The trace is played ×{load['speed']} as fast as "
+        f"recorded with {load['keep']} of its requests, so its peak {load['bin_s']:g}-s rate "
+        f"({load['trace_peak_rps']} requests/s as recorded) is {load['fraction']} of that capacity; its mean is "
+        f"{round(load['trace_mean_rps'] * load['speed'] * load.get('keep', 1.0), 4)} requests/s.",
         *(
             []
             if load.get("slo_met_alone", True)
