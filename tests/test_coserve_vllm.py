@@ -190,7 +190,7 @@ def test_demo_runs_the_measured_device_on_vllm_with_the_vllm_engine(tmp_path):
     assert (spec.server, spec.model, spec.max_model_len) == ("vllm", str(tmp_path.resolve()), 512)
     assert spec.server_log == str((tmp_path / "r" / "logs").resolve())
     # scaled so the trace's peak is what the pool decision provisions for: 1 / (1 + headroom)
-    assert (spec.peak_fraction, spec.peak_bin_s, spec.replay_s) == (round(1 / 1.3, 6), 60.0, 180.0)
+    assert (spec.peak_fraction, spec.peak_bin_s, spec.replay_s) == (round(1 / 1.3, 6), 60.0, 0.0)
     assert spec.measure_when_key == MEASURE_KEY
     assert coserve_spec(DemoOptions()).server == "torch" and coserve_spec(DemoOptions()).peak_fraction == 0
     assert coserve_spec(DemoOptions(engine="hf", model=str(tmp_path))).server == "torch"

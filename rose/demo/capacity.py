@@ -29,6 +29,9 @@ from rose.obs.stats import percentile
 
 # (prompt token ids, answer tokens) -> (TTFT ms, mean TPOT ms) of one request, timed by the client
 ServeOne = Callable[[list[int], int], tuple[float, float]]
+# a level's p99s as the SLO is judged on them: a call at the level's start, and one after its last
+# request, which returns the (TTFT, TPOT) p99 in ms of the window between the two (None: none measured)
+Meter = Callable[[], tuple[float | None, float | None]]
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,17 @@ def measure(
     slo: tuple[float, float],
     seed: int = 0,
     progress: Callable[[Level], None] | None = None,
+    meter: Meter | None = None,
 ) -> list[Level]:
     """Closed-loop levels in `clients` order, stopping after the first that misses the SLO (more
     clients only queue more). Each client draws (prompt, answer) token counts from the trace's
     pairs; a request counts in the level when it finishes before the level's end, and the level
-    waits for the requests still running before the next starts."""
+    waits for the requests still running before the next starts. With a `meter` the level's p99s
+    are the server's over the level (the telemetry's figures, which the SLO is judged on: vLLM's
+    TPOT is per token, the client's per request); without, the client's."""
     levels: list[Level] = []
     for i, c in enumerate(clients):
-        lv = _level(serve_one, prompts, outputs, c, level_s, np.random.default_rng(seed + i))
+        lv = _level(serve_one, prompts, outputs, c, level_s, np.random.default_rng(seed + i), meter)
         levels.append(lv)
         if progress is not None:
             progress(lv)
@@ -120,6 +126,7 @@ def _level(
     c: int,
     level_s: float,
     rng,
+    meter: Meter | None = None,
 ) -> Level:
     picks = rng.integers(0, len(prompts), size=(c, 10_000))
     ids = [np.random.default_rng(rng.integers(1 << 31) + k) for k in range(c)]  # random prompts: no prefix hits
@@ -139,14 +146,16 @@ def _level(
                     done.append((ttft, tpot))
 
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(c)]
+    if meter is not None:
+        meter()
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    return Level(
-        c, len(done), round(level_s, 3), round(len(done) / level_s, 4),
-        percentile([d[0] for d in done], 0.99, 3), percentile([d[1] for d in done], 0.99, 3),
+    p99 = meter() if meter is not None else (
+        percentile([d[0] for d in done], 0.99, 3), percentile([d[1] for d in done], 0.99, 3)
     )  # fmt: skip
+    return Level(c, len(done), round(level_s, 3), round(len(done) / level_s, 4), *p99)
 
 
 @dataclass(frozen=True)

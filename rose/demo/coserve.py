@@ -137,7 +137,7 @@ class CoServed:
 
         levels = measure(
             server.serve_one, self.p_len, self.o_len, spec.capacity_clients, spec.capacity_level_s, slo,
-            seed=spec.seed, progress=shown,
+            seed=spec.seed, progress=shown, meter=server.meter(),
         )  # fmt: skip
         load = scaled_load(
             levels, self.arrival, self.p_len, self.o_len, slo, spec.peak_fraction, spec.peak_bin_s, spec.replay_s

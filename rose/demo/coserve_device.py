@@ -299,6 +299,20 @@ class VllmServerDevice:
             got += k
         return (first - t0) * 1000.0, (last - first) * 1000.0 / max(1, got - 1)
 
+    def meter(self):
+        """A level meter for rose.demo.capacity: each call reads the server's /metrics as the
+        agent does; the p99s (ms) of TTFT and of the inter-token latency since the previous call."""
+        from rose.node.agent import EngineMetrics
+
+        metrics = EngineMetrics(self.srv.url + "/metrics", self.names)
+
+        def read() -> tuple[float | None, float | None]:
+            w = metrics.read(10.0)
+            r = lambda v: None if v is None else round(v, 3)  # noqa: E731
+            return r(w.ttft_p99_ms), r(w.tpot_p99_ms)
+
+        return read
+
     def submit(self, q: Request) -> None:
         with self.lock:
             self.inflight.add(q.rid)
