@@ -107,7 +107,7 @@ class PoolConfig:
     decision_latency_s: float = 1.0  # telemetry period 0.5 s + the scheduler's batch and transaction
     stop_rollout_s: float = 2.0  # executor.revoke_deadline_s: rollout is gone (or killed) by then
     wake_s: float = 0.4  # vLLM level-1 wake: 0.1 s + 16 GB (8B, bf16) / 55.3 GB/s host->device
-    readmit_s: float = 1.0  # health check and router add (assumption until `rose bench replica`)
+    readmit_s: float = 1.0  # health check and router add; CPU's whole reclaim p99 0.56 s (docs/policy.md)
     forecast: str = "peak"  # one of FORECASTS (docs/policy.md: the traces' evidence)
     window_s: float = 300.0  # the forecast's look-back; never shorter than the horizon
     bin_s: float = 5.0  # load is summed over replicas per bin of this length

@@ -2,17 +2,18 @@
 
 A trace recorded on a GPU fleet says nothing of what vLLM on one CPU core serves: replayed as
 recorded, the demo's device was overloaded with or without leases, so nothing was idle to lend.
-So before the measured run the device measures its capacity alone: closed-loop clients (1, 2, 4,
-... at once) send requests with the trace's (scaled) token counts back to back; at each level the
-completed requests per second and the p99 of TTFT and of each request's mean TPOT. The capacity is
-the highest rate of a level whose p99s both meet the configured SLO (where even one client alone
-misses it, one client's rate, and the report names the figure that misses). The trace is then
-replayed with its course compressed into the run (`replay_s`: the whole trace's troughs and
-peaks, not its first seconds slowed down) and its requests thinned, so its peak rate is
-`fraction` of that capacity: the peak over bins of `bin_s` of the trace as recorded (bins that
-hold hundreds of requests, so the peak is the trace's rate and not its noise). The demo's fraction is 1 / (1 + the pool's
-headroom): the load a replica carries at the forecast peak when the fleet is provisioned as the
-pool decision provisions it (docs/policy.md "Pool decisions"). Nothing is tuned after the fact.
+So before the measured run the device measures its capacity: closed-loop clients (1, 2, 4, ...
+at once) send requests with the trace's (scaled) token counts back to back; at each level the
+completed requests per second and the p99 of TTFT and of TPOT, judged on the server's own metrics
+where a `meter` is given (the figures the telemetry carries), else on the client's timings. The
+capacity is the highest rate of a level whose p99s both meet the configured SLO (where even one
+client alone misses it, one client's rate, and the report names the figure that misses). The trace
+is then played at its recorded pace (or, with `replay_s`, its whole course compressed into the run)
+and its requests thinned, so its peak rate is `fraction` of that capacity: the peak over bins of
+`bin_s` of the trace as recorded (bins that hold hundreds of requests, so the peak is the trace's
+rate and not its noise). The demo's fraction is 1 / (1 + the pool's headroom): the load a replica
+carries at the forecast peak when the fleet is provisioned as the pool decision provisions it
+(docs/policy.md "Pool decisions"). Nothing is tuned after the fact.
 """
 
 from __future__ import annotations

@@ -63,7 +63,9 @@ class CoserveSpec(JsonSpec):
     peak_bin_s: float = 60.0
     replay_s: float = 0.0  # with peak_fraction: the trace's whole course is compressed into this (0: not compressed)
     capacity_clients: tuple[int, ...] = (1, 2, 4, 8)
-    capacity_level_s: float = 10.0
+    # each level's length: one client alone served 0.3 req/s on the demo's model on one core
+    # (docs/measured/cpu/demo-vllm-capacity.json), so 30 s holds about 9 requests for its p99s, not 3
+    capacity_level_s: float = 30.0
     measure_when_key: str = ""  # Redis key: measure once it exists (state "warm" until then); "" = at once
 
 
