@@ -2,16 +2,18 @@
 
 The router counts a request in flight until the upstream reply ends, and it reads that reply
 whether or not its own client does; so without a hold, "a stream still in flight on the worker"
-lasts only as long as the engine takes to decode it (about 5 s for 1000 tokens on the tiny
-checkpoint here, less on a faster machine), and a test that drains a worker races the engine.
+lasts only as long as the engine takes to decode it, which differs from machine to machine, and
+a test that drains a worker races the engine.
 Put between them, the relay passes each reply's first bytes, then holds the rest until the test
 releases it: the stream stays in flight at the router for exactly as long as the test needs, and
 every byte still arrives, in order, afterwards."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+import urllib.request
 
 
 class Relay:
@@ -54,8 +56,16 @@ class Relay:
             except OSError:
                 return
             self._sockets += [client, upstream]
-            threading.Thread(target=_pump, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._pump_reply, args=(upstream, client), daemon=True).start()
+            ends = threading.Barrier(2, action=lambda c=client, u=upstream: self._forget(c, u))
+            threading.Thread(target=_then, args=(_pump, (client, upstream), ends), daemon=True).start()
+            threading.Thread(target=_then, args=(self._pump_reply, (upstream, client), ends), daemon=True).start()
+
+    def _forget(self, *conn: socket.socket) -> None:
+        """Both directions of a connection ended: close it, so a long test holds no dead sockets."""
+        for s in conn:
+            s.close()
+            if s in self._sockets:
+                self._sockets.remove(s)
 
     def _room(self, generation: int, passed: int) -> tuple[int, int | None]:
         """Wait until this reply may pass bytes; (the generation counted from, bytes it may pass,
@@ -84,6 +94,14 @@ class Relay:
         _shut(dst)
 
 
+def _then(pump, args: tuple, ends: threading.Barrier) -> None:
+    pump(*args)
+    try:
+        ends.wait()
+    except threading.BrokenBarrierError:
+        pass
+
+
 def _pump(src: socket.socket, dst: socket.socket) -> None:
     try:
         while data := src.recv(65536):
@@ -98,3 +116,34 @@ def _shut(s: socket.socket) -> None:
         s.shutdown(socket.SHUT_WR)
     except OSError:
         pass
+
+
+def stream_completion(url: str, model: str, max_tokens: int, first_tokens: threading.Event, out: dict) -> None:
+    """A streaming completion through the router at `url`: sets `first_tokens` once 3 tokens came
+    (or it ended), and leaves in `out` the tokens received, whether `[DONE]` came, and any error."""
+    body = {
+        "model": model,
+        "prompt": [5, 6, 7],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    n, done = 0, False
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:  # noqa: S310 - local router
+            for raw in r:
+                line = raw.strip()
+                if line == b"data: [DONE]":
+                    done = True
+                elif line.startswith(b"data:"):
+                    n += sum(len(c.get("token_ids") or ()) for c in json.loads(line[5:])["choices"])
+                    if n >= 3:
+                        first_tokens.set()
+    except OSError as e:
+        out["error"] = repr(e)
+    out.update(tokens=n, done=done)
+    first_tokens.set()

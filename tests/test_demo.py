@@ -254,6 +254,12 @@ def test_the_promise_fails_on_either_half_and_then_shows_the_idle_time_left():
     took = {"dedicated_only": _core(11.0, 9.0, 0.0), "with_leases": _core(0.5, 9.0, 10.5)}
     rep = _promise_report({"dedicated_only": 1.0, "with_leases": 0.98}, [10.0, 40.0], 25.0, took)
     assert "the leases took nearly all the time serving left" in "\n".join(report_files._promise_lines(rep))
+    # no lease ran on the measured device: its halves differ by load alone, so serving's half is untested
+    p = report.promise(rep["measured_device"], {"dedicated_only": 30.0, "ci95_with_leases": [31.0, 40.0]}, 0.0)
+    assert p["measured_slo_with_leases_within_0_01"] is None and p["episodes_ci95_above_leases_off_mean"]
+    assert not p["held"]
+    rows = "\n".join(report_files._promise_lines({"measured_device": rep["measured_device"], "promise": p}))
+    assert "(0.9800 against 1.0000) | untested: no lease ran on it |" in rows
     # the interval with leases reaches down to the leases-off mean: not above it
     p = report.promise(rep["measured_device"], {"dedicated_only": 30.0, "ci95_with_leases": [30.0, 40.0]})
     assert not p["episodes_ci95_above_leases_off_mean"] and not p["held"]
@@ -276,6 +282,7 @@ def test_report_builds_and_prints_from_a_small_run():
     obs.versions = [{"version": 1, "keyframe": True, "bytes_sent": 100, "bytes_full": 100, "reward_mean": None}]
     obs.trainer = {"lr": "0.003", "master_dtype": "float32", "publish_dtype": "bfloat16"}
     obs.coserve = {"requests": json.dumps([[1.0, 10.0, 1.0, 0], [30.0, 20.0, 2.0, 1]]), "slo_ttft_ms": "1000.0"}
+    obs.lease_states = [_ls("real/0", "real/0#1", "active", 29.0), _ls("real/0", "real/0#1", "revoked", 31.0)]
     tl = {
         "t0": 0.0,
         "t_end": 40.0,
@@ -301,9 +308,47 @@ def test_report_builds_and_prints_from_a_small_run():
     assert rep["engine"] == {"name": None, "version": None, "device": None} and rep["rl"]["reward_by_step"] == []
     assert rep["measured_device"]["slo_attainment_by_window"] == {"dedicated_only": 1.0, "with_leases": 1.0}
     assert rep["measured_device"]["core"] is None and rep["promise"]["measured_slo_with_leases_within_0_01"]
+    assert rep["promise"]["measured_device_lease_s"] == 2.0 == rep["leases"]["lease_seconds_by_gpu"]["real/0"]
     assert "## Serving's SLO and the device core, leases off against on" in md
     assert "default interference profile (`p.json`, mechanism separate_process: bench)" in md
     assert "at its recorded rate as one of 4 replicas: 1/4 of its requests)" in md
+
+
+def _steps(rewards):
+    return [{"version": i + 2, "t_s": 10.0 * i, "reward_mean": r, "batch": 16} for i, r in enumerate(rewards)]
+
+
+def test_learning_is_shown_only_by_thirds_whose_intervals_part_from_a_start_in_the_band():
+    rising = report.learning(_steps([0.2, 0.25, 0.2, 0.3, 0.45, 0.5, 0.55, 0.5, 0.6]))
+    assert rising["steps_per_third"] == 3 and rising["step_s"] == 10.0
+    assert rising["first_third"]["mean"] == 0.2167 and rising["last_third"]["mean"] == 0.55
+    assert rising["learned"] and rising["start_in_band"] and rising["held"]
+    # the same rise from a start below the band: learned, but the start leaves groups no variance
+    low = report.learning(_steps([0.0, 0.05, 0.02, 0.3, 0.45, 0.5, 0.55, 0.5, 0.6]))
+    assert low["learned"] and not low["start_in_band"] and not low["held"]
+    # a noisy rise whose intervals overlap is not learning
+    noisy = report.learning(_steps([0.0, 0.5, 0.1, 0.2, 0.3, 0.2, 0.1, 0.6, 0.3]))
+    assert noisy["last_third"]["mean"] > noisy["first_third"]["mean"] and not noisy["learned"]
+    # fewer than two steps a third: no interval, nothing shown
+    few = report.learning(_steps([0.1, 0.2, 0.9, 0.9, 0.9]))
+    assert few["first_third"]["ci95"] is None and not few["held"]
+    lines = "\n".join(report_files._learning_lines(few))
+    assert "5 steps are too few for an interval over a third" in lines and "one every 10.0 s" in lines
+    assert report.learning([])["steps"] == 0 and report_files._learning_lines({"steps": 0}) == [
+        "No training step in the run."
+    ]
+    assert "What holds it back: the intervals overlap" in "\n".join(report_files._learning_lines(noisy))
+    assert "What holds it back" not in "\n".join(report_files._learning_lines(rising))
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=40))
+def test_learning_claims_a_rise_only_where_the_last_third_is_higher(rewards):
+    g = report.learning(_steps(rewards))
+    assert g["steps"] == len(rewards) and g["steps_per_third"] == len(rewards) // 3
+    if g["learned"]:
+        assert g["last_third"]["ci95"][0] > g["first_third"]["ci95"][1]
+        assert g["last_third"]["mean"] > g["first_third"]["mean"]
+    assert g["held"] == (g["learned"] and g["start_in_band"])
 
 
 def test_report_names_the_engine_and_shows_samples_and_reward_by_step():

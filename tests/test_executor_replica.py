@@ -12,7 +12,6 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import orjson
@@ -33,6 +32,7 @@ from rose.rollout.tasks import TaskQueue
 from rose.router.vllm_router import VllmRouterAdapter
 from rose.weights.stream import WeightPublisher
 from tests.examples import command_example
+from tests.relay import stream_completion
 from tests.test_executor import JOB, ExecutorProc, LeaseStates, env_for, wait_until
 from tests.test_router import (  # noqa: F401 - `relays` and `router` are fixtures
     HELD_AFTER_BYTES,
@@ -149,24 +149,6 @@ def test_grant_drains_and_lends_the_replica_and_revoke_brings_it_back(cfg, route
         run.close()
 
 
-def _stream(url: str, model: str, first_tokens: threading.Event, out: dict) -> None:
-    """A long streaming completion through the router; its worker's relay holds it in flight
-    after its first lines (tests/relay.py)."""
-    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:  # noqa: S310 - local router
-            for n, raw in enumerate(r):
-                if n >= 3:
-                    first_tokens.set()
-                out["done"] = raw.strip() == b"data: [DONE]" or out.get("done", False)
-    except OSError as e:
-        out["error"] = repr(e)
-    first_tokens.set()
-
-
 def test_a_replica_that_does_not_drain_in_time_is_readmitted_and_its_grant_rejected(
     cfg,
     router,  # noqa: F811
@@ -181,7 +163,7 @@ def test_a_replica_that_does_not_drain_in_time_is_readmitted_and_its_grant_rejec
     first_tokens, streamed = threading.Event(), {}
     for r in relays.values():
         r.hold_replies_after(HELD_AFTER_BYTES)
-    t = threading.Thread(target=_stream, args=(router.url, vllm_server.model, first_tokens, streamed))
+    t = threading.Thread(target=stream_completion, args=(router.url, vllm_server.model, 1000, first_tokens, streamed))
     t.start()
     try:
         busy = hold_the_stream(relays, first_tokens, adapter.in_flight)

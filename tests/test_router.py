@@ -22,7 +22,7 @@ from rose.router.process import RouterProcess, router_argv, start_router, stop_r
 from rose.router.readiness import ReadinessAdapter
 from rose.router.vllm_router import VllmRouterAdapter
 from rose.stack.ports import free_port
-from tests.relay import Relay
+from tests.relay import Relay, stream_completion
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm_router") is None,
@@ -121,37 +121,13 @@ def test_a_removed_worker_finishes_its_stream_and_gets_no_new_request_until_read
     streamed: dict[str, object] = {}
     first_tokens = threading.Event()
 
-    def stream() -> None:
-        body = {
-            "model": vllm_server.model,
-            "prompt": [5, 6, 7],
-            "max_tokens": MAX_STREAM_TOKENS,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
-        req = urllib.request.Request(
-            router.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        n, done = 0, False
-        try:
-            with urllib.request.urlopen(req, timeout=300) as r:  # noqa: S310 - local router
-                for raw in r:
-                    line = raw.strip()
-                    if line == b"data: [DONE]":
-                        done = True
-                    elif line.startswith(b"data:"):
-                        n += sum(len(c.get("token_ids") or ()) for c in json.loads(line[5:])["choices"])
-                        if n >= 3:
-                            first_tokens.set()
-        except OSError as e:
-            streamed["error"] = repr(e)
-        streamed.update(tokens=n, done=done)
-        first_tokens.set()
-
     for r in relays.values():
         r.hold_replies_after(HELD_AFTER_BYTES)
-    t = threading.Thread(target=stream, daemon=True)
+    t = threading.Thread(
+        target=stream_completion,
+        args=(router.url, vllm_server.model, MAX_STREAM_TOKENS, first_tokens, streamed),
+        daemon=True,
+    )
     t.start()
     gone = hold_the_stream(relays, first_tokens, adapter.in_flight)
     adapter.remove(gone)

@@ -23,13 +23,18 @@ Definitions (also printed in report.md):
 - promise: serving keeps its SLO while leases add rollout. measured_slo_with_leases_within_0_01:
   the measured device's SLO attainment in the leases-on windows is at least its leases-off
   attainment − 0.01; episodes_ci95_above_leases_off_mean: the low end of the 95 % interval of
-  episodes/min with leases is above the leases-off mean; held: both.
+  episodes/min with leases is above the leases-off mean; held: both. Where no lease ran on the
+  measured device (measured_device_lease_s 0), serving's half is untested: null, not held.
 - revoke_latency_ms: revoke command (its Kafka record timestamp, stamped when the scheduler
   produced it inside its transaction) → lease state `revoked` (its record timestamp: the worker
   has exited and its memory is back). `to_revoking_ms`: → `revoking`, published as the executor
   raises the worker's pause flag.
+- learning: whether the model learned within the run: the mean of the training steps' batch
+  rewards over the last third of the steps against the first third, each with its 95 % Student
+  t interval over those steps. learned: the last third's interval lies above the first's;
+  start_in_band: the first third's mean is within START_BAND (0.1-0.7); held: both.
 - weight_bytes_ratio: payload bytes sent on the weight stream / bytes of a full broadcast of
-  every published version (the first version is a full keyframe), for the toy task at the
+  every published version (the first version is a full keyframe), for the run's task at the
   trainer's learning rate (trainer_lr).
 """
 
@@ -47,6 +52,9 @@ from rose.obs.stats import mean_ci95, percentile
 # the two kinds of window, by the key the report gives each (the window's `leases` flag)
 WINDOW_KINDS = (("dedicated_only", False), ("with_leases", True))
 SLO_TOLERANCE = 0.01  # the promise: serving's attainment with leases at most this below leases off
+# a starting mean reward inside this band leaves groups whose rewards differ, so GRPO's
+# group-normalised advantages have a signal (docs/demo.md "Task")
+START_BAND = (0.1, 0.7)
 
 
 def leased_at(intervals: list[tuple[float, float]], t: float) -> bool:
@@ -247,22 +255,26 @@ def measured_device(obs: Observed, t0: float, t_end: float, gpu: str, slo: dict,
     }
 
 
-def promise(md: dict, episodes: dict) -> dict:
+def promise(md: dict, episodes: dict, device_lease_s: float | None = None) -> dict:
     """Whether the run kept the promise (the module docstring): the measured device's SLO
     attainment with leases against leases off (`md`, from `measured_device`), and episodes/min
     with leases against leases off (`episodes`: the report's `episodes_per_min`); with the
     figures compared and, from its core, the idle time of the leases-on windows beside what the
-    leased workers took of it."""
+    leased workers took of it. Where no lease ran on the measured device (`device_lease_s` 0),
+    its two halves differ by load alone, so serving's half is untested (None), not held."""
     by = md.get("slo_attainment_by_window") or {}
     on, off = by.get("with_leases"), by.get("dedicated_only")
     slo_kept = on is not None and off is not None and round(off - on, 6) <= SLO_TOLERANCE
+    if device_lease_s == 0:
+        slo_kept = None
     ci, off_mean = episodes.get("ci95_with_leases"), episodes.get("dedicated_only")
     more = ci is not None and off_mean is not None and ci[0] > off_mean
     core = (md.get("core") or {}).get("with_leases") or {}
     return {
         "measured_slo_with_leases_within_0_01": slo_kept,
         "episodes_ci95_above_leases_off_mean": more,
-        "held": slo_kept and more,
+        "held": bool(slo_kept and more),
+        "measured_device_lease_s": device_lease_s,
         "measured_slo_with_leases": on,
         "measured_slo_leases_off": off,
         "episodes_ci95_with_leases": ci,
@@ -271,6 +283,32 @@ def promise(md: dict, episodes: dict) -> dict:
         "core_rollout_s_with_leases": core.get("rollout_s"),
         "core_counted_s_with_leases": core.get("counted_s"),
     }
+
+
+def learning(steps: list[dict]) -> dict:
+    """Whether the model learned within the run (the module docstring): the thirds of the
+    training steps' batch rewards (`rl`'s reward_by_step, in step order) with their intervals,
+    and the seconds between steps, which bound how many steps a run of this length holds."""
+    r = [x["reward_mean"] for x in steps]
+    k = len(r) // 3
+    (m1, ci1), (m3, ci3) = (mean_ci95(r[:k]), mean_ci95(r[-k:])) if k else ((None, None), (None, None))
+    learned = ci1 is not None and ci3 is not None and ci3[0] > ci1[1]
+    in_band = m1 is not None and START_BAND[0] <= m1 <= START_BAND[1]
+    ts = [x["t_s"] for x in steps]
+    return {
+        "steps": len(r),
+        "steps_per_third": k,
+        "first_third": {"mean": _r(m1, 4), "ci95": _ci(ci1)},
+        "last_third": {"mean": _r(m3, 4), "ci95": _ci(ci3)},
+        "step_s": round((ts[-1] - ts[0]) / (len(ts) - 1), 1) if len(ts) > 1 else None,
+        "start_in_band": in_band,
+        "learned": learned,
+        "held": learned and in_band,
+    }
+
+
+def _ci(ci: list[float] | None) -> list[float] | None:
+    return None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
 
 
 def _count(items) -> dict:
@@ -368,6 +406,8 @@ def build(obs: Observed, timeline: dict, meta: dict) -> dict:
     w = weights(obs)
     closed = [x for x in timeline.get("windows", []) if x.get("end") is not None]
     md = measured_device(obs, t0, t_end, meta.get("real_gpu", "real/0"), slo, closed)
+    task = rl(obs, t0)
+    ls = leases(obs, intervals)
     episodes = {
         "dedicated_only": tp["dedicated_only"],
         "with_leases": tp["with_leases"],
@@ -381,15 +421,16 @@ def build(obs: Observed, timeline: dict, meta: dict) -> dict:
         "weight_bytes_ratio": w["weight_bytes_ratio"],
         "trainer_lr": w["trainer_lr"],
         "measured_device": md,
-        "promise": promise(md, episodes),
+        "promise": promise(md, episodes, ls["lease_seconds_by_gpu"].get(md["gpu"], 0.0)),
         "engine": engine(obs, meta),
         "model": (meta.get("rollout") or {}).get("model") or "reference (toy byte-level policy)",
-        "rl": rl(obs, t0),
+        "rl": task,
+        "learning": learning(task["reward_by_step"]),
         "slo": slo,
         "throughput": tp,
         "revoke": rv,
         "weights": w,
-        "leases": leases(obs, intervals),
+        "leases": ls,
         "coserve": {k: v for k, v in obs.coserve.items() if k not in ("summary", "requests")},
         "timeline": {
             **timeline,

@@ -4,7 +4,6 @@ definitions the report's docstring gives), report.json and the PNG plots (rose.d
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from rose.demo import plots, report
@@ -62,8 +61,12 @@ def _summary_lines(rep: dict) -> list[str]:
         f"{tl['measured_s']:.0f} s in {len(wins)} alternating windows of {length:.1f} s, leases off first "
         f"({off['windows']} off, {on['windows']} on). "
         f"Trace `{rep['trace']}` at {rep['speed']}× speed, {rep['gpus']} trace-driven GPUs + `{rep['real_gpu']}` "
-        f"(measured, device `{rep['real_device']}`, serving the trace at its recorded rate"
-        f"{_replica_share(rep.get('real_replicas', 1))}).",
+        f"(measured, device `{rep['real_device']}`, "
+        + (
+            "serving the trace thinned to its measured capacity: below)."
+            if (rep.get("measured_device") or {}).get("serving_load")
+            else f"serving the trace at its recorded rate{_replica_share(rep.get('real_replicas', 1))})."
+        ),
         "",
         "| figure | value |",
         "|---|---|",
@@ -91,11 +94,11 @@ def _summary_lines(rep: dict) -> list[str]:
         f"{_f(rv['telemetry_to_revoke_command_ms']['p99'], ' ms', 0)} |",
         f"| policy versions published / newest seen in trajectories | {w['versions_published']} / "
         f"{w['max_version_in_trajectories']} |",
-        f"| weight bytes sent / full broadcast, toy task (trainer lr {lr}) | {_f(w['weight_bytes_ratio'], '', 3)} "
+        f"| weight bytes sent / full broadcast, this run's task (trainer lr {lr}) | {_f(w['weight_bytes_ratio'], '', 3)} "
         f"(deltas only: {_f(w['delta_bytes_ratio'], '', 3)}) |",
         f"| mean reward first → last version | {_f(w['reward_first'], '', 3)} → {_f(w['reward_last'], '', 3)} |",
         "",
-        f"The weight-bytes ratio is the toy task's, at its learning rate ({lr}, Adam, {w.get('master_dtype')} master "
+        f"The weight-bytes ratio is this run's task's, at the trainer's learning rate ({lr}, Adam, {w.get('master_dtype')} master "
         f"weights published as {w.get('publish_dtype')}); each step changed {_f(w['changed_fraction_per_step'], '', 3)} "
         "of the published elements on average. `rose bench weights` measures the ratio at learning rates of "
         "large-model RL fine-tuning.",
@@ -205,8 +208,7 @@ def _method_lines(rep: dict) -> list[str]:
         "driven by the trace, slowed under a running lease by the simulator's default interference profile "
         f"(`{inter.get('profile', 'n/a')}`, mechanism {inter.get('mechanism', 'n/a')}: {inter.get('source', 'n/a')}); "
         f"their lease decisions, commands, workers and trajectories are real. {_measured_text(rep['real_gpu'], md)}",
-        "- The toy RL task: reward = fraction of action tokens that are lowercase ASCII letters; REINFORCE "
-        "with a batch-mean baseline (rose.demo.trainer).",
+        _task_line(rep),
         "- All processes share this machine's CPUs, so the trace-driven GPUs' rollout workers also compete "
         f"with `{rep['real_gpu']}` and the dedicated worker for CPU: interference figures are an upper bound of a "
         "real node's, and the leased workers' gain is net of what they take from the dedicated one.",
@@ -214,6 +216,19 @@ def _method_lines(rep: dict) -> list[str]:
         f"Process logs: `logs/` beside this file. Problems seen: {', '.join(rep['problems']) or 'none'}.",
     ]
     return lines
+
+
+def _task_line(rep: dict) -> str:
+    rl = rep.get("rl") or {}
+    if (rep.get("engine") or {}).get("name", "reference") == "reference" or not rl.get("group"):
+        return (
+            "- The toy RL task: reward = fraction of action tokens that are lowercase ASCII letters; REINFORCE "
+            "with a batch-mean baseline (rose.demo.trainer)."
+        )
+    return (
+        f"- The RL task: {rl['task']}. GRPO's shape: advantages normalised within each group of "
+        f"{rl['group']:g} samples of one prompt (rose.demo.hf_trainer)."
+    )
 
 
 def _replica_share(n: int) -> str:
@@ -260,12 +275,19 @@ def _promise_lines(rep: dict) -> list[str]:
         "|---|---|",
         f"| `{gpu}` SLO attainment with leases ≥ leases off − {report.SLO_TOLERANCE} "
         f"({_f(p.get('measured_slo_with_leases'), '', 4)} against {_f(p.get('measured_slo_leases_off'), '', 4)}) "
-        f"| {_yes(p.get('measured_slo_with_leases_within_0_01'))} |",
+        f"| {_yes(p.get('measured_slo_with_leases_within_0_01')) if p.get('measured_device_lease_s') != 0 else 'untested: no lease ran on it'} |",
         f"| episodes/min with leases: 95 % CI low end above the leases-off mean "
         f"({_ci(p.get('episodes_ci95_with_leases'))} against {_f(p.get('episodes_leases_off_mean'), '', 1)}) "
         f"| {_yes(p.get('episodes_ci95_above_leases_off_mean'))} |",
         f"| both | {_yes(p.get('held'))} |",
     ]
+    g = rep.get("learning") or {}
+    if g.get("steps"):
+        lines.append(
+            f"| model learned: last third's mean reward above the first's, 95 % intervals apart "
+            f"({_ci(g['last_third']['ci95'], 3)} against {_ci(g['first_third']['ci95'], 3)}), from a start in "
+            f"{report.START_BAND[0]}–{report.START_BAND[1]} | {_yes(g.get('held'))} |",
+        )
     if p and not p.get("held"):
         lines += ["", _not_held(p)]
     return lines
@@ -305,17 +327,7 @@ def _rl_lines(rep: dict) -> list[str]:
             f"Trained: {tr.get('layers')} ({tr.get('parameters')} of {tr.get('of')} parameters; the rest frozen), "
             f"group of {int(r.get('group') or 0)} samples per prompt."
         )
-    steps = r.get("reward_by_step") or []
-    if steps:
-        k = max(1, len(steps) // 4)
-        quarters = [steps[i : i + k] for i in range(0, len(steps), k)]
-        means = [
-            f"{q[0]['t_s']:.0f}–{q[-1]['t_s']:.0f} s: {statistics.fmean(x['reward_mean'] for x in q):.3f}"
-            for q in quarters
-        ]
-        lines.append(
-            f"Mean reward of the trained batches ({len(steps)} steps), by part of the run: {'; '.join(means)}."
-        )
+    lines += _learning_lines(rep.get("learning") or {})
     samples = r.get("samples") or []
     if samples:
         lines += ["", "| question | answer (decoded) | reward | policy version | GPU |", "|---|---|---|---|---|"]
@@ -323,6 +335,29 @@ def _rl_lines(rep: dict) -> list[str]:
             ans = str(x.get("answer", "")).replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {x.get('question')} | `{ans}` | {x.get('reward')} | {x.get('version')} | {x.get('gpu')} |")
     return lines
+
+
+def _learning_lines(g: dict) -> list[str]:
+    """The model-learned line of the promise: the first and last thirds of the training steps."""
+    if not g.get("steps"):
+        return ["No training step in the run."]
+    first, last, k = g["first_third"], g["last_third"], g["steps_per_third"]
+    lo, hi = report.START_BAND
+    line = (
+        f"Learning over {g['steps']} training steps (one every {_f(g['step_s'], ' s', 1)}): mean batch reward "
+        f"{_f(first['mean'], '', 3)} {_ci(first['ci95'], 3)} over the first third, {_f(last['mean'], '', 3)} "
+        f"{_ci(last['ci95'], 3)} over the last ({k} steps each, 95 % intervals). Learned (the last third's interval "
+        f"above the first's, from a start within {lo}–{hi}): {_yes(g['held'])}."
+    )
+    if g["held"]:
+        return [line]
+    if k < 2:
+        why = f"{g['steps']} steps are too few for an interval over a third"
+    elif not g["learned"]:
+        why = f"the intervals overlap, {k} steps a third at one step every {_f(g['step_s'], ' s', 1)}"
+    else:
+        why = f"the start {_f(first['mean'], '', 3)} is outside {lo}–{hi}"
+    return [f'{line} What holds it back: {why} (docs/demo.md, "What holds learning back").']
 
 
 def write(directory: str | Path, rep: dict, obs: Observed) -> list[Path]:
