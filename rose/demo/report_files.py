@@ -346,7 +346,7 @@ def _learning_lines(g: dict) -> list[str]:
     line = (
         f"Learning over {g['steps']} training steps (one every {_f(g['step_s'], ' s', 1)}): mean batch reward "
         f"{_f(first['mean'], '', 3)} {_ci(first['ci95'], 3)} over the first third, {_f(last['mean'], '', 3)} "
-        f"{_ci(last['ci95'], 3)} over the last ({k} steps each, 95 % intervals). Learned (the last third's interval "
+        f"{_ci(last['ci95'], 3)} over the last ({k} step{'' if k == 1 else 's'} each, 95 % intervals). Learned (the last third's interval "
         f"above the first's, from a start within {lo}–{hi}): {_yes(g['held'])}."
     )
     if g["held"]:
