@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 from hypothesis import given
@@ -584,7 +585,12 @@ def test_demo_end_to_end(stack, base_cfg, tmp_path):
         redis=dataclasses.replace(base_cfg.redis, url=stack.redis_url),
     )
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    cpus = os.sched_getaffinity(0)
     rep = run_demo(cfg, DemoOptions(duration_s=80, report_dir=str(tmp_path), live=False), echo=lambda s: None)
+    # the run keeps itself off the device's core while it runs, and gives this process its CPUs back
+    assert os.sched_getaffinity(0) == cpus and all(
+        os.sched_getaffinity(int(t)) == cpus for t in os.listdir("/proc/self/task")
+    )
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["serving_slo_attainment"] == rep["serving_slo_attainment"]
     assert 0.0 <= rep["serving_slo_attainment"] <= 1.0

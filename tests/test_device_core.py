@@ -69,3 +69,35 @@ def test_cpu_0_counts_the_time_of_a_busy_loop_run_there():
     # the core was counted for about the loop's 0.3 s (ticks of 1/USER_HZ), and busy for some of it
     assert 0.15 <= s["counted_s"] <= 0.6
     assert s["serving_s"] + s["rollout_s"] > 0
+
+
+def test_pin_process_moves_every_thread_of_a_process_and_its_later_threads_and_back():
+    """sched_setaffinity acts on one thread: a process with a thread running already has each of
+    its threads moved, and a thread it starts afterwards inherits the CPUs."""
+    import subprocess
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))  # the child starts on all of them
+    code = (
+        "import threading, time, sys\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('up', flush=True); sys.stdin.readline()\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('again', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert device_core.pin_process({cpus[0]}, child.pid) == set(cpus)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "again"
+        tasks = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tasks) >= 3, tasks  # the main thread, the first and the later one
+        for tid in tasks:
+            assert os.sched_getaffinity(int(tid)) == {cpus[0]}, tid
+        device_core.pin_process(set(cpus), child.pid)  # and back, every thread
+        assert all(os.sched_getaffinity(int(t)) == set(cpus) for t in os.listdir(f"/proc/{child.pid}/task"))
+    finally:
+        child.kill()
+        child.wait(10)

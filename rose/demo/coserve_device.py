@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from rose.demo.device_core import pin_process
 from rose.demo.spec_process import JsonSpec
 from rose.node import prometheus
 from rose.obs.logs import get_logger
@@ -54,6 +55,9 @@ class CoserveSpec(JsonSpec):
     max_model_len: int = 1024
     startup_timeout_s: float = 300.0  # until /health answers
     request_timeout_s: float = 120.0
+    # server "vllm": once the server runs, this process (the load generator, the telemetry) moves
+    # to these CPUs, off the device's core ((): it stays where it was started)
+    client_cpus: tuple[int, ...] = ()
     clients: int = 64  # concurrent client connections; more requests wait on this side
     server_log: str = ""  # the directory of the server's log, coserve-vllm.log ("" = a new temporary one)
     # server "vllm": > 0 measures the replica's capacity at start and replays the trace so its peak
@@ -281,6 +285,8 @@ class VllmServerDevice:
                 python=spec.vllm_python,
                 timeout_s=spec.startup_timeout_s,
             )
+        if spec.client_cpus:  # the server keeps the device's core; its clients run on the host's
+            pin_process(set(spec.client_cpus))
         for i in range(2):  # first-request costs stay out of the measured windows
             list(self._stream([1 + i] * 16, 2))
         self.cpu0 = self._cpu()

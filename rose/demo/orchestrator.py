@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rose.config import Config
+from rose.demo import device_core
 from rose.demo.observed import Collector, read_final
 from rose.demo.phases import DemoPhases
 from rose.demo.processes import Processes
@@ -62,6 +63,9 @@ class Demo(DemoPhases):
 
         if os.path.isdir(self.report_dir / "logs"):
             shutil.rmtree(self.report_dir / "logs")
+        # the run's own collector and view stay off the device's core (pinned back at the end:
+        # the caller may be a longer-lived process)
+        pinned_from = device_core.pin_process(self.host_cpus) if self.host_cpus else None
         procs = Processes(self.report_dir / "logs", self._env())
         collector = None
         interrupted = False
@@ -91,6 +95,8 @@ class Demo(DemoPhases):
         finally:
             self._stop(procs, collector)
             self._cleanup()
+            if pinned_from:
+                device_core.pin_process(pinned_from)
 
     # ---- the end -----------------------------------------------------------------------------
     def _report(self, interrupted: bool, procs: Processes, collector) -> dict:

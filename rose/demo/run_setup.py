@@ -261,6 +261,7 @@ class DemoSetup:
             "replay_s": 0.0,
             "measure_when_key": MEASURE_KEY,
             "model": self.cfg.rollout.model,
+            "client_cpus": tuple(sorted(self.host_cpus or ())),
             "max_model_len": o.max_model_len,
             "startup_timeout_s": o.startup_timeout_s,
             "server_log": str((self.report_dir / "logs").resolve()),
